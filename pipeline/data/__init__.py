@@ -1,0 +1,1 @@
+"""Data stages: sources (Hub or local mirror) → normalise → sample → validate (GX) → build RL/eval sets."""

@@ -1,0 +1,440 @@
+"""`EnvironmentClient`: the one async client the pipeline uses to talk to the environment (the large LLM).
+
+It speaks the OpenAI chat-completions API, so the same code drives llama.cpp's server on a laptop, a vLLM
+server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisions:
+
+- **Our retry policy, not the SDK's.** `AsyncOpenAI(max_retries=0)`; `reply()` retries 429 (honouring
+  `Retry-After`), 408/409/5xx, connection errors, timeouts and unparseable bodies with exponential backoff
+  (equal jitter, capped), so retries are counted in `UsageStats` and tested against a fault-injecting server.
+- **Never raise on model/HTTP failure.** After the last retry, or on a non-retryable 4xx, or on an empty
+  reply, `reply()` returns an `EnvironmentReply` with `error` set and a short note as `text`: a trajectory
+  always finishes and the failure is counted. Only problems no retry can fix are raised: `BudgetExceeded`
+  (the price table says the budget is spent) and `EnvironmentUnavailable` (API key variable unset for the
+  paid backend; the endpoint rejects the key with 401/403).
+- **Per-call timeout** is enforced twice: the SDK's httpx timeout and an overall `asyncio.timeout`, so a
+  server that trickles bytes cannot stall a rollout.
+- **Concurrency** is bounded by a semaphore (`environment.concurrency`); a rollout can fire every active
+  trajectory's request at once and the client keeps the endpoint's load bounded.
+- **Persistent response cache** (SQLite, WAL, one table) keyed by sha256 of (model ref, served name,
+  messages including the system message, sampling parameters). Used only when `temperature == 0` and
+  `environment.cache` is on: a repeated evaluation costs 0 calls. Identical requests that are in flight at
+  the same moment are coalesced (one request, the others wait for it), which is common in GRPO groups.
+  Error replies are never cached.
+- **Event loops.** The sync wrappers of the rollout call `asyncio.run` once per step, so the same client
+  meets several event loops. The SDK client (its httpx pool), the semaphore and the in-flight table are
+  bound to a loop, so they are rebuilt when the running loop changes; usage and the cache persist.
+- **Budget.** Cost is computed from the price table in params (USD per million prompt/completion tokens).
+  Once the running cost reaches `budget_usd`, the next call raises `BudgetExceeded` before sending
+  anything, so the run stops cleanly with a clear message; calls already in flight still complete.
+- **Tracing** (optional, off by default): with `trace=True` and MLflow installed, each request is recorded
+  as an MLflow span (messages in, text and token counts out; never headers or keys).
+- The API key is read from the variable *named* by `environment.api_key_env`; its value is never logged or
+  put into an error message. Local servers accept any key, so a placeholder is sent when it is unset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import hashlib
+import json
+import logging
+import os
+import random
+import sqlite3
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import openai
+from openai import AsyncOpenAI
+
+from pipeline.errors import BudgetExceeded, EnvironmentUnavailable
+from pipeline.types import EnvironmentReply, UsageStats
+
+if TYPE_CHECKING:
+    from pipeline.config import EnvironmentConfig, Params
+
+logger = logging.getLogger(__name__)
+
+CACHE_FILE = "environment_cache.sqlite"
+LOCAL_PLACEHOLDER_KEY = "sk-local-no-key"
+"""Sent to local servers (llama.cpp, vLLM) when no key variable is set: they do not check it."""
+MAX_BACKOFF_S = 30.0
+MAX_RETRY_AFTER_S = 120.0
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
+"""Besides every 5xx: request timeout, conflict, too early, rate limit."""
+
+
+def resolve_api_key(cfg: EnvironmentConfig) -> str:
+    """The API key from the variable named in params; a placeholder for local servers.
+
+    Raises EnvironmentUnavailable for the paid backend when the variable is unset or empty; the message
+    names the variable, never a value.
+    """
+    key = os.environ.get(cfg.api_key_env, "")
+    if key:
+        return key
+    if cfg.backend == "api":
+        raise EnvironmentUnavailable(
+            f"environment backend 'api' ({cfg.url}) needs an API key in the environment variable "
+            f"{cfg.api_key_env}, which is unset or empty: export {cfg.api_key_env}=... and retry"
+        )
+    return LOCAL_PLACEHOLDER_KEY
+
+
+@dataclass(frozen=True)
+class CachedResponse:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ResponseCache:
+    """A persistent key → response table in SQLite, safe for concurrent asyncio tasks and processes.
+
+    Reads and writes are single-row statements on a local file (microseconds), so they run inline on the
+    event loop under a thread lock; WAL mode and a busy timeout let several processes share the file.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute(
+            "CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, model TEXT NOT NULL, text TEXT NOT NULL,"
+            " prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, created REAL NOT NULL)"
+        )
+
+    @staticmethod
+    def key(model: str, messages: list[dict[str, str]], sampling: dict[str, Any]) -> str:
+        payload = json.dumps({"model": model, "messages": messages, "sampling": sampling},
+                             sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+    def get(self, key: str) -> CachedResponse | None:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT text, prompt_tokens, completion_tokens FROM responses WHERE key = ?", (key,)
+            ).fetchone()
+        return CachedResponse(*row) if row else None
+
+    def put(self, key: str, model: str, response: CachedResponse) -> None:
+        with self._lock:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                (key, model, response.text, response.prompt_tokens, response.completion_tokens, time.time()),
+            )
+
+    def __len__(self) -> int:
+        with self._lock:
+            return int(self._conn.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+class _Malformed(Exception):
+    """The endpoint answered 200 with a body that is not a chat completion."""
+
+
+@dataclass
+class _LoopState:
+    """Everything bound to one asyncio event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    sdk: AsyncOpenAI
+    semaphore: asyncio.Semaphore
+    in_flight: dict[str, asyncio.Future[EnvironmentReply]]
+
+
+class EnvironmentClient:
+    """Async OpenAI-compatible chat client for the environment, with retries, cache, usage and budget."""
+
+    def __init__(self, cfg: EnvironmentConfig, cache_path: Path | None = None, *, trace: bool = False) -> None:
+        self.cfg = cfg
+        self.model = cfg.served_name
+        self._api_key = resolve_api_key(cfg)
+        self.usage = UsageStats()
+        self.spent_usd = 0.0
+        """Cost of every call this client made; unlike `usage` it is never reset (the budget reads it)."""
+        self.cache = ResponseCache(cache_path) if (cache_path is not None and cfg.cache) else None
+        self.trace = trace
+        self._state: _LoopState | None = None
+        self._stale_sdks: list[AsyncOpenAI] = []
+
+    @classmethod
+    def from_params(cls, params: Params, *, trace: bool = False) -> EnvironmentClient:
+        """The client the params describe, caching to `<paths.cache_dir>/environment_cache.sqlite`."""
+        cache_path = params.path(params.paths.cache_dir) / CACHE_FILE
+        return cls(params.environment, cache_path if params.environment.cache else None, trace=trace)
+
+    # -- public API -------------------------------------------------------------------------------------
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters sent with every request (and part of the cache key)."""
+        return {"temperature": self.cfg.temperature, "max_tokens": self.cfg.max_tokens}
+
+    @property
+    def caching(self) -> bool:
+        return self.cache is not None and self.cfg.temperature == 0
+
+    def messages(self, history: list[dict[str, str]], prompt: str) -> list[dict[str, str]]:
+        """The request: the method's system message, the environment's own history, then the new prompt."""
+        return [
+            {"role": "system", "content": self.cfg.system_prompt},
+            *({"role": m["role"], "content": m["content"]} for m in history),
+            {"role": "user", "content": prompt},
+        ]
+
+    async def reply(self, history: list[dict[str, str]], prompt: str) -> EnvironmentReply:
+        """Ask the environment; `history` is its earlier user/assistant messages (no system message).
+
+        Never raises on model or HTTP failure (see the module docstring); raises BudgetExceeded once the
+        budget is spent and EnvironmentUnavailable when the endpoint rejects the key.
+        """
+        self._check_budget()
+        state = self._loop_state()
+        messages = self.messages(history, prompt)
+        key = None
+        if self.caching:
+            key = ResponseCache.key(f"{self.cfg.model}|{self.model}", messages, self.sampling)
+            cached = await self._from_cache_or_in_flight(state, key)
+            if cached is not None:
+                self.usage.add(cached)
+                return cached
+        future: asyncio.Future[EnvironmentReply] | None = None
+        if key is not None:
+            future = state.loop.create_future()
+            state.in_flight[key] = future
+        try:
+            async with state.semaphore:
+                self._check_budget()
+                result = await self._request_with_retries(state.sdk, messages)
+        except BaseException:
+            if future is not None:
+                # Waiters see an error reply and send their own request (or hit the same exception).
+                state.in_flight.pop(key, None)
+                future.set_result(EnvironmentReply(text="", error="coalesced request did not complete"))
+            raise
+        if key is not None and future is not None:
+            if result.error is None:
+                self.cache.put(key, self.model, CachedResponse(result.text, result.prompt_tokens,
+                                                               result.completion_tokens))
+            state.in_flight.pop(key, None)
+            future.set_result(result)
+        self.usage.add(result)
+        self.spent_usd += result.cost_usd
+        return result
+
+    def take_usage(self) -> UsageStats:
+        """Return the usage so far and start a fresh tally (per training step, per evaluation set).
+
+        The budget keeps counting across tallies (`spent_usd`).
+        """
+        usage, self.usage = self.usage, UsageStats()
+        return usage
+
+    async def answer_directly(self, question: str) -> EnvironmentReply:
+        """The environment alone answers a question (the env-only baseline): empty history."""
+        return await self.reply([], question)
+
+    async def aclose(self) -> None:
+        """Close the HTTP pool(s) and the cache file."""
+        sdks = [*self._stale_sdks, *([self._state.sdk] if self._state else [])]
+        self._state, self._stale_sdks = None, []
+        for sdk in sdks:
+            try:
+                await sdk.close()
+            except RuntimeError:  # its event loop is already closed
+                pass
+        self.close_cache()
+
+    def close_cache(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
+    # -- internals --------------------------------------------------------------------------------------
+
+    def _check_budget(self) -> None:
+        budget = self.cfg.budget_usd
+        if budget is not None and self.spent_usd >= budget:
+            raise BudgetExceeded(
+                f"environment budget spent: ${self.spent_usd:.4f} of environment.budget_usd=${budget:.4f} "
+                f"at {self.cfg.url}; the run stopped cleanly (raise the budget to continue)"
+            )
+
+    def _loop_state(self) -> _LoopState:
+        loop = asyncio.get_running_loop()
+        if self._state is None or self._state.loop is not loop:
+            if self._state is not None:
+                self._stale_sdks.append(self._state.sdk)
+            sdk = AsyncOpenAI(base_url=self.cfg.url, api_key=self._api_key, max_retries=0,
+                              timeout=self.cfg.timeout_s)
+            self._state = _LoopState(loop, sdk, asyncio.Semaphore(self.cfg.concurrency), {})
+        return self._state
+
+    async def _from_cache_or_in_flight(self, state: _LoopState, key: str) -> EnvironmentReply | None:
+        hit = self.cache.get(key) if self.cache is not None else None
+        if hit is None and key in state.in_flight:
+            leader = await asyncio.shield(state.in_flight[key])
+            if leader.error is None:
+                hit = CachedResponse(leader.text, leader.prompt_tokens, leader.completion_tokens)
+        if hit is None:
+            return None
+        return EnvironmentReply(text=hit.text, prompt_tokens=hit.prompt_tokens,
+                                completion_tokens=hit.completion_tokens, cached=True)
+
+    def _cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (prompt_tokens * self.cfg.price_per_million_prompt
+                + completion_tokens * self.cfg.price_per_million_completion) / 1e6
+
+    def _backoff(self, attempt: int) -> float:
+        full = min(MAX_BACKOFF_S, self.cfg.backoff_base_s * (2**attempt))
+        return full * random.uniform(0.5, 1.0)
+
+    async def _request_with_retries(self, sdk: AsyncOpenAI, messages: list[dict[str, str]]) -> EnvironmentReply:
+        start = time.perf_counter()
+        retries = 0
+        error = "no attempt made"
+        for attempt in range(self.cfg.max_retries + 1):
+            delay: float | None = None
+            try:
+                text, prompt_tokens, completion_tokens = await self._request_once(sdk, messages)
+            except openai.APIStatusError as exc:
+                status = exc.status_code
+                error = f"HTTP {status}: {_short(exc.message)}"
+                if status in (401, 403):
+                    raise EnvironmentUnavailable(
+                        f"environment endpoint {self.cfg.url} rejected the API key from ${self.cfg.api_key_env} "
+                        f"(HTTP {status})"
+                    ) from None
+                if status not in RETRYABLE_STATUS and status < 500:
+                    return self._failed(error, start, retries)
+                delay = _retry_after(exc.response)
+            except (openai.APITimeoutError, TimeoutError):
+                error = f"timeout after {self.cfg.timeout_s:g}s"
+            except openai.APIConnectionError as exc:
+                error = f"connection error: {_short(str(exc.__cause__ or exc))}"
+            except (_Malformed, ValueError, openai.APIResponseValidationError) as exc:
+                error = f"malformed response: {_short(str(exc))}"
+            else:
+                if not text.strip():
+                    return self._failed("empty reply", start, retries, prompt_tokens, completion_tokens)
+                return EnvironmentReply(
+                    text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    latency_s=time.perf_counter() - start, retries=retries,
+                    cost_usd=self._cost(prompt_tokens, completion_tokens),
+                )
+            if attempt == self.cfg.max_retries:
+                break
+            retries += 1
+            wait = min(delay, MAX_RETRY_AFTER_S) if delay is not None else self._backoff(attempt)
+            logger.debug("environment call failed (%s); retry %d in %.2fs", error, retries, wait)
+            await asyncio.sleep(wait)
+        logger.warning("environment call failed after %d retries: %s", retries, error)
+        return self._failed(error, start, retries)
+
+    async def _request_once(self, sdk: AsyncOpenAI, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+        span_cm = self._span(messages) if self.trace else nullcontext(None)
+        with span_cm as span:
+            async with asyncio.timeout(self.cfg.timeout_s):
+                response = await sdk.chat.completions.create(
+                    model=self.model, messages=messages, timeout=self.cfg.timeout_s, **self.sampling
+                )
+            text, prompt_tokens, completion_tokens = _parse_completion(response)
+            if span is not None:
+                span.set_outputs({"text": text, "prompt_tokens": prompt_tokens,
+                                  "completion_tokens": completion_tokens})
+        return text, prompt_tokens, completion_tokens
+
+    def _span(self, messages: list[dict[str, str]]):
+        try:
+            import mlflow
+        except ImportError:
+            return nullcontext(None)
+        span = mlflow.start_span(name="environment.reply", span_type="CHAT_MODEL")
+        return _SpanInputs(span, {"model": self.model, "messages": messages, **self.sampling})
+
+    def _failed(self, error: str, start: float, retries: int, prompt_tokens: int = 0,
+                completion_tokens: int = 0) -> EnvironmentReply:
+        return EnvironmentReply(
+            text=f"[environment error: {error}]", prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens, latency_s=time.perf_counter() - start, retries=retries,
+            error=error, cost_usd=self._cost(prompt_tokens, completion_tokens),
+        )
+
+
+class _SpanInputs:
+    """Enter an MLflow span context and record the request as its inputs."""
+
+    def __init__(self, span_cm: Any, inputs: dict[str, Any]) -> None:
+        self._cm, self._inputs = span_cm, inputs
+
+    def __enter__(self) -> Any:
+        span = self._cm.__enter__()
+        span.set_inputs(self._inputs)
+        return span
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._cm.__exit__(*exc)
+
+
+def _parse_completion(response: Any) -> tuple[str, int, int]:
+    """(text, prompt tokens, completion tokens) of a chat completion; _Malformed when it is not one.
+
+    The SDK returns the raw body as a string when the server's content type is not JSON, and builds the
+    model without validation, so every field is checked here.
+    """
+    if isinstance(response, str | bytes) or not hasattr(response, "choices"):
+        raise _Malformed(f"not a chat completion: {_short(str(response))}")
+    choices = response.choices
+    if not choices:
+        raise _Malformed("no choices in the completion")
+    message = getattr(choices[0], "message", None)
+    content = getattr(message, "content", None) if message is not None else None
+    if content is not None and not isinstance(content, str):
+        raise _Malformed(f"message content is {type(content).__name__}, not text")
+    usage = getattr(response, "usage", None)
+    prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0) if usage is not None else 0
+    completion_tokens = int(getattr(usage, "completion_tokens", 0) or 0) if usage is not None else 0
+    return content or "", prompt_tokens, completion_tokens
+
+
+def _retry_after(response: Any) -> float | None:
+    """Seconds from a `Retry-After` (or `retry-after-ms`) header: delta-seconds or an HTTP date."""
+    headers = getattr(response, "headers", None) or {}
+    if ms := headers.get("retry-after-ms"):
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+__all__ = ["CACHE_FILE", "EnvironmentClient", "ResponseCache", "resolve_api_key"]

@@ -1,0 +1,17 @@
+"""Errors a user can fix. The CLI prints them as one line (no traceback) and exits 1."""
+
+
+class UserError(Exception):
+    """Base class: bad input data, an unreachable source, a missing API key variable, a spent budget."""
+
+
+class DataError(UserError):
+    """A source or data file is unreadable, has wrong columns, or fails validation (names file/row/field)."""
+
+
+class EnvironmentUnavailable(UserError):
+    """The environment (large LLM) endpoint cannot be started, reached, or paid for."""
+
+
+class BudgetExceeded(UserError):
+    """The configured environment budget (USD) is spent; the run stopped cleanly."""

