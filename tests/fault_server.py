@@ -26,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 Kind = Literal["ok", "status", "malformed", "not_json", "drop", "empty", "no_choices"]
 
@@ -115,7 +115,7 @@ class FaultServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def __enter__(self) -> FaultServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

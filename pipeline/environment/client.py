@@ -385,7 +385,7 @@ class _SpanInputs:
         span.set_inputs(self._inputs)
         return span
 
-    def __exit__(self, *exc: Any) -> Any:
+    def __exit__(self, *exc: object) -> Any:
         return self._cm.__exit__(*exc)
 
 

@@ -1,0 +1,387 @@
+"""Start, health-check and stop the environment's local OpenAI-compatible server, as params describe.
+
+Backends (`environment.backend`):
+- `llamacpp`: `python -m llama_cpp.server` on the model ref (the bundled SmolLM2-135M-Instruct GGUF by
+  default), served under `served_name` on `host:port`. The CPU default; starts in about a second.
+- `vllm`: `vllm serve <model>` with the tensor-parallel size, GPU memory fraction and max model length
+  from `environment.server` (GPT-OSS-20B in the paper profile). Built here, runs on GPU nodes only.
+- `api`: a paid endpoint; nothing is started, but the key variable must be set (fails fast otherwise).
+
+Design decisions:
+- **Reuse before start.** If something already answers `GET <url>/models` with 200, it is used as is and
+  never stopped by us (a server started by `promptr1 env start`, by a test session, or by an operator).
+- **We stop only what we started**, by process group: the server runs in its own session
+  (`start_new_session=True`) so SIGTERM → (grace) → SIGKILL reaches the server and any workers it forked
+  (vLLM spawns several). `environment_server` stops it on normal exit, on exceptions and on
+  KeyboardInterrupt; an `atexit` hook is the last resort if the interpreter exits inside the block.
+- **Startup failures are explained**: the server's stdout/stderr go to a log file under `paths.cache_dir`;
+  if the process dies or does not become healthy within `server.startup_timeout_s`, EnvironmentUnavailable
+  carries the log's tail.
+- `promptr1 env start` leaves the server running detached and records its PID, process group, URL and
+  command in `<cache_dir>/environment_server.json`; `env stop` reads that file and stops only that process
+  (after checking the PID still runs the recorded command, so a recycled PID is never killed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import typer
+
+from pipeline.environment.client import resolve_api_key
+from pipeline.errors import EnvironmentUnavailable
+from pipeline.modelref import ModelRefError, resolve_model
+
+if TYPE_CHECKING:
+    from pipeline.config import EnvironmentConfig, Params
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "environment_server.json"
+STOP_GRACE_S = 10.0
+LOG_TAIL_CHARS = 3000
+
+
+@dataclass
+class ServerProcess:
+    """A server process this module started."""
+
+    pid: int
+    pgid: int
+    url: str
+    command: list[str]
+    log_path: str
+    started_at: float
+
+
+_STARTED: dict[str, ServerProcess] = {}
+"""Servers started (and not yet stopped) by this interpreter, by URL: stopped at exit as a last resort."""
+
+
+# -- commands -------------------------------------------------------------------------------------------
+
+
+def server_command(params: Params) -> list[str]:
+    """The command line that serves `params.environment` locally (backends llamacpp and vllm)."""
+    cfg = params.environment
+    if cfg.backend == "llamacpp":
+        return llamacpp_command(cfg, _model_location(params))
+    if cfg.backend == "vllm":
+        return vllm_command(cfg, _model_location(params))
+    raise EnvironmentUnavailable(f"environment backend {cfg.backend!r} has no local server to start")
+
+
+def llamacpp_command(cfg: EnvironmentConfig, model_path: str) -> list[str]:
+    """llama-cpp-python's OpenAI-compatible server on a GGUF file."""
+    return [
+        sys.executable, "-m", "llama_cpp.server",
+        "--model", model_path,
+        "--model_alias", cfg.served_name,
+        "--host", cfg.host,
+        "--port", str(cfg.port),
+        "--n_ctx", str(cfg.server.n_ctx),
+        "--n_threads", str(cfg.server.n_threads),
+        *cfg.server.extra_args,
+    ]
+
+
+def vllm_command(cfg: EnvironmentConfig, model: str) -> list[str]:
+    """`vllm serve` for GPU nodes (the paper's GPT-OSS-20B environment)."""
+    return [
+        "vllm", "serve", model,
+        "--served-model-name", cfg.served_name,
+        "--tensor-parallel-size", str(cfg.server.tensor_parallel_size),
+        "--gpu-memory-utilization", str(cfg.server.gpu_memory_utilization),
+        "--max-model-len", str(cfg.server.max_model_len),
+        "--host", cfg.host,
+        "--port", str(cfg.port),
+        *cfg.server.extra_args,
+    ]
+
+
+def _model_location(params: Params) -> str:
+    cfg = params.environment
+    try:
+        resolved = resolve_model(cfg.model, params.root)
+    except ModelRefError as exc:
+        raise EnvironmentUnavailable(f"environment.model: {exc}") from exc
+    if cfg.backend == "llamacpp" and not resolved.gguf_file:
+        raise EnvironmentUnavailable(
+            f"environment.model {cfg.model!r} resolves to {resolved.location}, not a .gguf file: "
+            "the llamacpp backend serves GGUF models"
+        )
+    return resolved.location
+
+
+# -- health ---------------------------------------------------------------------------------------------
+
+
+def served_models(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> list[str] | None:
+    """Model ids listed by `GET <url>/models`, or None when nothing healthy answers there."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/models", headers=headers, timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return [str(m.get("id")) for m in response.json().get("data", [])]
+    except (ValueError, AttributeError):
+        return []
+
+
+def is_healthy(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> bool:
+    return served_models(url, api_key, timeout_s) is not None
+
+
+def _warn_if_other_model(cfg: EnvironmentConfig, models: list[str]) -> None:
+    if models and cfg.served_name not in models:
+        logger.warning("the server at %s serves %s, not %r; requests name %r anyway",
+                       cfg.url, models, cfg.served_name, cfg.served_name)
+
+
+# -- start / stop ---------------------------------------------------------------------------------------
+
+
+def _cache_dir(params: Params) -> Path:
+    path = params.path(params.paths.cache_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _log_tail(path: str | Path, chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return text[-chars:].strip() or "(empty log)"
+
+
+def _check_startable(params: Params) -> None:
+    cfg = params.environment
+    local_url = f"http://{cfg.host}:{cfg.port}/v1"
+    if cfg.base_url and cfg.url != local_url:
+        raise EnvironmentUnavailable(
+            f"nothing healthy answers at environment.base_url={cfg.url}, and a {cfg.backend} server would be "
+            f"started at {local_url}: leave base_url empty to start one, or start the server at base_url"
+        )
+
+
+def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
+    """Start the local server for `params.environment` and wait until it is healthy.
+
+    Raises EnvironmentUnavailable with the log's tail if it exits or does not become healthy within
+    `server.startup_timeout_s`. The process is stopped if waiting is interrupted (KeyboardInterrupt too).
+    `detached` servers are not stopped when this interpreter exits.
+    """
+    cfg = params.environment
+    _check_startable(params)
+    command = server_command(params)
+    log_path = _cache_dir(params) / f"environment_server_{cfg.backend}_{cfg.port}.log"
+    logger.info("starting the environment server: %s (log: %s)", shlex.join(command), log_path)
+    with open(log_path, "wb") as log:
+        try:
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, cwd=params.root,
+            )
+        except FileNotFoundError as exc:
+            raise EnvironmentUnavailable(f"cannot start the environment server: {exc}") from exc
+    server = ServerProcess(pid=process.pid, pgid=process.pid, url=cfg.url, command=command,
+                           log_path=str(log_path), started_at=time.time())
+    if not detached:
+        _STARTED[server.url] = server
+    try:
+        _wait_healthy(server, process, cfg.server.startup_timeout_s)
+    except BaseException:
+        stop_server(server)
+        raise
+    logger.info("environment server healthy at %s (pid %d)", server.url, server.pid)
+    return server
+
+
+def _wait_healthy(server: ServerProcess, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.1
+    while True:
+        code = process.poll()
+        if code is not None:
+            raise EnvironmentUnavailable(
+                f"the environment server exited with code {code} before answering at {server.url}; "
+                f"command: {shlex.join(server.command)}; log {server.log_path} ends with:\n"
+                f"{_log_tail(server.log_path)}"
+            )
+        if is_healthy(server.url, timeout_s=1.0):
+            return
+        if time.monotonic() > deadline:
+            raise EnvironmentUnavailable(
+                f"the environment server did not answer at {server.url} within {timeout_s:g}s "
+                f"(environment.server.startup_timeout_s); log {server.log_path} ends with:\n"
+                f"{_log_tail(server.log_path)}"
+            )
+        time.sleep(delay)
+        delay = min(1.0, delay * 1.5)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone once reaped
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def stop_server(server: ServerProcess, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the server's process group, then SIGKILL after `grace_s`; idempotent."""
+    _STARTED.pop(server.url, None)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(server.pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while _alive(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _alive(server.pid):
+            break
+        logger.warning("environment server pid %d ignored %s", server.pid, sig.name)
+    logger.info("environment server pid %d stopped", server.pid)
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_STARTED.values()):
+        stop_server(server, grace_s=3.0)
+
+
+def started_server(url: str) -> ServerProcess | None:
+    """The server this interpreter started at `url` and has not stopped yet (None if reused or none)."""
+    return _STARTED.get(url.rstrip("/"))
+
+
+@contextmanager
+def environment_server(params: Params) -> Iterator[str]:
+    """Make the configured environment reachable for the block; yields its base URL (ending in /v1).
+
+    Reuses a healthy server at the URL (and leaves it running); backend api starts nothing but needs its
+    key variable; otherwise starts llama.cpp or vLLM and stops it when the block exits, however it exits.
+    """
+    cfg = params.environment
+    if cfg.backend == "api":
+        resolve_api_key(cfg)  # fails fast, naming the variable
+        yield cfg.url
+        return
+    models = served_models(cfg.url)
+    if models is not None:
+        logger.info("reusing the environment server already answering at %s", cfg.url)
+        _warn_if_other_model(cfg, models)
+        yield cfg.url
+        return
+    server = start_server(params)
+    try:
+        yield server.url
+    finally:
+        stop_server(server)
+
+
+# -- `promptr1 env start|stop|status` -------------------------------------------------------------------
+
+
+def _state_path(params: Params) -> Path:
+    return _cache_dir(params) / STATE_FILE
+
+
+def _read_state(params: Params) -> ServerProcess | None:
+    path = _state_path(params)
+    try:
+        return ServerProcess(**json.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError) as exc:
+        logger.warning("ignoring unreadable %s: %s", path, exc)
+        return None
+
+
+def _runs_command(server: ServerProcess) -> bool:
+    """The recorded PID is alive and (where /proc exists) still runs the recorded command."""
+    if not _alive(server.pid):
+        return False
+    cmdline = Path(f"/proc/{server.pid}/cmdline")
+    if not cmdline.exists():
+        return True
+    try:
+        args = [a.decode(errors="replace") for a in cmdline.read_bytes().split(b"\0")]
+    except OSError:
+        return False
+    # The recorded arguments after the executable appear in order (`vllm` runs as `python …/vllm serve …`).
+    tail = server.command[1:]
+    return any(args[i : i + len(tail)] == tail for i in range(len(args) - len(tail) + 1))
+
+
+def cli_start(params: Params) -> None:
+    """`promptr1 env start`: start (or reuse) the server and leave it running; record its PID."""
+    cfg = params.environment
+    if cfg.backend == "api":
+        resolve_api_key(cfg)
+        typer.echo(f"backend api: nothing to start; requests go to {cfg.url} (key from ${cfg.api_key_env})")
+        return
+    models = served_models(cfg.url)
+    if models is not None:
+        _warn_if_other_model(cfg, models)
+        typer.echo(f"an environment server already answers at {cfg.url} (models: {', '.join(models)}); reusing it")
+        return
+    server = start_server(params, detached=True)
+    _state_path(params).write_text(json.dumps(asdict(server), indent=2), encoding="utf-8")
+    typer.echo(f"environment server started at {server.url} (pid {server.pid}, log {server.log_path}); "
+               "stop it with `promptr1 env stop`")
+
+
+def cli_stop(params: Params) -> None:
+    """`promptr1 env stop`: stop the server `env start` recorded; never touches servers it did not start."""
+    state = _read_state(params)
+    path = _state_path(params)
+    if state is None:
+        note = " (a server does answer there, but env start did not start it)" if is_healthy(
+            params.environment.url) else ""
+        typer.echo(f"no environment server recorded in {path}{note}; nothing to stop")
+        return
+    if _runs_command(state):
+        stop_server(state)
+        typer.echo(f"environment server at {state.url} (pid {state.pid}) stopped")
+    else:
+        typer.echo(f"environment server pid {state.pid} is no longer running")
+    path.unlink(missing_ok=True)
+
+
+def cli_status(params: Params) -> None:
+    """`promptr1 env status`: health-check the configured endpoint; exit 1 when nothing healthy answers."""
+    cfg = params.environment
+    api_key = resolve_api_key(cfg) if cfg.backend == "api" else None
+    models = served_models(cfg.url, api_key=api_key, timeout_s=5.0)
+    state = _read_state(params)
+    owner = f" (started by env start: pid {state.pid}, log {state.log_path})" if state and _runs_command(state) else ""
+    if models is None:
+        raise EnvironmentUnavailable(f"environment backend {cfg.backend}: nothing healthy answers at {cfg.url}"
+                                     f"/models; start it with `promptr1 env start`")
+    typer.echo(f"environment backend {cfg.backend}: healthy at {cfg.url}{owner}; models: {', '.join(models)}")

@@ -1,0 +1,124 @@
+"""`dvc repro` end to end in a temporary copy of the project, with the smallest settings.
+
+Real parts throughout: the real DVC pipeline (every stage through `promptr1`), the real datasets mirror,
+Great Expectations, the real SmolLM2 agent trained for one GRPO step against a real llama.cpp environment
+server, a real SQLite MLflow store and registry. Then a second `dvc repro` must find nothing to rerun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+COPY_EXCLUDE = {".venv", ".git", "data", "models", "reports", "checkpoints", "mlflow.db", "mlartifacts",
+                "mlruns", ".cache", ".pytest_cache", ".ruff_cache", "__pycache__", "benchmarks"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _copy_project(src: Path, dst: Path) -> None:
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        ignored = {n for n in names if n in COPY_EXCLUDE or n.endswith(".egg-info")}
+        if Path(folder).name == ".dvc":
+            ignored |= {"cache", "tmp"}
+        return ignored
+
+    shutil.copytree(src, dst, ignore=ignore)
+    (dst / "models").mkdir(exist_ok=True)
+
+
+def smallest_params(raw: dict, mirror: Path, port: int) -> dict:
+    """The default profile shrunk to a smoke run: few rows, one GRPO step, short generations."""
+    raw["paths"]["mirror"] = str(mirror)
+    raw["data"]["sample_size"] = 64
+    raw["agent"].update(max_turns=2, max_turn_tokens=16, max_response_tokens=160, max_prompt_tokens=1024)
+    raw["environment"].update(port=port, max_tokens=24)
+    raw["train"].update(steps=1, batch_size=1, group_size=2, mini_batch_size=1, micro_batch_size=2, save_every=1)
+    raw["evaluate"].update(rows_per_dataset=1, agent_max_turn_tokens=16, bootstrap_samples=50)
+    return raw
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: Path) -> None:
+    project = tmp_path / "project"
+    _copy_project(repo_root, project)
+    params_file = project / "params.yaml"
+    raw = yaml.safe_load(params_file.read_text())
+    params_file.write_text(yaml.safe_dump(smallest_params(raw, shared_datasets, _free_port()), sort_keys=False))
+
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.setdefault("GIT_AUTHOR_NAME", "test")
+    env.setdefault("GIT_AUTHOR_EMAIL", "test@localhost")
+    env.setdefault("GIT_COMMITTER_NAME", "test")
+    env.setdefault("GIT_COMMITTER_EMAIL", "test@localhost")
+    _run(["git", "init", "-q"], project, env, 30)
+    _run(["git", "add", "-A"], project, env, 30)
+    _run(["git", "commit", "-qm", "snapshot"], project, env, 30)
+
+    started = time.perf_counter()
+    _run(["dvc", "repro"], project, env, 1500)
+    first = time.perf_counter() - started
+
+    # data stages
+    for name in raw["data"]["train_datasets"]:
+        assert (project / "data/sampled" / f"{name}.parquet").is_file()
+        report = json.loads((project / "reports/sample" / f"{name}.json").read_text())
+        assert report["rows_written"] > 0
+    assert json.loads((project / "reports/validate/summary.json").read_text())["success"] is True
+    assert (project / "data/rl/train.parquet").is_file()
+    assert len(list((project / "data/rl/eval").glob("*.parquet"))) == 12
+    # training, merge
+    steps = (project / "reports/train/steps.csv").read_text().splitlines()
+    assert steps[0].startswith("step") and len(steps) == 2
+    assert (project / "models/agent/config.json").is_file()
+    # evaluation
+    metrics = json.loads((project / "reports/eval/metrics.json").read_text())
+    assert metrics
+    assert (project / "reports/eval/predictions.parquet").is_file()
+    # registry
+    promotion = json.loads((project / "reports/promotion.json").read_text())
+    assert promotion["promoted"] is True  # the first version becomes champion
+
+    import mlflow
+
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    version = client.get_model_version_by_alias(raw["register"]["model_name"], raw["register"]["alias"])
+    assert version.version == "1"
+    parent_id = json.loads((project / "reports/mlflow_run.json").read_text())["run_id"]
+    children = client.search_runs(
+        [client.get_run(parent_id).info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+    )
+    assert {r.data.tags.get("stage") for r in children} >= {"train", "evaluate", "register"}
+
+    # nothing changed: nothing reruns
+    started = time.perf_counter()
+    proc = _run(["dvc", "repro"], project, env, 300)
+    second = time.perf_counter() - started
+    assert "didn't change, skipping" in proc.stdout + proc.stderr
+    assert "Running stage" not in proc.stdout
+    print(f"dvc repro: first {first:.1f}s, second (no change) {second:.1f}s")
