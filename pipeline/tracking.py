@@ -149,3 +149,30 @@ def stage_run(params: Params, stage: str, new_parent: bool = False) -> Iterator[
     with mlflow.start_run(run_id=parent):
         with mlflow.start_run(run_name=stage, nested=True, tags={"stage": stage}) as child:
             yield child
+
+
+# --- helpers added by the eval stage (additive; stage_run's behaviour is unchanged) ----------------------
+
+
+def log_dataset_inputs(frames: dict[str, tuple[Any, Path]], context: str) -> None:
+    """Log each (DataFrame, source file) as a named MLflow dataset input of the active run.
+
+    `mlflow.data.from_pandas` computes the dataset's digest from its content, so two runs that scored the
+    same rows show the same digest in the UI; the source is the file the rows came from.
+    """
+    import mlflow
+    import mlflow.data
+
+    for name, (frame, source) in frames.items():
+        dataset = mlflow.data.from_pandas(frame, source=str(source), name=name)
+        mlflow.log_input(dataset, context=context)
+
+
+def active_parent_run_id() -> str | None:
+    """The parent of the active (child) run, if any: where stage results meet."""
+    import mlflow
+
+    run = mlflow.active_run()
+    if run is None:
+        return None
+    return run.data.tags.get("mlflow.parentRunId")

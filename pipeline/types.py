@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-StopReason = Literal["answer", "max_turns", "token_budget", "prompt_too_long"]
+StopReason = Literal["answer", "max_turns", "token_budget", "prompt_too_long", "no_action"]
+"""Why a trajectory ended: `answer` (closed <answer> tags), `max_turns` (the turn limit), `token_budget`
+(max_response_tokens spent), `prompt_too_long` (the prompt alone exceeds max_prompt_tokens), `no_action`
+(a turn with neither a closed <answer> nor a non-empty closed <interaction_prompt>: EOS or the per-turn
+token limit came first; added by the agent helper)."""
 
 
 @dataclass

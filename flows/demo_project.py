@@ -1,0 +1,210 @@
+"""A tiny real DVC project with the pipeline's stage names, for testing and timing the flow machinery.
+
+The real stages take minutes and need the models; the flow's own behaviour (stage tasks, DVC skipping,
+experiments, environment lifecycle, locking, failure handling) does not. `make_demo_project()` writes a
+git + DVC project whose five stages (build → train → merge → evaluate → register) are one-line Python
+steps writing the same report files the real stages write, with the repository's real params.yaml and
+profiles so `load_params` and overrides behave exactly as in the real project.
+
+`static_environment()` is the stand-in environment server: a real HTTP server process on 127.0.0.1 that
+answers `GET /v1/models`, plus a marker file while it runs, which the demo `train` and `evaluate` stages
+require (so a test proves the server is up exactly while they run).
+
+Fault injection for tests goes through environment variables the stage script reads, so dvc.yaml and
+the DVC hashes stay the same: `PROMPTR1_DEMO_FAIL=<stage>` makes that stage exit 1;
+`PROMPTR1_DEMO_FLAKY=<stage>` makes it fail on its first attempt only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from pipeline.config import Params
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENV_MARKER = Path(".dvc") / "tmp" / "demo-environment.pid"
+
+STAGE_SCRIPT = '''"""Demo pipeline stages: write the files the real stages write, from params.yaml."""
+import json, os, pathlib, sys
+import yaml
+
+stage = sys.argv[1]
+params = yaml.safe_load(open("params.yaml"))
+if os.environ.get("PROMPTR1_DEMO_FAIL") == stage:
+    sys.exit(f"demo stage {stage} fails on purpose")
+flaky = pathlib.Path(".dvc/tmp") / f"demo-flaky-{stage}"
+if os.environ.get("PROMPTR1_DEMO_FLAKY") == stage and not flaky.exists():
+    flaky.parent.mkdir(parents=True, exist_ok=True)
+    flaky.write_text("failed once")
+    sys.exit(f"demo stage {stage} fails on its first attempt")
+if stage in ("train", "evaluate") and not pathlib.Path("''' + ENV_MARKER.as_posix() + '''").exists():
+    sys.exit(f"demo stage {stage}: the environment server is not running")
+
+
+def write(path, text):
+    p = pathlib.Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+
+
+steps = params["train"]["steps"]
+if stage == "build":
+    write("data/demo/train.txt", f"seed={params['seed']}\\n")
+elif stage == "train":
+    write("checkpoints/demo/latest", f"step_{steps}\\n")
+    write("reports/mlflow_run.json", json.dumps({"run_id": f"demo-run-{steps}", "experiment": "prompt-r1"}))
+elif stage == "merge":
+    write("models/demo/model.txt", pathlib.Path("checkpoints/demo/latest").read_text())
+elif stage == "evaluate":
+    score = 10.0 + steps
+    write("reports/eval/metrics.json", json.dumps({"id_avg_f1": score}))
+    write("reports/eval/summary.md", f"| system | ID F1 |\\n|---|---:|\\n| agent+env | {score:.1f} |\\n")
+elif stage == "register":
+    write("reports/promotion.json", json.dumps({"promoted": True, "alias": "champion", "version": 1,
+                                                "reason": "first model: no champion yet"}))
+'''
+
+DVC_YAML = """stages:
+  build:
+    cmd: python demo_stage.py build
+    deps: [demo_stage.py]
+    params: [seed]
+    outs: [data/demo]
+  train:
+    cmd: python demo_stage.py train
+    deps: [demo_stage.py, data/demo]
+    params: [train.steps]
+    outs:
+      - checkpoints/demo:
+          persist: true
+      - reports/mlflow_run.json:
+          cache: false
+  merge:
+    cmd: python demo_stage.py merge
+    deps: [demo_stage.py, checkpoints/demo]
+    outs: [models/demo]
+  evaluate:
+    cmd: python demo_stage.py evaluate
+    deps: [demo_stage.py, models/demo]
+    params: [evaluate.rows_per_dataset]
+    outs:
+      - reports/eval/summary.md:
+          cache: false
+    metrics:
+      - reports/eval/metrics.json:
+          cache: false
+  register:
+    cmd: python demo_stage.py register
+    deps: [demo_stage.py, reports/eval/metrics.json]
+    params: [register.margin]
+    outs:
+      - reports/promotion.json:
+          cache: false
+"""
+
+DEMO_STAGES = ["build", "train", "merge", "evaluate", "register"]
+_GIT = ["git", "-c", "user.name=promptr1-demo", "-c", "user.email=demo@example.invalid", "-c", "commit.gpgsign=false"]
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    from flows.dvc_steps import subprocess_env
+
+    subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+
+
+def make_demo_project(dest: Path, *, commit: bool = True) -> Path:
+    """Write the demo project into `dest` (git init, dvc init, one commit unless `commit=False`)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO_ROOT / "params.yaml", dest / "params.yaml")
+    shutil.copytree(REPO_ROOT / "profiles", dest / "profiles", dirs_exist_ok=True)
+    (dest / "demo_stage.py").write_text(STAGE_SCRIPT)
+    (dest / "dvc.yaml").write_text(DVC_YAML)
+    _run([*_GIT, "init", "-q", "-b", "main"], dest)
+    _run([sys.executable, "-m", "dvc", "init", "-q"], dest)
+    if commit:
+        _run([*_GIT, "add", "-A"], dest)
+        _run([*_GIT, "commit", "-q", "-m", "demo project"], dest)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class StaticEnvironment:
+    """A launcher (Params → context manager yielding a base URL) backed by `python -m http.server`.
+
+    Records the PIDs it started in `pids`, so a test can check every one of them is gone afterwards.
+    """
+
+    def __init__(self, root: Path, startup_timeout_s: float = 20.0) -> None:
+        self.root = root
+        self.startup_timeout_s = startup_timeout_s
+        self.pids: list[int] = []
+        self.starts = 0
+
+    @contextmanager
+    def __call__(self, params: Params) -> Iterator[str]:
+        served = self.root / ".dvc" / "tmp" / "demo-environment"
+        (served / "v1").mkdir(parents=True, exist_ok=True)
+        (served / "v1" / "models").write_text(json.dumps({"data": [{"id": params.environment.served_name}]}))
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                                 "--directory", str(served)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        self.pids.append(proc.pid)
+        self.starts += 1
+        marker = self.root / ENV_MARKER
+        url = f"http://127.0.0.1:{port}/v1"
+        try:
+            _wait_ready(url, proc, self.startup_timeout_s)
+            marker.write_text(str(proc.pid))
+            yield url
+        finally:
+            marker.unlink(missing_ok=True)
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"demo environment exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/models", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"demo environment at {url} not ready after {timeout_s} s")
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, reaped or not, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return True
+    return status != "Z"

@@ -1,0 +1,531 @@
+"""The retraining flow: the DVC pipeline as a Prefect 3 flow, one task per stage, on a schedule or on demand.
+
+    promptr1 flow run [--profile paper] [-S train.steps=8] [--force]     # once, now
+    python -m flows.retrain --profile paper --environment vllm            # the same, without the CLI
+    prefect server start & export PREFECT_API_URL=http://127.0.0.1:4200/api
+    promptr1 flow serve                                                   # weekly (flow.cron in params)
+    prefect deploy --all                                                  # prefect.yaml: GPU work pool
+
+Roles: DVC decides *what* must rerun (hashes, dvc.lock), Prefect decides *when and where* and retries,
+MLflow records *what happened*. Design decisions:
+
+- **One task per DVC stage, each `dvc repro --single-item <stage>`** (sample, validate, build, train, merge,
+  evaluate, register, in DVC's dependency order read from dvc.yaml, see flows/dvc_steps.py). Going through
+  DVC keeps caching, DVC's repo lock and dvc.lock true: a run of the flow leaves exactly the state a
+  `dvc repro` would. A first `plan` task asks DVC which stages are stale; stages before the first stale one
+  finish as "up to date" without spawning DVC, so a run with nothing to do costs about one `dvc status`.
+  Prefect's own task caching is off (`NO_CACHE`): DVC's cache is the result cache, and a second cache keyed
+  on task inputs could only ever be wrong about data DVC hashes.
+- **Overrides are recorded as a DVC experiment, not run through `dvc exp run`.** `dvc exp run -S …` would
+  reproduce the whole pipeline inside one process, i.e. one opaque Prefect task with no per-stage state,
+  retries or logs. Instead the flow applies the overrides with the function `dvc exp run --set-param` uses
+  (same grammar: `train.steps=8`, `profiles/paper.yaml:train.lr=2e-6`), runs the stage tasks, then
+  `dvc exp save -n retrain-<time>-<flow run>`: the experiment holds params, dvc.lock and metrics of exactly
+  this run (`dvc exp show`, `dvc exp apply <name>`). Afterwards the touched params files are restored byte
+  for byte, so an override never leaks into the next (scheduled) run; dvc.lock keeps recording what the
+  outputs were built with, and the next run without overrides rebuilds what differs. `profile` and
+  `environment` are overrides too (`profile=paper`, `environment.backend=vllm`; `local` means llamacpp).
+  An experiment is saved only when something ran or was overridden, and only once the project has a git
+  commit (the flow says so otherwise).
+- **Environment lifecycle as tasks.** Right before `train` and `evaluate`, and only if DVC says that stage
+  will run (or `force`), `start-environment` enters `pipeline.environment.servers.environment_server(params)`
+  (which reuses a healthy server already answering at the URL and never stops one it did not start) and
+  `check-environment` asks `GET <url>/models`. `stop-environment` runs in a `finally`, so a failing stage, a
+  failed health check or an interrupt still stops what the flow started; `on_crashed`/`on_cancellation`
+  hooks repeat it for runs Prefect kills. The stage commands find the server healthy and reuse it.
+- **Retries only where they are safe** (`STAGE_POLICIES`): starting and health-checking the environment,
+  `evaluate` (idempotent: same model, same rows, cached environment replies) and `register` (idempotent:
+  registering/aliasing the same run again) retry with growing delays. `train` retries once and that is
+  safe only because it *resumes*: `checkpoints/agent` is a `persist: true` output (DVC does not delete it
+  before rerunning) and the stage restarts from the `latest` checkpoint (local backend) or with verl's
+  `trainer.resume_mode=auto`, never from step 0. Data stages and `merge` are deterministic: a retry would
+  fail the same way, so they fail fast.
+- **Never two runs at once** (flows/run_lock.py): the Prefect global concurrency limit `promptr1-pipeline`
+  with `flow.concurrency_limit` slots when the API has it (`promptr1 flow serve` creates it), plus a lock
+  file in `.dvc/tmp/` that always guards the workspace. A second run waits up to `flow.lock_timeout_s`
+  (manual, default 0) or `flow.scheduled_lock_timeout_s` (deployments) and then fails with a message naming
+  the run holding the lock. The deployments also carry a deployment concurrency limit (ENQUEUE).
+- **A markdown artifact per run** (`promptr1-retrain`): stage table, the evaluation table
+  (reports/eval/summary.md), the promotion decision (reports/promotion.json) and the MLflow run
+  (reports/mlflow_run.json; a UI link for an http(s) tracking server). Failed runs publish it too, with the
+  error. The flow returns the same data as a dict.
+- **Failure notifications** are Prefect's, configured outside the code (docs/prefect.md): an automation
+  with trigger "flow run of `promptr1-retrain` enters Failed/Crashed" and action "send a notification" to a
+  webhook/Slack/e-mail block, e.g.
+  `prefect block create slack-webhook` (or `webhook`) then an automation in the UI or `prefect automation
+  create --from-file docs/prefect-automation.yaml`. Nothing to change here when the channel changes.
+- Tests and benchmarks swap the environment launcher and the retry delays through `run_pipeline_flow(…,
+  launcher=…, policies=…)`; deployments always use the defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+import httpx
+import typer
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run as current_flow_run
+
+if TYPE_CHECKING:
+    from prefect.deployments.runner import RunnerDeployment
+
+from flows import dvc_steps
+from flows.report import (
+    RunReport,
+    mlflow_line,
+    mlflow_run_info,
+    promotion_line,
+    read_eval_summary,
+    read_promotion,
+)
+from flows.run_lock import ensure_prefect_limit, run_lock
+from pipeline.config import PARAMS_FILE, Params, find_root, load_params
+from pipeline.errors import EnvironmentUnavailable, UserError
+
+log = logging.getLogger(__name__)
+
+FLOW_NAME = "promptr1-retrain"
+DEPLOYMENT_NAME = "retrain"
+ARTIFACT_KEY = "promptr1-retrain"
+
+EnvironmentChoice = Literal["local", "vllm", "api"]
+ENVIRONMENT_BACKENDS: dict[str, str] = {"local": "llamacpp", "vllm": "vllm", "api": "api"}
+
+Launcher = Callable[[Params], AbstractContextManager[str]]
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """How the flow treats one stage."""
+
+    retries: int = 0
+    retry_delays_s: tuple[float, ...] = ()
+    """Delay before retry 1, 2, … (the last one repeats)."""
+    needs_environment: bool = False
+    """Start and health-check the environment server before this stage (when it will run)."""
+
+
+STAGE_POLICIES: dict[str, StagePolicy] = {
+    "sample": StagePolicy(),
+    "validate": StagePolicy(),
+    "build": StagePolicy(),
+    # Safe to retry only because it resumes from the last checkpoint (persist: true output); see docstring.
+    "train": StagePolicy(retries=1, retry_delays_s=(60.0,), needs_environment=True),
+    "merge": StagePolicy(),
+    "evaluate": StagePolicy(retries=2, retry_delays_s=(30.0, 120.0), needs_environment=True),
+    "register": StagePolicy(retries=3, retry_delays_s=(10.0, 30.0, 90.0)),
+}
+DEFAULT_POLICY = StagePolicy()
+ENVIRONMENT_RETRIES = 2
+ENVIRONMENT_RETRY_DELAYS_S = [20.0, 60.0]
+
+
+@dataclass
+class _Hooks:
+    launcher: Launcher | None = None
+    policies: Mapping[str, StagePolicy] | None = None
+
+
+_hooks = _Hooks()
+
+
+def _default_launcher(params: Params) -> AbstractContextManager[str]:
+    from pipeline.environment.servers import environment_server
+
+    return environment_server(params)
+
+
+class EnvironmentSession:
+    """The environment server this flow run entered; closing it stops only what was started."""
+
+    live: ClassVar[set[EnvironmentSession]] = set()
+
+    def __init__(self, params: Params, launcher: Launcher) -> None:
+        self.params = params
+        self.launcher = launcher
+        self.url: str | None = None
+        self._stack = ExitStack()
+
+    def start(self) -> str:
+        if self.url is None:
+            self.url = self._stack.enter_context(self.launcher(self.params))
+            EnvironmentSession.live.add(self)
+        return self.url
+
+    def stop(self) -> None:
+        try:
+            self._stack.close()
+        finally:
+            self.url = None
+            EnvironmentSession.live.discard(self)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for session in list(cls.live):
+            session.stop()
+
+
+def _stop_live_environments(flow_: Any, flow_run: Any, state: Any) -> None:
+    """on_crashed / on_cancellation: stop servers a killed run left behind."""
+    EnvironmentSession.stop_all()
+
+
+# ----------------------------------------------------------------------------------------------- tasks
+
+
+@task(name="apply-overrides", cache_policy=NO_CACHE)
+def apply_run_overrides(project_dir: str, overrides: list[str]) -> dict[Path, bytes]:
+    """Write the run's overrides into params files (as `dvc exp run -S` does); return the originals."""
+    logger = get_run_logger()
+    originals = dvc_steps.apply_overrides(Path(project_dir), overrides)
+    if overrides:
+        logger.info("overrides applied: %s", " ".join(overrides))
+    return originals
+
+
+@task(name="plan", cache_policy=NO_CACHE)
+def plan_run(project_dir: str) -> tuple[list[str], list[str]]:
+    """(stages in run order, stages DVC reports as stale)."""
+    root = Path(project_dir)
+    stages = dvc_steps.pipeline_stages(root)
+    stale = dvc_steps.stale_stages(root)
+    get_run_logger().info("stages: %s; stale now: %s", ", ".join(stages), ", ".join(sorted(stale)) or "none")
+    return stages, sorted(stale)
+
+
+@task(cache_policy=NO_CACHE, task_run_name="{stage}")
+def run_stage(project_dir: str, stage: str, force: bool, skip: bool = False) -> dict[str, Any]:
+    """`dvc repro --single-item <stage>`, its output streamed to this task's log."""
+    logger = get_run_logger()
+    start = datetime.now(UTC)
+    if skip:
+        logger.info("%s is up to date (dvc status); not reproduced", stage)
+        return {"stage": stage, "result": "up to date", "seconds": 0.0}
+    reproduced = dvc_steps.repro_stage(Path(project_dir), stage, force=force, on_line=logger.info)
+    seconds = (datetime.now(UTC) - start).total_seconds()
+    return {"stage": stage, "result": "reproduced" if reproduced else "unchanged (dvc skipped it)",
+            "seconds": seconds}
+
+
+@task(name="start-environment", cache_policy=NO_CACHE, retries=ENVIRONMENT_RETRIES,
+      retry_delay_seconds=ENVIRONMENT_RETRY_DELAYS_S)
+def start_environment(session: EnvironmentSession) -> str:
+    """Start (or reuse) the configured environment server; return its base URL."""
+    cfg = session.params.environment
+    url = session.start()
+    get_run_logger().info("environment (%s, %s) at %s", cfg.backend, cfg.served_name, url)
+    return url
+
+
+@task(name="check-environment", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2.0, 5.0, 10.0])
+def check_environment(url: str, api_key_env: str | None = None, timeout_s: float = 10.0) -> list[str]:
+    """`GET <url>/models` must answer 200; return the served model ids."""
+    import os
+
+    headers = {}
+    if api_key_env and os.environ.get(api_key_env):
+        headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/models", headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise EnvironmentUnavailable(f"environment at {url} does not answer: {exc}") from exc
+    if response.status_code != 200:
+        raise EnvironmentUnavailable(f"environment at {url}: GET /models answered {response.status_code}")
+    try:
+        models = [m.get("id", "?") for m in response.json().get("data", [])]
+    except (ValueError, AttributeError):
+        models = []
+    get_run_logger().info("environment healthy at %s (models: %s)", url, ", ".join(models) or "n/a")
+    return models
+
+
+@task(name="stop-environment", cache_policy=NO_CACHE)
+def stop_environment(session: EnvironmentSession) -> None:
+    """Stop the server the flow started (a reused one is left running)."""
+    session.stop()
+    get_run_logger().info("environment released")
+
+
+@task(name="record-experiment", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+def record_experiment(project_dir: str, name: str) -> str | None:
+    """`dvc exp save -n <name>`: this run's params, dvc.lock and metrics as a DVC experiment."""
+    logger = get_run_logger()
+    saved = dvc_steps.save_experiment(Path(project_dir), name, on_line=logger.info)
+    if saved:
+        logger.info("DVC experiment %s recorded (dvc exp show / dvc exp apply %s)", saved, saved)
+    return saved
+
+
+@task(name="publish-report", cache_policy=NO_CACHE)
+def publish_report(report: RunReport) -> str:
+    """The run's markdown artifact (key promptr1-retrain)."""
+    from flows.report import to_markdown
+
+    markdown = to_markdown(report)
+    create_markdown_artifact(markdown=markdown, key=ARTIFACT_KEY,
+                             description=f"Prompt-R1 retraining ({report.profile}): evaluation, promotion, MLflow")
+    return markdown
+
+
+# ------------------------------------------------------------------------------------------------ flow
+
+
+def run_overrides(profile: str | None, overrides: Sequence[str] | None,
+                  environment: EnvironmentChoice | None) -> list[str]:
+    """The `-S` list of one run: profile and environment choice first, explicit overrides last (they win)."""
+    items: list[str] = []
+    if profile:
+        items.append(f"profile={profile}")
+    if environment:
+        if environment not in ENVIRONMENT_BACKENDS:
+            raise UserError(f"environment {environment!r}: choose one of {', '.join(ENVIRONMENT_BACKENDS)}")
+        items.append(f"environment.backend={ENVIRONMENT_BACKENDS[environment]}")
+    items.extend(o for o in (overrides or []) if o.strip())
+    return items
+
+
+def _project_root(project_dir: str | None) -> Path:
+    return find_root(Path(project_dir) if project_dir else None)
+
+
+def _flow_run_name() -> str | None:
+    try:
+        return current_flow_run.get_name()
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return None
+
+
+@flow(name=FLOW_NAME, on_crashed=[_stop_live_environments], on_cancellation=[_stop_live_environments],
+      description="Prompt-R1 pipeline: DVC stages as tasks, environment lifecycle, DVC experiment, summary.")
+def retrain(
+    profile: str | None = None,
+    overrides: list[str] | None = None,
+    environment: EnvironmentChoice | None = None,
+    force: bool = False,
+    lock_timeout_s: float | None = None,
+    project_dir: str | None = None,
+) -> dict[str, Any]:
+    """Run the Prompt-R1 pipeline once.
+
+    Args:
+        profile: profiles/<name>.yaml merged over params.yaml (default: params.yaml's `profile`).
+        overrides: `key.sub=value` params overrides, as `dvc exp run -S` takes them.
+        environment: local (llama.cpp server), vllm (GPU server) or api (paid endpoint); default: params.
+        force: rerun every stage even if DVC finds it up to date.
+        lock_timeout_s: seconds to wait for a running pipeline (default: flow.lock_timeout_s).
+        project_dir: the project (folder with params.yaml; default: found from the working directory).
+    """
+    logger = get_run_logger()
+    root = _project_root(project_dir)
+    dvc_steps.require_dvc_project(root)
+    base = load_params(root / PARAMS_FILE)
+    items = run_overrides(profile, overrides, environment)
+    timeout = base.flow.lock_timeout_s if lock_timeout_s is None else lock_timeout_s
+    with run_lock(root, timeout, _flow_run_name()) as held:
+        logger.info("holding the %s for %s", held, root)
+        originals = apply_run_overrides(str(root), items)
+        try:
+            params = load_params(root / PARAMS_FILE)
+            return _run_stages(root, params, items, force)
+        finally:
+            dvc_steps.restore_files(originals)
+            if originals:
+                logger.info("params files restored: %s", ", ".join(p.name for p in originals))
+
+
+def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> dict[str, Any]:
+    logger = get_run_logger()
+    policies = {**STAGE_POLICIES, **(_hooks.policies or {})}
+    report = RunReport(flow_run=_flow_run_name(), profile=params.profile, overrides=items,
+                       environment_backend=params.environment.backend, forced=force)
+    lock_file = root / "dvc.lock"
+    lock_before = lock_file.read_bytes() if lock_file.is_file() else b""
+    stages, stale = plan_run(str(root))
+    first_stale = 0 if force else next((i for i, s in enumerate(stages) if s in stale), len(stages))
+    session = EnvironmentSession(params, _hooks.launcher or _default_launcher)
+    try:
+        for index, stage in enumerate(stages):
+            policy = policies.get(stage, DEFAULT_POLICY)
+            skip = index < first_stale
+            wants_environment = not skip and policy.needs_environment and session.url is None
+            if wants_environment and (force or dvc_steps.stale_stages(root, [stage])):
+                report.environment_url = start_environment(session)
+                check_environment(report.environment_url, params.environment.api_key_env)
+            task_ = run_stage.with_options(name=f"dvc-{stage}", retries=policy.retries,
+                                           retry_delay_seconds=list(policy.retry_delays_s) or 0)
+            report.stages.append(task_(str(root), stage, force, skip=skip))
+    except BaseException as exc:
+        report.stages.append({"stage": "(failed)", "result": f"{type(exc).__name__}: {str(exc)[:300]}",
+                              "seconds": 0.0})
+        _publish_quietly(report, params)
+        raise
+    finally:
+        if session.url is not None:
+            stop_environment(session)
+
+    lock_after = lock_file.read_bytes() if lock_file.is_file() else b""
+    if items or lock_after != lock_before:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        name = f"retrain-{stamp}-{report.flow_run or 'local'}".replace("_", "-")
+        report.experiment = record_experiment(str(root), name)
+        if report.experiment is None:
+            report.experiment_note = "not recorded: the project has no git commit yet"
+    else:
+        report.experiment_note = "none: nothing changed"
+    _fill_results(report, params)
+    publish_report(report)
+    logger.info("MLflow: %s", mlflow_line(report.mlflow))
+    logger.info("promotion: %s", promotion_line(report.promotion))
+    return report.to_dict()
+
+
+def _fill_results(report: RunReport, params: Params) -> None:
+    report.eval_summary = read_eval_summary(params)
+    report.promotion = read_promotion(params)
+    report.mlflow = mlflow_run_info(params)
+
+
+def _publish_quietly(report: RunReport, params: Params) -> None:
+    """Publish the failure summary; never mask the stage's own error."""
+    try:
+        _fill_results(report, params)
+        publish_report(report)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not publish the failure summary: %s", exc)
+
+
+# -------------------------------------------------------------------------------------- entry points
+
+
+def run_pipeline_flow(
+    project_dir: str | Path,
+    profile: str | None = None,
+    overrides: Sequence[str] = (),
+    force: bool = False,
+    *,
+    environment: EnvironmentChoice | None = None,
+    lock_timeout_s: float | None = None,
+    launcher: Launcher | None = None,
+    policies: Mapping[str, StagePolicy] | None = None,
+    return_state: bool = False,
+) -> Any:
+    """Run the flow on `project_dir` in this process (tests, benchmarks, the CLI).
+
+    `launcher` replaces `environment_server` (a context manager yielding the base URL) and `policies`
+    replaces per-stage retry policies; both only for this call. Returns the flow's summary dict, or its
+    final Prefect state with `return_state=True` (then a failure does not raise).
+    """
+    global _hooks
+    previous = _hooks
+    _hooks = _Hooks(launcher=launcher, policies=policies)
+    try:
+        return retrain(profile=profile, overrides=list(overrides), environment=environment, force=force,
+                       lock_timeout_s=lock_timeout_s, project_dir=str(project_dir), return_state=return_state)
+    finally:
+        _hooks = previous
+
+
+def cli_flow_run(profile: str | None, sets: list[str], force: bool,
+                 environment: EnvironmentChoice | None = None) -> None:
+    """`promptr1 flow run`: run the flow now and print the MLflow run and the promotion decision."""
+    root = find_root()
+    state = run_pipeline_flow(root, profile, sets, force, environment=environment, return_state=True)
+    if not state.is_completed():
+        raise UserError(f"pipeline flow {state.name.lower()}: {state.message or 'see the Prefect logs'}")
+    summary = state.result()
+    params = load_params(root / PARAMS_FILE)
+    info = mlflow_run_info(params)
+    typer.echo(f"flow run:   {summary.get('flow_run')}")
+    for stage in summary.get("stages", []):
+        typer.echo(f"  {stage['stage']:<10} {stage['result']} ({stage['seconds']:.1f} s)")
+    typer.echo(f"experiment: {summary.get('experiment') or summary.get('experiment_note')}")
+    typer.echo(f"MLflow:     {mlflow_line(info)}")
+    typer.echo(f"promotion:  {promotion_line(summary.get('promotion'))}")
+
+
+def deployment_parameters(params: Params, *, scheduled: bool = True) -> dict[str, Any]:
+    """Parameters a deployment's runs get: the profile params name, no overrides, the scheduled wait."""
+    return {
+        "profile": params.profile,
+        "overrides": [],
+        "force": False,
+        "lock_timeout_s": params.flow.scheduled_lock_timeout_s if scheduled else params.flow.lock_timeout_s,
+    }
+
+
+def build_deployment(params: Params, *, project_dir: str | Path | None = None) -> RunnerDeployment:
+    """The served deployment: cron schedule and concurrency from `params.flow`; built without a server."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.schedules import Cron
+
+    parameters = deployment_parameters(params)
+    if project_dir is not None:
+        parameters["project_dir"] = str(project_dir)
+    return retrain.to_deployment(
+        name=DEPLOYMENT_NAME,
+        schedules=[Cron(params.flow.cron, timezone=params.flow.timezone)],
+        parameters=parameters,
+        concurrency_limit=ConcurrencyLimitConfig(limit=params.flow.concurrency_limit,
+                                                 collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
+        description=f"Scheduled Prompt-R1 retraining, profile {params.profile!r}",
+        tags=["prompt-r1", f"profile:{params.profile}"],
+    )
+
+
+def prefect_api_url() -> str | None:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
+
+
+def cli_flow_serve(params: Params) -> None:
+    """`promptr1 flow serve`: serve the deployment on its cron schedule (blocks; Ctrl-C pauses it)."""
+    if not prefect_api_url():
+        raise UserError(
+            "`promptr1 flow serve` needs a Prefect server: schedules do not run on the temporary one. "
+            "Start one (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api "
+            "(or `prefect config set PREFECT_API_URL=...`)"
+        )
+    from prefect import serve
+
+    ensure_prefect_limit(params.flow.concurrency_limit)
+    deployment = build_deployment(params, project_dir=params.root)
+    log.info("serving %s/%s: cron %r (%s), %d concurrent run(s)", FLOW_NAME, DEPLOYMENT_NAME,
+             params.flow.cron, params.flow.timezone, params.flow.concurrency_limit)
+    serve(deployment)
+
+
+def _main(
+    profile: Annotated[str | None, typer.Option("--profile", help="Profile to run (default: params.yaml's).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", "-S", help="Override a param: key.sub=value.")] = None,
+    environment: Annotated[str | None, typer.Option("--environment", help="local | vllm | api")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Rerun every stage.")] = False,
+    project_dir: Annotated[str | None, typer.Option("--project-dir", help="Project folder (default: cwd).")] = None,
+) -> None:
+    """Run the Prompt-R1 pipeline once as a Prefect flow."""
+    if project_dir:
+        import os
+
+        os.chdir(project_dir)
+    cli_flow_run(profile, set_ or [], force, environment)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    from pipeline.cli import _quiet_telemetry
+
+    _quiet_telemetry()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        typer.run(_main)
+    except UserError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise SystemExit(1) from None

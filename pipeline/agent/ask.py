@@ -1,0 +1,181 @@
+"""`promptr1 ask "question"`: one greedy Prompt-R1 trajectory for one question, printed turn by turn.
+
+The same pieces as training and evaluation, nothing special-cased: the environment server from params
+(started, or reused when one already answers at the URL, and stopped again only if started here), the
+agent loaded as `TransformersPolicy`, the authors' user message rendered by the template (the generic
+multi-hop QA wording: dataset "hotpotqa"), and one call of `rollout` with group size 1 and temperature 0.
+
+Which agent: `--model` if given; else the merged model in `paths.model_dir` (`models/agent`) when the
+pipeline has produced one; else `agent.model` from params (the untrained base model).
+
+Printed with rich: each turn's think, interaction prompt and environment reply (with its tokens, latency,
+cache/error state), the answer, then a summary: tokens of the prompt / agent / environment, environment
+calls and tokens, agent and environment tokens per second, wall time and cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from pipeline.config import Params
+from pipeline.types import PromptItem, Trajectory
+
+logger = logging.getLogger(__name__)
+
+ASK_DATASET = "hotpotqa"
+"""Whose instruction wording the question gets: the generic QA one (no dataset-specific wrapper)."""
+
+
+@dataclass
+class AskResult:
+    """What `run_ask` measured (the CLI prints it; the benchmark records it)."""
+
+    trajectory: Trajectory
+    agent_ref: str
+    load_s: float
+    """Loading the agent (tokenizer + weights)."""
+    rollout_s: float
+    """The rollout alone: generation + environment calls."""
+    wall_s: float
+    """Everything in run_ask, server start included."""
+
+    @property
+    def agent_tokens(self) -> int:
+        return sum(self.trajectory.response_mask)
+
+    @property
+    def env_tokens(self) -> int:
+        return len(self.trajectory.response_mask) - self.agent_tokens
+
+    @property
+    def agent_tokens_per_s(self) -> float:
+        t = self.trajectory.generation_s
+        return self.agent_tokens / t if t > 0 else 0.0
+
+    @property
+    def env_tokens_per_s(self) -> float:
+        """Environment completion tokens per second of environment latency (real calls only)."""
+        u = self.trajectory.usage
+        return u.completion_tokens / u.latency_s if u.latency_s > 0 else 0.0
+
+
+def agent_model_ref(params: Params, model_ref: str | None) -> str:
+    """`model_ref`, else the merged agent in paths.model_dir if present, else params.agent.model."""
+    if model_ref:
+        return model_ref
+    merged = params.path(params.paths.model_dir)
+    if (merged / "config.json").is_file():
+        return str(merged)
+    return params.agent.model
+
+
+def run_ask(params: Params, question: str, model_ref: str | None = None, *,
+            console: Console | None = None) -> AskResult:
+    """Answer `question` with the agent and the environment; print the trajectory (see module docstring)."""
+    from pipeline.agent.policy import TransformersPolicy
+    from pipeline.agent.rollout import rollout
+    from pipeline.agent.template import render_user_message
+    from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+    from pipeline.environment.servers import environment_server
+
+    console = console or Console()
+    wall = time.perf_counter()
+    ref = agent_model_ref(params, model_ref)
+    item = PromptItem(
+        uid="ask",
+        messages=[{"role": "user", "content": render_user_message(question, ASK_DATASET)}],
+        gold_answers=[],
+        data_source=ASK_DATASET,
+        question=question,
+    )
+    with environment_server(params) as url:
+        start = time.perf_counter()
+        with console.status(f"loading agent {ref}"):
+            policy = TransformersPolicy.from_ref(ref, params.root, params.agent.dtype)
+        load_s = time.perf_counter() - start
+
+        cfg = params.environment.model_copy(update={"base_url": url})
+        cache = params.path(params.paths.cache_dir) / CACHE_FILE if cfg.cache else None
+        agent = params.agent
+
+        async def ask_once() -> Trajectory:
+            env = EnvironmentClient(cfg, cache)
+            try:
+                (traj,) = await rollout(
+                    policy, env, [item], group_size=1, max_turns=agent.max_turns,
+                    max_turn_tokens=agent.max_turn_tokens, max_response_tokens=agent.max_response_tokens,
+                    env_reply_max_chars=agent.env_reply_max_chars, temperature=0.0, top_p=1.0,
+                    return_logprobs=False, reward_fn=None, max_prompt_tokens=agent.max_prompt_tokens,
+                )
+                return traj
+            finally:
+                await env.aclose()
+
+        start = time.perf_counter()
+        with console.status("agent and environment at work"):
+            traj = asyncio.run(ask_once())
+        rollout_s = time.perf_counter() - start
+    result = AskResult(traj, ref, load_s, rollout_s, time.perf_counter() - wall)
+    print_trajectory(console, question, result, env_model=cfg.served_name)
+    return result
+
+
+def print_trajectory(console: Console, question: str, result: AskResult, env_model: str = "") -> None:
+    """The trajectory turn by turn, the answer, and a summary table."""
+    traj = result.trajectory
+    console.print(Panel(question, title="question", border_style="cyan"))
+    for number, turn in enumerate(traj.turns, start=1):
+        parsed = turn.parsed
+        console.rule(f"turn {number} · {len(turn.agent_token_ids)} agent tokens")
+        if parsed.think is not None:
+            console.print(Panel(parsed.think or "(empty)", title="think", border_style="magenta"))
+        if parsed.interaction_prompt is not None:
+            console.print(Panel(parsed.interaction_prompt or "(empty)", title="interaction prompt",
+                                border_style="yellow"))
+        if parsed.think is None and parsed.interaction_prompt is None and parsed.answer is None:
+            console.print(Panel(parsed.text or "(nothing)", title="raw turn (no protocol tags)",
+                                border_style="red"))
+        if parsed.issues:
+            console.print(f"[dim]format issues: {'; '.join(parsed.issues)}[/dim]")
+        reply = turn.env_reply
+        if reply is not None:
+            state = "cached" if reply.cached else f"{reply.latency_s:.2f} s"
+            if reply.error:
+                state += f", error: {reply.error}"
+            console.print(Panel(
+                reply.text or "(empty)", border_style="green" if reply.error is None else "red",
+                title=f"environment {env_model} · {reply.completion_tokens} tokens · {state}",
+            ))
+    answer = traj.answer
+    console.print(Panel(answer or "(no answer)", title=f"answer · stopped: {traj.stop_reason}",
+                        border_style="bold cyan" if answer else "red"))
+
+    usage = traj.usage
+    table = Table(title="summary", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("agent", result.agent_ref if len(result.agent_ref) < 60 else "…" + result.agent_ref[-58:]),
+        ("turns", str(traj.num_turns)),
+        ("prompt tokens", str(len(traj.prompt_ids))),
+        ("agent tokens (mask 1)", str(result.agent_tokens)),
+        ("environment tokens in context (mask 0)", str(result.env_tokens)),
+        ("environment calls (+ cache hits)", f"{usage.calls} (+{usage.cache_hits})"),
+        ("environment prompt / completion tokens", f"{usage.prompt_tokens} / {usage.completion_tokens}"),
+        ("environment errors / retries", f"{usage.errors} / {usage.retries}"),
+        ("agent generation", f"{traj.generation_s:.2f} s · {result.agent_tokens_per_s:.1f} tokens/s"),
+        ("environment latency", f"{usage.latency_s:.2f} s · {result.env_tokens_per_s:.1f} tokens/s"),
+        ("agent load", f"{result.load_s:.1f} s"),
+        ("wall time", f"{result.wall_s:.1f} s"),
+        ("cost", f"${usage.cost_usd:.6f}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

@@ -1,0 +1,403 @@
+"""Policy backends: what generates the agent's turns, given token ids.
+
+`Policy` is the one interface the rollout needs: token ids in, `Generation`s (sampled token ids, their
+log-probs if asked, text, why it stopped) out. Two backends, chosen by who runs the agent:
+
+- `TransformersPolicy`: the model in this process (training with the local backend, `promptr1 ask`,
+  evaluation on CPU). It runs its own small sampling loop over a KV cache rather than `model.generate`,
+  because the rollout needs, per row: its own token limit (the response budget clips each trajectory's last
+  turn differently), stop strings checked on the decoded text of the generated tokens only, the sampled
+  tokens' log-probs, and finished rows dropped from the batch (their cache rows too). Prompts are
+  left-padded; position ids come from the attention mask, so padding changes nothing.
+  Log-probs are `log_softmax(logits / T)` at the sampled token (T = temperature, or 1 for greedy), before
+  top-p filtering: the quantity verl's actor recomputes for the PPO ratio.
+- `OpenAICompletionsPolicy`: an agent served behind an OpenAI-compatible `/v1/completions` endpoint (vLLM
+  at evaluation time on GPU nodes; llama.cpp's server here). Prompts go as token-id lists where the server
+  accepts them (vLLM) and as the detokenised text otherwise (llama.cpp accepts strings only; the first 4xx
+  switches to text for the rest of the session). OpenAI servers drop the stop string from the text, so it
+  is put back (the protocol parser needs the closing tag), and a natural end is marked with the end-of-turn
+  token so the conversation builder does not close the turn twice. Returned ids are the agent tokenizer's
+  encoding of the returned text: fine for evaluation, not for training (use the in-process policy there).
+
+Both keep the stop string *in* the output (ids and text), and an end-of-sequence token in the ids when the
+model emitted one: every generated token is an agent action (mask 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "eos", "length"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    """One generated agent turn."""
+
+    token_ids: list[int]
+    """Sampled ids, including the stop string's tokens or the end-of-sequence token when one ended it."""
+    logprobs: list[float] | None
+    """Log-prob of each sampled id under the sampling policy (aligned with token_ids), when asked for."""
+    text: str
+    """Decoded text without special tokens (the stop string included)."""
+    finish_reason: FinishReason = "length"
+    """'stop' (a stop string), 'eos' (end-of-sequence / end-of-turn token) or 'length' (token limit)."""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the rollout needs from an agent backend."""
+
+    tokenizer: Any
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | Sequence[int],
+        temperature: float,
+        top_p: float,
+        stop: list[str],
+        return_logprobs: bool,
+    ) -> list[Generation]:
+        """One generation per prompt, in order. `max_new_tokens` is one limit or one per prompt;
+        temperature 0 means greedy."""
+        ...
+
+
+def _limits(max_new_tokens: int | Sequence[int], n: int) -> list[int]:
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * n
+    limits = [int(x) for x in max_new_tokens]
+    if len(limits) != n:
+        raise ValueError(f"max_new_tokens has {len(limits)} limits for {n} prompts")
+    return limits
+
+
+def _eos_ids(tokenizer: Any, model_eos: int | Sequence[int] | None) -> list[int]:
+    """The model's end-of-sequence ids plus the chat template's end-of-turn token."""
+    from pipeline.agent.protocol import ConversationBuilder
+
+    ids: list[int] = []
+    try:
+        builder = ConversationBuilder(tokenizer)
+        ids = builder.stop_token_ids(model_eos if model_eos is not None else ())
+    except (ValueError, TypeError, AttributeError):  # no usable chat template: the model's eos only
+        logger.debug("no usable chat template; stopping on the model's eos ids only", exc_info=True)
+        if isinstance(model_eos, int):
+            ids = [model_eos]
+        elif model_eos:
+            ids = [int(i) for i in model_eos]
+    return ids
+
+
+class TransformersPolicy:
+    """An in-process transformers causal LM (see module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        device: str | None = None,
+        *,
+        max_batch_size: int = 32,
+        eos_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+    ):
+        import torch
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device or next(model.parameters()).device)
+        self.max_batch_size = max_batch_size
+        gen_cfg = getattr(model, "generation_config", None)
+        model_eos = getattr(gen_cfg, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _eos_ids(tokenizer, model_eos)
+        pad = getattr(gen_cfg, "pad_token_id", None) or getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
+        self.generator = torch.Generator(device=self.device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    @classmethod
+    def from_ref(
+        cls,
+        ref: str,
+        root: Path | None = None,
+        dtype: str = "float32",
+        device: str | None = None,
+        **kwargs: Any,
+    ) -> TransformersPolicy:
+        """Load from a params model reference (`pkg://…` GGUF, dequantised; a local HF dir; a Hub id)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from pipeline.modelref import resolve_model
+
+        resolved = resolve_model(ref, root)
+        extra = resolved.from_pretrained_kwargs()
+        tokenizer = AutoTokenizer.from_pretrained(resolved.directory, **extra)
+        model = AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=getattr(torch, dtype), **extra)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model.to(device).eval()
+        logger.info("agent %s loaded (%s, %s, %.1f M parameters)", ref, dtype, device,
+                    sum(p.numel() for p in model.parameters()) / 1e6)
+        return cls(model, tokenizer, device, **kwargs)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        return_logprobs: bool = False,
+    ) -> list[Generation]:
+        limits = _limits(max_new_tokens, len(prompts))
+        out: list[Generation | None] = [None] * len(prompts)
+        # Similar lengths together: less padding per micro-batch.
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(order), self.max_batch_size):
+                chunk = order[start:start + self.max_batch_size]
+                gens = self._generate_batch([prompts[i] for i in chunk], [limits[i] for i in chunk],
+                                            temperature, top_p, list(stop or []), return_logprobs)
+                for i, g in zip(chunk, gens, strict=True):
+                    out[i] = g
+        finally:
+            self.model.train(was_training)
+        return [g for g in out if g is not None]
+
+    def _generate_batch(
+        self,
+        prompts: list[list[int]],
+        limits: list[int],
+        temperature: float,
+        top_p: float,
+        stop: list[str],
+        return_logprobs: bool,
+    ) -> list[Generation]:
+        import torch
+
+        n = len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        reasons: list[FinishReason] = ["length"] * n
+        done = [limit <= 0 for limit in limits]
+        if all(done):
+            return [Generation([], [] if return_logprobs else None, "", "length") for _ in range(n)]
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            if p:
+                ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+                mask[row, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        window = max((len(s) for s in stop), default=0) + 8
+        eos = set(self.eos_token_ids)
+        rows = list(range(n))  # batch row -> prompt index, shrinks as rows finish
+
+        with torch.no_grad():
+            result = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            cache = result.past_key_values
+            logits = result.logits[:, -1, :].float()
+            next_pos = positions[:, -1:] + 1
+            for _step in range(max(limits)):
+                chosen, chosen_logp = self._sample(logits, temperature, top_p)
+                keep: list[int] = []
+                for b, i in enumerate(rows):
+                    if done[i]:
+                        continue
+                    token = int(chosen[b])
+                    tokens[i].append(token)
+                    if return_logprobs:
+                        logps[i].append(float(chosen_logp[b]))
+                    if token in eos:
+                        done[i], reasons[i] = True, "eos"
+                    elif stop and any(s in self.tokenizer.decode(tokens[i][-window:]) for s in stop):
+                        done[i], reasons[i] = True, "stop"
+                    elif len(tokens[i]) >= limits[i]:
+                        done[i] = True
+                    if not done[i]:
+                        keep.append(b)
+                if not keep:
+                    break
+                if len(keep) < len(rows):
+                    index = torch.tensor(keep, device=self.device)
+                    cache.batch_select_indices(index)
+                    chosen, mask, next_pos = chosen[index], mask[index], next_pos[index]
+                    rows = [rows[b] for b in keep]
+                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+                result = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=next_pos,
+                                    past_key_values=cache, use_cache=True)
+                cache = result.past_key_values
+                logits = result.logits[:, -1, :].float()
+                next_pos = next_pos + 1
+
+        return [
+            Generation(
+                token_ids=tokens[i],
+                logprobs=logps[i] if return_logprobs else None,
+                text=self.tokenizer.decode(tokens[i], skip_special_tokens=True),
+                finish_reason=reasons[i],
+            )
+            for i in range(n)
+        ]
+
+    def _sample(self, logits: Any, temperature: float, top_p: float) -> tuple[Any, Any]:
+        """Next token per row and its log-prob under the temperature-scaled distribution."""
+        import torch
+
+        if temperature <= 0:
+            chosen = logits.argmax(dim=-1)
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, chosen[:, None])[:, 0]
+            return chosen, logp
+        scaled = logits / temperature
+        logp_all = torch.log_softmax(scaled, dim=-1)
+        probs = logp_all.exp()
+        if top_p < 1.0:
+            sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+            cumulative = sorted_probs.cumsum(dim=-1)
+            drop = cumulative - sorted_probs > top_p  # always keeps the most likely token
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, sorted_idx, sorted_probs)
+        chosen = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        return chosen, logp_all.gather(-1, chosen[:, None])[:, 0]
+
+
+class OpenAICompletionsPolicy:
+    """An agent behind an OpenAI-compatible `/v1/completions` endpoint (see module docstring)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        tokenizer: Any,
+        *,
+        api_key: str = "sk-local-no-key",
+        timeout_s: float = 300.0,
+        concurrency: int = 8,
+        token_prompts: bool | None = None,
+    ):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.concurrency = concurrency
+        self.token_prompts = token_prompts
+        """True: send id lists; False: send text; None: try ids once, fall back to text on a 4xx."""
+        self._client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
+        self._lock = threading.Lock()
+        try:
+            from pipeline.agent.protocol import ConversationBuilder
+
+            self.end_of_turn_id = ConversationBuilder(tokenizer).end_of_turn_id
+        except (ValueError, TypeError, AttributeError):
+            self.end_of_turn_id = getattr(tokenizer, "eos_token_id", None)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        return_logprobs: bool = False,
+    ) -> list[Generation]:
+        limits = _limits(max_new_tokens, len(prompts))
+        stop = list(stop or [])
+        if not prompts:
+            return []
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
+            return list(pool.map(lambda args: self._one(*args, temperature, top_p, stop, return_logprobs),
+                                 zip(prompts, limits, strict=True)))
+
+    def _request(self, prompt: list[int], body: dict[str, Any]) -> dict[str, Any]:
+        import httpx
+
+        url = f"{self.base_url}/completions"
+        if self.token_prompts is not False:
+            response = self._client.post(url, json={**body, "prompt": prompt})
+            if response.status_code < 400:
+                with self._lock:
+                    self.token_prompts = True
+                return response.json()
+            if self.token_prompts is True or not 400 <= response.status_code < 500:
+                response.raise_for_status()
+            with self._lock:
+                self.token_prompts = False
+            logger.info("%s does not take token-id prompts (HTTP %d): sending text", url, response.status_code)
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        response = self._client.post(url, json={**body, "prompt": text})
+        try:
+            response.raise_for_status()
+        except httpx.HTTPStatusError as exc:
+            raise RuntimeError(f"agent server {url}: HTTP {response.status_code}: {response.text[:300]}") from exc
+        return response.json()
+
+    def _one(
+        self, prompt: list[int], limit: int, temperature: float, top_p: float, stop: list[str],
+        return_logprobs: bool,
+    ) -> Generation:
+        if limit <= 0:
+            return Generation([], [] if return_logprobs else None, "", "length")
+        body: dict[str, Any] = {"model": self.model, "max_tokens": limit, "temperature": temperature,
+                                "top_p": top_p, "stop": stop or None}
+        if return_logprobs:
+            body["logprobs"] = 1
+        choice = self._request(prompt, body)["choices"][0]
+        text: str = choice.get("text") or ""
+        finish = choice.get("finish_reason") or "length"
+        reason: FinishReason = "length"
+        if finish == "stop":
+            said = choice.get("stop_reason")  # vLLM names the matched stop string; llama.cpp does not
+            matched = said if isinstance(said, str) and said in stop else _restore_stop(text, stop)
+            if matched is not None:
+                text, reason = text + matched, "stop"
+            else:
+                reason = "eos"
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if reason == "eos" and self.end_of_turn_id is not None:
+            ids.append(int(self.end_of_turn_id))
+        logprobs = None
+        if return_logprobs:
+            server = ((choice.get("logprobs") or {}).get("token_logprobs")) or []
+            server = [0.0 if (x is None or not math.isfinite(x)) else float(x) for x in server]
+            if len(server) == len(ids):
+                logprobs = server
+            else:
+                logger.warning("server returned %d log-probs for %d re-encoded tokens; log-probs dropped",
+                               len(server), len(ids))
+        return Generation(token_ids=ids, logprobs=logprobs, text=text, finish_reason=reason)
+
+
+def _restore_stop(text: str, stop: list[str]) -> str | None:
+    """Which stop string the server cut off: the closing tag whose opener is left unclosed at the end."""
+    best: tuple[int, str] | None = None
+    for s in stop:
+        if not s.startswith("</"):
+            continue
+        opener = "<" + s[2:]
+        at = text.rfind(opener)
+        if at >= 0 and s not in text[at:] and (best is None or at > best[0]):
+            best = (at, s)
+    return best[1] if best else None

@@ -1,0 +1,196 @@
+"""The multi-turn Prompt-R1 rollout: the agent and the environment take turns for many trajectories at once.
+
+One loop serves training (local backend), evaluation and `promptr1 ask`:
+
+    prompt ids = chat template + <think> opener                         (ConversationBuilder.start)
+    repeat while some trajectory is active:
+        policy generates one turn for every active trajectory, in one batch   (mask 1, log-probs)
+        parse each turn; decide: answer / out of budget / no action / turn limit / ask the environment
+        all environment calls go out together (asyncio.gather; the client's semaphore bounds them),
+        each trajectory with its own environment history
+        append each reply as mask-0 tokens: close turn, user <interaction_response>, assistant <think>
+    reward_fn(trajectory) for each
+
+Design decisions:
+- **Token budget.** `max_response_tokens` counts every response token, agent and environment alike (verl's
+  `data.max_response_length`). Each turn's generation limit is `min(max_turn_tokens, budget left)`, so the
+  last turn is clipped to what is left; an environment reply that does not fit is cut at the budget and the
+  trajectory ends with `token_budget` (the released code likewise truncates responses at the maximum).
+- **The last allowed turn never calls the environment**: its reply could not be used.
+- **Stop reasons** (pipeline.types.StopReason): `answer` for closed `<answer>` tags; `no_action` for a turn
+  with neither a closed answer nor a non-empty closed interaction prompt (the authors' loop also stops a
+  trajectory whose turn has no interaction prompt), `token_budget` instead when that turn was cut by the
+  budget; `max_turns`; `prompt_too_long` when `max_prompt_tokens` is given and the prompt alone exceeds it.
+- **Generation runs in a worker thread** (`asyncio.to_thread`), so the event loop stays free for anything
+  else in flight; the environment calls of one round run concurrently, and a round's generation waits for
+  them (the agent needs the replies).
+- **Timings per trajectory:** `generation_s` adds the wall time of every batch the trajectory was part of
+  (it waited that long); `environment_s` adds its own environment calls' wall time (queueing included).
+- **Grouping:** trajectories are returned item-major (item0 x G, item1 x G, ...), the order GRPO groups in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from pipeline.agent.policy import Generation, Policy
+from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder, environment_prompt_for, parse_turn
+from pipeline.types import EnvironmentReply, PromptItem, RewardBreakdown, StopReason, Trajectory, Turn
+
+if TYPE_CHECKING:
+    from pipeline.environment.client import EnvironmentClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    """Rollout state of one trajectory beyond what Trajectory holds."""
+
+    traj: Trajectory
+    env_history: list[dict[str, str]] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        return self.traj.prompt_ids + self.traj.response_ids
+
+
+def _finish(live: _Live, reason: StopReason, bar: Any) -> None:
+    live.done = True
+    live.traj.stop_reason = reason
+    bar.update(1)
+
+
+async def _timed_reply(env: EnvironmentClient, history: list[dict[str, str]], prompt: str
+                       ) -> tuple[EnvironmentReply, float]:
+    start = time.perf_counter()
+    reply = await env.reply(list(history), prompt)
+    return reply, time.perf_counter() - start
+
+
+async def rollout(
+    policy: Policy,
+    env: EnvironmentClient,
+    items: list[PromptItem],
+    *,
+    group_size: int,
+    max_turns: int,
+    max_turn_tokens: int,
+    max_response_tokens: int,
+    env_reply_max_chars: int,
+    temperature: float,
+    top_p: float,
+    return_logprobs: bool,
+    reward_fn: Callable[[Trajectory], RewardBreakdown] | None,
+    progress: bool = False,
+    max_prompt_tokens: int | None = None,
+) -> list[Trajectory]:
+    """Roll out `group_size` trajectories per item; returns them grouped in item order (see module doc)."""
+    builder = ConversationBuilder(policy.tokenizer, env_reply_max_chars)
+    lives: list[_Live] = []
+    for item in items:
+        prompt_ids = builder.start(item.messages)
+        for _ in range(group_size):
+            traj = Trajectory(item=item, prompt_ids=list(prompt_ids),
+                              response_logprobs=[] if return_logprobs else None)
+            lives.append(_Live(traj))
+
+    bar = tqdm(total=len(lives), desc="rollout", unit="traj", disable=not progress, leave=False)
+    try:
+        if max_prompt_tokens is not None:
+            for live in lives:
+                if len(live.traj.prompt_ids) > max_prompt_tokens:
+                    logger.warning("prompt of %s has %d tokens > max_prompt_tokens %d: not rolled out",
+                                   live.traj.item.uid, len(live.traj.prompt_ids), max_prompt_tokens)
+                    _finish(live, "prompt_too_long", bar)
+
+        for turn_index in range(1, max_turns + 1):
+            active = [live for live in lives if not live.done]
+            if not active:
+                break
+            bar.set_postfix(turn=turn_index, active=len(active))
+            limits = [min(max_turn_tokens, max_response_tokens - len(live.traj.response_ids)) for live in active]
+            start = time.perf_counter()
+            generations: list[Generation] = await asyncio.to_thread(
+                policy.generate, [live.context for live in active], limits, temperature, top_p,
+                list(STOP_STRINGS), return_logprobs,
+            )
+            elapsed = time.perf_counter() - start
+
+            asking: list[tuple[_Live, Turn, str]] = []
+            for live, gen, limit in zip(active, generations, limits, strict=True):
+                traj = live.traj
+                traj.generation_s += elapsed
+                parsed = parse_turn(builder.think_opener + gen.text)
+                turn = Turn(parsed=parsed, agent_token_ids=list(gen.token_ids), agent_logprobs=gen.logprobs)
+                traj.turns.append(turn)
+                _append(traj, gen.token_ids, 1, gen.logprobs)
+                prompt = environment_prompt_for(parsed)
+                budget_cut = gen.finish_reason == "length" and limit < max_turn_tokens
+                if parsed.answer is not None:
+                    _finish(live, "answer", bar)
+                elif len(traj.response_ids) >= max_response_tokens or (prompt is None and budget_cut):
+                    _finish(live, "token_budget", bar)
+                elif prompt is None:
+                    _finish(live, "no_action", bar)
+                elif turn_index == max_turns:
+                    _finish(live, "max_turns", bar)
+                else:
+                    asking.append((live, turn, prompt))
+
+            if not asking:
+                continue
+            replies = await asyncio.gather(
+                *(_timed_reply(env, live.env_history, prompt) for live, _, prompt in asking)
+            )
+            for (live, turn, prompt), (reply, seconds) in zip(asking, replies, strict=True):
+                traj = live.traj
+                traj.environment_s += seconds
+                traj.usage.add(reply)
+                live.env_history += [{"role": "user", "content": prompt},
+                                     {"role": "assistant", "content": reply.text}]
+                env_ids = builder.env_turn_ids(reply.text, turn.agent_token_ids)
+                room = max_response_tokens - len(traj.response_ids)
+                turn.env_reply = reply
+                turn.env_token_ids = env_ids[:room]
+                _append(traj, turn.env_token_ids, 0, None)
+                if len(env_ids) >= room:
+                    _finish(live, "token_budget", bar)
+
+        for live in lives:  # only reachable with max_turns < 1
+            if not live.done:
+                _finish(live, "max_turns", bar)
+    finally:
+        bar.close()
+
+    trajectories = [live.traj for live in lives]
+    if reward_fn is not None:
+        for traj in trajectories:
+            traj.reward = reward_fn(traj)
+    return trajectories
+
+
+def _append(traj: Trajectory, ids: list[int], mask: int, logprobs: list[float] | None) -> None:
+    """Extend the response with `ids` (mask 1 agent / 0 environment), keeping log-probs aligned."""
+    traj.response_ids.extend(ids)
+    traj.response_mask.extend([mask] * len(ids))
+    if traj.response_logprobs is not None:
+        if mask and logprobs is not None and len(logprobs) == len(ids):
+            traj.response_logprobs.extend(logprobs)
+        else:
+            if mask:
+                logger.warning("policy returned no log-probs for %d agent tokens: filled with 0.0", len(ids))
+            traj.response_logprobs.extend([0.0] * len(ids))
+
+
+def run_rollout(*args: Any, **kwargs: Any) -> list[Trajectory]:
+    """Synchronous `rollout` (one `asyncio.run`); same arguments."""
+    return asyncio.run(rollout(*args, **kwargs))

@@ -1,0 +1,211 @@
+"""Stage `build`: the RL training file and the 12 evaluation files, in verl's RLHFDataset schema.
+
+Outputs (under `paths.rl_dir`, default `data/rl/`):
+- `train.parquet`: every validated sampled row, the Prompt-R1 user message rendered by
+  `pipeline.agent.template.render_user_message` (DAPO gets its instruction there), shuffled with
+  `seed` so verl's sequential batches mix datasets.
+- `eval/<dataset>.parquet` for the 8 in-distribution and 4 out-of-distribution sets: the authors' own
+  rows, kept as they are (their prompt text, their ground truths, their order); only `data_source`
+  becomes our dataset name (their tags, e.g. `w-book-6600-256-test`, say nothing to a reader) and
+  `extra_info` is added. `extra_info.id` is `<dataset>-eval-<row index>`: stable, because the files are.
+
+Row schema (`RL_SCHEMA`): `data_source`, `prompt` (list of {role, content}; one user message), `ability`
+(our task type), `reward_model` {ground_truth: list[str], style: "rule"}, `extra_info` {id, split,
+question, answers, index}, `agent_name` ("prompt_r1", the agent loop verl dispatches to).
+
+Nothing downstream runs on invalid data: the stage refuses to start unless
+`reports/validate/summary.json` says validation succeeded for byte-identical copies (sha256) of the
+sampled files it is about to read. The summary also records, per evaluation file, how many rows our
+renderer reproduces exactly (all 1,536, counting the 58 DAPO rows that carry no DAPO instruction).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.agent.template import render_user_message
+from pipeline.config import Params
+from pipeline.data.sample import sampled_path
+from pipeline.data.schema import display_path, write_json_atomic, write_parquet_atomic
+from pipeline.data.sources import authors_eval_path, get_spec, load_authors_eval
+from pipeline.data.validate import file_sha256, summary_path
+from pipeline.errors import DataError
+
+log = logging.getLogger(__name__)
+
+AGENT_NAME = "prompt_r1"
+
+RL_SCHEMA = pa.schema(
+    [
+        pa.field("data_source", pa.string()),
+        pa.field(
+            "prompt", pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
+        ),
+        pa.field("ability", pa.string()),
+        pa.field(
+            "reward_model",
+            pa.struct([pa.field("ground_truth", pa.list_(pa.string())), pa.field("style", pa.string())]),
+        ),
+        pa.field(
+            "extra_info",
+            pa.struct(
+                [
+                    pa.field("id", pa.string()),
+                    pa.field("split", pa.string()),
+                    pa.field("question", pa.string()),
+                    pa.field("answers", pa.list_(pa.string())),
+                    pa.field("index", pa.int64()),
+                ]
+            ),
+        ),
+        pa.field("agent_name", pa.string()),
+    ]
+)
+
+
+def rl_row(
+    *,
+    dataset: str,
+    content: str,
+    task_type: str,
+    answers: list[str],
+    row_id: str,
+    split: str,
+    question: str,
+    index: int,
+) -> dict[str, Any]:
+    """One row of verl's RLHFDataset schema."""
+    return {
+        "data_source": dataset,
+        "prompt": [{"role": "user", "content": content}],
+        "ability": task_type,
+        "reward_model": {"ground_truth": list(answers), "style": "rule"},
+        "extra_info": {
+            "id": row_id,
+            "split": split,
+            "question": question,
+            "answers": list(answers),
+            "index": index,
+        },
+        "agent_name": AGENT_NAME,
+    }
+
+
+def _check_validated(params: Params) -> dict[str, Any]:
+    path = summary_path(params)
+    shown = display_path(path, params.root)
+    if not path.is_file():
+        raise DataError(
+            f"{shown}: not found; run `promptr1 validate` first (build only reads validated data)"
+        )
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    if not summary.get("success"):
+        raise DataError(f"{shown}: the last validation failed; fix the data and rerun `promptr1 validate`")
+    by_dataset = {
+        f["dataset"]: (name, f) for name, f in summary.get("files", {}).items() if f.get("kind") == "train"
+    }
+    for ds in params.data.train_datasets:
+        sampled = sampled_path(params, ds)
+        if ds not in by_dataset:
+            raise DataError(f"{shown}: {ds} was not validated; rerun `promptr1 validate`")
+        if not sampled.is_file() or file_sha256(sampled) != by_dataset[ds][1].get("sha256"):
+            raise DataError(
+                f"{display_path(sampled, params.root)} changed since it was validated; "
+                "rerun `promptr1 validate`"
+            )
+    return summary
+
+
+def _train_rows(params: Params) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    rows: list[dict[str, Any]] = []
+    per_dataset: dict[str, int] = {}
+    for ds in params.data.train_datasets:
+        table = pq.read_table(sampled_path(params, ds))
+        per_dataset[ds] = table.num_rows
+        for r in table.to_pylist():
+            rows.append(
+                rl_row(
+                    dataset=ds,
+                    content=render_user_message(r["question"], ds),
+                    task_type=r["task_type"],
+                    answers=r["answers"],
+                    row_id=r["id"],
+                    split="train",
+                    question=r["question"],
+                    index=0,
+                )
+            )
+    order = np.random.default_rng(params.seed).permutation(len(rows))
+    shuffled = [rows[i] for i in order]
+    for i, row in enumerate(shuffled):
+        row["extra_info"]["index"] = i
+    return shuffled, per_dataset
+
+
+def run_build(params: Params) -> dict[str, Any]:
+    """Write data/rl/train.parquet and data/rl/eval/<dataset>.parquet; summary in reports/build/."""
+    _check_validated(params)
+    rl_dir = params.path(params.paths.rl_dir)
+    summary: dict[str, Any] = {"train": {}, "eval": {}, "skipped": []}
+
+    rows, per_dataset = _train_rows(params)
+    write_parquet_atomic(pa.Table.from_pylist(rows, schema=RL_SCHEMA), rl_dir / "train.parquet")
+    summary["train"] = {
+        "rows": len(rows),
+        "rows_per_dataset": per_dataset,
+        "file": display_path(rl_dir / "train.parquet", params.root),
+    }
+    for ds in [d for d, n in per_dataset.items() if n == 0]:
+        summary["skipped"].append(ds)
+
+    for ds in params.eval_datasets:
+        spec = get_spec(ds)
+        try:
+            eval_rows = load_authors_eval(params, spec)
+        except DataError:
+            if ds not in params.data.allow_skip:
+                raise
+            summary["skipped"].append(f"eval:{ds}")
+            continue
+        out = [
+            rl_row(
+                dataset=ds,
+                content=r.prompt_content,
+                task_type=spec.task_type,
+                answers=r.answers,
+                row_id=r.id,
+                split="test",
+                question=r.question,
+                index=r.index,
+            )
+            for r in eval_rows
+        ]
+        reproduced = sum(
+            render_user_message(r.question, ds, dataset_instruction=r.has_instruction) == r.prompt_content
+            for r in eval_rows
+        )
+        target = rl_dir / "eval" / f"{ds}.parquet"
+        write_parquet_atomic(pa.Table.from_pylist(out, schema=RL_SCHEMA), target)
+        summary["eval"][ds] = {
+            "rows": len(out),
+            "source": display_path(authors_eval_path(params, spec), params.root),
+            "authors_tag": spec.eval_tag,
+            "template_reproduced": reproduced,
+            "rows_with_dataset_instruction": sum(r.has_instruction for r in eval_rows),
+        }
+    summary["eval_rows_total"] = sum(e["rows"] for e in summary["eval"].values())
+    write_json_atomic(summary, params.path(params.paths.reports_dir) / "build" / "summary.json")
+    log.info(
+        "built %s (%d rows) and %d evaluation files (%d rows)",
+        summary["train"]["file"],
+        len(rows),
+        len(summary["eval"]),
+        summary["eval_rows_total"],
+    )
+    return summary

@@ -1,0 +1,244 @@
+"""Stage `sample` (one per training dataset): raw source → normalised, clean, de-leaked sample.
+
+Steps, in order (`run_sample`):
+1. Read the raw records (`sources.load_raw`: local mirror or Hugging Face Hub). An unreadable source or
+   one with wrong columns fails with a `DataError` naming the file and column. An unreachable source
+   is skipped only when `data.allow_skip` lists the dataset: the stage then writes an empty, valid
+   Parquet file and a metrics file with `skipped: true` and the reason, and logs a warning.
+2. Normalise each row to the one schema (`schema.SAMPLED_SCHEMA`) and turn it into the task the authors
+   pose (`spec.task_format`). Bad rows are dropped and counted per reason (`DROP_REASONS`): missing or
+   non-text id/question, empty question, answers not a list, non-text answers, no non-empty answer,
+   a question over `data.max_question_tokens` (estimated), duplicate ids, and duplicate questions. A
+   question that appears twice (PopQA's same-name entities, BookSum's several summaries of one section,
+   DAPO's repeats) keeps its first row only: two training rows with one question and different golds
+   teach nothing but noise. Answers are stripped of surrounding whitespace and blank aliases.
+3. Leakage: drop every row whose normalised question (`schema.question_key`) appears in ANY of the
+   authors' 12 evaluation files (not only the dataset's own: XSum summaries or SQuAD questions could
+   surface anywhere). Counted per evaluation file.
+4. Draw `data.sample_size` rows without replacement, with a generator seeded by (`seed`, dataset name),
+   so datasets get independent draws and one seed reproduces all of them. Rows keep source order, so a
+   diff between two samples reads naturally. Fewer rows than asked: all of them, a warning recorded.
+5. Write `data/sampled/<dataset>.parquet` and `reports/sample/<dataset>.json` atomically. Same seed and
+   inputs → byte-identical Parquet (explicit Arrow schema, no pandas metadata, fixed compression).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import Params
+from pipeline.data.schema import (
+    empty_table,
+    estimate_tokens,
+    question_key,
+    rows_to_table,
+    write_json_atomic,
+    write_parquet_atomic,
+)
+from pipeline.data.sources import REGISTRY, DatasetSpec, RawRecord, get_spec, load_authors_eval, load_raw
+from pipeline.errors import DataError
+
+log = logging.getLogger(__name__)
+
+DROP_REASONS = (
+    "missing_id",
+    "missing_question",
+    "question_not_text",
+    "empty_question",
+    "missing_answers",
+    "answers_not_list",
+    "answer_not_text",
+    "empty_answers",
+    "question_too_long",
+    "duplicate_id",
+    "duplicate_question",
+    "answer_unparseable",
+    "source_layout",
+)
+
+
+def sampled_path(params: Params, dataset: str) -> Path:
+    return params.path(params.paths.sampled_dir) / f"{dataset}.parquet"
+
+
+def sample_metrics_path(params: Params, dataset: str) -> Path:
+    return params.path(params.paths.reports_dir) / "sample" / f"{dataset}.json"
+
+
+@dataclass
+class SampleReport:
+    """What the stage did to one dataset: written as `reports/sample/<dataset>.json` (DVC metrics)."""
+
+    dataset: str
+    source: list[str] = field(default_factory=list)
+    rows_source: int = 0
+    dropped_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    rows_clean: int = 0
+    leaked_removed: int = 0
+    leaked_by_eval_file: dict[str, int] = field(default_factory=dict)
+    rows_available: int = 0
+    sample_size: int = 0
+    rows_written: int = 0
+    shortfall: int = 0
+    seed: int = 0
+    skipped: bool = False
+    skip_reason: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def normalise_record(rec: RawRecord, spec: DatasetSpec, max_tokens: int) -> tuple[dict[str, Any] | None, str]:
+    """One raw record → a normalised row, or (None, drop reason)."""
+    if rec.get("_bad"):
+        return None, rec["_bad"]
+    rid, question, answers = rec.get("id"), rec.get("question"), rec.get("answers")
+    if rid is None or (isinstance(rid, str) and not rid.strip()):
+        return None, "missing_id"
+    if question is None:
+        return None, "missing_question"
+    if not isinstance(question, str):
+        return None, "question_not_text"
+    if not question.strip():
+        return None, "empty_question"
+    if answers is None:
+        return None, "missing_answers"
+    if not isinstance(answers, list | tuple):
+        return None, "answers_not_list"
+    if any(not isinstance(a, str) for a in answers):
+        return None, "answer_not_text"
+    golds = [a.strip() for a in answers if a.strip()]
+    if not golds:
+        return None, "empty_answers"
+    task = spec.task_format(question.strip())
+    if estimate_tokens(task) > max_tokens:
+        return None, "question_too_long"
+    return {
+        "id": str(rid),
+        "question": task,
+        "answers": golds,
+        "context": _text(rec.get("context")) or "",
+        "task_type": spec.task_type,
+        "source_split": _text(rec.get("source_split")) or "",
+        "dataset": spec.name,
+    }, ""
+
+
+def evaluation_keys(params: Params, report: SampleReport | None = None) -> dict[str, str]:
+    """question_key → the authors' evaluation file it appears in, over all 12 evaluation files."""
+    keys: dict[str, str] = {}
+    for spec in REGISTRY.values():
+        try:
+            rows = load_authors_eval(params, spec)
+        except DataError as exc:
+            if spec.name not in params.data.allow_skip:
+                raise
+            if report is not None:
+                report.warnings.append(f"leakage check without {spec.eval_file}: {exc}")
+            continue
+        for row in rows:
+            keys.setdefault(question_key(row.question), spec.eval_file)
+    return keys
+
+
+def draw_indices(n: int, k: int, seed: int, dataset: str) -> np.ndarray:
+    """k of n row positions, sorted, from a generator seeded by (seed, dataset)."""
+    rng = np.random.default_rng([seed, zlib.crc32(dataset.encode("utf-8"))])
+    return np.sort(rng.choice(n, size=k, replace=False))
+
+
+def _write(params: Params, report: SampleReport, rows: list[dict[str, Any]] | None) -> None:
+    table = rows_to_table(rows) if rows else empty_table()
+    write_parquet_atomic(table, sampled_path(params, report.dataset))
+    write_json_atomic(report.as_dict(), sample_metrics_path(params, report.dataset))
+
+
+def run_sample(params: Params, dataset: str) -> SampleReport:
+    """Normalise, clean, de-leak and sample one training dataset (see the module docstring)."""
+    spec = get_spec(dataset)
+    if not spec.trains:
+        raise DataError(f"{dataset} is an evaluation-only dataset; the sample stage draws training rows")
+    report = SampleReport(dataset=dataset, sample_size=params.data.sample_size, seed=params.seed)
+
+    try:
+        raw = load_raw(spec, params)
+    except DataError as exc:
+        if dataset not in params.data.allow_skip:
+            raise
+        report.skipped, report.skip_reason = True, str(exc)
+        report.shortfall = params.data.sample_size
+        report.warnings.append(f"skipped (listed in data.allow_skip): {exc}")
+        log.warning("%s: skipped: %s", dataset, exc)
+        _write(params, report, None)
+        return report
+    report.source, report.rows_source = raw.origin, raw.rows_read
+
+    clean: list[dict[str, Any]] = []
+    drops: Counter[str] = Counter()
+    seen_ids: set[str] = set()
+    seen_questions: set[str] = set()
+    for rec in raw.records:
+        row, reason = normalise_record(rec, spec, params.data.max_question_tokens)
+        if row is None:
+            drops[reason] += 1
+            continue
+        key = question_key(row["question"])
+        if row["id"] in seen_ids:
+            drops["duplicate_id"] += 1
+            continue
+        if key in seen_questions:
+            drops["duplicate_question"] += 1
+            continue
+        seen_ids.add(row["id"])
+        seen_questions.add(key)
+        row["_key"] = key
+        clean.append(row)
+    report.dropped_by_reason.update(drops)
+    report.rows_clean = len(clean)
+
+    eval_keys = evaluation_keys(params, report)
+    kept: list[dict[str, Any]] = []
+    leaked: Counter[str] = Counter()
+    for row in clean:
+        hit = eval_keys.get(row.pop("_key"))
+        if hit:
+            leaked[hit] += 1
+        else:
+            kept.append(row)
+    report.leaked_removed = sum(leaked.values())
+    report.leaked_by_eval_file = dict(sorted(leaked.items()))
+    report.rows_available = len(kept)
+
+    k = min(params.data.sample_size, len(kept))
+    report.rows_written = k
+    report.shortfall = params.data.sample_size - k
+    if report.shortfall:
+        report.warnings.append(
+            f"only {len(kept)} usable rows after cleaning and leakage removal; "
+            f"wrote all of them ({report.shortfall} short of sample_size {params.data.sample_size})"
+        )
+        log.warning("%s: %s", dataset, report.warnings[-1])
+    chosen = [kept[i] for i in draw_indices(len(kept), k, params.seed, dataset)]
+    _write(params, report, chosen)
+    log.info(
+        "%s: %d source rows, %d dropped %s, %d leaked, %d written",
+        dataset,
+        report.rows_source,
+        sum(drops.values()),
+        dict(drops),
+        report.leaked_removed,
+        k,
+    )
+    return report

@@ -1,0 +1,118 @@
+"""The Prompt-R1 agent as an MLflow pyfunc model: questions in, answers (via the environment) out.
+
+`mlflow.pyfunc.load_model("models:/<name>@champion").predict(pd.DataFrame({"question": [...]}))` runs the
+same rollout as training and evaluation: the bundled agent prompts the configured environment for up to
+`max_turns` turns and answers.
+
+Design decisions:
+- **What the model bundles.** The merged agent directory (artifact `agent`), the environment
+  configuration as JSON (artifact `environment`: endpoint, served model, sampling, system message and the
+  *name* of the API-key variable; never a key, which the params never hold), the agent's rollout limits
+  (the pyfunc `model_config`), and the `pipeline` package itself (`code_paths`) for the protocol, template,
+  rollout and environment client code.
+- **The environment is configurable at load time.** `load_model(uri, model_config={"environment":
+  {"base_url": "http://host:port/v1", "served_name": "..."}})`: the given keys are merged over the logged
+  environment JSON, so one registered agent can be pointed at another endpoint (plug-and-play, method.md).
+  The pyfunc starts no server: the endpoint must be up (`promptr1 env start`, vLLM, or a paid API whose key
+  is in the named variable).
+- **Input.** A DataFrame with `question` and optionally `dataset` (picks the dataset's own instruction,
+  e.g. the math wrapper; default `model_config["default_dataset"]`). Output: one row per question with
+  `answer`, `turns`, `stop_reason`, environment usage and the trajectory as JSON.
+- Decoding is greedy (temperature 0) and the environment's response cache is off (a served model should
+  not write files next to itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+import pandas as pd
+
+log = logging.getLogger(__name__)
+
+AGENT_ARTIFACT = "agent"
+ENVIRONMENT_ARTIFACT = "environment"
+OUTPUT_COLUMNS = ["answer", "turns", "stop_reason", "env_calls", "env_prompt_tokens", "env_completion_tokens",
+                  "env_errors", "trajectory"]
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+class PromptR1Agent(mlflow.pyfunc.PythonModel):
+    """pyfunc wrapper: TransformersPolicy + EnvironmentClient + rollout."""
+
+    def load_context(self, context: Any) -> None:
+        from pipeline.agent.policy import TransformersPolicy
+        from pipeline.config import EnvironmentConfig
+
+        config = dict(context.model_config or {})
+        env_json = json.loads(Path(context.artifacts[ENVIRONMENT_ARTIFACT]).read_text())
+        env_json = _deep_merge(env_json, config.get("environment") or {})
+        env_json["cache"] = False
+        self.env_cfg = EnvironmentConfig.model_validate(env_json)
+        self.agent_cfg = config.get("agent") or {}
+        self.default_dataset = config.get("default_dataset", "hotpotqa")
+        self.policy = TransformersPolicy.from_ref(context.artifacts[AGENT_ARTIFACT], None,
+                                                  self.agent_cfg.get("dtype", "float32"))
+        log.info("Prompt-R1 agent loaded; environment %s (%s)", self.env_cfg.url, self.env_cfg.served_name)
+
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        from pipeline.agent.rollout import run_rollout
+        from pipeline.agent.template import render_user_message
+        from pipeline.environment.client import EnvironmentClient
+        from pipeline.types import PromptItem
+
+        frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        if "question" not in frame.columns:
+            raise ValueError("input needs a 'question' column")
+        datasets = (frame["dataset"].fillna(self.default_dataset) if "dataset" in frame.columns
+                    else pd.Series([self.default_dataset] * len(frame)))
+        items = [
+            PromptItem(uid=str(i), messages=[{"role": "user", "content": render_user_message(str(q), str(ds))}],
+                       gold_answers=[], data_source=str(ds), question=str(q))
+            for i, (q, ds) in enumerate(zip(frame["question"], datasets, strict=True))
+        ]
+        a = self.agent_cfg
+        env = EnvironmentClient(self.env_cfg, cache_path=None)
+        try:
+            trajs = run_rollout(
+                self.policy, env, items, group_size=1, max_turns=int(a.get("max_turns", 5)),
+                max_turn_tokens=int(a.get("max_turn_tokens", 1024)),
+                max_response_tokens=int(a.get("max_response_tokens", 8192)),
+                env_reply_max_chars=int(a.get("env_reply_max_chars", 2048)), temperature=0.0, top_p=1.0,
+                return_logprobs=False, reward_fn=None,
+                max_prompt_tokens=int(a.get("max_prompt_tokens", 8192)),
+            )
+        finally:
+            asyncio.run(env.aclose())
+        from pipeline.evaluate import _trajectory_record
+
+        return pd.DataFrame([{
+            "answer": t.answer, "turns": t.num_turns, "stop_reason": t.stop_reason, "env_calls": t.usage.calls,
+            "env_prompt_tokens": t.usage.prompt_tokens, "env_completion_tokens": t.usage.completion_tokens,
+            "env_errors": t.usage.errors,
+            "trajectory": json.dumps(_trajectory_record(t), ensure_ascii=False, default=str),
+        } for t in trajs], columns=OUTPUT_COLUMNS)
+
+
+def signature() -> Any:
+    """Input: question (+ optional dataset); output: answer and trajectory columns."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    inputs = Schema([ColSpec("string", "question"), ColSpec("string", "dataset", required=False)])
+    outputs = Schema([ColSpec("string", "answer"), ColSpec("long", "turns"), ColSpec("string", "stop_reason"),
+                      ColSpec("long", "env_calls"), ColSpec("long", "env_prompt_tokens"),
+                      ColSpec("long", "env_completion_tokens"), ColSpec("long", "env_errors"),
+                      ColSpec("string", "trajectory")])
+    return ModelSignature(inputs=inputs, outputs=outputs)

@@ -1,0 +1,293 @@
+"""Stage `register`: log the merged agent to MLflow, register a version, and move `champion` by a stated rule.
+
+The straight path (`run_register`): read the candidate's evaluation averages (reports/eval/metrics.json)
+→ inside the `register` child run, log the merged model (transformers flavor) and the pyfunc `agent`
+model, registering a new version of `register.model_name` → read the current champion's averages from
+its version tags → decide → set the alias (or not) → write reports/promotion.json, tag the version, print.
+
+Promotion rule (all numbers in points, the evaluation's headline metrics mode; `m` = `register.metric`):
+- No champion yet: the new version becomes champion.
+- `ci_rule: confident` (default) uses the candidate's 95% bootstrap CIs; the champion's stored means are
+  the reference values:
+  1. ID gain (superiority): candidate ID average of `m`, *lower* CI bound ≥ champion ID mean + `margin`.
+  2. OOD guard (non-inferiority), for every OOD average the two share (EM, F1, SSim): candidate's
+     *lower* CI bound ≥ champion OOD mean − `ood_tolerance`.
+  Promote only if both hold. So a promotion needs evidence of a gain and evidence of no OOD loss beyond
+  the tolerance; with few rows per dataset the CIs are wide and the champion stays (the honest outcome:
+  a 4-row evaluation cannot show a 0.5-point gain).
+- `ci_rule: point` compares means only: ID mean ≥ champion + margin, and every OOD mean ≥ champion −
+  tolerance.
+A run whose evaluation used a different number of rows or metrics mode than the champion's is still
+compared, with a note in the reasons.
+
+Where the decision goes: `reports/promotion.json`, tags `promotion.*` on the new version (and the
+candidate's averages as `eval.*` tags, which is where the next run reads the champion's numbers from), the
+register run's tags/metrics, and one printed line.
+
+Models: the transformers flavor is logged from the merged directory *path* (MLflow copies the checkpoint
+files without loading the model into memory). The pyfunc `agent` (pipeline/pyfunc_agent.py) bundles the
+same directory, the environment configuration (key variable name only) and the pipeline code; that is
+the registered model, since it is what answers questions. Both logs pin `pip_requirements` so MLflow does
+not load the model again to infer them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from pipeline.errors import UserError
+from pipeline.evaluate import TRAINED
+from pipeline.metrics import HEADLINE_METRICS
+
+if TYPE_CHECKING:
+    from pipeline.config import Params, RegisterConfig
+
+log = logging.getLogger(__name__)
+
+PROMOTION_FILE = "promotion.json"
+TAG_PREFIX = "eval."
+
+
+# --- the rule ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalAverages:
+    """A model's ID/OOD averages (points) with CIs, as evaluate wrote them or as stored in version tags."""
+
+    id: dict[str, dict[str, float]]
+    """metric → {mean, low, high}"""
+    ood: dict[str, dict[str, float]]
+    mode: str = "ours"
+    rows_per_dataset: int = 0
+
+    @classmethod
+    def from_metrics_json(cls, metrics: dict[str, Any], system: str = TRAINED) -> EvalAverages:
+        try:
+            averages = metrics["averages"][system]
+        except KeyError as exc:
+            raise UserError(f"metrics.json has no averages for {system!r}: rerun `promptr1 evaluate`") from exc
+        return cls(id=dict(averages.get("id", {})), ood=dict(averages.get("ood", {})),
+                   mode=str(metrics.get("mode", "ours")), rows_per_dataset=int(metrics.get("rows_per_dataset", 0)))
+
+    def to_tags(self) -> dict[str, str]:
+        tags = {f"{TAG_PREFIX}mode": self.mode, f"{TAG_PREFIX}rows_per_dataset": str(self.rows_per_dataset)}
+        for split, per_metric in (("id", self.id), ("ood", self.ood)):
+            for metric, ci in per_metric.items():
+                for k in ("mean", "low", "high"):
+                    tags[f"{TAG_PREFIX}{split}.{metric}.{k}"] = f"{ci[k]:.4f}"
+        return tags
+
+    @classmethod
+    def from_tags(cls, tags: dict[str, str]) -> EvalAverages | None:
+        out: dict[str, dict[str, dict[str, float]]] = {"id": {}, "ood": {}}
+        for key, value in tags.items():
+            parts = key.split(".")
+            if len(parts) == 4 and parts[0] + "." == TAG_PREFIX and parts[1] in out:
+                out[parts[1]].setdefault(parts[2], {})[parts[3]] = float(value)
+        if not out["id"]:
+            return None
+        return cls(id=out["id"], ood=out["ood"], mode=tags.get(f"{TAG_PREFIX}mode", "ours"),
+                   rows_per_dataset=int(tags.get(f"{TAG_PREFIX}rows_per_dataset", "0")))
+
+
+@dataclass
+class PromotionDecision:
+    promote: bool
+    reasons: list[str] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    """Each comparison made: name, candidate value used, threshold, passed."""
+
+
+def decide_promotion(candidate: EvalAverages, champion: EvalAverages | None, cfg: RegisterConfig) -> PromotionDecision:
+    """Apply the promotion rule of the module docstring."""
+    if champion is None:
+        return PromotionDecision(True, ["no current champion: the first version becomes champion"])
+    metric, confident = cfg.metric, cfg.ci_rule == "confident"
+    if metric not in candidate.id:
+        raise UserError(f"register.metric={metric!r} has no ID average in metrics.json "
+                        f"(available: {sorted(candidate.id)})")
+    reasons: list[str] = []
+    checks: list[dict[str, Any]] = []
+    if (candidate.mode, candidate.rows_per_dataset) != (champion.mode, champion.rows_per_dataset):
+        reasons.append(f"note: champion was evaluated with mode={champion.mode}, rows={champion.rows_per_dataset}; "
+                       f"candidate with mode={candidate.mode}, rows={candidate.rows_per_dataset}")
+    if metric not in champion.id:
+        return PromotionDecision(True, [*reasons, f"champion has no ID {metric} recorded: promoting"], checks)
+
+    bound = "low" if confident else "mean"
+    cand_id = candidate.id[metric][bound]
+    need = champion.id[metric]["mean"] + cfg.margin
+    id_ok = cand_id >= need
+    checks.append({"check": f"id.{metric}", "candidate_" + bound: cand_id, "threshold": round(need, 4),
+                   "champion_mean": champion.id[metric]["mean"], "passed": id_ok})
+    reasons.append(
+        f"ID {metric}: candidate {bound} {cand_id:.2f} {'≥' if id_ok else '<'} champion {champion.id[metric]['mean']:.2f}"
+        f" + margin {cfg.margin:g} = {need:.2f}"
+    )
+    ood_ok = True
+    for m in HEADLINE_METRICS:
+        if m not in candidate.ood or m not in champion.ood:
+            continue
+        value = candidate.ood[m][bound]
+        floor = champion.ood[m]["mean"] - cfg.ood_tolerance
+        ok = value >= floor
+        ood_ok &= ok
+        checks.append({"check": f"ood.{m}", "candidate_" + bound: value, "threshold": round(floor, 4),
+                       "champion_mean": champion.ood[m]["mean"], "passed": ok})
+        if not ok:
+            reasons.append(f"OOD {m}: candidate {bound} {value:.2f} < champion {champion.ood[m]['mean']:.2f}"
+                           f" − tolerance {cfg.ood_tolerance:g} = {floor:.2f}")
+    if ood_ok:
+        reasons.append(f"OOD: no average below champion − {cfg.ood_tolerance:g} (at the candidate's {bound})")
+    return PromotionDecision(id_ok and ood_ok, reasons, checks)
+
+
+# --- MLflow models -----------------------------------------------------------------------------------
+
+
+def _pip_requirements() -> list[str]:
+    from importlib.metadata import version
+
+    reqs = []
+    for pkg in ("mlflow", "torch", "transformers", "openai", "pandas", "pydantic", "pyyaml", "numpy"):
+        try:
+            reqs.append(f"{pkg}=={version(pkg).split('+')[0]}")
+        except Exception:  # noqa: BLE001 - a package missing here is simply not pinned
+            reqs.append(pkg)
+    return reqs
+
+
+def _agent_model_config(params: Params) -> dict[str, Any]:
+    a = params.agent
+    return {
+        "agent": {"dtype": a.dtype, "max_turns": a.max_turns, "max_turn_tokens": params.evaluate.agent_max_turn_tokens,
+                  "max_response_tokens": a.max_response_tokens, "env_reply_max_chars": a.env_reply_max_chars,
+                  "max_prompt_tokens": a.max_prompt_tokens},
+        "default_dataset": params.data.id_eval_datasets[0] if params.data.id_eval_datasets else "hotpotqa",
+        "environment": {},
+    }
+
+
+def environment_json(params: Params) -> dict[str, Any]:
+    """The environment configuration the pyfunc bundles: endpoint, model, sampling, key *variable name*."""
+    env = params.environment.model_dump(mode="json")
+    env["base_url"] = params.environment.url  # a concrete endpoint, whatever host/port/base_url said
+    env["cache"] = False
+    return env
+
+
+def log_models(params: Params, model_dir: Path, tmp_dir: Path) -> Any:
+    """Log the transformers flavor and the registered pyfunc agent in the active run; return the pyfunc's ModelInfo."""
+    import mlflow
+    import mlflow.pyfunc
+
+    import pipeline
+    from pipeline.pyfunc_agent import AGENT_ARTIFACT, ENVIRONMENT_ARTIFACT, PromptR1Agent, signature
+
+    reqs = _pip_requirements()
+    if (model_dir / "config.json").is_file():
+        import mlflow.transformers
+
+        mlflow.transformers.log_model(transformers_model=str(model_dir), name="agent_transformers",
+                                      task="text-generation", pip_requirements=reqs)
+    else:
+        log.warning("%s has no config.json (not a Hugging Face model directory): transformers flavor skipped",
+                    model_dir)
+    env_file = tmp_dir / "environment.json"
+    env_file.write_text(json.dumps(environment_json(params), indent=2))
+    return mlflow.pyfunc.log_model(
+        name="agent",
+        python_model=PromptR1Agent(),
+        artifacts={AGENT_ARTIFACT: str(model_dir), ENVIRONMENT_ARTIFACT: str(env_file)},
+        model_config=_agent_model_config(params),
+        code_paths=[str(Path(pipeline.__file__).parent)],
+        signature=signature(),
+        pip_requirements=reqs,
+        registered_model_name=params.register.model_name,
+    )
+
+
+def current_champion(client: Any, name: str, alias: str) -> Any | None:
+    """The model version the alias points at, or None."""
+    import mlflow.exceptions
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except mlflow.exceptions.MlflowException:
+        return None
+
+
+# --- the stage ---------------------------------------------------------------------------------------
+
+
+def run_register(params: Params) -> dict[str, Any]:
+    """Stage 7: register a new version; move the champion alias when the rule holds. Returns promotion.json."""
+    import tempfile
+
+    import mlflow
+
+    from pipeline.tracking import stage_run
+
+    cfg = params.register
+    model_dir = params.path(params.paths.model_dir)
+    if not model_dir.exists():
+        raise UserError(f"no merged agent at {model_dir}: run `promptr1 merge` (dvc repro merge) first")
+    metrics_file = params.path(params.paths.reports_dir) / "eval" / "metrics.json"
+    if not metrics_file.is_file():
+        raise UserError(f"{metrics_file} is missing: run `promptr1 evaluate` first")
+    candidate = EvalAverages.from_metrics_json(json.loads(metrics_file.read_text()))
+
+    with stage_run(params, "register") as run, tempfile.TemporaryDirectory() as tmp:
+        client = mlflow.MlflowClient()
+        info = log_models(params, model_dir, Path(tmp))
+        version = str(info.registered_model_version)
+        champ_version = current_champion(client, cfg.model_name, cfg.alias)
+        champion = EvalAverages.from_tags(dict(champ_version.tags)) if champ_version is not None else None
+        if champ_version is not None and champion is None:
+            decision = PromotionDecision(True, [(f"champion v{champ_version.version} has no recorded evaluation "
+                                                "(eval.* tags): replacing it")])
+        else:
+            decision = decide_promotion(candidate, champion, cfg)
+
+        for key, value in candidate.to_tags().items():
+            client.set_model_version_tag(cfg.model_name, version, key, value)
+        if decision.promote:
+            client.set_registered_model_alias(cfg.model_name, cfg.alias, version)
+        after = client.get_model_version_by_alias(cfg.model_name, cfg.alias).version
+        verdict = "promoted" if decision.promote else "kept"
+        reason = "; ".join(decision.reasons)
+        client.set_model_version_tag(cfg.model_name, version, "promotion.decision", verdict)
+        client.set_model_version_tag(cfg.model_name, version, "promotion.reason", reason[:4900])
+        client.set_model_version_tag(cfg.model_name, version, "promotion.rule",
+                                     f"{cfg.ci_rule}; metric={cfg.metric}; margin={cfg.margin}; "
+                                     f"ood_tolerance={cfg.ood_tolerance}")
+        client.set_model_version_tag(cfg.model_name, version, "source_run_id", run.info.run_id)
+        mlflow.set_tags({"promotion.decision": verdict, "registered_model": cfg.model_name,
+                         "registered_version": version})
+        mlflow.log_metric("promoted", float(decision.promote))
+
+        result = {
+            "model_name": cfg.model_name, "version": version, "alias": cfg.alias, "promoted": decision.promote,
+            "decision": verdict, "champion_before": champ_version.version if champ_version is not None else None,
+            "champion_after": str(after), "model_uri": f"models:/{cfg.model_name}@{cfg.alias}",
+            "rule": {"metric": cfg.metric, "margin": cfg.margin, "ood_tolerance": cfg.ood_tolerance,
+                     "ci_rule": cfg.ci_rule},
+            "reasons": decision.reasons, "checks": decision.checks,
+            "candidate": asdict(candidate), "champion": asdict(champion) if champion is not None else None,
+            "run_id": run.info.run_id,
+        }
+        out = params.path(params.paths.reports_dir) / PROMOTION_FILE
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2, ensure_ascii=False))
+        mlflow.log_artifact(str(out))
+    line = (f"{cfg.model_name} v{version}: {verdict} ({cfg.alias} → v{after}). {reason}")
+    log.info(line)
+    typer.echo(line)
+    return result

@@ -1,0 +1,70 @@
+"""Stage `train` (`promptr1 train`): GRPO on the agent with the backend params name, tracked in MLflow.
+
+- backend `local` → `pipeline.train.local.train_local` (transformers on CPU / one GPU);
+- backend `verl`  → `pipeline.train.verl_backend.train_verl` (Ray cluster of GPU nodes).
+
+Both run inside `tracking.stage_run(params, "train", new_parent=True)`: a trained model starts a new
+pipeline execution (parent run), recorded in `reports/mlflow_run.json` for the later stages.
+
+Rerunning is safe: the local backend resumes from its last checkpoint. When training is already complete
+(checkpoint at `train.steps`, `reports/train/steps.csv` and `reports/mlflow_run.json` present) the stage
+does nothing, so a forced `dvc repro` does not open an empty MLflow run; if the run file is missing it
+opens one and logs the recorded curve into it, so the stage's outputs are always valid.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from pipeline import tracking
+from pipeline.config import Params
+
+log = logging.getLogger(__name__)
+
+
+def run_train(params: Params) -> None:
+    """Train the agent (see module docstring)."""
+    if params.train.backend == "local":
+        from pipeline.train import local
+
+        if local.training_complete(params) and (params.path(params.paths.reports_dir) / tracking.RUN_FILE).is_file():
+            log.info("train: already complete at %d steps (checkpoints in %s); nothing to do",
+                     params.train.steps, params.paths.checkpoint_dir)
+            return
+    with tracking.stage_run(params, "train", new_parent=True) as run:
+        import mlflow
+
+        mlflow.set_tag("train.backend", params.train.backend)
+        if params.train.backend == "verl":
+            from pipeline.train.verl_backend import train_verl
+
+            train_verl(params, run)
+            return
+        from pipeline.train import local
+
+        if local.training_complete(params):
+            _relog_curve(params)
+            return
+        final = local.train_local(params, run)
+        csv = local.steps_csv_path(params)
+        if csv.is_file():
+            mlflow.log_artifact(str(csv), artifact_path="train")
+        summary = {f"final/{k}": v for k, v in final.items()
+                   if k.startswith(("critic/score", "reward/", "actor/")) and math.isfinite(v)}
+        if summary:
+            mlflow.log_metrics(summary)
+
+
+def _relog_curve(params: Params) -> None:
+    """Log an existing steps.csv into the active run (training done earlier, run record lost)."""
+    import mlflow
+    import pandas as pd
+
+    from pipeline.train.local import steps_csv_path
+
+    frame = pd.read_csv(steps_csv_path(params))
+    for row in frame.to_dict("records"):
+        step = int(row.pop("step"))
+        mlflow.log_metrics({k: float(v) for k, v in row.items() if pd.notna(v)}, step=step)
+    log.info("train: already complete; logged the recorded curve (%d steps) to MLflow", len(frame))

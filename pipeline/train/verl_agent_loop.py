@@ -1,0 +1,270 @@
+"""The Prompt-R1 multi-turn agent loop for verl 0.9.1 (`AgentLoopBase` subclass, registered as `prompt_r1`).
+
+verl makes one loop object per trajectory and awaits `run(sampling_params, **row)`; `row` holds the
+dataset columns (`raw_prompt`, `reward_model`, `extra_info`, `data_source`, …). One trajectory:
+
+    prompt ids  = ConversationBuilder.start(messages)               chat template + "<think>\\n"  (prompt)
+    repeat up to max_turns:
+        agent ids  = server_manager.generate(prompt + response)     stop at </interaction_prompt> or </answer>
+        turn       = parse_turn("<think>\\n" + decoded agent ids)                                (mask 1)
+        stop if the turn answered, gave no interaction prompt, was the last allowed, or the budget is spent
+        reply      = EnvironmentClient.reply(env history, interaction prompt)
+        env ids    = ConversationBuilder.env_turn_ids(reply, agent ids)                          (mask 0)
+
+Design decisions:
+- **Our protocol, not a copy.** Tokens come from `pipeline.agent.protocol.ConversationBuilder`, turns are
+  parsed by `parse_turn`, replies go through `EnvironmentClient`, and the reward parts come from
+  `pipeline.reward`: the same code the local backend, evaluation and `promptr1 ask` run, so an agent trained
+  on GPU sees exactly the token stream it meets at evaluation.
+- **No continuous-token (CT) helpers.** verl's `ct_merge_context_msg` renders appended messages through the
+  chat template's suffix diff; Prompt-R1 needs two things it does not model: every assistant turn is opened
+  by template text (`<think>\\n`, mask 0) and an agent turn ends on a stop string rather than the
+  end-of-turn token, so the closing `<|im_end|>` must be appended as context. `ConversationBuilder` does
+  both append-only (sampled ids are never re-tokenised) and is tested against the whole-conversation
+  rendering for SmolLM2 and Qwen3. The result is the same contract CT gives: append-only ids, mask 1 exactly
+  on sampled tokens, rollout log-probs aligned (0.0 on mask-0 tokens).
+- **Reward.** The loop leaves `reward_score` unset, so verl's reward loop calls our
+  `verl_reward.compute_score`; the turn texts travel in `extra_fields["prompt_r1_turns"]` (verl hands
+  `extra_fields` to the reward function as `extra_info`), so the reward is computed from the exact turns
+  and not from a re-parse of the decoded response. The reward parts computed here are also put in
+  `extra_fields` (`prompt_r1_reward/*`) for trajectory dumps.
+- **Configuration** comes from the trainer config verl gives every loop: the `prompt_r1` block and
+  `reward.custom_reward_function.reward_kwargs` that `verl_backend.build_overrides` writes (so it reaches
+  Ray workers on any node); `actor_rollout_ref.rollout.multi_turn.max_assistant_turns` and
+  `response_length` bound the loop. Without that block (verl run by hand) the params file named by
+  `PROMPTR1_PARAMS`, else the nearest params.yaml, is read.
+- **One environment client per worker process**, kept at module level (a loop object lives for one
+  trajectory), keyed by its configuration. The client's semaphore bounds concurrent environment calls;
+  `environment.concurrency` and `budget_usd` are split evenly over verl's agent-loop workers
+  (`rollout.agent.num_workers`) so the cluster-wide totals match params.
+- **`num_turns` counts agent turns** (our `Trajectory.num_turns`), not verl's tool loop count
+  (user + assistant + 1), so `num_turns/mean` means the same for the local and the verl backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+from uuid import uuid4
+
+from omegaconf import DictConfig, OmegaConf
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
+from verl.utils.profiler import simple_timer
+
+from pipeline.agent.protocol import (
+    STOP_STRINGS,
+    ConversationBuilder,
+    environment_prompt_for,
+    parse_turn,
+)
+from pipeline.config import EnvironmentConfig, RewardConfig
+from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+from pipeline.reward import compute_reward, reward_parts
+from pipeline.train.verl_reward import TURNS_FIELD, as_answer_list
+from pipeline.types import ParsedTurn, StopReason, UsageStats
+
+log = logging.getLogger(__name__)
+
+PARAMS_ENV_VAR = "PROMPTR1_PARAMS"
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What one agent-loop worker needs besides verl's own rollout config."""
+
+    environment: EnvironmentConfig
+    reward: RewardConfig
+    max_turns: int
+    max_turn_tokens: int
+    env_reply_max_chars: int
+    cache_dir: Path | None
+
+    @classmethod
+    def from_trainer_config(cls, config: DictConfig) -> LoopSettings:
+        """From the `prompt_r1` block and reward kwargs of the trainer config, else from params.yaml."""
+        block = config.get("prompt_r1")
+        if block is None:
+            return cls.from_params_file(os.environ.get(PARAMS_ENV_VAR))
+        data = _plain(block)
+        reward_kwargs = _plain(OmegaConf.select(config, "reward.custom_reward_function.reward_kwargs") or {})
+        agent = data.get("agent", {})
+        cache_dir = data.get("cache_dir")
+        return cls(
+            environment=EnvironmentConfig.model_validate(data["environment"]),
+            reward=RewardConfig.model_validate(reward_kwargs),
+            max_turns=int(agent.get("max_turns", 5)),
+            max_turn_tokens=int(agent.get("max_turn_tokens", 1024)),
+            env_reply_max_chars=int(agent.get("env_reply_max_chars", 2048)),
+            cache_dir=Path(cache_dir) if cache_dir else None,
+        )
+
+    @classmethod
+    def from_params_file(cls, path: str | None) -> LoopSettings:
+        from pipeline.config import load_params
+
+        params = load_params(path)
+        return cls(
+            environment=params.environment,
+            reward=params.reward,
+            max_turns=params.agent.max_turns,
+            max_turn_tokens=params.agent.max_turn_tokens,
+            env_reply_max_chars=params.agent.env_reply_max_chars,
+            cache_dir=params.path(params.paths.cache_dir),
+        )
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+_CLIENTS: dict[str, EnvironmentClient] = {}
+
+
+def environment_client(settings: LoopSettings, num_workers: int = 1) -> EnvironmentClient:
+    """This process's client for `settings.environment` (made once, shared by every trajectory)."""
+    env = settings.environment
+    workers = max(1, num_workers)
+    per_worker = env.model_copy(update={
+        "concurrency": max(1, math.ceil(env.concurrency / workers)),
+        "budget_usd": None if env.budget_usd is None else env.budget_usd / workers,
+    })
+    cache_path = settings.cache_dir / CACHE_FILE if (settings.cache_dir and env.cache) else None
+    key = json.dumps([per_worker.model_dump(mode="json"), str(cache_path)], sort_keys=True)
+    client = _CLIENTS.get(key)
+    if client is None:
+        if cache_path is not None:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+        client = _CLIENTS[key] = EnvironmentClient(per_worker, cache_path)
+        log.info("environment client for %s (concurrency %d per worker)", env.url, per_worker.concurrency)
+    return client
+
+
+class PromptR1AgentLoop(AgentLoopBase):
+    """Agent ↔ environment trajectories for GRPO (see the module docstring)."""
+
+    _builders: ClassVar[dict[int, ConversationBuilder]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # verl also passes `tools` (and the YAML entry's `name`); this loop calls no tools.
+        kwargs.pop("tools", None)
+        kwargs.pop("name", None)
+        super().__init__(*args, **kwargs)
+        self.settings = LoopSettings.from_trainer_config(self.config)
+        multi_turn_limit = OmegaConf.select(self.rollout_config, "multi_turn.max_assistant_turns")
+        self.max_turns = int(multi_turn_limit or self.settings.max_turns)
+        self.response_length = int(self.rollout_config.response_length)
+        num_workers = int(OmegaConf.select(self.rollout_config, "agent.num_workers") or 1)
+        self.env = environment_client(self.settings, num_workers)
+        self.builder = self._builder_for(self.tokenizer, self.settings.env_reply_max_chars)
+
+    @classmethod
+    def _builder_for(cls, tokenizer: Any, env_reply_max_chars: int) -> ConversationBuilder:
+        builder = cls._builders.get(id(tokenizer))
+        if builder is None or builder.tokenizer is not tokenizer or builder.env_reply_max_chars != env_reply_max_chars:
+            builder = cls._builders[id(tokenizer)] = ConversationBuilder(tokenizer, env_reply_max_chars)
+        return builder
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        messages = [dict(m) for m in kwargs["raw_prompt"]]
+        gold_answers = gold_answers_of(kwargs)
+        prompt_ids = self._cap_text_prompt_length(self.builder.start(messages))
+        want_logprobs = bool(sampling_params.get("logprobs"))
+        stop_ids = self.builder.stop_token_ids(self.tokenizer.eos_token_id)
+        request_id = uuid4().hex
+
+        response_ids: list[int] = []
+        response_mask: list[int] = []
+        response_logprobs: list[float] = []
+        turns: list[ParsedTurn] = []
+        history: list[dict[str, str]] = []
+        usage = UsageStats()
+        metrics: dict[str, Any] = {}
+        stop_reason: StopReason = "max_turns"
+
+        for turn_index in range(self.max_turns):
+            budget = self.response_length - len(response_mask)
+            if budget <= 0:
+                stop_reason = "token_budget"
+                break
+            turn_params = {
+                **sampling_params,
+                "max_tokens": min(self.settings.max_turn_tokens, budget),
+                "stop": list(STOP_STRINGS),
+                "include_stop_str_in_output": True,
+                "stop_token_ids": sorted(set(sampling_params.get("stop_token_ids") or []) | set(stop_ids)),
+            }
+            with simple_timer("generate_sequences", metrics):
+                output = await self.server_manager.generate(
+                    request_id=request_id, prompt_ids=prompt_ids + response_ids, sampling_params=turn_params
+                )
+            num_preempted = output.num_preempted if output.num_preempted is not None else 0
+            metrics["num_preempted"] = metrics.get("num_preempted", 0) + num_preempted
+            agent_ids = list(output.token_ids)[:budget]
+            response_ids += agent_ids
+            response_mask += [1] * len(agent_ids)
+            if want_logprobs:
+                logprobs = list(output.log_probs or [])[: len(agent_ids)]
+                response_logprobs += logprobs + [0.0] * (len(agent_ids) - len(logprobs))
+
+            text = self.tokenizer.decode(agent_ids, skip_special_tokens=True)
+            turn = parse_turn(self.builder.think_opener + text)
+            turns.append(turn)
+            prompt = environment_prompt_for(turn)
+            if prompt is None:
+                stop_reason = "answer"
+                break
+            if turn_index == self.max_turns - 1:
+                stop_reason = "max_turns"
+                break
+            if len(response_mask) >= self.response_length:
+                stop_reason = "token_budget"
+                break
+
+            with simple_timer("tool_calls", metrics):
+                reply = await self.env.reply(history, prompt)
+            usage.add(reply)
+            history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply.text}]
+            env_ids = self.builder.env_turn_ids(reply.text, agent_ids)
+            if len(response_mask) + len(env_ids) >= self.response_length:
+                # No room left for another agent token after the reply: end on the agent's turn.
+                stop_reason = "token_budget"
+                break
+            response_ids += env_ids
+            response_mask += [0] * len(env_ids)
+            if want_logprobs:
+                response_logprobs += [0.0] * len(env_ids)
+
+        breakdown = compute_reward(turns, gold_answers, self.settings.reward)
+        extra_fields: dict[str, Any] = {
+            TURNS_FIELD: [t.text for t in turns],
+            "prompt_r1_stop_reason": stop_reason,
+            "prompt_r1_env_calls": usage.calls + usage.cache_hits,
+            "prompt_r1_env_errors": usage.errors,
+            "prompt_r1_env_cost_usd": usage.cost_usd,
+            **reward_parts(breakdown, prefix="prompt_r1_reward/"),
+        }
+        metrics.setdefault("num_preempted", -1)
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids[: self.response_length],
+            response_mask=response_mask[: self.response_length],
+            response_logprobs=response_logprobs[: self.response_length] if want_logprobs else None,
+            num_turns=len(turns),
+            metrics=metrics,
+            extra_fields=extra_fields,
+        )
+
+
+def gold_answers_of(row: dict[str, Any]) -> list[str]:
+    """Gold answers of a dataset row: `reward_model.ground_truth` (a list, array or string)."""
+    reward_model = row.get("reward_model") or {}
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    if truth is None:
+        truth = (row.get("extra_info") or {}).get("answers")
+    return as_answer_list(truth)
+

@@ -1,0 +1,363 @@
+"""Backend `verl`: GRPO on GPU nodes with verl 0.9.1, driven by our typed params (no fork, no bash blobs).
+
+`build_overrides(params)` turns `Params` into the Hydra overrides of verl's own `ppo_trainer.yaml`;
+`train_verl(params, run)` launches `python -m verl.trainer.main_ppo <overrides>` on a running Ray cluster,
+streams its log, attaches verl's MLflow logger to our run and exports the step metrics to
+`reports/train/steps.csv`.
+
+Our code enters verl only at its documented extension points:
+- the agent loop `pipeline.train.verl_agent_loop.PromptR1AgentLoop`, registered as `prompt_r1` by
+  `pipeline/train/agent_loop.yaml` (`actor_rollout_ref.rollout.agent.agent_loop_config_path`) and made the
+  default loop, so rows without an `agent_name` column use it too;
+- the reward function `pipeline/train/verl_reward.py:compute_score` (`reward.custom_reward_function`),
+  with our reward preset and coefficients passed as `reward.custom_reward_function.reward_kwargs`;
+- one extra config block, `prompt_r1` (environment endpoint, turn limits, cache path), that verl carries
+  untouched to every agent-loop worker inside the trainer config. It replaces environment variables or
+  side files, which would not reach Ray workers on other nodes.
+
+Decisions:
+- **Trainer: `trainer.use_v1=false` by default** (`train.verl.use_v1`). verl 0.9.1's default V1 trainer
+  imports the `TransferQueue` package, which the pinned `verl==0.9.1` install does not bring (only the
+  `verl[verl-core]` extra does). The legacy trainer (`verl.trainer.main_ppo_v0`, still shipped in 0.9.1,
+  logs a deprecation warning) runs the same agent loop, reward loop and GRPO code without it. Set
+  `train.verl.use_v1: true` after `pip install 'verl[verl-core]==0.9.1'`; `train_verl` checks the import
+  first and says what to install.
+- **Batch sizes are in questions**, as in verl: `data.train_batch_size` = `train.batch_size`,
+  `ppo_mini_batch_size` = `train.mini_batch_size` (verl multiplies both by `rollout.n` = G), micro-batches
+  per GPU = `train.micro_batch_size` (also used for the rollout and reference log-prob passes).
+- **Lengths**: `data.max_response_length` = `agent.max_response_tokens` covers every turn including the
+  environment's replies (mask 0); one agent turn is capped by `agent.max_turn_tokens` in the agent loop;
+  `rollout.multi_turn.max_assistant_turns` = `agent.max_turns`.
+- **MLflow**: `trainer.logger=[console,mlflow]`; verl's logger runs inside Ray actors, so
+  `MLFLOW_TRACKING_URI` and `MLFLOW_RUN_ID` (our active child run) are set both in the launcher's
+  environment and in the Ray job's `runtime_env`, and verl logs into our run instead of opening its own.
+- **Secrets** (the environment API key) never go into overrides (verl prints its whole config): the
+  variable named by `environment.api_key_env` must be set where `ray start` ran on every node, because
+  Ray workers inherit the raylet's environment.
+
+Multi-node (one head, N-1 workers; every node has this package installed, e.g. the project's Docker image,
+the same path to the data and checkpoint folders (a shared filesystem), and the API key variable set):
+
+    # on the head node
+    ray start --head --port=6379 --num-gpus=8
+    # on each worker node
+    ray start --address=<head-ip>:6379 --num-gpus=8
+    # on the head node, from the project root
+    promptr1 train -S profile=paper -S train.verl.nnodes=N -S train.verl.ray_address=auto
+
+`ray_address: auto` joins the cluster started on this machine (`ray status` must list all nodes);
+`ray_address: ""` lets verl start a private single-node Ray instance instead. With more than one node use
+an MLflow tracking server (`MLFLOW_TRACKING_URI=http://…`) rather than the default SQLite file, since
+verl's logger may run on any node. Checkpoints land in `paths.checkpoint_dir/global_step_N/actor/`
+(`trainer.resume_mode=auto` resumes from the latest one); `promptr1 merge` converts them with verl's
+model merger.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import importlib.util
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Params
+from pipeline.errors import DataError, UserError
+
+log = logging.getLogger(__name__)
+
+AGENT_NAME = "prompt_r1"
+AGENT_LOOP_CONFIG = Path(__file__).with_name("agent_loop.yaml")
+REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
+REWARD_FUNCTION_NAME = "compute_score"
+LOG_TAIL_LINES = 60
+
+_ENVIRONMENT_FIELDS_FOR_WORKERS = (
+    "backend", "model", "served_name", "host", "port", "base_url", "api_key_env", "system_prompt",
+    "temperature", "max_tokens", "timeout_s", "max_retries", "backoff_base_s", "concurrency", "cache",
+    "price_per_million_prompt", "price_per_million_completion", "budget_usd",
+)
+"""What the agent-loop workers need to build an `EnvironmentClient` (the `server` launch block is not)."""
+
+
+# ------------------------------------------------------------------------------------------- overrides
+def hydra_value(value: Any) -> str:
+    """Render a Python value as a Hydra override value (strings always quoted, so any text round-trips)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str):
+        # Inside a quoted Hydra string only backslashes before a quote or at the end need escaping;
+        # "${" would start an OmegaConf interpolation, so it is escaped too.
+        text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+        text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
+        text = text.replace("${", "\\${")
+        return f"'{text}'"
+    raise TypeError(f"cannot render {value!r} ({type(value).__name__}) as a Hydra override")
+
+
+def _kv(key: str, value: Any) -> str:
+    return f"{key}={hydra_value(value)}"
+
+
+def model_location(params: Params) -> str:
+    """The agent model as verl can load it: a local Hugging Face directory or a Hub id (not a GGUF file)."""
+    from pipeline.modelref import resolve_model
+
+    resolved = resolve_model(params.agent.model, params.root)
+    if resolved.gguf_file:
+        raise UserError(
+            f"agent.model {params.agent.model!r} is a GGUF file; the verl backend needs a Hugging Face model "
+            "directory or Hub id (e.g. the paper profile's Qwen/Qwen3-4B), or use train.backend=local"
+        )
+    if resolved.is_local:
+        return str(Path(resolved.location).resolve())
+    return resolved.location
+
+
+def train_file(params: Params) -> Path:
+    return params.path(params.paths.rl_dir).resolve() / "train.parquet"
+
+
+def eval_files(params: Params) -> list[Path]:
+    """The evaluation sets the build stage writes, in params' order (ID then OOD)."""
+    eval_dir = params.path(params.paths.rl_dir).resolve() / "eval"
+    return [eval_dir / f"{name}.parquet" for name in params.eval_datasets]
+
+
+def build_overrides(params: Params, *, val_files: list[Path] | None = None) -> list[str]:
+    """verl Hydra overrides for `ppo_trainer.yaml` from our typed params, then `train.verl.extra_overrides`.
+
+    `val_files` defaults to every evaluation set named by params (`train_verl` passes the existing ones).
+    """
+    t, v, a = params.train, params.train.verl, params.agent
+    val = [str(p) for p in (val_files if val_files is not None else eval_files(params))]
+    checkpoint_dir = params.path(params.paths.checkpoint_dir).resolve()
+    overrides = [
+        # GRPO (method.md): group-normalised outcome advantage, KL to the reference as a loss term
+        _kv("algorithm.adv_estimator", "grpo"),
+        _kv("algorithm.norm_adv_by_std_in_grpo", True),
+        _kv("algorithm.use_kl_in_reward", False),
+        # data
+        _kv("data.train_files", str(train_file(params))),
+        _kv("data.val_files", val),
+        _kv("data.train_batch_size", t.batch_size),
+        _kv("data.max_prompt_length", a.max_prompt_tokens),
+        _kv("data.max_response_length", a.max_response_tokens),
+        _kv("data.filter_overlong_prompts", True),
+        _kv("data.truncation", "error"),
+        _kv("data.return_raw_chat", True),
+        _kv("data.seed", params.seed),
+        # policy model and optimiser
+        _kv("actor_rollout_ref.model.path", model_location(params)),
+        _kv("actor_rollout_ref.model.enable_gradient_checkpointing", t.gradient_checkpointing),
+        _kv("actor_rollout_ref.model.use_remove_padding", True),
+        _kv("actor_rollout_ref.actor.optim.lr", t.lr),
+        _kv("actor_rollout_ref.actor.optim.weight_decay", t.weight_decay),
+        _kv("actor_rollout_ref.actor.optim.clip_grad", t.grad_clip),
+        _kv("actor_rollout_ref.actor.ppo_mini_batch_size", t.mini_batch_size),
+        _kv("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", t.micro_batch_size),
+        _kv("actor_rollout_ref.actor.ppo_epochs", t.ppo_epochs),
+        _kv("actor_rollout_ref.actor.clip_ratio_low", t.clip_ratio_low),
+        _kv("actor_rollout_ref.actor.clip_ratio_high", t.clip_ratio_high),
+        _kv("actor_rollout_ref.actor.loss_agg_mode", t.loss_agg_mode),
+        _kv("actor_rollout_ref.actor.use_kl_loss", t.use_kl_loss),
+        _kv("actor_rollout_ref.actor.kl_loss_coef", t.kl_loss_coef),
+        _kv("actor_rollout_ref.actor.kl_loss_type", t.kl_loss_type),
+        _kv("actor_rollout_ref.actor.entropy_coeff", 0),
+        _kv("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", t.micro_batch_size),
+        # rollout: vLLM (or sglang) server mode, G samples per question, our multi-turn agent loop
+        _kv("actor_rollout_ref.rollout.name", v.rollout_name),
+        _kv("actor_rollout_ref.rollout.mode", "async"),
+        _kv("actor_rollout_ref.rollout.n", t.group_size),
+        _kv("actor_rollout_ref.rollout.temperature", a.temperature),
+        _kv("actor_rollout_ref.rollout.top_p", a.top_p),
+        _kv("actor_rollout_ref.rollout.tensor_model_parallel_size", v.rollout_tp),
+        _kv("actor_rollout_ref.rollout.gpu_memory_utilization", v.rollout_gpu_memory_utilization),
+        _kv("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", t.micro_batch_size),
+        _kv("actor_rollout_ref.rollout.multi_turn.enable", True),
+        _kv("actor_rollout_ref.rollout.multi_turn.max_assistant_turns", a.max_turns),
+        _kv("actor_rollout_ref.rollout.agent.agent_loop_config_path", str(AGENT_LOOP_CONFIG)),
+        _kv("actor_rollout_ref.rollout.agent.default_agent_loop", AGENT_NAME),
+        # reward: our double-constrained reward, preset and coefficients from params.reward
+        _kv("reward.custom_reward_function.path", str(REWARD_FUNCTION_FILE)),
+        _kv("reward.custom_reward_function.name", REWARD_FUNCTION_NAME),
+        *reward_kwargs_overrides(params),
+        # trainer
+        _kv("trainer.use_v1", v.use_v1),
+        _kv("trainer.n_gpus_per_node", v.n_gpus_per_node),
+        _kv("trainer.nnodes", v.nnodes),
+        _kv("trainer.total_epochs", t.total_epochs),
+        _kv("trainer.save_freq", v.save_freq),
+        _kv("trainer.test_freq", v.test_freq),
+        _kv("trainer.val_before_train", v.val_before_train),
+        _kv("trainer.default_local_dir", str(checkpoint_dir)),
+        _kv("trainer.resume_mode", "auto"),
+        _kv("trainer.logger", ["console", "mlflow"]),
+        _kv("trainer.project_name", params.mlflow.experiment),
+        _kv("trainer.experiment_name", f"prompt-r1-{params.profile}"),
+        *_lora_overrides(params),
+        *agent_loop_overrides(params),
+    ]
+    return [*overrides, *v.extra_overrides]
+
+
+def reward_kwargs_overrides(params: Params) -> list[str]:
+    """`+reward.custom_reward_function.reward_kwargs.*`: the preset and every non-null coefficient."""
+    r = params.reward
+    prefix = "+reward.custom_reward_function.reward_kwargs"
+    out = [_kv(f"{prefix}.preset", r.preset)]
+    for name in ("alpha", "beta", "gamma", "delta", "eps"):
+        value = getattr(r, name)
+        if value is not None:
+            out.append(_kv(f"{prefix}.{name}", float(value)))
+    return out
+
+
+def agent_loop_overrides(params: Params) -> list[str]:
+    """The `+prompt_r1.*` block the agent-loop workers read (see verl_agent_loop.LoopSettings)."""
+    env = params.environment
+    out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
+    out += [
+        _kv("+prompt_r1.agent.max_turns", params.agent.max_turns),
+        _kv("+prompt_r1.agent.max_turn_tokens", params.agent.max_turn_tokens),
+        _kv("+prompt_r1.agent.env_reply_max_chars", params.agent.env_reply_max_chars),
+        _kv("+prompt_r1.cache_dir", str(params.path(params.paths.cache_dir).resolve())),
+    ]
+    return out
+
+
+def _lora_overrides(params: Params) -> list[str]:
+    lora = params.train.lora
+    if not lora.enabled:
+        return []
+    return [
+        _kv("actor_rollout_ref.model.lora_rank", lora.r),
+        _kv("actor_rollout_ref.model.lora_alpha", lora.alpha),
+        _kv("actor_rollout_ref.model.target_modules", list(lora.target_modules)),
+    ]
+
+
+def _mlflow_runtime_env_overrides(tracking_uri: str, run_id: str) -> list[str]:
+    prefix = "+ray_kwargs.ray_init.runtime_env.env_vars"
+    return [
+        _kv(f"{prefix}.MLFLOW_TRACKING_URI", tracking_uri),
+        _kv(f"{prefix}.MLFLOW_RUN_ID", run_id),
+        _kv(f"{prefix}.MLFLOW_DISABLE_TELEMETRY", "true"),
+    ]
+
+
+# ------------------------------------------------------------------------------------------- launch
+def _preflight(params: Params) -> list[Path]:
+    """Fail fast, with what to do, before Ray and GPUs are involved; returns the existing eval files."""
+    if not train_file(params).is_file():
+        raise DataError(f"{train_file(params)} not found: run `dvc repro build` (or `promptr1 build`) first")
+    if params.train.verl.use_v1 and importlib.util.find_spec("transfer_queue") is None:
+        raise UserError(
+            "train.verl.use_v1=true needs the TransferQueue package: pip install 'verl[verl-core]==0.9.1', "
+            "or set train.verl.use_v1=false (the legacy trainer)"
+        )
+    present = [p for p in eval_files(params) if p.is_file()]
+    missing = [p.name for p in eval_files(params) if not p.is_file()]
+    if missing:
+        log.warning("validation sets not found, left out of verl validation: %s", ", ".join(missing))
+    if not present and (params.train.verl.val_before_train or params.train.verl.test_freq > 0):
+        raise DataError(f"no evaluation set under {params.path(params.paths.rl_dir) / 'eval'}: run the build stage")
+    return present
+
+
+def train_verl(params: Params, run: Any) -> None:
+    """Run verl's PPO trainer (GRPO) with our agent loop and reward; `run` is the active MLflow child run.
+
+    Raises UserError (with the log tail) when verl exits non-zero.
+    """
+    from pipeline.tracking import tracking_uri
+
+    val_files = _preflight(params)
+    run_id = run.info.run_id
+    uri = tracking_uri(params)
+    overrides = build_overrides(params, val_files=val_files) + _mlflow_runtime_env_overrides(uri, run_id)
+
+    reports = params.path(params.paths.reports_dir) / "train"
+    reports.mkdir(parents=True, exist_ok=True)
+    (reports / "verl_overrides.txt").write_text("\n".join(overrides) + "\n", encoding="utf-8")
+    params.path(params.paths.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+
+    env = dict(os.environ)
+    env.update({"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_DISABLE_TELEMETRY": "true",
+                "HYDRA_FULL_ERROR": "1", "RAY_USAGE_STATS_ENABLED": env.get("RAY_USAGE_STATS_ENABLED", "0")})
+    if params.train.verl.ray_address:
+        env["RAY_ADDRESS"] = params.train.verl.ray_address
+    else:
+        env.pop("RAY_ADDRESS", None)
+
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
+             reports / "verl_overrides.txt", params.train.verl.ray_address or "local")
+    rc, tail = _stream(command, env=env, cwd=params.root, log_file=reports / "verl.log")
+    if rc != 0:
+        hint = ""
+        if "Could not find any running Ray instance" in tail:
+            hint = " (no Ray cluster: run `ray start --head` first, or set train.verl.ray_address='')"
+        raise UserError(f"verl training failed with exit code {rc}{hint}; see {reports / 'verl.log'}. "
+                        f"Last lines:\n{tail}")
+    rows = export_steps_csv(run_id, reports / "steps.csv")
+    log.info("verl finished: %d logged steps written to %s", rows, reports / "steps.csv")
+
+
+def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path) -> tuple[int, str]:
+    """Run `command`, mirroring its output to the log and `log_file`; (exit code, last lines)."""
+    tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+    child_log = logging.getLogger("verl")
+    with open(log_file, "w", encoding="utf-8") as sink:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, bufsize=1, start_new_session=True)
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:
+                sink.write(line)
+                line = line.rstrip("\n")
+                tail.append(line)
+                child_log.info("%s", line)
+            rc = process.wait()
+        except BaseException:
+            # Ctrl-C or a failure here: take the whole verl process group down with us.
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(process.pid, signal.SIGKILL)
+            raise
+    return rc, "\n".join(tail)
+
+
+def export_steps_csv(run_id: str, path: Path) -> int:
+    """Write the run's per-step metrics (verl's names) as `step,<metric>,…`; returns the number of steps."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    keys = sorted(client.get_run(run_id).data.metrics)
+    by_step: dict[int, dict[str, float]] = collections.defaultdict(dict)
+    for key in keys:
+        for m in client.get_metric_history(run_id, key):
+            by_step[m.step][key] = m.value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", *keys])
+        writer.writeheader()
+        for step in sorted(by_step):
+            writer.writerow({"step": step, **by_step[step]})
+    return len(by_step)

@@ -1,0 +1,214 @@
+"""Server launcher: commands built from params, reuse, api mode, start/stop semantics, CLI state file.
+
+Fast tests use tests/fault_server.py as the served process (a real process answering /v1/models) so the
+start → health → stop machinery is exercised in about a second; tests/test_environment_llamacpp.py does
+the same with the real llama.cpp server (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from fault_server import FaultServer
+
+from pipeline.config import load_params
+from pipeline.environment import servers
+from pipeline.environment.servers import (
+    STATE_FILE,
+    cli_start,
+    cli_status,
+    cli_stop,
+    environment_server,
+    is_healthy,
+    server_command,
+    started_server,
+)
+from pipeline.errors import EnvironmentUnavailable
+
+FAULT_SERVER = Path(__file__).resolve().parent / "fault_server.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture()
+def local_params(params, tmp_path):
+    params.paths.cache_dir = str(tmp_path / "cache")
+    params.environment.port = free_port()
+    params.environment.server.startup_timeout_s = 20
+    return params
+
+
+@pytest.fixture()
+def stand_in(monkeypatch):
+    """Serve with the fault server process instead of llama.cpp (same start/health/stop path)."""
+
+    def command(params):
+        return [sys.executable, str(FAULT_SERVER), "--port", str(params.environment.port)]
+
+    monkeypatch.setattr(servers, "server_command", command)
+
+
+def test_llamacpp_command_from_params(local_params):
+    cfg = local_params.environment
+    cfg.server.extra_args = ["--verbose", "false"]
+    cmd = server_command(local_params)
+    assert cmd[:3] == [sys.executable, "-m", "llama_cpp.server"]
+    args = dict(zip(cmd[3:-2:2], cmd[4:-2:2], strict=True))
+    assert args["--model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and Path(args["--model"]).is_file()
+    assert args["--model_alias"] == "smollm2-135m-instruct"
+    assert (args["--host"], args["--port"]) == ("127.0.0.1", str(cfg.port))
+    assert (args["--n_ctx"], args["--n_threads"]) == ("4096", "2")
+    assert cmd[-2:] == ["--verbose", "false"]
+
+
+def test_vllm_command_from_paper_profile(repo_root):
+    params = load_params(repo_root / "params.yaml", {"profile": "paper",
+                                                      "environment": {"server": {"extra_args": ["--enforce-eager"]}}})
+    assert server_command(params) == [
+        "vllm", "serve", "openai/gpt-oss-20b",
+        "--served-model-name", "gpt-oss-20b",
+        "--tensor-parallel-size", "8",
+        "--gpu-memory-utilization", "0.9",
+        "--max-model-len", "32768",
+        "--host", "127.0.0.1",
+        "--port", "8000",
+        "--enforce-eager",
+    ]
+
+
+def test_llamacpp_needs_a_gguf(local_params, tmp_path):
+    local_params.environment.model = str(tmp_path)  # a directory, not a GGUF
+    with pytest.raises(EnvironmentUnavailable, match="not a .gguf"):
+        server_command(local_params)
+
+
+def test_api_backend_starts_nothing(local_params, monkeypatch):
+    cfg = local_params.environment
+    cfg.backend, cfg.base_url, cfg.api_key_env = "api", "https://api.example.invalid/v1", "PROMPTR1_TEST_KEY"
+    monkeypatch.setenv("PROMPTR1_TEST_KEY", "sk-test")
+    with environment_server(local_params) as url:
+        assert url == "https://api.example.invalid/v1" and started_server(url) is None
+    monkeypatch.delenv("PROMPTR1_TEST_KEY")
+    with pytest.raises(EnvironmentUnavailable, match=r"PROMPTR1_TEST_KEY"), environment_server(local_params):
+        pytest.fail("must not enter the block")
+
+
+def test_healthy_server_is_reused_not_stopped(local_params):
+    with FaultServer(model="smollm2-135m-instruct") as running:
+        local_params.environment.port = running.port
+        with environment_server(local_params) as url:
+            assert url == running.url and started_server(url) is None
+        assert is_healthy(running.url)
+
+
+def test_start_and_stop_own_server_also_when_body_raises(local_params, stand_in):
+    with environment_server(local_params) as url:
+        pid = started_server(url).pid
+        assert is_healthy(url) and pid_alive(pid)
+    assert not pid_alive(pid) and not is_healthy(url)
+
+    with pytest.raises(RuntimeError, match="boom"), environment_server(local_params) as url:
+        pid = started_server(url).pid
+        raise RuntimeError("boom")
+    assert not pid_alive(pid) and not is_healthy(url) and started_server(url) is None
+
+
+def test_startup_failure_reports_log_tail(local_params):
+    local_params.environment.server.extra_args = ["--no-such-flag-xyz"]
+    with (pytest.raises(EnvironmentUnavailable, match="exited with code") as info,
+          environment_server(local_params)):
+        pytest.fail("must not enter the block")
+    assert "no-such-flag-xyz" in str(info.value)  # argparse's complaint, from the log
+    log = Path(local_params.paths.cache_dir) / f"environment_server_llamacpp_{local_params.environment.port}.log"
+    assert log.is_file()
+
+
+def test_startup_timeout_kills_the_process(local_params, monkeypatch):
+    marker = "import time; time.sleep(120)  # promptr1-test-sleeper"
+    monkeypatch.setattr(servers, "server_command", lambda params: [sys.executable, "-c", marker])
+    local_params.environment.server.startup_timeout_s = 0.5
+    with pytest.raises(EnvironmentUnavailable, match="did not answer"), environment_server(local_params):
+        pytest.fail("must not enter the block")
+    assert servers._STARTED == {}
+
+
+def test_missing_server_binary(local_params):
+    local_params.environment.backend = "vllm"
+    local_params.environment.model = "some-org/some-model"
+    if shutil.which("vllm"):
+        pytest.skip("vllm is installed here (GPU node)")
+    with pytest.raises(EnvironmentUnavailable, match="cannot start"), environment_server(local_params):
+        pass
+
+
+def test_base_url_elsewhere_is_not_started(local_params):
+    local_params.environment.base_url = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(EnvironmentUnavailable, match="base_url"), environment_server(local_params):
+        pass
+
+
+def test_cli_start_status_stop(local_params, stand_in, capsys):
+    cli_start(local_params)
+    state_file = Path(local_params.paths.cache_dir) / STATE_FILE
+    state = json.loads(state_file.read_text())
+    assert state["url"] == local_params.environment.url and pid_alive(state["pid"])
+    assert started_server(state["url"]) is None  # detached: not stopped when this interpreter exits
+    try:
+        cli_start(local_params)  # second start reuses
+        assert "reusing" in capsys.readouterr().out
+        cli_status(local_params)
+        out = capsys.readouterr().out
+        assert "healthy" in out and f"pid {state['pid']}" in out
+    finally:
+        cli_stop(local_params)
+    assert not pid_alive(state["pid"]) and not state_file.exists()
+    assert "stopped" in capsys.readouterr().out
+    with pytest.raises(EnvironmentUnavailable, match="nothing healthy"):
+        cli_status(local_params)
+    cli_stop(local_params)
+    assert "nothing to stop" in capsys.readouterr().out
+
+
+def test_cli_stop_never_kills_a_recycled_pid(local_params, capsys):
+    sleeper = servers.subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                       start_new_session=True)
+    try:
+        state = {"pid": sleeper.pid, "pgid": sleeper.pid, "url": local_params.environment.url,
+                 "command": [sys.executable, "-m", "llama_cpp.server", "--port", "1"], "log_path": "x",
+                 "started_at": 0.0}
+        state_file = Path(local_params.paths.cache_dir) / STATE_FILE
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.write_text(json.dumps(state))
+        cli_stop(local_params)
+        assert sleeper.poll() is None, "a process not running the recorded command must survive"
+        assert "no longer running" in capsys.readouterr().out
+    finally:
+        os.killpg(sleeper.pid, signal.SIGKILL)
+        sleeper.wait()

@@ -1,0 +1,236 @@
+"""The retraining flow run for real under `prefect_test_harness()` on a real DVC project in tmp_path.
+
+The project is flows/demo_project.py's: git + DVC, the pipeline's stage names and report files, the
+repository's params.yaml, trivial stage commands. The environment is a real HTTP server process
+(`StaticEnvironment`) whose PIDs are checked after each run. The full flow over the real stages is the
+lead's end-to-end test (tests/slow/test_end_to_end.py) through the same `run_pipeline_flow`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.demo_project import DEMO_STAGES, StaticEnvironment, make_demo_project, pid_alive
+from flows.retrain import ARTIFACT_KEY, StagePolicy, cli_flow_run, run_pipeline_flow
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """One temporary Prefect server (with a temporary PREFECT_HOME) for the module's flow runs."""
+    import os
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    home = tmp_path_factory.mktemp("prefect-home")
+    from prefect.settings import PREFECT_HOME, temporary_settings
+
+    with temporary_settings(updates={PREFECT_HOME: str(home)}), prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture()
+def demo(tmp_path, prefect_api):
+    return make_demo_project(tmp_path / "project")
+
+
+def _task_runs(state, expected: int, timeout_s: float = 30.0) -> dict[str, object]:
+    """Task runs of a flow run by run name, once at least `expected` are recorded (events are async)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_filter = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=flow_filter)
+            final = [r for r in runs if r.state is not None and r.state.is_final()]
+            if len(final) >= expected or time.monotonic() > deadline:
+                return {r.name: r for r in runs}
+            time.sleep(0.25)
+
+
+def _artifact(state) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[ARTIFACT_KEY]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    return artifact.data
+
+
+def _experiments(root: Path) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=root, check=True,
+                         capture_output=True, text=True)
+    rows = json.loads(out.stdout)
+    return [exp for row in rows for exp in (row.get("experiments") or [])]
+
+
+def test_flow_runs_each_stage_as_a_task_and_records_the_experiment(demo):
+    env = StaticEnvironment(demo)
+    params_before = (demo / "params.yaml").read_bytes()
+
+    state = run_pipeline_flow(demo, overrides=["train.steps=2"], launcher=env, return_state=True)
+
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert [s["stage"] for s in summary["stages"]] == DEMO_STAGES
+    assert all(s["result"] == "reproduced" for s in summary["stages"])
+    runs = _task_runs(state, expected=len(DEMO_STAGES) + 6)
+    for name in [*DEMO_STAGES]:
+        assert runs[name].state.is_completed(), name
+    for prefix in ("start-environment", "check-environment", "stop-environment", "record-experiment",
+                   "publish-report", "plan"):
+        assert any(n.startswith(prefix) and r.state.is_completed() for n, r in runs.items()), prefix
+    assert env.starts == 1 and not any(pid_alive(p) for p in env.pids)
+    # Overrides live in the experiment, not in the workspace's params.yaml.
+    assert (demo / "params.yaml").read_bytes() == params_before
+    (experiment,) = _experiments(demo)
+    assert experiment["name"] == summary["experiment"]
+    exp_data = experiment["revs"][0]["data"]
+    assert exp_data["params"]["params.yaml"]["data"]["train"]["steps"] == 2
+    assert exp_data["metrics"]["reports/eval/metrics.json"]["data"]["id_avg_f1"] == 12.0
+    markdown = _artifact(state)
+    assert "| agent+env | 12.0 |" in markdown
+    assert "promoted to @champion (model version 1): first model" in markdown
+    assert "demo-run-2" in markdown
+    assert f"`{summary['experiment']}`" in markdown
+
+    # Back to params.yaml's own values: DVC reruns from train on; build stays up to date.
+    state = run_pipeline_flow(demo, launcher=env, return_state=True)
+    assert state.is_completed(), state.message
+    results = {s["stage"]: s["result"] for s in state.result()["stages"]}
+    assert results == {"build": "up to date", "train": "reproduced", "merge": "reproduced",
+                       "evaluate": "reproduced", "register": "reproduced"}
+
+    # Nothing to do: no DVC process per stage, no environment, no experiment.
+    state = run_pipeline_flow(demo, launcher=env, return_state=True)
+    summary = state.result()
+    assert {s["result"] for s in summary["stages"]} == {"up to date"}
+    assert env.starts == 2 and summary["experiment"] is None
+    assert len(_experiments(demo)) == 2
+
+
+def test_failing_stage_fails_the_flow_stops_the_environment_keeps_earlier_outputs(demo, monkeypatch):
+    env = StaticEnvironment(demo)
+    params_before = (demo / "params.yaml").read_bytes()
+    monkeypatch.setenv("PROMPTR1_DEMO_FAIL", "merge")
+
+    state = run_pipeline_flow(demo, overrides=["train.steps=3"], launcher=env, return_state=True)
+
+    assert state.is_failed()
+    assert "merge" in state.message and "fails on purpose" in state.message
+    assert env.starts == 1 and env.pids and not any(pid_alive(p) for p in env.pids)
+    assert not (demo / ".dvc" / "tmp" / "demo-environment.pid").exists()
+    # build and train finished and are recorded; nothing after merge ran.
+    assert (demo / "data" / "demo" / "train.txt").is_file()
+    assert (demo / "checkpoints" / "demo" / "latest").read_text() == "step_3\n"
+    lock = (demo / "dvc.lock").read_text()
+    assert "build:" in lock and "train:" in lock and "merge:" not in lock
+    assert not (demo / "models").exists() and not (demo / "reports" / "eval").exists()
+    assert (demo / "params.yaml").read_bytes() == params_before
+    assert _experiments(demo) == []
+    runs = _task_runs(state, expected=5)
+    assert runs["merge"].state.is_failed()
+    assert "evaluate" not in runs
+    assert "stage 'merge' failed" in _artifact(state)
+
+    # The fix is to rerun: DVC keeps build and train (same overrides), merge onwards runs.
+    monkeypatch.delenv("PROMPTR1_DEMO_FAIL")
+    state = run_pipeline_flow(demo, overrides=["train.steps=3"], launcher=env, return_state=True)
+    assert state.is_completed(), state.message
+    results = {s["stage"]: s["result"] for s in state.result()["stages"]}
+    assert results["build"] == "up to date" and results["train"] == "up to date"
+    assert results["merge"] == "reproduced"
+    assert not any(pid_alive(p) for p in env.pids)
+
+
+def test_flaky_evaluate_is_retried(demo, monkeypatch):
+    env = StaticEnvironment(demo)
+    monkeypatch.setenv("PROMPTR1_DEMO_FLAKY", "evaluate")
+    policies = {"evaluate": StagePolicy(retries=1, retry_delays_s=(0.0,), needs_environment=True)}
+
+    state = run_pipeline_flow(demo, launcher=env, policies=policies, return_state=True)
+
+    assert state.is_completed(), state.message
+    runs = _task_runs(state, expected=len(DEMO_STAGES) + 5)
+    assert runs["evaluate"].run_count == 2
+    assert runs["train"].run_count == 1
+    assert env.starts == 1 and not any(pid_alive(p) for p in env.pids)
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from flows.run_lock import workspace_lock
+    with workspace_lock(Path(sys.argv[1]), 0, flow_run="scheduled-run"):
+        print("held", flush=True)
+        time.sleep(60)
+""")
+
+
+def test_second_run_is_refused_while_one_runs(demo):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(demo)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        env = StaticEnvironment(demo)
+        state = run_pipeline_flow(demo, launcher=env, lock_timeout_s=0, return_state=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert state.is_failed()
+    assert "another pipeline run" in state.message and "scheduled-run" in state.message
+    assert env.starts == 0 and not (demo / "dvc.lock").exists()
+
+
+def test_prefect_concurrency_limit_is_taken_when_the_api_has_it(tmp_path, prefect_api):
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    from flows.run_lock import CONCURRENCY_LIMIT_NAME, ensure_prefect_limit, run_lock
+
+    ensure_prefect_limit(1)
+    try:
+        outcome: list[str] = []
+        with run_lock(tmp_path, 0, flow_run="manual") as held:
+            assert "Prefect concurrency slot" in held
+
+            def other_run() -> None:
+                try:
+                    with concurrency(CONCURRENCY_LIMIT_NAME, timeout_seconds=1, strict=True):
+                        outcome.append("acquired")
+                except TimeoutError:
+                    outcome.append("timed out")
+
+            thread = threading.Thread(target=other_run)
+            thread.start()
+            thread.join(30)
+        assert outcome == ["timed out"]
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(CONCURRENCY_LIMIT_NAME)
+
+
+def test_cli_flow_run_prints_run_and_decision(demo, monkeypatch, capsys):
+    run_pipeline_flow(demo, launcher=StaticEnvironment(demo))
+    monkeypatch.chdir(demo)
+    cli_flow_run(None, [], False)  # nothing to rerun: the default launcher is never needed
+    out = capsys.readouterr().out
+    assert "MLflow:     run demo-run-4" in out
+    assert "promotion:  promoted to @champion" in out
+    assert "register   up to date" in out

@@ -1,0 +1,329 @@
+"""The local GRPO backend: batching/log-probs, data position, checkpoints, resume after a kill, the stage.
+
+Fast tests use a tiny random Llama (conftest `tiny_llama_dir`) and the fault-injecting OpenAI-compatible
+test server as the environment (a real HTTP server answering `echo: …`). The slow tests run the real
+SmolLM2-135M-Instruct agent against the real llama.cpp environment, and kill a real training process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from pipeline.config import load_params
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.local import (
+    QuestionSampler,
+    StepsLog,
+    collate,
+    response_log_probs,
+)
+from pipeline.types import PromptItem, Trajectory
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+QUESTIONS = [
+    ("Who wrote Hamlet?", ["William Shakespeare"]),
+    ("What is the capital of France?", ["Paris"]),
+    ("How many legs does a spider have?", ["8", "eight"]),
+    ("What colour is the sky on a clear day?", ["blue"]),
+    ("Which planet is known as the red planet?", ["Mars"]),
+    ("What is 2 + 3?", ["5"]),
+]
+
+
+def write_train_parquet(path: Path) -> Path:
+    """A few rows in verl's RLHFDataset schema (what the build stage writes)."""
+    rows = []
+    for i, (q, answers) in enumerate(QUESTIONS):
+        content = (f"Question: {q}\nThink briefly in <think></think>, ask the large model in "
+                   "<interaction_prompt></interaction_prompt>, finish with <answer></answer>.")
+        rows.append({
+            "data_source": "hotpotqa",
+            "prompt": [{"role": "user", "content": content}],
+            "ability": "qa",
+            "reward_model": {"ground_truth": answers, "style": "rule"},
+            "extra_info": {"id": f"t{i}", "split": "train", "question": q, "answers": answers, "index": i},
+            "agent_name": "prompt_r1",
+        })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+def tiny_overrides(tmp: Path, model_dir: Path, env_url: str, **train) -> dict:
+    return {
+        "paths": {"rl_dir": str(tmp / "data/rl"), "checkpoint_dir": str(tmp / "checkpoints/agent"),
+                  "reports_dir": str(tmp / "reports"), "model_dir": str(tmp / "models/agent"),
+                  "cache_dir": str(tmp / ".cache")},
+        "agent": {"model": str(model_dir), "max_turns": 2, "max_turn_tokens": 6, "max_response_tokens": 40},
+        "environment": {"base_url": env_url, "served_name": "fault-model", "max_tokens": 16, "cache": False,
+                        "max_retries": 0, "timeout_s": 5.0},
+        "train": {"steps": 2, "batch_size": 2, "group_size": 2, "mini_batch_size": 1, "micro_batch_size": 2,
+                  "save_every": 1, "lr": 1e-3, **train},
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_root": str(tmp / "mlartifacts")},
+    }
+
+
+@pytest.fixture()
+def env_server():
+    from fault_server import FaultServer
+
+    with FaultServer() as server:
+        yield server.url
+
+
+def make_traj(prompt: list[int], response: list[int], mask: list[int]) -> Trajectory:
+    item = PromptItem(uid="u", messages=[], gold_answers=[], data_source="x")
+    return Trajectory(item=item, prompt_ids=prompt, response_ids=response, response_mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------ unit
+
+
+def test_collate_left_pads_prompts_right_pads_responses():
+    a = make_traj([1, 2, 3], [4, 5], [1, 0])
+    b = make_traj([6], [7, 8, 9], [1, 1, 1])
+    batch = collate([a, b], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 0], [0, 0, 6, 7, 8, 9]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert batch.responses.tolist() == [[4, 5, 0], [7, 8, 9]]
+    assert batch.response_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert batch.num_tokens == 9
+
+
+def test_response_log_probs_match_unpadded_forward(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).eval()
+    a = make_traj([11, 12, 13, 14], [15, 16], [1, 1])
+    b = make_traj([21, 22], [23, 24, 25, 26], [1, 0, 1, 1])
+    batch = collate([a, b], pad_id=0)
+    with torch.no_grad():
+        padded = response_log_probs(model, batch, temperature=1.0)
+        for row, t in enumerate((a, b)):
+            ids = torch.tensor([t.prompt_ids + t.response_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            alone = logp[len(t.prompt_ids) - 1:].gather(-1, ids[0, len(t.prompt_ids):, None]).squeeze(-1)
+            assert torch.allclose(padded[row, : len(t.response_ids)], alone, atol=1e-5)
+
+
+def test_sampler_is_seeded_resumable_and_wraps_epochs():
+    s = QuestionSampler(5, seed=3)
+    first = s.next_batch(3) + s.next_batch(3)
+    assert sorted(first[:5]) == [0, 1, 2, 3, 4] and s.epoch == 1 and s.position == 1
+    resumed = QuestionSampler(5, seed=3, epoch=0, position=3)
+    again = QuestionSampler(5, seed=3)
+    again.next_batch(3)
+    assert resumed.next_batch(4) == again.next_batch(4)
+
+
+def test_steps_log_drops_rows_after_the_resumed_checkpoint(tmp_path):
+    path = tmp_path / "steps.csv"
+    log = StepsLog(path, keep_upto=0)
+    for step in (1, 2, 3):
+        log.append(step, {"critic/score/mean": float(step)})
+    resumed = StepsLog(path, keep_upto=2)
+    resumed.append(3, {"critic/score/mean": 30.0})
+    frame = pd.read_csv(path)
+    assert frame["step"].tolist() == [1, 2, 3] and frame["critic/score/mean"].tolist() == [1.0, 2.0, 30.0]
+
+
+def test_checkpoint_is_atomic_and_pruned(tmp_path):
+    def weights(folder: Path) -> None:
+        (folder / "model").mkdir()
+        (folder / "model" / "w.txt").write_text("w")
+
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, ckpt.TrainerState(step=step, position=step), weights, None, keep=2)
+    assert ckpt.complete_steps(tmp_path) == [2, 3]
+    assert (tmp_path / "latest").read_text() == "step_3"
+    # A half-written folder from a killed save is ignored and cleaned at the next save.
+    (tmp_path / ".tmp-step_4-dead").mkdir()
+    (tmp_path / "step_4").mkdir()  # no trainer_state.json: incomplete
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_3"
+    ckpt.save_checkpoint(tmp_path, ckpt.TrainerState(step=4), weights, None, keep=2)
+    assert not list(tmp_path.glob(".tmp-*")) and ckpt.TrainerState.read(tmp_path / "step_4").step == 4
+
+
+# ------------------------------------------------------------------------------------------------ trainer
+
+
+def _metrics_rows(path: Path) -> pd.DataFrame:
+    return pd.read_csv(path)
+
+
+def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_llama_dir, env_server):
+    import mlflow
+
+    from pipeline.train.stage import run_train
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server))
+    run_train(params)
+
+    steps = _metrics_rows(tmp_path / "reports/train/steps.csv")
+    assert steps["step"].tolist() == [1, 2]
+    for name in ("critic/score/mean", "critic/score/min", "critic/score/max", "critic/advantages/mean",
+                 "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr", "response_length/mean",
+                 "num_turns/mean", "reward/format/mean", "reward/answer/mean", "reward/complete_final/mean",
+                 "env/calls", "env/errors", "env/cost_usd", "timing_s/gen", "timing_s/env",
+                 "timing_s/update", "timing_s/step"):
+        assert name in steps.columns, name
+    assert steps["actor/grad_norm"].gt(0).all()
+    # two mini-batches per step: the second used recomputed old log-probs
+    assert steps["actor/num_optimizer_steps"].eq(2).all()
+    state = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent"))
+    assert state.step == 2 and state.position == 4
+    assert (tmp_path / "checkpoints/agent/step_2/model").is_dir()
+    assert (tmp_path / "checkpoints/agent/step_2/optimizer.pt").is_file()
+
+    run_file = json.loads((tmp_path / "reports/mlflow_run.json").read_text())
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.MlflowClient()
+    child = client.search_runs([client.get_run(run_file["run_id"]).info.experiment_id],
+                               f"tags.mlflow.parentRunId = '{run_file['run_id']}'")[0]
+    history = client.get_metric_history(child.info.run_id, "critic/score/mean")
+    assert sorted(m.step for m in history) == [1, 2]
+
+    # Done: a rerun is a no-op that leaves the outputs in place.
+    before = (tmp_path / "reports/train/steps.csv").read_text()
+    run_train(params)
+    assert (tmp_path / "reports/train/steps.csv").read_text() == before
+
+    # More steps requested: resumes from step 2 and continues the same curve.
+    more = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=3))
+    run_train(more)
+    steps = _metrics_rows(tmp_path / "reports/train/steps.csv")
+    assert steps["step"].tolist() == [1, 2, 3]
+    assert ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent")).position == 6
+
+
+def test_lora_training_keeps_base_frozen(tmp_path, tiny_llama_dir, env_server):
+    from pipeline.train.local import train_local
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(
+        tmp_path, tiny_llama_dir, env_server, steps=1, mini_batch_size=2,
+        lora={"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
+    metrics = train_local(params)
+    assert metrics["actor/num_optimizer_steps"] == 1
+    folder = ckpt.latest_checkpoint(tmp_path / "checkpoints/agent")
+    assert (folder / "adapter" / "adapter_config.json").is_file() and not (folder / "model").exists()
+    assert ckpt.TrainerState.read(folder).lora is True
+
+
+def test_mismatched_checkpoint_is_refused(tmp_path, tiny_llama_dir, env_server):
+    from pipeline.errors import UserError
+    from pipeline.train.local import train_local
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1))
+    train_local(params)
+    lora = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=2,
+                                                                   lora={"enabled": True}))
+    with pytest.raises(UserError, match="lora"):
+        train_local(lora)
+
+
+# ------------------------------------------------------------------------------------------------ slow
+
+
+def _write_params(tmp: Path, overrides: dict) -> Path:
+    from pipeline.config import deep_merge
+
+    raw = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    path = tmp / "params.yaml"
+    path.write_text(yaml.safe_dump(deep_merge(raw, overrides)))
+    return path
+
+
+@pytest.mark.slow
+def test_killed_training_resumes_without_repeating_steps(tmp_path, tiny_llama_dir, env_server):
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    overrides = tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=6, save_every=2, mini_batch_size=2)
+    params_file = _write_params(tmp_path, overrides)
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", "--params", str(params_file)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    log_file = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    steps_csv = tmp_path / "reports/train/steps.csv"
+    deadline = time.time() + 240
+    try:
+        # Kill once step 2 is checkpointed and step 3 has been logged but not checkpointed (mid-run).
+        while time.time() < deadline and proc.poll() is None:
+            if steps_csv.is_file() and (tmp_path / "checkpoints/agent/latest").is_file():
+                done = pd.read_csv(steps_csv)["step"].tolist() if steps_csv.stat().st_size else []
+                if 3 in done:
+                    break
+            time.sleep(0.05)
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log_file.close()
+    killed_at = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent")).step
+    assert killed_at in (2, 4)
+    logged_before = pd.read_csv(steps_csv)["step"].tolist()
+    assert max(logged_before) > killed_at  # a step ran after the last checkpoint: it must be redone once
+
+    second = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed at step {killed_at}" in second.stderr
+    steps = pd.read_csv(steps_csv)["step"].tolist()
+    assert steps == [1, 2, 3, 4, 5, 6]
+    state = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent"))
+    assert state.step == 6 and state.position == 12
+
+    # The resumed run's MLflow child has exactly the steps it ran.
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = json.loads((tmp_path / "reports/mlflow_run.json").read_text())["run_id"]
+    client = mlflow.MlflowClient()
+    child = client.search_runs([client.get_run(run_id).info.experiment_id],
+                               f"tags.mlflow.parentRunId = '{run_id}'")[0]
+    resumed_steps = sorted(m.step for m in client.get_metric_history(child.info.run_id, "critic/score/mean"))
+    assert resumed_steps == list(range(killed_at + 1, 7))
+
+    third = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0 and "already complete" in third.stderr
+
+
+@pytest.mark.slow
+def test_real_stage_one_step_smollm2_llamacpp(tmp_path, llama_server, params):
+    """The real stage: SmolLM2-135M-Instruct agent, real llama.cpp environment, 1 step, short generations."""
+    from pipeline.train.stage import run_train
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    overrides = {
+        "paths": {"rl_dir": str(tmp_path / "data/rl"), "checkpoint_dir": str(tmp_path / "ckpt"),
+                  "reports_dir": str(tmp_path / "reports"), "cache_dir": str(tmp_path / ".cache")},
+        "agent": {"max_turns": 2, "max_turn_tokens": 24, "max_response_tokens": 96},
+        "environment": {"base_url": llama_server, "max_tokens": 24, "cache": False},
+        "train": {"steps": 1, "batch_size": 1, "group_size": 2, "mini_batch_size": 1, "micro_batch_size": 2,
+                  "save_every": 1, "lora": {"enabled": True}},
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_root": str(tmp_path / "mla")},
+    }
+    real = load_params(REPO_ROOT / "params.yaml", overrides)
+    run_train(real)
+    row = pd.read_csv(tmp_path / "reports/train/steps.csv").iloc[0]
+    assert row["step"] == 1 and row["perf/num_params"] > 1e8
+    assert row["response_length/mean"] > 0 and pd.notna(row["actor/pg_loss"])
+    assert pd.notna(row["critic/score/mean"])
+    assert (ckpt.latest_checkpoint(tmp_path / "ckpt") / "adapter").is_dir()

@@ -1,0 +1,186 @@
+"""The verl backend's generated overrides against verl's own Hydra config (ppo_trainer.yaml), and its launcher.
+
+Composition uses the installed verl 0.9.1's config folder through Hydra's compose API, then verl's own
+`validate_config`, so a renamed or retyped key in verl fails here rather than on a GPU cluster.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from pipeline.config import load_params
+from pipeline.errors import DataError, UserError
+from pipeline.train import verl_backend
+from pipeline.train.verl_backend import AGENT_LOOP_CONFIG, REWARD_FUNCTION_FILE, build_overrides, hydra_value
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def verl_config_dir() -> Path:
+    import verl
+
+    return Path(verl.__file__).parent / "trainer" / "config"
+
+
+def compose_verl(overrides: list[str]):
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
+            return compose(config_name="ppo_trainer", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+@pytest.fixture()
+def paper_params():
+    return load_params(REPO_ROOT / "params.yaml", {"profile": "paper"})
+
+
+def test_overrides_compose_with_verl_config_and_equal_params(paper_params):
+    p = paper_params
+    cfg = compose_verl(build_overrides(p))
+    arr, actor, rollout = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert rollout.n == p.train.group_size == 5
+    assert actor.use_kl_loss is True and actor.kl_loss_coef == 0.001 and actor.kl_loss_type == "low_var_kl"
+    assert actor.optim.lr == p.train.lr == 1e-6
+    assert cfg.data.train_batch_size == 128 and actor.ppo_mini_batch_size == 64
+    assert actor.ppo_micro_batch_size_per_gpu == 2
+    assert rollout.log_prob_micro_batch_size_per_gpu == 2 and arr.ref.log_prob_micro_batch_size_per_gpu == 2
+    assert cfg.data.max_prompt_length == 8192 and cfg.data.max_response_length == 8192
+    assert rollout.prompt_length == 8192 and rollout.response_length == 8192  # verl's interpolations resolve
+    assert rollout.multi_turn.enable is True and rollout.multi_turn.max_assistant_turns == 5
+    assert rollout.name == "vllm" and rollout.tensor_model_parallel_size == 8
+    assert rollout.gpu_memory_utilization == 0.6
+    assert rollout.agent.agent_loop_config_path == str(AGENT_LOOP_CONFIG)
+    assert rollout.agent.default_agent_loop == "prompt_r1"
+    assert cfg.reward.custom_reward_function.path == str(REWARD_FUNCTION_FILE)
+    assert cfg.reward.custom_reward_function.name == "compute_score"
+    assert OmegaConf.to_container(cfg.reward.custom_reward_function.reward_kwargs) == {"preset": "paper"}
+    assert cfg.trainer.n_gpus_per_node == 8 and cfg.trainer.nnodes == 1
+    assert cfg.trainer.save_freq == 10 and cfg.trainer.test_freq == 10 and cfg.trainer.val_before_train is True
+    assert cfg.trainer.total_epochs == 1 and cfg.trainer.resume_mode == "auto"
+    assert cfg.trainer.default_local_dir == str((p.root / "checkpoints/agent").resolve())
+    assert list(cfg.trainer.logger) == ["console", "mlflow"]
+    assert cfg.trainer.use_v1 is False
+    assert cfg.data.train_files == str((p.root / "data/rl/train.parquet").resolve())
+    assert [Path(f).name for f in cfg.data.val_files] == [f"{d}.parquet" for d in p.eval_datasets]
+    assert arr.model.path == "Qwen/Qwen3-4B" and arr.model.enable_gradient_checkpointing is True
+    # the block our agent-loop workers read, system prompt (commas, parentheses) intact
+    assert cfg.prompt_r1.environment.system_prompt == p.environment.system_prompt
+    assert cfg.prompt_r1.environment.served_name == "gpt-oss-20b"
+    assert cfg.prompt_r1.agent.max_turns == 5 and cfg.prompt_r1.agent.max_turn_tokens == 1024
+
+
+def test_composed_config_passes_verl_validation(paper_params):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    cfg = compose_verl(build_overrides(paper_params))
+    assert need_reference_policy(cfg) is True  # KL loss needs the frozen reference
+    assert need_critic(cfg) is False  # GRPO: no critic
+    validate_config(cfg, use_reference_policy=True, use_critic=False)
+
+
+def test_agent_loop_yaml_registers_our_loop():
+    entries = OmegaConf.load(AGENT_LOOP_CONFIG)
+    assert [e.name for e in entries] == ["prompt_r1"]
+    module, _, cls = entries[0]["_target_"].rpartition(".")
+    assert getattr(importlib.import_module(module), cls).__name__ == "PromptR1AgentLoop"
+
+
+def test_reward_coefficients_and_extra_overrides(paper_params):
+    p = paper_params
+    p.reward.preset = "released"
+    p.reward.eps = 2.0
+    p.train.lora.enabled = True
+    p.train.verl.extra_overrides = ["actor_rollout_ref.rollout.agent.num_workers=16", "trainer.save_freq=5"]
+    cfg = compose_verl(build_overrides(p))
+    assert OmegaConf.to_container(cfg.reward.custom_reward_function.reward_kwargs) == {
+        "preset": "released", "eps": 2.0}
+    assert cfg.actor_rollout_ref.rollout.agent.num_workers == 16
+    assert cfg.trainer.save_freq == 5  # extra overrides come last and win
+    assert cfg.actor_rollout_ref.model.lora_rank == 16
+    assert list(cfg.actor_rollout_ref.model.target_modules) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.mark.parametrize("text", [
+    "plain", "it's (a) test, with commas", 'double "quotes"', "back\\slash \\' quote", "ends with \\",
+    "no ${interpolation} here", "multi\nline", "",
+])
+def test_hydra_value_round_trips_any_string(text):
+    cfg = compose_verl([f"+prompt_r1.probe={hydra_value(text)}"])
+    assert cfg.prompt_r1.probe == text
+
+
+def test_gguf_agent_is_refused_for_verl():
+    params = load_params(REPO_ROOT / "params.yaml")  # default profile: the bundled SmolLM2 GGUF
+    with pytest.raises(UserError, match="GGUF"):
+        build_overrides(params)
+
+
+def test_preflight_errors(paper_params, tmp_path):
+    p = paper_params
+    p.root = tmp_path
+    run = SimpleNamespace(info=SimpleNamespace(run_id="0" * 32))
+    with pytest.raises(DataError, match="train.parquet"):
+        verl_backend.train_verl(p, run)
+    (tmp_path / "data/rl/eval").mkdir(parents=True)
+    (tmp_path / "data/rl/train.parquet").write_bytes(b"")
+    p.train.verl.use_v1 = True
+    if importlib.util.find_spec("transfer_queue") is None:
+        with pytest.raises(UserError, match="TransferQueue"):
+            verl_backend.train_verl(p, run)
+    p.train.verl.use_v1 = False
+    with pytest.raises(DataError, match="no evaluation set"):
+        verl_backend.train_verl(p, run)
+
+
+@pytest.mark.slow
+def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path, monkeypatch):
+    """The real `python -m verl.trainer.main_ppo` parses every override, passes verl's config validation,
+    then fails to join a Ray cluster (none runs here): the launcher must turn that into a UserError."""
+    p = paper_params
+    p.root = tmp_path
+    (tmp_path / "data/rl/eval").mkdir(parents=True)
+    (tmp_path / "data/rl/train.parquet").write_bytes(b"")
+    (tmp_path / "data/rl/eval/hotpotqa.parquet").write_bytes(b"")
+    p.train.verl.ray_address = "127.0.0.1:9"  # nothing listens there: ray.init fails, no cluster is started
+    p.train.verl.extra_overrides = ["+ray_kwargs.ray_init.runtime_env.env_vars.RAY_gcs_rpc_server_connect_timeout_s=5"]
+    monkeypatch.setenv("RAY_gcs_rpc_server_connect_timeout_s", "5")
+    monkeypatch.setenv("RAY_gcs_server_request_timeout_seconds", "5")
+    run = SimpleNamespace(info=SimpleNamespace(run_id="0" * 32))
+    with pytest.raises(UserError) as excinfo:
+        verl_backend.train_verl(p, run)
+    message = str(excinfo.value)
+    assert "exit code" in message
+    log_text = (tmp_path / "reports/train/verl.log").read_text()
+    assert "All configuration checks passed" in log_text  # our overrides survived the real CLI parser
+    assert (tmp_path / "reports/train/verl_overrides.txt").read_text().count("\n") > 50
+
+
+def test_export_steps_csv_from_a_real_mlflow_run(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    experiment = mlflow.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    with mlflow.start_run(experiment_id=experiment) as run:
+        for step, score in [(1, -0.5), (2, 0.25)]:
+            mlflow.log_metrics({"critic/score/mean": score, "actor/kl_loss": 0.01 * step}, step=step)
+    rows = verl_backend.export_steps_csv(run.info.run_id, tmp_path / "steps.csv")
+    assert rows == 2
+    lines = (tmp_path / "steps.csv").read_text().splitlines()
+    assert lines[0] == "step,actor/kl_loss,critic/score/mean"
+    assert lines[1:] == ["1,0.01,-0.5", "2,0.02,0.25"]
+    assert sys.executable  # the launcher uses this interpreter for `python -m verl.trainer.main_ppo`
