@@ -37,7 +37,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import load_params  # noqa: E402
+from pipeline.config import load_params
 
 RESULTS = ROOT / "benchmarks" / "results" / "data_stages.json"
 DATA_STAGES = ("sample", "validate", "build")
@@ -53,7 +53,7 @@ ENV = {
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -95,7 +95,9 @@ def _make_copy(workdir: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--in-place", action="store_true", help="measure the project itself (deletes outputs)")
+    parser.add_argument(
+        "--in-place", action="store_true", help="measure the project itself (deletes outputs)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary copy")
     args = parser.parse_args()
 
@@ -133,7 +135,11 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
 
     result = {
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "mode": "in-place" if args.in_place else "copy",
         "direct_seconds": {k: round(v, 2) for k, v in direct.items()},
         "direct_total_seconds": round(sum(direct.values()), 2),
@@ -144,7 +150,7 @@ def main() -> None:
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))  # noqa: T201 — a benchmark's output is its report
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,9 @@ QUIET_ENV = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
 }
 OUTPUT_TAIL_LINES = 40
+# DVC's git hints after every stage: noise in a flow that records experiments itself.
+_HINTS = ("To track the changes with git", "git add ", "To enable auto staging", "dvc config core.autostage",
+          "Use `dvc push`")
 
 
 class StageFailed(UserError):
@@ -152,7 +155,7 @@ def run_dvc(
         for line in proc.stdout:
             line = line.rstrip("\n")
             tail.append(line)
-            if on_line is not None and line.strip():
+            if on_line is not None and line.strip() and not line.strip().startswith(_HINTS):
                 on_line(line)
         returncode = proc.wait()
     return returncode, "\n".join(tail)

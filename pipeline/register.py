@@ -275,7 +275,7 @@ def run_register(params: Params) -> dict[str, Any]:
 
         result = {
             "model_name": cfg.model_name, "version": version, "alias": cfg.alias, "promoted": decision.promote,
-            "decision": verdict, "champion_before": champ_version.version if champ_version is not None else None,
+            "decision": verdict, "champion_before": str(champ_version.version) if champ_version is not None else None,
             "champion_after": str(after), "model_uri": f"models:/{cfg.model_name}@{cfg.alias}",
             "rule": {"metric": cfg.metric, "margin": cfg.margin, "ood_tolerance": cfg.ood_tolerance,
                      "ci_rule": cfg.ci_rule},

@@ -106,7 +106,8 @@ class FaultServer:
             self.max_in_flight = self.in_flight
 
     def start(self) -> FaultServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="fault-server", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="fault-server", daemon=True)
         self._thread.start()
         return self
 

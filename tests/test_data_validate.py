@@ -131,3 +131,29 @@ def test_token_budget(built_data, data_params):
     params.data.max_question_tokens = 20
     with pytest.raises(DataError, match=r"column question_tokens_est"):
         run_validate(params)
+
+
+def test_skipped_dataset_is_validated_as_empty_and_reported(data_params, shared_datasets, tmp_path):
+    """A dataset listed in data.allow_skip whose source is missing flows through all three stages, visibly."""
+    from pipeline.data.build import run_build
+    from pipeline.data.sample import run_sample
+
+    mirror = tmp_path / "mirror"
+    (mirror / "raw").mkdir(parents=True)
+    (mirror / "prompt-r1").symlink_to(shared_datasets / "prompt-r1")
+    params = data_params(
+        mirror,
+        data={
+            "train_datasets": ["gsm8k"],
+            "id_eval_datasets": ["gsm8k"],
+            "ood_eval_datasets": [],
+            "allow_skip": ["gsm8k"],
+        },
+    )
+    assert run_sample(params, "gsm8k").skipped
+    summary = run_validate(params)
+    train = next(f for f in summary["files"].values() if f["kind"] == "train")
+    assert train["success"] and train["rows"] == train["expected_rows"] == 0
+    assert "skipped by the sample stage" in train["notes"][0]
+    built = run_build(params)
+    assert built["train"]["rows"] == 0 and built["skipped"] == ["gsm8k"]

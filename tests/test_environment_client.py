@@ -304,12 +304,14 @@ def test_take_usage_keeps_budget(server):
         run(_reply(client, [], "q"))
 
 
-def test_client_survives_several_event_loops(server):
-    client = EnvironmentClient(make_cfg(server, cache=False))
+def test_client_survives_several_event_loops_and_aclose(server, tmp_path):
+    client = EnvironmentClient(make_cfg(server), tmp_path / CACHE_FILE)
     for i in range(3):  # the rollout's sync wrapper calls asyncio.run once per step
         assert asyncio.run(client.reply([], f"step {i}")).text == f"echo: step {i}"
+        asyncio.run(client.aclose())  # closing between steps must not switch the cache off
+    assert asyncio.run(client.reply([], "step 0")).cached
     asyncio.run(client.aclose())
-    assert client.usage.calls == 3
+    assert client.usage.calls == 3 and client.usage.cache_hits == 1
 
 
 def test_from_params_puts_cache_under_cache_dir(params, tmp_path):
@@ -317,11 +319,12 @@ def test_from_params_puts_cache_under_cache_dir(params, tmp_path):
     client = EnvironmentClient.from_params(params)
     assert client.cache is not None and client.cache.path == tmp_path / "cache" / CACHE_FILE
     assert client.model == params.environment.served_name
-    client.close_cache()
+    client.cache.close()
     params.environment.cache = False
     assert EnvironmentClient.from_params(params).cache is None
 
 
+@pytest.mark.slow  # creates a real MLflow SQLite store (several seconds)
 def test_trace_flag_records_mlflow_span(server, tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.setenv("PROMPTR1_TEST_ENV_KEY", "sk-do-not-log")

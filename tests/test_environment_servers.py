@@ -150,13 +150,15 @@ def test_startup_failure_reports_log_tail(local_params):
     assert log.is_file()
 
 
-def test_startup_timeout_kills_the_process(local_params, monkeypatch):
-    marker = "import time; time.sleep(120)  # promptr1-test-sleeper"
-    monkeypatch.setattr(servers, "server_command", lambda params: [sys.executable, "-c", marker])
-    local_params.environment.server.startup_timeout_s = 0.5
+def test_startup_timeout_kills_the_process(local_params, monkeypatch, tmp_path):
+    pid_file = tmp_path / "sleeper.pid"
+    sleeper = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    monkeypatch.setattr(servers, "server_command", lambda params: [sys.executable, "-c", sleeper])
+    local_params.environment.server.startup_timeout_s = 1.0
     with pytest.raises(EnvironmentUnavailable, match="did not answer"), environment_server(local_params):
         pytest.fail("must not enter the block")
-    assert servers._STARTED == {}
+    assert not pid_alive(int(pid_file.read_text())), "a server that never became healthy must be killed"
+    assert started_server(local_params.environment.url) is None
 
 
 def test_missing_server_binary(local_params):

@@ -28,7 +28,7 @@ def make_project(tmp_path: Path, repo_root: Path, shared_datasets: Path, dataset
         if with_extra_info:
             frame["extra_info"] = [
                 {"id": f"{name}-{i}", "split": "test", "index": i,
-                 "question": str(list(p)[0]["content"]).split("\n", 1)[0].removeprefix("Question: "),
+                 "question": str(next(iter(p))["content"]).split("\n", 1)[0].removeprefix("Question: "),
                  "answers": list(rm["ground_truth"])}
                 for i, (p, rm) in enumerate(zip(frame["prompt"], frame["reward_model"], strict=True))
             ]

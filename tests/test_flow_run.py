@@ -50,12 +50,14 @@ def _task_runs(state, expected: int, timeout_s: float = 30.0) -> dict[str, objec
     """Task runs of a flow run by run name, once at least `expected` are recorded (events are async)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
 
     flow_filter = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
     deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
         while True:
-            runs = client.read_task_runs(flow_run_filter=flow_filter)
+            runs = client.read_task_runs(flow_run_filter=flow_filter, limit=200,
+                                         sort=TaskRunSort.EXPECTED_START_TIME_ASC)
             final = [r for r in runs if r.state is not None and r.state.is_final()]
             if len(final) >= expected or time.monotonic() > deadline:
                 return {r.name: r for r in runs}
@@ -64,12 +66,22 @@ def _task_runs(state, expected: int, timeout_s: float = 30.0) -> dict[str, objec
 
 def _artifact(state) -> str:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        TaskRunFilter,
+    )
+    from prefect.client.schemas.sorting import ArtifactSort
 
+    # Every argument explicit: this server version rejects the sync client's nulls (422).
     with get_client(sync_client=True) as client:
-        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[ARTIFACT_KEY]),
-            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[ARTIFACT_KEY]),
+                                           flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])),
+            flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(), sort=ArtifactSort.CREATED_DESC,
+            limit=10, offset=0)
     return artifact.data
 
 

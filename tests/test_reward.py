@@ -1,7 +1,7 @@
 """Worked examples of the double-constrained reward (method.md), computed by hand for both presets.
 
 Turns are built with explicit flags so each example states exactly which indicator is on; the
-parser's own rules are tested by the protocol tests (and end to end in test_reward_parse.py).
+parser's own rules are tested by the protocol tests (and with real turn texts in test_verl_reward.py).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ log-probs if asked, text, why it stopped) out. Two backends, chosen by who runs 
   top-p filtering: the quantity verl's actor recomputes for the PPO ratio.
 - `OpenAICompletionsPolicy`: an agent served behind an OpenAI-compatible `/v1/completions` endpoint (vLLM
   at evaluation time on GPU nodes; llama.cpp's server here). Prompts go as token-id lists where the server
-  accepts them (vLLM) and as the detokenised text otherwise (llama.cpp accepts strings only; the first 4xx
-  switches to text for the rest of the session). OpenAI servers drop the stop string from the text, so it
+  accepts them (vLLM) and as the detokenised text otherwise (llama.cpp's server takes strings only and
+  answers an id list with HTTP 500; the first refusal followed by a successful text request switches to
+  text for the rest of the session). OpenAI servers drop the stop string from the text, so it
   is put back (the protocol parser needs the closing tag), and a natural end is marked with the end-of-turn
   token so the conversation builder does not close the turn twice. Returned ids are the agent tokenizer's
   encoding of the returned text: fine for evaluation, not for training (use the in-process policy there).
@@ -341,17 +342,20 @@ class OpenAICompletionsPolicy:
                 with self._lock:
                     self.token_prompts = True
                 return response.json()
-            if self.token_prompts is True or not 400 <= response.status_code < 500:
+            if self.token_prompts is True:
                 response.raise_for_status()
-            with self._lock:
-                self.token_prompts = False
-            logger.info("%s does not take token-id prompts (HTTP %d): sending text", url, response.status_code)
+            # Unknown support: llama.cpp's server answers an id list with 500 (its schema takes strings
+            # only), vLLM would accept it. Try text; only its success settles the question.
+            logger.info("%s refused a token-id prompt (HTTP %d): trying text", url, response.status_code)
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
         response = self._client.post(url, json={**body, "prompt": text})
         try:
             response.raise_for_status()
         except httpx.HTTPStatusError as exc:
             raise RuntimeError(f"agent server {url}: HTTP {response.status_code}: {response.text[:300]}") from exc
+        if self.token_prompts is None:
+            with self._lock:
+                self.token_prompts = False
         return response.json()
 
     def _one(
@@ -382,6 +386,8 @@ class OpenAICompletionsPolicy:
         if return_logprobs:
             server = ((choice.get("logprobs") or {}).get("token_logprobs")) or []
             server = [0.0 if (x is None or not math.isfinite(x)) else float(x) for x in server]
+            if reason == "eos" and self.end_of_turn_id is not None:
+                server.append(0.0)  # the end-of-turn id is ours: the server reports no log-prob for it
             if len(server) == len(ids):
                 logprobs = server
             else:

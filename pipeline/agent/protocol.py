@@ -214,7 +214,9 @@ class ConversationBuilder:
         self.think_opener = think_opener
         self.assistant_close, self.user_prefix, self.user_suffix_and_header = self._template_pieces()
         close_ids = self.encode(self.assistant_close)
-        self.end_of_turn_id: int | None = close_ids[0] if close_ids else None
+        special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(
+            getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        self.end_of_turn_id: int | None = close_ids[0] if close_ids and close_ids[0] in special else None
         """The token that ends an assistant turn in this template (`<|im_end|>` for ChatML)."""
 
     def encode(self, text: str) -> list[int]:
@@ -226,16 +228,24 @@ class ConversationBuilder:
         )
 
     def _template_pieces(self) -> tuple[str, str, str]:
-        """(assistant-closing text, user-turn prefix, user-turn suffix + next assistant header)."""
-        base_msgs = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _AGENT}]
-        base = self.render(base_msgs)
-        full = self.render([*base_msgs, {"role": "user", "content": _ENV}], add_generation_prompt=True)
-        if not full.startswith(base) or _AGENT not in base or _ENV not in full:
-            raise ValueError("chat template is not append-only for user/assistant turns; cannot build turns")
-        close = base[base.rindex(_AGENT) + len(_AGENT):]
-        tail = full[len(base):]
-        cut = tail.index(_ENV)
-        return close, tail[:cut], tail[cut + len(_ENV):]
+        """(assistant-closing text, text between it and the reply, text after the reply up to the next turn).
+
+        Read off one render of [user, assistant, user] with the generation prompt, so templates that render
+        the latest assistant turn differently from earlier ones (Qwen3's official template adds an empty
+        think block to it) still give the pieces as they appear mid-conversation.
+        """
+        msgs = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _AGENT},
+                {"role": "user", "content": _ENV}]
+        full = self.render(msgs, add_generation_prompt=True)
+        if _AGENT not in full or _ENV not in full or full.index(_AGENT) > full.index(_ENV):
+            raise ValueError("chat template does not render user/assistant turns in order; cannot build turns")
+        between = full[full.index(_AGENT) + len(_AGENT): full.index(_ENV)]
+        after = full[full.index(_ENV) + len(_ENV):]
+        closed = self.render(msgs[:2])
+        close = closed[closed.rindex(_AGENT) + len(_AGENT):] if _AGENT in closed else ""
+        if not between.startswith(close):
+            close = ""
+        return close, between[len(close):], after
 
     def start(self, messages: list[dict[str, str]]) -> list[int]:
         """Prompt ids: the chat template with the generation prompt, then the `<think>` opener."""

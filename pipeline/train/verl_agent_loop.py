@@ -215,14 +215,17 @@ class PromptR1AgentLoop(AgentLoopBase):
             turn = parse_turn(self.builder.think_opener + text)
             turns.append(turn)
             prompt = environment_prompt_for(turn)
-            if prompt is None:
+            if turn.answer is not None:
                 stop_reason = "answer"
-                break
-            if turn_index == self.max_turns - 1:
-                stop_reason = "max_turns"
                 break
             if len(response_mask) >= self.response_length:
                 stop_reason = "token_budget"
+                break
+            if prompt is None:
+                stop_reason = "answer"  # the agent ended without a usable interaction prompt: a malformed final turn
+                break
+            if turn_index == self.max_turns - 1:
+                stop_reason = "max_turns"
                 break
 
             with simple_timer("tool_calls", metrics):

@@ -298,7 +298,8 @@ def train_verl(params: Params, run: Any) -> None:
 
     env = dict(os.environ)
     env.update({"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_DISABLE_TELEMETRY": "true",
-                "HYDRA_FULL_ERROR": "1", "RAY_USAGE_STATS_ENABLED": env.get("RAY_USAGE_STATS_ENABLED", "0")})
+                "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1",
+                "RAY_USAGE_STATS_ENABLED": env.get("RAY_USAGE_STATS_ENABLED", "0")})
     if params.train.verl.ray_address:
         env["RAY_ADDRESS"] = params.train.verl.ray_address
     else:
@@ -316,6 +317,10 @@ def train_verl(params: Params, run: Any) -> None:
                         f"Last lines:\n{tail}")
     rows = export_steps_csv(run_id, reports / "steps.csv")
     log.info("verl finished: %d logged steps written to %s", rows, reports / "steps.csv")
+    import mlflow
+
+    mlflow.log_artifact(str(reports / "steps.csv"), artifact_path="train")
+    mlflow.log_artifact(str(reports / "verl_overrides.txt"), artifact_path="train")
 
 
 def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path) -> tuple[int, str]:

@@ -1,0 +1,101 @@
+# syntax=docker/dockerfile:1
+# Prompt-R1 pipeline images (one Dockerfile, two targets):
+#   docker build -t promptr1:gpu .               GPU nodes (default target): CUDA 13 base, Python 3.12,
+#                                                the `gpu` extra (vLLM + verl), llama.cpp server for CPU use
+#   docker build --target cpu -t promptr1:cpu .  CPU: the default profile, `dvc repro`
+#   docker run --rm -v "$PWD/../shared:/shared:ro" promptr1:cpu       (params' mirror ../shared/datasets)
+#   docker run --rm --gpus all --ipc=host -e PREFECT_API_URL promptr1:gpu flow run --profile paper
+# Every version pin below is pyproject.toml's (tests/test_dockerfile.py keeps them equal). torch 2.13.0's
+# PyPI wheels are built for CUDA 13.0, hence the CUDA 13 base; the CUDA libraries themselves come as wheels.
+
+ARG PYTHON_VERSION=3.11
+ARG CUDA_VERSION=13.0.2
+ARG UBUNTU_VERSION=24.04
+
+# ------------------------------------------------------------------------------------------------ cpu
+FROM python:${PYTHON_VERSION}-slim AS cpu
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    DVC_NO_ANALYTICS=1 \
+    MLFLOW_DISABLE_TELEMETRY=true \
+    GX_ANALYTICS_ENABLED=false \
+    PREFECT_SERVER_ANALYTICS_ENABLED=false \
+    RAY_USAGE_STATS_ENABLED=0 \
+    DO_NOT_TRACK=1
+
+# build-essential + cmake: llama-cpp-python compiles at install; git: DVC works inside a git repository.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends build-essential cmake git \
+ && rm -rf /var/lib/apt/lists/*
+RUN useradd --create-home --uid 10001 promptr1
+
+WORKDIR /app
+# The CPU wheel first: from PyPI torch would pull gigabytes of CUDA libraries.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+COPY --chown=promptr1:promptr1 . .
+RUN pip install -e . \
+ && git init -q . \
+ && if [ ! -d .dvc ]; then dvc init -q; fi \
+ && chown -R promptr1:promptr1 /app
+
+USER promptr1
+CMD ["dvc", "repro"]
+
+# ------------------------------------------------------------------------------------------ gpu-build
+FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS gpu-build
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    MAX_JOBS=8
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential cmake \
+      ninja-build git \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+# The stack that resolves together (platform.md): vllm 0.31.0 + verl 0.9.1 + torch 2.13.0 + transformers 5.10.4.
+# Its own layer, so a code change does not reinstall it.
+RUN pip install --upgrade pip setuptools wheel \
+ && pip install "torch==2.13.0" "transformers==5.10.4" "verl==0.9.1" "vllm==0.31.0"
+# flash-attn compiles against the torch installed above: no build isolation.
+RUN pip install --no-build-isolation flash-attn
+
+WORKDIR /app
+COPY . .
+# llama-cpp-python[server] (a main dependency) builds for CPU: the environment server for CPU use.
+RUN CMAKE_ARGS="-DGGML_CUDA=off" pip install -e ".[gpu]" \
+ && git init -q . \
+ && if [ ! -d .dvc ]; then dvc init -q; fi
+
+# ------------------------------------------------------------------------------------------------ gpu
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS gpu
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH \
+    DVC_NO_ANALYTICS=1 \
+    MLFLOW_DISABLE_TELEMETRY=true \
+    GX_ANALYTICS_ENABLED=false \
+    PREFECT_SERVER_ANALYTICS_ENABLED=false \
+    RAY_USAGE_STATS_ENABLED=0 \
+    DO_NOT_TRACK=1
+
+# python3-dev + gcc: Triton (vLLM, verl) compiles small launchers at run time; libgomp1: llama.cpp.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev libgomp1 git curl \
+ && rm -rf /var/lib/apt/lists/*
+# uid 10001: Ubuntu 24.04 images already have uid 1000 (user ubuntu).
+RUN useradd --create-home --uid 10001 promptr1
+
+COPY --from=gpu-build /opt/venv /opt/venv
+COPY --from=gpu-build --chown=promptr1:promptr1 /app /app
+WORKDIR /app
+USER promptr1
+ENTRYPOINT ["promptr1"]
+CMD ["--help"]

