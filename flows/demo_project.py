@@ -12,7 +12,8 @@ require (so a test proves the server is up exactly while they run).
 
 Fault injection for tests goes through environment variables the stage script reads, so dvc.yaml and
 the DVC hashes stay the same: `PROMPTR1_DEMO_FAIL=<stage>` makes that stage exit 1;
-`PROMPTR1_DEMO_FLAKY=<stage>` makes it fail on its first attempt only.
+`PROMPTR1_DEMO_FLAKY=<stage>` makes it fail on its first attempt only; `PROMPTR1_DEMO_SLEEP=<stage>:<s>`
+makes it sleep (writing its PID to .dvc/tmp/demo-sleeping.pid first).
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ if os.environ.get("PROMPTR1_DEMO_FLAKY") == stage and not flaky.exists():
     flaky.parent.mkdir(parents=True, exist_ok=True)
     flaky.write_text("failed once")
     sys.exit(f"demo stage {stage} fails on its first attempt")
+sleep_stage, _, sleep_s = os.environ.get("PROMPTR1_DEMO_SLEEP", "").partition(":")
+if sleep_stage == stage:
+    pathlib.Path(".dvc/tmp/demo-sleeping.pid").write_text(str(os.getpid()))
+    import time
+    time.sleep(float(sleep_s))
 if stage in ("train", "evaluate") and not pathlib.Path("''' + ENV_MARKER.as_posix() + '''").exists():
     sys.exit(f"demo stage {stage}: the environment server is not running")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections import deque
@@ -50,6 +51,7 @@ QUIET_ENV = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
 }
 OUTPUT_TAIL_LINES = 40
+STOP_GRACE_S = 30.0
 # DVC's git hints after every stage: noise in a flow that records experiments itself.
 _HINTS = ("To track the changes with git", "git add ", "To enable auto staging", "dvc config core.autostage",
           "Use `dvc push`")
@@ -149,16 +151,37 @@ def run_dvc(
     """
     cmd = [sys.executable, "-m", "dvc", *args]
     tail: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)
+    # Own process group: if the flow is interrupted or terminated, the whole stage (DVC and the command it
+    # runs, e.g. a training process) is stopped with it instead of running on orphaned.
     with subprocess.Popen(cmd, cwd=root, env=subprocess_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+                          stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True) as proc:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            tail.append(line)
-            if on_line is not None and line.strip() and not line.strip().startswith(_HINTS):
-                on_line(line)
-        returncode = proc.wait()
+        try:
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                tail.append(line)
+                if on_line is not None and line.strip() and not line.strip().startswith(_HINTS):
+                    on_line(line)
+            returncode = proc.wait()
+        except BaseException:
+            stop_process_group(proc)
+            raise
     return returncode, "\n".join(tail)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the process group of `proc`, SIGKILL it after `grace_s` seconds."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    log.warning("stage process group %d did not exit", proc.pid)
 
 
 def repro_stage(root: Path, stage: str, *, force: bool, on_line: Callable[[str], None] | None = None) -> bool:

@@ -61,8 +61,10 @@ MLflow records *what happened*. Design decisions:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -434,11 +436,31 @@ def run_pipeline_flow(
         _hooks = previous
 
 
+@contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (a process manager, `timeout`, `kill`) unwinds like Ctrl-C: the flow's `finally` blocks stop
+    the environment server and the running stage and restore params, instead of the process dying mid-way.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cli_flow_run(profile: str | None, sets: list[str], force: bool,
                  environment: EnvironmentChoice | None = None) -> None:
     """`promptr1 flow run`: run the flow now and print the MLflow run and the promotion decision."""
     root = find_root()
-    state = run_pipeline_flow(root, profile, sets, force, environment=environment, return_state=True)
+    with _terminate_as_exit():
+        state = run_pipeline_flow(root, profile, sets, force, environment=environment, return_state=True)
     if not state.is_completed():
         raise UserError(f"pipeline flow {state.name.lower()}: {state.message or 'see the Prefect logs'}")
     summary = state.result()

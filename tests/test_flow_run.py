@@ -246,3 +246,32 @@ def test_cli_flow_run_prints_run_and_decision(demo, monkeypatch, capsys):
     assert "MLflow:     run demo-run-4" in out
     assert "promotion:  promoted to @champion" in out
     assert "register   up to date" in out
+
+
+def test_terminated_flow_stops_the_running_stage(tmp_path):
+    """SIGTERM to `python -m flows.retrain` (a process manager, `timeout`) must not orphan the stage."""
+    import os
+    import signal
+
+    demo = make_demo_project(tmp_path / "project")
+    params_before = (demo / "params.yaml").read_bytes()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PROMPTR1_DEMO_SLEEP": "build:300"}
+    flow = subprocess.Popen([sys.executable, "-m", "flows.retrain", "--project-dir", str(demo)], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = demo / ".dvc" / "tmp" / "demo-sleeping.pid"
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and flow.poll() is None:
+            time.sleep(0.2)
+        assert marker.exists(), "the build stage never started"
+        stage_pid = int(marker.read_text())
+        flow.send_signal(signal.SIGTERM)
+        assert flow.wait(timeout=90) != 0
+    finally:
+        if flow.poll() is None:
+            flow.kill()
+    deadline = time.monotonic() + 10
+    while pid_alive(stage_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(stage_pid)
+    assert (demo / "params.yaml").read_bytes() == params_before
