@@ -337,3 +337,23 @@ def test_trace_flag_records_mlflow_span(server, tmp_path, monkeypatch):
     (span,) = trace.data.spans
     assert span.name == "environment.reply" and span.outputs["text"] == "echo: traced"
     assert "sk-do-not-log" not in trace.to_json()
+
+
+@pytest.mark.parametrize("body", [
+    b"", b"not json", b'{"choices": [{"message": {"content": "trunc', b"[]", b'"text"', b"{}",
+    b'{"choices": []}', b'{"choices": "x"}', b'{"choices": [1]}', b'{"choices": [{"message": {"content": 5}}]}',
+])
+def test_parse_completion_rejects_malformed_bodies(body):
+    from pipeline.environment.client import _Malformed, _parse_completion
+
+    with pytest.raises(_Malformed):
+        _parse_completion(body)
+
+
+def test_parse_completion_tolerates_missing_usage_and_content():
+    from pipeline.environment.client import _parse_completion
+
+    assert _parse_completion(b'{"choices": [{"message": {"content": "hi"}}]}') == ("hi", 0, 0)
+    assert _parse_completion(b'{"choices": [{"message": {}}], "usage": {"prompt_tokens": "x"}}') == ("", 0, 0)
+    body = b'{"choices": [{"message": {"content": "a b"}}], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}'
+    assert _parse_completion(body) == ("a b", 7, 2)

@@ -11,11 +11,13 @@ server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisi
   always finishes and the failure is counted. Only problems no retry can fix are raised: `BudgetExceeded`
   (the price table says the budget is spent) and `EnvironmentUnavailable` (API key variable unset for the
   paid backend; the endpoint rejects the key with 401/403).
-- **The request goes through the SDK's public `post(..., cast_to=ChatCompletion)`** rather than
-  `chat.completions.create`: same auth, base URL, error classes, timeout and response model, minus the
-  SDK's recursive TypedDict transform of the parameters, which is an identity for plain-text messages but
-  cost ~0.5 ms of CPU per call: with 32 concurrent trajectories that moved the latency-hiding ratio
-  (benchmarks/bench_latency_hiding.py) from 1.23 to 1.16 on 2 cores.
+- **The request goes through the SDK's public low-level `post("/chat/completions", cast_to=bytes)`**
+  rather than `chat.completions.create`: same auth, base URL, error classes (status → APIStatusError
+  subclasses, connection, timeout) and timeout handling, minus the SDK's recursive TypedDict transform of
+  the parameters (an identity for plain-text messages) and its pydantic response model; the body is parsed
+  and checked field by field here (`_parse_completion`), which we need anyway for malformed replies. On 2
+  cores with 32 concurrent trajectories, `create` costs ~0.5 ms more CPU per call and moved the
+  latency-hiding ratio (benchmarks/bench_latency_hiding.py) from ~1.14 to ~1.22.
 - **Per-call timeout** is enforced twice: the SDK's httpx timeout and an overall `asyncio.timeout`, so a
   server that trickles bytes cannot stall a rollout.
 - **Concurrency** is bounded by a semaphore (`environment.concurrency`); a rollout can fire every active
@@ -57,7 +59,6 @@ from typing import TYPE_CHECKING, Any
 
 import openai
 from openai import AsyncOpenAI
-from openai.types.chat import ChatCompletion
 
 from pipeline.errors import BudgetExceeded, EnvironmentUnavailable
 from pipeline.types import EnvironmentReply, UsageStats
@@ -339,7 +340,7 @@ class EnvironmentClient:
                 error = f"timeout after {self.cfg.timeout_s:g}s"
             except openai.APIConnectionError as exc:
                 error = f"connection error: {_short(str(exc.__cause__ or exc))}"
-            except (_Malformed, ValueError, openai.APIResponseValidationError) as exc:
+            except (_Malformed, openai.APIResponseValidationError) as exc:
                 error = f"malformed response: {_short(str(exc))}"
             else:
                 if not text.strip():
@@ -362,12 +363,12 @@ class EnvironmentClient:
         span_cm = self._span(messages) if self.trace else nullcontext(None)
         with span_cm as span:
             async with asyncio.timeout(self.cfg.timeout_s):
-                response = await sdk.post(
-                    "/chat/completions", cast_to=ChatCompletion,
+                body = await sdk.post(
+                    "/chat/completions", cast_to=bytes,
                     body={"model": self.model, "messages": messages, **self.sampling},
                     options={"timeout": self.cfg.timeout_s},
                 )
-            text, prompt_tokens, completion_tokens = _parse_completion(response)
+            text, prompt_tokens, completion_tokens = _parse_completion(body)
             if span is not None:
                 span.set_outputs({"text": text, "prompt_tokens": prompt_tokens,
                                   "completion_tokens": completion_tokens})
@@ -411,24 +412,27 @@ class _SpanInputs:
         return self._cm.__exit__(*exc)
 
 
-def _parse_completion(response: Any) -> tuple[str, int, int]:
-    """(text, prompt tokens, completion tokens) of a chat completion; _Malformed when it is not one.
-
-    The SDK returns the raw body as a string when the server's content type is not JSON, and builds the
-    model without validation, so every field is checked here.
-    """
-    if isinstance(response, str | bytes) or not hasattr(response, "choices"):
-        raise _Malformed(f"not a chat completion: {_short(str(response))}")
-    choices = response.choices
-    if not choices:
+def _parse_completion(body: bytes) -> tuple[str, int, int]:
+    """(text, prompt tokens, completion tokens) of a chat-completion body; _Malformed when it is not one."""
+    try:
+        data = json.loads(body)
+    except ValueError as exc:  # truncated JSON, HTML from a proxy, …
+        raise _Malformed(f"body is not JSON ({exc}): {_short(body.decode('utf-8', 'replace'), 80)}") from None
+    if not isinstance(data, dict):
+        raise _Malformed(f"body is JSON {type(data).__name__}, not an object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise _Malformed("no choices in the completion")
-    message = getattr(choices[0], "message", None)
-    content = getattr(message, "content", None) if message is not None else None
+    message = choices[0].get("message")
+    content = message.get("content") if isinstance(message, dict) else None
     if content is not None and not isinstance(content, str):
         raise _Malformed(f"message content is {type(content).__name__}, not text")
-    usage = getattr(response, "usage", None)
-    prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0) if usage is not None else 0
-    completion_tokens = int(getattr(usage, "completion_tokens", 0) or 0) if usage is not None else 0
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    try:
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        completion_tokens = int(usage.get("completion_tokens") or 0)
+    except (TypeError, ValueError):
+        prompt_tokens = completion_tokens = 0
     return content or "", prompt_tokens, completion_tokens
 
 
