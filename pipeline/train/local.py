@@ -97,6 +97,11 @@ class QuestionSampler:
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
 
+    def restore(self, epoch: int, position: int) -> None:
+        """Go back to a saved position (e.g. the start of a step that could not finish)."""
+        self.epoch, self.position = epoch, position
+        self._order = self._permutation(epoch)
+
     def next_batch(self, k: int) -> list[int]:
         out: list[int] = []
         while len(out) < k:
@@ -687,10 +692,13 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
         bar = tqdm(range(start + 1, end + 1), desc="GRPO", unit="step", initial=0, total=end - start)
         try:
             for step in bar:
+                position = (sampler.epoch, sampler.position)
                 try:
                     metrics = trainer.step(env, step)
                 except BudgetExceeded:
-                    if step - 1 > start:
+                    # Keep every finished step: checkpoint the last one (its questions drawn, not this one's).
+                    sampler.restore(*position)
+                    if step - 1 > start and (step - 1) % cfg.save_every != 0:
                         save(step - 1, last)
                     raise
                 t0 = time.perf_counter()
