@@ -7,6 +7,9 @@ Measures:
    the real SmolLM2-135M-Instruct agent against the real llama.cpp environment): per step the time split
    into generation / environment / update, mean/min/max reward (does it rise?), peak RSS of this process
    (the trainer) and of the llama.cpp server (a child, via RUSAGE_CHILDREN after it stops);
+   The format warm-up (train.warmup, before GRPO step 1) is reported apart: demonstration build time
+   (environment calls), supervised step time, loss curve (`warmup` in the JSON); `grpo_steps_s` sums
+   the GRPO steps alone, `train_wall_s` is the whole stage (model load, warm-up, GRPO, saves);
 3. the GRPO update's model-FLOPs utilisation: 6 · params · tokens / policy update time ÷ measured matmul
    rate (tokens = non-padding tokens through forward+backward), and the stricter whole-update figure that
    also charges the reference forward (2 · params · tokens) against all of `timing_s/update`;
@@ -182,8 +185,21 @@ def main() -> None:
             "response_length": row["response_length/mean"], "update_tokens": tokens,
             "mfu_policy_fwd_bwd": mfu_policy, "mfu_whole_update": mfu_update,
             "rollout_logprob_diff_max": row.get("training/rollout_logprob_diff_max"),
+            "gated_frac": row.get("reward/gated/mean"), "complete_final": row.get("reward/complete_final/mean"),
+            "valid_intermediate_turns": row.get("reward/valid_intermediate_turns/mean"),
+            "adv_max": row["critic/advantages/max"], "adv_min": row["critic/advantages/min"],
         })
     rewards = [s["reward_mean"] for s in per_step]
+    warm_csv = scratch / "reports/train/warmup.csv"
+    warmup: dict = {"enabled": params.train.warmup.steps > 0}
+    if warm_csv.is_file():
+        w = pd.read_csv(warm_csv)
+        build_s = float(w["warmup/build_s"].iloc[0]) if "warmup/build_s" in w else 0.0
+        warmup.update({
+            "steps": len(w), "loss_curve": w["warmup/loss"].round(4).tolist(), "build_s": build_s,
+            "steps_s": float(w["warmup/step_s"].sum()), "total_s": build_s + float(w["warmup/step_s"].sum()),
+            "env_calls": float(w["warmup/env_calls"].iloc[0]) if "warmup/env_calls" in w else 0.0,
+        })
     result = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "torch": torch.__version__},
@@ -192,7 +208,8 @@ def main() -> None:
                    "environment": {"backend": params.environment.backend, "model": params.environment.model,
                                    "max_tokens": params.environment.max_tokens}},
         "matmul_flops": mm, "matmul_peak_flops": peak,
-        "train_wall_s": wall, "peak_rss_trainer_gib": trainer_rss, "peak_rss_env_server_gib": server_rss,
+        "train_wall_s": wall, "warmup": warmup,
+        "grpo_steps_s": float(steps["timing_s/step"].sum()), "peak_rss_trainer_gib": trainer_rss, "peak_rss_env_server_gib": server_rss,
         "num_params": n_params, "steps": per_step,
         "reward_curve": rewards,
         "reward_rises": bool(len(rewards) > 1 and rewards[-1] > rewards[0]),
@@ -204,6 +221,9 @@ def main() -> None:
     out = RESULTS / f"train{args.tag}.json"
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k not in ("steps", "params")}, indent=2))
+    if warmup.get("steps"):
+        print(f"warm-up: {warmup['steps']} steps, build {warmup['build_s']:.1f}s, steps {warmup['steps_s']:.1f}s, "
+              f"loss {warmup['loss_curve'][0]} -> {warmup['loss_curve'][-1]}")
     for s in per_step:
         print(f"step {s['step']}: reward {s['reward_mean']:.3f} [{s['reward_min']:.2f}, {s['reward_max']:.2f}] "
               f"gen {s['gen_s']:.1f}s env {s['env_s']:.1f}s update {s['update_s']:.1f}s "

@@ -130,6 +130,29 @@ class VerlConfig(_Section):
     extra_overrides: list[str] = Field(default_factory=list)
 
 
+class WarmupConfig(_Section):
+    """Format warm-up ("cold start", as DeepSeek-R1 before RL): supervised steps on demonstration
+    trajectories in the exact Prompt-R1 protocol, run by the local backend before GRPO step 1.
+
+    A small agent (the CPU profile's 135M model) never writes the protocol's tags on its own, so every
+    trajectory scores -k, every GRPO advantage is 0 and RL has no signal; the warm-up fixes that.
+    Off (`steps: 0`) in the paper profile, whose Qwen3-4B follows the format from its instructions.
+    See `pipeline.train.warmup`.
+    """
+
+    steps: int = Field(0, ge=0, description="Supervised optimizer steps before GRPO; 0 = no warm-up.")
+    batch_size: int = Field(2, gt=0, description="Demonstrations per warm-up step.")
+    lr: float = Field(1e-4, gt=0, description="Learning rate of the warm-up's own AdamW.")
+    demonstrations: int = Field(
+        0, ge=0, description="Distinct demonstrations built (each costs `interaction_turns` environment "
+        "calls) and cycled through; 0 = steps x batch_size (every step sees new ones).")
+    max_answer_tokens: int = Field(
+        32, gt=0, description="Rows whose gold answer is longer (agent tokens) are not used as demonstrations.")
+    interaction_turns: int = Field(
+        2, ge=0, description="Interaction turns per demonstration before the answer turn (the paper preset "
+        "only counts the answer after >= 2 valid interaction turns).")
+
+
 class TrainConfig(_Section):
     backend: Literal["local", "verl"] = "local"
     steps: int = Field(4, ge=0)
@@ -152,6 +175,7 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="Local backend: newest checkpoints kept on disk.")
     gradient_checkpointing: bool = False
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     verl: VerlConfig = Field(default_factory=VerlConfig)
 
 

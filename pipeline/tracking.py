@@ -146,9 +146,11 @@ def stage_run(params: Params, stage: str, new_parent: bool = False) -> Iterator[
             parent = None
     if parent is None:
         parent = _start_parent(params)
-    with mlflow.start_run(run_id=parent):
-        with mlflow.start_run(run_name=stage, nested=True, tags={"stage": stage}) as child:
-            yield child
+    with (
+        mlflow.start_run(run_id=parent),
+        mlflow.start_run(run_name=stage, nested=True, tags={"stage": stage}) as child,
+    ):
+        yield child
 
 
 # --- helpers added by the eval stage (additive; stage_run's behaviour is unchanged) ----------------------

@@ -71,7 +71,7 @@ def tiny_overrides(tmp: Path, model_dir: Path, env_url: str, **train) -> dict:
         "environment": {"base_url": env_url, "served_name": "fault-model", "max_tokens": 16, "cache": False,
                         "max_retries": 0, "timeout_s": 5.0},
         "train": {"steps": 2, "batch_size": 2, "group_size": 2, "mini_batch_size": 1, "micro_batch_size": 2,
-                  "save_every": 1, "lr": 1e-3, **train},
+                  "save_every": 1, "lr": 1e-3, "warmup": {"steps": 0}, **train},
         "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_root": str(tmp / "mlartifacts")},
     }
 
@@ -353,7 +353,7 @@ def test_real_stage_one_step_smollm2_llamacpp(tmp_path, llama_server, params):
         "agent": {"max_turns": 2, "max_turn_tokens": 24, "max_response_tokens": 96},
         "environment": {"base_url": llama_server, "max_tokens": 24, "cache": False},
         "train": {"steps": 1, "batch_size": 1, "group_size": 2, "mini_batch_size": 1, "micro_batch_size": 2,
-                  "save_every": 1, "lora": {"enabled": True}},
+                  "save_every": 1, "lora": {"enabled": True}, "warmup": {"steps": 0}},
         "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_root": str(tmp_path / "mla")},
     }
     real = load_params(REPO_ROOT / "params.yaml", overrides)

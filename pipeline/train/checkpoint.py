@@ -10,6 +10,7 @@ Layout under `params.paths.checkpoint_dir`:
       rng.pt              python / numpy / torch (and CUDA) RNG states
       trainer_state.json  step, data position, base model, LoRA flag, the step's metrics
     latest                "step_N": the newest complete checkpoint
+    warmup/model/         the weights right after the format warm-up (the KL reference; never pruned)
 
 Design decisions:
 - **Atomic**: a checkpoint is written into a hidden temporary folder beside its final place and renamed
@@ -20,6 +21,7 @@ Design decisions:
   a `trainer_state.json`) is used instead.
 - Only the newest `keep` checkpoints are kept: a full fine-tune of the 135M agent with AdamW state is
   ~1.6 GB per checkpoint.
+- The format warm-up writes `step_0/` (flag `warmup_done`) and `warmup/model/` (pipeline.train.warmup).
 - verl writes `global_step_N/actor/` into the same folder instead (backend verl); `latest_verl_step`
   finds those for the merge stage.
 """
@@ -67,6 +69,9 @@ class TrainerState:
     """train.steps when this checkpoint was written."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The metrics of the step this checkpoint ends."""
+    warmup_done: bool = False
+    """The format warm-up (train.warmup) ran before GRPO; its weights are in `<root>/warmup/` and are the
+    KL reference. A resumed run never repeats it."""
 
     @classmethod
     def read(cls, folder: Path) -> TrainerState:

@@ -24,8 +24,14 @@ Design decisions:
   log-softmax tensor) at temperature `agent.temperature`, as verl's actor does.
 - **Micro-batches are sorted by length** within a mini-batch to cut padding; the loss is normalised by
   the mini-batch's agent-token count, so the split does not change the gradient.
-- **Reference policy:** full fine-tune → a frozen copy of the base weights; LoRA → the same model with
-  adapters disabled (no second copy in memory).
+- **Reference policy:** full fine-tune → a frozen copy of the base weights, or of the weights right after
+  the format warm-up when `train.warmup.steps > 0` (as R1's reference is its SFT'd model; kept in
+  `<checkpoint_dir>/warmup/model` for resumes); LoRA → the same model with adapters disabled (no second copy
+  in memory; warm-up + LoRA is refused for that reason).
+- **Format warm-up** (`pipeline.train.warmup`, off when `train.warmup.steps` is 0): supervised steps on
+  Prompt-R1 demonstrations before GRPO step 1, with its own optimizer; a `step_0` checkpoint with
+  `warmup_done` follows it, so a resumed run does not repeat it. Its metrics go to MLflow (`warmup/*`) and
+  `reports/train/warmup.csv`; steps.csv's `step` stays the GRPO step.
 - **The environment server is started once** for the whole run (`environment_server(params)`), reused if
   one already answers.
 - Timing: the rollout alternates batched generation rounds with rounds of concurrent environment calls,
@@ -63,6 +69,8 @@ from pipeline.types import PromptItem, StopReason, Trajectory
 log = logging.getLogger(__name__)
 
 STEPS_CSV = "train/steps.csv"
+WARMUP_DIR = "warmup"
+"""Folder under the checkpoint dir holding the weights right after the format warm-up (the KL reference)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -207,17 +215,7 @@ def load_policy_models(params: Params, resume_from: Path | None, device: torch.d
         reference = copy.deepcopy(base)
         model = base
         if resume_from is not None:
-            from safetensors.torch import load_file
-
-            state = {}
-            for shard in sorted((resume_from / "model").glob("*.safetensors")):
-                state.update(load_file(str(shard)))
-            missing, unexpected = model.load_state_dict(state, strict=False)
-            # Tied embeddings are saved once; anything else missing means a foreign checkpoint.
-            tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-            if set(missing) - tied or unexpected:
-                raise UserError(f"{resume_from}: checkpoint does not fit {params.agent.model} "
-                                f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
+            load_full_weights(model, resume_from / "model", params.agent.model)
         reference.requires_grad_(False)
         reference.eval()
         reference.to(device)
@@ -229,6 +227,21 @@ def load_policy_models(params: Params, resume_from: Path | None, device: torch.d
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     return PolicyModels(model=model, reference=reference, tokenizer=tokenizer, lora=lora)
+
+
+def load_full_weights(model: torch.nn.Module, folder: Path, base_ref: str) -> None:
+    """Load a full fine-tune's safetensors from `folder` into `model` (refuses a foreign checkpoint)."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Tied embeddings are saved once; anything else missing means a foreign checkpoint.
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise UserError(f"{folder}: checkpoint does not fit {base_ref} "
+                        f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
 
 
 def write_weights(models: PolicyModels, folder: Path) -> None:
@@ -654,12 +667,19 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     from pipeline.environment.servers import environment_server
 
     cfg = params.train
+    if cfg.warmup.steps > 0 and cfg.lora.enabled:
+        raise UserError("train.warmup with LoRA is not supported (the LoRA KL reference is the base with "
+                        "adapters disabled, which would undo the warm-up): set train.warmup.steps: 0 or "
+                        "train.lora.enabled: false")
     root = params.path(params.paths.checkpoint_dir)
     folder = ckpt.latest_checkpoint(root)
     state = ckpt.TrainerState.read(folder) if folder else None
     start = state.step if state else 0
     if state is not None and folder is not None:
         _check_compatible(params, state, folder)
+    warmed = bool(state and state.warmup_done)
+    # A run resumed from a GRPO step never warms up (it either did, or ran without warm-up).
+    need_warmup = cfg.warmup.steps > 0 and state is None
     steps_log = StepsLog(steps_csv_path(params), keep_upto=start)
     if start >= cfg.steps:
         log.info("training already complete: checkpoint at step %d >= train.steps %d", start, cfg.steps)
@@ -674,6 +694,12 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     models = load_policy_models(params, folder, device)
     sampler = QuestionSampler(len(frame), params.seed, state.epoch if state else 0, state.position if state else 0)
     trainer = LocalTrainer(params, models, frame, device, sampler)
+    if warmed and models.reference is not None:
+        if (root / WARMUP_DIR / "model").is_dir():
+            load_full_weights(models.reference, root / WARMUP_DIR / "model", params.agent.model)
+            log.info("KL reference: the warmed-up weights in %s", root / WARMUP_DIR)
+        else:
+            log.warning("%s missing: the KL reference falls back to the base weights", root / WARMUP_DIR)
     if folder is not None:
         trainer.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
         ckpt.restore_rng_state(torch.load(folder / "rng.pt", weights_only=False))
@@ -682,12 +708,18 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     def save(step: int, metrics: dict[str, float]) -> None:
         st = ckpt.TrainerState(step=step, epoch=sampler.epoch, position=sampler.position, seed=params.seed,
                                base_model=params.agent.model, lora=cfg.lora.enabled, steps_target=cfg.steps,
-                               metrics=metrics)
+                               metrics=metrics, warmup_done=warmed)
         ckpt.save_checkpoint(root, st, partial(write_weights, models), trainer.optimizer, keep=cfg.keep_checkpoints)
 
     last: dict[str, float] = dict(state.metrics) if state else {}
     end = cfg.steps if max_steps is None else min(cfg.steps, start + max_steps)
     with environment_server(params):
+        if need_warmup:
+            warm_metrics = _run_warmup(params, models, frame, device, root)
+            warmed = True
+            save(0, warm_metrics)
+            if cfg.steps == 0:
+                return warm_metrics
         env = EnvironmentClient.from_params(params)
         bar = tqdm(range(start + 1, end + 1), desc="GRPO", unit="step", initial=0, total=end - start)
         try:
@@ -713,6 +745,40 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
         finally:
             bar.close()
             _close_env(env)
+    return last
+
+
+def _run_warmup(params: Params, models: PolicyModels, frame: pd.DataFrame, device: torch.device,
+                root: Path) -> dict[str, float]:
+    """The format warm-up, then the warmed weights become the frozen KL reference (and are kept on disk)."""
+    import os
+    import shutil
+
+    from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+    from pipeline.train.warmup import WARMUP_CSV, run_warmup, write_warmup_csv
+
+    # Demonstrations see the environment at temperature 0 (deterministic, cached) whatever training uses.
+    env_cfg = params.environment.model_copy(update={"temperature": 0.0})
+    cache = params.path(params.paths.cache_dir) / CACHE_FILE if env_cfg.cache else None
+    env = EnvironmentClient(env_cfg, cache)
+    log.info("format warm-up: %d steps x %d demonstrations, lr %g", params.train.warmup.steps,
+             params.train.warmup.batch_size, params.train.warmup.lr)
+    try:
+        rows = run_warmup(params, models.model, models.tokenizer, frame, env, device, prompt_item_from_row,
+                          log_metrics=_log_mlflow)
+    finally:
+        _close_env(env)
+    write_warmup_csv(params.path(params.paths.reports_dir) / WARMUP_CSV, rows)
+    if models.reference is not None:
+        models.reference.load_state_dict(models.model.state_dict())
+    tmp = root / f".tmp-{WARMUP_DIR}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    models.model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+    shutil.rmtree(root / WARMUP_DIR, ignore_errors=True)
+    os.replace(tmp, root / WARMUP_DIR)
+    last = dict(rows[-1]) if rows else {}
+    last["warmup/total_s"] = sum(r["warmup/step_s"] for r in rows) + rows[0].get("warmup/build_s", 0.0) if rows else 0.0
     return last
 
 

@@ -39,6 +39,9 @@ def run_train(params: Params) -> None:
         if params.train.backend == "verl":
             from pipeline.train.verl_backend import train_verl
 
+            if params.train.warmup.steps > 0:
+                log.warning("train.warmup is a local-backend feature: ignored with backend verl")
+
             train_verl(params, run)
             return
         from pipeline.train import local

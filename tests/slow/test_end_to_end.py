@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 def _copy_project(src: Path, dst: Path) -> None:
     def ignore(folder: str, names: list[str]) -> set[str]:
-        ignored = {n for n in names if n in COPY_EXCLUDE or n.endswith(".egg-info")}
+        top = Path(folder) == src
+        ignored = {n for n in names if (top and n in COPY_EXCLUDE) or n == "__pycache__" or n.endswith(".egg-info")}
         if Path(folder).name == ".dvc":
             ignored |= {"cache", "tmp"}
         return ignored
@@ -46,15 +47,16 @@ def smallest_params(raw: dict, mirror: Path, port: int) -> dict:
     """The default profile shrunk to a smoke run: few rows, one GRPO step, short generations."""
     raw["paths"]["mirror"] = str(mirror)
     raw["data"]["sample_size"] = 64
-    raw["agent"].update(max_turns=2, max_turn_tokens=16, max_response_tokens=160, max_prompt_tokens=1024)
+    raw["agent"].update(max_turns=3, max_turn_tokens=40, max_response_tokens=400, max_prompt_tokens=1024)
     raw["environment"].update(port=port, max_tokens=24)
     raw["train"].update(steps=1, batch_size=1, group_size=2, mini_batch_size=1, micro_batch_size=2, save_every=1)
+    raw["train"]["warmup"].update(steps=1, batch_size=1, demonstrations=1)
     raw["evaluate"].update(rows_per_dataset=1, agent_max_turn_tokens=16, bootstrap_samples=50)
     return raw
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -1,0 +1,295 @@
+"""Format warm-up ("cold start") of the local backend: supervised steps on Prompt-R1 demonstrations.
+
+Why: GRPO learns only from reward differences inside a group. The CPU profile's agent
+(SmolLM2-135M-Instruct) never writes the protocol's tags on its own (0 of 48 samples, measured), so every
+trajectory scores -k, every advantage is 0 and RL does nothing. The paper's Qwen3-4B follows the format from
+the instructions alone. As DeepSeek-R1 does before RL, a few supervised steps on demonstrations in the exact
+format teach it; GRPO then starts from a model whose samples earn differing rewards. Off (`train.warmup.steps:
+0`) in the paper profile.
+
+A demonstration (`build_demonstrations`) is a `Trajectory` built as the rollout builds one:
+    ConversationBuilder.start(prompt messages)                                      prompt (ends with <think>)
+    for each of `interaction_turns` turns:
+        agent:  short reasoning</think>\\n<interaction_prompt>request</interaction_prompt>         mask 1
+        env:    ConversationBuilder.env_turn_ids(LIVE environment reply)                          mask 0
+    agent:      final reasoning</think>\\n<answer>{gold answer}</answer>                           mask 1
+The first request is the question (with a short framing), later ones ask the environment to verify/refine.
+The think/request wording is drawn from a few templates with a seeded RNG, so the model learns the
+structure rather than one string. The environment is the live one (`EnvironmentClient`, temperature forced
+to 0 so replies are deterministic and cached), asked with its own history exactly as the rollout asks it.
+Agent turns are encoded separately and appended (the builder is append-only, like the rollout), so training
+sees the same token layout as sampling: no train/rollout drift.
+
+Design decisions:
+- **Which rows**: rows whose gold answer fits `max_answer_tokens`, whose every agent turn fits
+  `agent.max_turn_tokens` (a demo turn the rollout would cut teaches a turn that earns nothing), whose prompt
+  fits `agent.max_prompt_tokens` and whose whole response fits `agent.max_response_tokens`; drawn in a seeded
+  order. `demonstrations` distinct demos are built and cycled through (each costs `interaction_turns`
+  environment calls; 0 = one fresh demo per slot).
+- **Loss**: mean negative log-likelihood over the agent tokens (mask 1) of the step's demos (token-mean, like
+  the GRPO loss), log-probs from the same padded forward the GRPO update uses (`local.response_log_probs`,
+  temperature 1). Environment and template tokens (mask 0) are context only.
+- **Own optimizer**: an AdamW with `warmup.lr`, dropped afterwards; GRPO's optimizer starts fresh (its
+  moments should not carry the supervised gradients' scale).
+- **KL reference = the warmed-up model** (as R1's reference is the SFT'd model, not the raw base): the
+  trainer copies the warmed weights into its frozen reference; the weights are also kept in
+  `<checkpoint_dir>/warmup/model` (never pruned) so a resumed run rebuilds the same reference. LoRA +
+  warm-up is refused: the LoRA reference is the base with adapters disabled, which would undo the warm-up.
+- **Once**: the trainer writes a `step_0` checkpoint with `warmup_done` after it; a resumed run never repeats
+  it (and a run resumed from a GRPO step never runs it).
+- **Logging**: `warmup/loss`, `warmup/step`, `warmup/agent_tokens`, `warmup/step_s` to MLflow and
+  `reports/train/warmup.csv`; `steps.csv`'s `step` stays the GRPO step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pipeline.agent.protocol import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    PROMPT_CLOSE,
+    PROMPT_OPEN,
+    THINK_CLOSE,
+    ConversationBuilder,
+    parse_turn,
+)
+from pipeline.config import Params
+from pipeline.errors import DataError
+from pipeline.types import PromptItem, Trajectory, Turn
+
+log = logging.getLogger(__name__)
+
+WARMUP_CSV = "train/warmup.csv"
+
+FIRST_THINK = [
+    "I will explain the question briefly and give it to the large language model.",
+    "The question asks for a specific fact. Let me ask the large language model.",
+    "I should pass this question to the large model with a short explanation.",
+    "First, I ask the large language model to answer the question.",
+]
+FIRST_PROMPT = [
+    "{question}",
+    "Please answer this question: {question}",
+    "{question} Give a short, precise answer.",
+    "Help me answer the question: {question}",
+]
+FOLLOW_THINK = [
+    "The large model replied. I should check its answer before finishing.",
+    "I got a response. Let me ask it to verify the answer.",
+    "The reply may be right, but I want to confirm it.",
+    "Let me refine the answer with one more request.",
+]
+FOLLOW_PROMPT = [
+    "Please check your answer to \"{question}\" and give only the final answer.",
+    "Verify the answer again and state it in a few words.",
+    "Double-check the answer to: {question} Reply with the short final answer.",
+    "Is that correct? Give the final answer to the question in a few words.",
+]
+FINAL_THINK = [
+    "Based on the responses and the question, I can now give the final answer.",
+    "I have checked the answer with the large language model.",
+    "The interaction is complete, so I write the final answer.",
+    "Now I know the final answer to the question.",
+]
+
+
+@dataclass
+class DemoTexts:
+    """The agent-side text of one demonstration (everything after each turn's `<think>` opener)."""
+
+    interaction_turns: list[str]
+    prompts: list[str]
+    """The interaction prompts sent to the environment, one per interaction turn."""
+    final_turn: str
+
+
+def demo_texts(question: str, answer: str, turns: int, rng: random.Random) -> DemoTexts:
+    """Pick wordings for one demonstration; the texts start after the `<think>\\n` opener."""
+    texts, prompts = [], []
+    for t in range(turns):
+        think = rng.choice(FIRST_THINK if t == 0 else FOLLOW_THINK)
+        prompt = rng.choice(FIRST_PROMPT if t == 0 else FOLLOW_PROMPT).format(question=question)
+        texts.append(f"{think}{THINK_CLOSE}\n{PROMPT_OPEN}{prompt}{PROMPT_CLOSE}")
+        prompts.append(prompt)
+    final = f"{rng.choice(FINAL_THINK)}{THINK_CLOSE}\n{ANSWER_OPEN}{answer}{ANSWER_CLOSE}"
+    return DemoTexts(interaction_turns=texts, prompts=prompts, final_turn=final)
+
+
+def question_of(item: PromptItem) -> str:
+    """The bare question: `extra_info.question`, else the first line after `Question:` in the prompt."""
+    if item.question.strip():
+        return " ".join(item.question.split())
+    content = item.messages[-1]["content"] if item.messages else ""
+    first = content.split("Question:", 1)[-1].strip().splitlines()
+    return first[0].strip() if first else ""
+
+
+@dataclass
+class _Plan:
+    item: PromptItem
+    texts: DemoTexts
+    prompt_ids: list[int]
+    turn_ids: list[list[int]]
+    """Agent ids of every turn, the final one last."""
+
+
+def _plan(builder: ConversationBuilder, item: PromptItem, params: Params, rng: random.Random) -> _Plan | None:
+    """Texts and agent ids of one demo, or None when the row does not fit the budgets."""
+    w, a = params.train.warmup, params.agent
+    question = question_of(item)
+    if not question or not item.gold_answers:
+        return None
+    answer = str(item.gold_answers[0]).strip()
+    if not answer or len(builder.encode(answer)) > w.max_answer_tokens:
+        return None
+    texts = demo_texts(question, answer, w.interaction_turns, rng)
+    turn_ids = [builder.encode(t) for t in [*texts.interaction_turns, texts.final_turn]]
+    if any(len(ids) > a.max_turn_tokens for ids in turn_ids):
+        return None
+    prompt_ids = builder.start(item.messages)
+    if len(prompt_ids) > a.max_prompt_tokens:
+        return None
+    return _Plan(item, texts, prompt_ids, turn_ids)
+
+
+async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan]) -> list[Trajectory]:
+    """Ask the environment turn by turn (all demos of a round concurrently) and append ids as the rollout."""
+    trajs = [Trajectory(item=p.item, prompt_ids=list(p.prompt_ids)) for p in plans]
+    histories: list[list[dict[str, str]]] = [[] for _ in plans]
+    rounds = len(plans[0].texts.prompts) if plans else 0
+    for t in range(rounds):
+        replies = await asyncio.gather(*(env.reply(list(h), p.texts.prompts[t]) for p, h in zip(plans, histories,
+                                                                                                strict=True)))
+        for p, traj, hist, reply in zip(plans, trajs, histories, replies, strict=True):
+            agent_ids = p.turn_ids[t]
+            env_ids = builder.env_turn_ids(reply.text, agent_ids)
+            traj.turns.append(Turn(parsed=parse_turn(builder.think_opener + p.texts.interaction_turns[t]),
+                                   agent_token_ids=list(agent_ids), env_reply=reply, env_token_ids=env_ids))
+            traj.response_ids += [*agent_ids, *env_ids]
+            traj.response_mask += [1] * len(agent_ids) + [0] * len(env_ids)
+            traj.usage.add(reply)
+            hist += [{"role": "user", "content": p.texts.prompts[t]}, {"role": "assistant", "content": reply.text}]
+    for p, traj in zip(plans, trajs, strict=True):
+        final = p.turn_ids[-1]
+        traj.turns.append(Turn(parsed=parse_turn(builder.think_opener + p.texts.final_turn),
+                               agent_token_ids=list(final)))
+        traj.response_ids += final
+        traj.response_mask += [1] * len(final)
+        traj.stop_reason = "answer"
+    return trajs
+
+
+def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, env: Any, count: int,
+                         item_from_row: Callable[[dict[str, Any], int], PromptItem]) -> list[Trajectory]:
+    """`count` demonstration trajectories from the training rows (see module docstring).
+
+    `env` is an EnvironmentClient (or anything with its `async reply(history, prompt)`); failed environment
+    calls (reply with `error`) drop that demo. Raises DataError when no row fits the budgets.
+    """
+    builder = ConversationBuilder(tokenizer, params.agent.env_reply_max_chars)
+    rng = random.Random(params.seed)
+    order = np.random.default_rng([params.seed, 0x5F7]).permutation(len(frame))
+    demos: list[Trajectory] = []
+    cursor = 0
+    while len(demos) < count and cursor < len(order):
+        plans: list[_Plan] = []
+        while len(plans) < count - len(demos) and cursor < len(order):
+            index = int(order[cursor])
+            cursor += 1
+            plan = _plan(builder, item_from_row(frame.iloc[index].to_dict(), index), params, rng)
+            if plan is not None:
+                plans.append(plan)
+        if not plans:
+            break
+        for traj in asyncio.run(_assemble(builder, env, plans)):
+            failed = any(t.env_reply is not None and t.env_reply.error for t in traj.turns)
+            if failed or len(traj.response_ids) > params.agent.max_response_tokens:
+                continue
+            demos.append(traj)
+    if not demos:
+        raise DataError("format warm-up: no training row fits the budgets (train.warmup.max_answer_tokens, "
+                        "agent.max_turn_tokens/max_prompt_tokens/max_response_tokens) or the environment failed")
+    if len(demos) < count:
+        log.warning("format warm-up: only %d of %d demonstrations could be built; cycling them", len(demos), count)
+    return demos
+
+
+def warmup_loss(model: torch.nn.Module, demos: list[Trajectory], pad_id: int, micro_batch_size: int,
+                device: torch.device) -> tuple[float, int]:
+    """Backward the mean NLL over the demos' agent tokens (micro-batched); returns (loss, agent tokens)."""
+    from pipeline.train.local import collate, response_log_probs
+
+    total_tokens = sum(sum(d.response_mask) for d in demos)
+    loss_sum = 0.0
+    ordered = sorted(demos, key=lambda d: len(d.prompt_ids) + len(d.response_ids))
+    for k in range(0, len(ordered), micro_batch_size):
+        batch = collate(ordered[k : k + micro_batch_size], pad_id).to(device)
+        log_prob = response_log_probs(model, batch, temperature=1.0)
+        nll = -(log_prob * batch.response_mask).sum() / total_tokens
+        nll.backward()
+        loss_sum += float(nll.detach())
+    return loss_sum, int(total_tokens)
+
+
+def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd.DataFrame, env: Any,
+               device: torch.device, item_from_row: Callable[[dict[str, Any], int], PromptItem],
+               log_metrics: Callable[[dict[str, float], int], None] | None = None) -> list[dict[str, float]]:
+    """`warmup.steps` supervised steps on demonstrations; returns one metrics row per step."""
+    from tqdm.auto import tqdm
+
+    w, cfg = params.train.warmup, params.train
+    count = w.demonstrations or w.steps * w.batch_size
+    t0 = time.perf_counter()
+    demos = build_demonstrations(params, frame, tokenizer, env, count, item_from_row)
+    build_s = time.perf_counter() - t0
+    env_calls = sum(d.usage.calls for d in demos)
+    log.info("format warm-up: %d demonstrations built in %.1fs (%d environment calls, %d cached)",
+             len(demos), build_s, env_calls, sum(d.usage.cache_hits for d in demos))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=w.lr,
+                                  weight_decay=cfg.weight_decay)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model.train()
+    rows: list[dict[str, float]] = []
+    bar = tqdm(range(1, w.steps + 1), desc="warm-up", unit="step")
+    try:
+        for step in bar:
+            t_step = time.perf_counter()
+            batch = [demos[(i + (step - 1) * w.batch_size) % len(demos)] for i in range(w.batch_size)]
+            optimizer.zero_grad(set_to_none=True)
+            loss, tokens = warmup_loss(model, batch, pad_id, cfg.micro_batch_size, device)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            row = {"warmup/step": float(step), "warmup/loss": loss, "warmup/grad_norm": float(grad_norm),
+                   "warmup/agent_tokens": float(tokens), "warmup/step_s": time.perf_counter() - t_step}
+            if step == 1:
+                row.update({"warmup/demonstrations": float(len(demos)), "warmup/build_s": build_s,
+                            "warmup/env_calls": float(env_calls)})
+            rows.append(row)
+            if log_metrics is not None:
+                log_metrics(row, step)
+            bar.set_postfix(loss=f"{loss:.3f}")
+    finally:
+        bar.close()
+        model.eval()
+    optimizer.zero_grad(set_to_none=True)
+    return rows
+
+
+def write_warmup_csv(path, rows: list[dict[str, float]]) -> None:
+    """`reports/train/warmup.csv`: one row per warm-up step (columns `warmup/step`, `warmup/loss`, ...)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(rows)
+    tmp = path.with_suffix(".csv.tmp")
+    frame.to_csv(tmp, index=False)
+    tmp.replace(path)

@@ -1,0 +1,186 @@
+"""Format warm-up (pipeline.train.warmup): demonstrations in the exact protocol, the supervised loss, and
+its place in the local trainer (once, checkpointed, the KL reference).
+
+Fast tests: tiny random Llama (conftest `tiny_llama_dir`) and the fault-injecting test server as a real
+HTTP environment (`echo: …` replies). The real SmolLM2 + llama.cpp measurement is benchmarks/bench_train.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from pipeline.config import load_params
+from pipeline.train import checkpoint as ckpt
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_train_local import QUESTIONS, tiny_overrides, write_train_parquet
+
+
+@pytest.fixture()
+def env_server():
+    from fault_server import FaultServer
+
+    with FaultServer() as server:
+        yield server.url
+
+
+def warm_params(tmp_path: Path, model_dir: Path, env_url: str, **warmup):
+    overrides = tiny_overrides(tmp_path, model_dir, env_url, warmup={"steps": 2, "batch_size": 2, "lr": 1e-3,
+                                                                      "demonstrations": 4, **warmup})
+    overrides["agent"].update(max_turns=3, max_turn_tokens=96, max_response_tokens=1024)
+    return load_params(REPO_ROOT / "params.yaml", overrides)
+
+
+def build(params, count: int):
+    from pipeline.environment.client import EnvironmentClient
+    from pipeline.train.local import load_tokenizer, prompt_item_from_row
+    from pipeline.train.warmup import build_demonstrations
+
+    frame = pd.read_parquet(params.path(params.paths.rl_dir) / "train.parquet")
+    tokenizer = load_tokenizer(params.agent.model, params.root)
+    env = EnvironmentClient(params.environment)
+    return build_demonstrations(params, frame, tokenizer, env, count, prompt_item_from_row), tokenizer, frame
+
+
+def test_demonstrations_follow_the_protocol_and_earn_the_maximum_reward(tmp_path, tiny_llama_dir, env_server):
+    from pipeline.agent.protocol import ConversationBuilder, parse_turn
+    from pipeline.config import RewardConfig
+    from pipeline.reward import compute_reward, reward_for_trajectory
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    params = warm_params(tmp_path, tiny_llama_dir, env_server)
+    demos, tokenizer, _ = build(params, 4)
+    assert len(demos) == 4 and len({d.item.uid for d in demos}) == 4
+    builder = ConversationBuilder(tokenizer, params.agent.env_reply_max_chars)
+    for demo in demos:
+        assert demo.prompt_ids == builder.start(demo.item.messages)
+        assert len(demo.turns) == params.train.warmup.interaction_turns + 1
+        # Mask 1 exactly on the agent's ids, 0 exactly on the builder's environment ids, in rollout order.
+        ids, mask = [], []
+        for turn in demo.turns:
+            ids += turn.agent_token_ids
+            mask += [1] * len(turn.agent_token_ids)
+            if turn.env_reply is not None:
+                assert turn.env_reply.text.startswith("echo:")  # a live reply, not a placeholder
+                assert turn.env_token_ids == builder.env_turn_ids(turn.env_reply.text, turn.agent_token_ids)
+                ids += turn.env_token_ids
+                mask += [0] * len(turn.env_token_ids)
+        assert demo.response_ids == ids and demo.response_mask == mask
+        assert len(demo.response_mask) == len(demo.response_ids)
+        *middle, final = [t.parsed for t in demo.turns]
+        assert all(t.valid_intermediate for t in middle)
+        assert final.complete_final and final.has_answer_tags and final.answer_nonempty
+        assert final.answer == demo.item.gold_answers[0]
+        # The rollout parses `<think>\n` + the decoded sampled ids: the demo's ids parse the same way.
+        for turn in demo.turns:
+            again = parse_turn(builder.think_opener + tokenizer.decode(turn.agent_token_ids))
+            assert (again.valid_intermediate, again.complete_final, again.answer) == (
+                turn.parsed.valid_intermediate, turn.parsed.complete_final, turn.parsed.answer)
+        for preset, eps in (("paper", 1.5), ("released", 1.0)):
+            reward = compute_reward([t.parsed for t in demo.turns], demo.item.gold_answers, RewardConfig(preset=preset))
+            assert reward.gated and reward.format == eps and reward.answer == 1.0 and reward.total == 1.0
+        assert reward_for_trajectory(demo, params.reward).total == 1.0
+
+
+def test_demonstrations_vary_their_wording_and_respect_budgets(tmp_path, tiny_llama_dir, env_server):
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    params = warm_params(tmp_path, tiny_llama_dir, env_server)
+    demos, _, _ = build(params, len(QUESTIONS))
+    thinks = {d.turns[0].parsed.think for d in demos}
+    assert len(thinks) > 1  # seeded templates, not one string
+    again, _, _ = build(params, len(QUESTIONS))
+    assert [d.response_ids for d in demos] == [d.response_ids for d in again]  # seeded: reproducible
+    for d in demos:
+        assert all(len(t.agent_token_ids) <= params.agent.max_turn_tokens for t in d.turns)
+    # A gold answer longer than max_answer_tokens keeps the row out; no row fitting is a DataError.
+    from pipeline.errors import DataError
+
+    params.train.warmup.max_answer_tokens = 0
+    with pytest.raises(DataError, match="warm-up"):
+        build(params, 2)
+
+
+def test_warmup_loss_decreases_on_the_tiny_model(tmp_path, tiny_llama_dir, env_server):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.environment.client import EnvironmentClient
+    from pipeline.train.local import load_tokenizer, prompt_item_from_row
+    from pipeline.train.warmup import run_warmup
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    params = warm_params(tmp_path, tiny_llama_dir, env_server, steps=6, demonstrations=2, lr=3e-3)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
+    tokenizer = load_tokenizer(params.agent.model, params.root)
+    frame = pd.read_parquet(tmp_path / "data/rl/train.parquet")
+    logged = []
+    rows = run_warmup(params, model, tokenizer, frame, EnvironmentClient(params.environment), torch.device("cpu"),
+                      prompt_item_from_row, log_metrics=lambda m, s: logged.append(s))
+    losses = [r["warmup/loss"] for r in rows]
+    assert len(rows) == 6 and logged == [1, 2, 3, 4, 5, 6]
+    # grad_clip 1.0 bounds each step, so the drop is steady rather than steep
+    assert all(b < a for a, b in itertools.pairwise(losses)) and losses[-1] < losses[0] - 1.0, losses
+    assert rows[0]["warmup/demonstrations"] == 2 and rows[0]["warmup/env_calls"] == 4
+
+
+def test_trainer_warms_up_once_and_uses_the_warmed_model_as_reference(tmp_path, tiny_llama_dir, env_server,
+                                                                        monkeypatch, caplog):
+    from safetensors.torch import load_file
+
+    from pipeline.train import warmup as warmup_module
+    from pipeline.train.local import train_local
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    params = warm_params(tmp_path, tiny_llama_dir, env_server)
+    params.train.steps = 1
+    # Killed right after the warm-up (no GRPO step yet): step_0 holds the warmed weights and the flag.
+    train_local(params, max_steps=0)
+    root = tmp_path / "checkpoints/agent"
+    state = ckpt.TrainerState.read(ckpt.latest_checkpoint(root))
+    assert state.step == 0 and state.warmup_done
+    warm = pd.read_csv(tmp_path / "reports/train/warmup.csv")
+    assert warm["warmup/step"].tolist() == [1, 2] and "warmup/loss" in warm
+    warmed = load_file(str(next((root / "warmup/model").glob("*.safetensors"))))
+    step0 = load_file(str(next((root / "step_0/model").glob("*.safetensors"))))
+    base = load_file(str(next(Path(tiny_llama_dir).glob("*.safetensors"))))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(warmed[name], step0[name]) and not torch.equal(warmed[name], base[name])
+
+    # The resumed run goes straight to GRPO (never calls the warm-up) with the warmed KL reference.
+    def no_second_warmup(*args, **kwargs):
+        raise AssertionError("warm-up repeated")
+
+    monkeypatch.setattr(warmup_module, "run_warmup", no_second_warmup)
+    caplog.set_level("INFO", logger="pipeline.train.local")
+    metrics = train_local(params)
+    assert "KL reference: the warmed-up weights" in caplog.text
+    assert metrics["actor/num_optimizer_steps"] >= 1
+    state = ckpt.TrainerState.read(ckpt.latest_checkpoint(root))
+    assert state.step == 1 and state.warmup_done
+    assert pd.read_csv(tmp_path / "reports/train/steps.csv")["step"].tolist() == [1]
+    assert pd.read_csv(tmp_path / "reports/train/warmup.csv")["warmup/step"].tolist() == [1, 2]
+
+
+def test_warmup_with_lora_is_refused(tmp_path, tiny_llama_dir, env_server):
+    from pipeline.errors import UserError
+    from pipeline.train.local import train_local
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    params = warm_params(tmp_path, tiny_llama_dir, env_server)
+    params.train.lora.enabled = True
+    with pytest.raises(UserError, match="warmup"):
+        train_local(params)
+
+
+def test_paper_profile_turns_the_warmup_off():
+    params = load_params(REPO_ROOT / "params.yaml", {"profile": "paper"})
+    assert params.train.warmup.steps == 0
+    assert load_params(REPO_ROOT / "params.yaml").train.warmup.steps > 0
