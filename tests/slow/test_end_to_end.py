@@ -109,7 +109,7 @@ def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: 
     uri = f"sqlite:///{project / 'mlflow.db'}"
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
     version = client.get_model_version_by_alias(raw["register"]["model_name"], raw["register"]["alias"])
-    assert version.version == "1"
+    assert str(version.version) == "1"
     parent_id = json.loads((project / "reports/mlflow_run.json").read_text())["run_id"]
     children = client.search_runs(
         [client.get_run(parent_id).info.experiment_id],
@@ -124,3 +124,24 @@ def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: 
     assert "didn't change, skipping" in proc.stdout + proc.stderr
     assert "Running stage" not in proc.stdout
     print(f"dvc repro: first {first:.1f}s, second (no change) {second:.1f}s")
+
+    # The Prefect flow over the same real pipeline: a parameter override reruns only what it touches
+    # (evaluate, register), each stage a task; the environment is started for evaluate and stopped after.
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.retrain import run_pipeline_flow
+
+    os.environ["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    cwd = os.getcwd()
+    try:
+        os.chdir(project)
+        with prefect_test_harness():
+            summary = run_pipeline_flow(project, overrides=["evaluate.rows_per_dataset=2"])
+    finally:
+        os.chdir(cwd)
+    results = {s["stage"]: s["result"] for s in summary["stages"]}
+    assert results["train"] == "up to date" and results["build"] == "up to date"
+    assert results["evaluate"] == "reproduced" and results["register"] == "reproduced"
+    assert summary["promotion"] is not None and summary["experiment"]
+    assert yaml.safe_load(params_file.read_text())["evaluate"]["rows_per_dataset"] == 1  # params restored
+    assert len(client.search_model_versions(f"name = '{raw['register']['model_name']}'")) == 2
