@@ -128,6 +128,20 @@ def pipeline_stages(root: Path) -> list[str]:
     return names
 
 
+def always_changed_stages(root: Path) -> set[str]:
+    """Stage groups marked `always_changed: true` (e.g. `sources`, which fingerprints external data).
+
+    `dvc status` always reports them as changed, so a plan must run them first and only then ask which
+    of the other stages are stale.
+    """
+    from dvc.repo import Repo
+    from dvc.stage import PipelineStage
+
+    with Repo(str(root)) as repo:
+        return {stage_group(s.addressing) for s in repo.index.stages
+                if isinstance(s, PipelineStage) and s.always_changed}
+
+
 def stale_stages(root: Path, targets: Sequence[str] | None = None) -> set[str]:
     """Stage groups `dvc status` reports as changed (all stages, or only `targets`, without upstream)."""
     from dvc.repo import Repo

@@ -9,11 +9,13 @@
 Roles: DVC decides *what* must rerun (hashes, dvc.lock), Prefect decides *when and where* and retries,
 MLflow records *what happened*. Design decisions:
 
-- **One task per DVC stage, each `dvc repro --single-item <stage>`** (sample, validate, build, train, merge,
-  evaluate, register, in DVC's dependency order read from dvc.yaml, see flows/dvc_steps.py). Going through
+- **One task per DVC stage, each `dvc repro --single-item <stage>`** (sources, sample, validate, build, train,
+  merge, evaluate, register, in DVC's dependency order read from dvc.yaml, see flows/dvc_steps.py). Going through
   DVC keeps caching, DVC's repo lock and dvc.lock true: a run of the flow leaves exactly the state a
   `dvc repro` would. A first `plan` task asks DVC which stages are stale; stages before the first stale one
   finish as "up to date" without spawning DVC, so a run with nothing to do costs about one `dvc status`.
+  Stages marked `always_changed` (`sources`, the fingerprints of external data) always run first, and the
+  plan is made again after them: only then does `dvc status` know whether the sources changed.
   Prefect's own task caching is off (`NO_CACHE`): DVC's cache is the result cache, and a second cache keyed
   on task inputs could only ever be wrong about data DVC hashes.
 - **Overrides are recorded as a DVC experiment, not run through `dvc exp run`.** `dvc exp run -S …` would
@@ -117,6 +119,7 @@ class StagePolicy:
 
 
 STAGE_POLICIES: dict[str, StagePolicy] = {
+    "sources": StagePolicy(),
     "sample": StagePolicy(),
     "validate": StagePolicy(),
     "build": StagePolicy(),
@@ -195,13 +198,19 @@ def apply_run_overrides(project_dir: str, overrides: list[str]) -> dict[Path, by
 
 
 @task(name="plan", cache_policy=NO_CACHE)
-def plan_run(project_dir: str) -> tuple[list[str], list[str]]:
-    """(stages in run order, stages DVC reports as stale)."""
+def plan_run(project_dir: str) -> tuple[list[str], list[str], list[str]]:
+    """(stages in run order, always-changed stages, the other stages DVC reports as stale).
+
+    Called once before and once after the always-changed stages (the source fingerprints) have run:
+    only then does `dvc status` tell whether the data they fingerprint changed.
+    """
     root = Path(project_dir)
     stages = dvc_steps.pipeline_stages(root)
-    stale = dvc_steps.stale_stages(root)
-    get_run_logger().info("stages: %s; stale now: %s", ", ".join(stages), ", ".join(sorted(stale)) or "none")
-    return stages, sorted(stale)
+    always = dvc_steps.always_changed_stages(root)
+    stale = dvc_steps.stale_stages(root) - always
+    get_run_logger().info("stages: %s; always run: %s; stale now: %s", ", ".join(stages),
+                          ", ".join(sorted(always)) or "none", ", ".join(sorted(stale)) or "none")
+    return stages, sorted(always), sorted(stale)
 
 
 @task(cache_policy=NO_CACHE, task_run_name="{stage}")
@@ -351,11 +360,17 @@ def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> di
                        environment_backend=params.environment.backend, forced=force)
     lock_file = root / "dvc.lock"
     lock_before = lock_file.read_bytes() if lock_file.is_file() else b""
-    stages, stale = plan_run(str(root))
-    first_stale = 0 if force else next((i for i, s in enumerate(stages) if s in stale), len(stages))
+    stages, always, stale = plan_run(str(root))
     session = EnvironmentSession(params, _hooks.launcher or _default_launcher)
     try:
-        for index, stage in enumerate(stages):
+        # Always-changed stages (source fingerprints) run first; then DVC knows what else is stale.
+        for stage in (s for s in stages if s in always):
+            report.stages.append(run_stage.with_options(name=f"dvc-{stage}")(str(root), stage, force))
+        if always:
+            _, _, stale = plan_run(str(root))
+        rest = [s for s in stages if s not in always]
+        first_stale = 0 if force else next((i for i, s in enumerate(rest) if s in stale), len(rest))
+        for index, stage in enumerate(rest):
             policy = policies.get(stage, DEFAULT_POLICY)
             skip = index < first_stale
             wants_environment = not skip and policy.needs_environment and session.url is None

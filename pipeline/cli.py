@@ -73,6 +73,14 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> N
 
 
 @app.command()
+def sources(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Stage 0: fingerprint the raw sources and evaluation files (mirror md5s or Hub revisions) → data/sources/."""
+    from pipeline.data.fingerprint import run_sources
+
+    _run(run_sources, _load(params, set_))
+
+
+@app.command()
 def sample(dataset: str, params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 1: normalise, de-leak and sample one training dataset → data/sampled/<dataset>.parquet."""
     from pipeline.data.sample import run_sample

@@ -20,10 +20,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 PARAMS_FILE = "params.yaml"
 PROFILES_DIR = "profiles"
+
+
+# The values verl 0.9.1's core_algos accept (kl_penalty; agg_loss); a "+" suffix means straight-through k2.
+KlLossType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
+                     "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
 
 
 class _Section(BaseModel):
@@ -92,6 +99,13 @@ class EnvironmentConfig(_Section):
     price_per_million_completion: float = 0.0
     budget_usd: float | None = None
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _api_needs_an_endpoint(self) -> EnvironmentConfig:
+        # Without this, backend=api would send the key to the default local URL (http://127.0.0.1:port).
+        if self.backend == "api" and not self.base_url:
+            raise ValueError("backend 'api' needs environment.base_url (the paid endpoint, e.g. profiles/api.yaml)")
+        return self
 
     @property
     def url(self) -> str:
@@ -168,8 +182,8 @@ class TrainConfig(_Section):
     clip_ratio_high: float = 0.2
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    loss_agg_mode: str = "token-mean"
+    kl_loss_type: KlLossType = "low_var_kl"
+    loss_agg_mode: LossAggMode = "token-mean"
     total_epochs: int = 1
     save_every: int = Field(2, gt=0)
     keep_checkpoints: int = Field(2, ge=1, description="Local backend: newest checkpoints kept on disk.")
@@ -344,8 +358,8 @@ def parse_override(text: str) -> dict[str, Any]:
     return node
 
 
-def flatten(params: Params) -> dict[str, Any]:
-    """Dotted-key view of the params (for MLflow), secrets excluded by construction."""
+def flatten_dict(data: dict[str, Any]) -> dict[str, Any]:
+    """Nested dict → {"a.b.c": value}."""
     out: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -355,5 +369,10 @@ def flatten(params: Params) -> dict[str, Any]:
         else:
             out[prefix] = value
 
-    walk("", params.model_dump(mode="json"))
+    walk("", data)
     return out
+
+
+def flatten(params: Params) -> dict[str, Any]:
+    """Dotted-key view of the params (for MLflow), secrets excluded by construction."""
+    return flatten_dict(params.model_dump(mode="json"))

@@ -48,9 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 from tqdm.auto import tqdm
 
 from pipeline import metrics as M
+from pipeline.data.schema import write_json_atomic, write_parquet_atomic, write_text_atomic
 from pipeline.errors import DataError, UserError
 from pipeline.types import PromptItem, Trajectory, UsageStats
 
@@ -553,8 +555,9 @@ def _load_policy(ref: str, params: Params) -> Any:
     return TransformersPolicy.from_ref(ref, params.root, params.agent.dtype)
 
 
-def _free(obj: Any) -> None:
-    del obj
+def _release_memory() -> None:
+    """Collect garbage and return cached CUDA blocks. Callers drop their own model references first
+    (`policy = None`): a function cannot free an object its caller still names."""
     gc.collect()
     try:
         import torch
@@ -583,13 +586,15 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
             answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, ep, TRAINED)
             if "agent_only" in baselines:
                 answers["agent_only"] = run_agent_only(policy, rows_by_ds, ep)
-            _free(policy)
+            policy = None  # the trained model must be gone before the base model loads
+            _release_memory()
             if "env_only" in baselines:
                 answers["env_only"] = run_env_only(env, rows_by_ds, ep)
             if "base_agent" in baselines:
                 base = _load_policy(params.agent.model, params)
                 answers["base_agent"] = run_agent_with_environment(base, env, rows_by_ds, ep, "base_agent")
-                _free(base)
+                base = None
+                _release_memory()
         finally:
             asyncio.run(env.aclose())
     order = [TRAINED, *[b for b in ("env_only", "agent_only", "base_agent") if b in answers]]
@@ -614,11 +619,13 @@ def run_evaluate(params: Params) -> dict[str, Any]:
         summary["wall_s"] = round(time.perf_counter() - started, 1)
 
         predictions = predictions_frame(all_answers, all_scores, rows_by_ds)
-        predictions.to_parquet(out_dir / "predictions.parquet", index=False)
-        (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
-        plot_rows(summary).to_csv(out_dir / "plot_data.csv", index=False)
+        # atomic writes (temporary file + rename): a killed stage never leaves a half-written output
+        write_parquet_atomic(pa.Table.from_pandas(predictions, preserve_index=False),
+                             out_dir / "predictions.parquet")
+        write_json_atomic(summary, out_dir / "metrics.json")
+        write_text_atomic(plot_rows(summary).to_csv(index=False), out_dir / "plot_data.csv")
         plots = write_plots(summary, out_dir / "plots")
-        (out_dir / "summary.md").write_text(summary_markdown(summary, params))
+        write_text_atomic(summary_markdown(summary, params), out_dir / "summary.md")
         _log_mlflow(summary, predictions, rows_by_ds, params, out_dir, plots)
     for s in summary["systems"]:
         av = summary["averages"][s]

@@ -76,10 +76,29 @@ def _as_golds(golds: str | Sequence[str] | None) -> list[str]:
     return [str(g) for g in golds if g is not None]
 
 
-def exact_match(pred: str | None, golds: str | Sequence[str] | None) -> float:
-    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0."""
-    p = normalize_answer(pred)
-    return float(any(p == normalize_answer(g) for g in _as_golds(golds)))
+def _normalized_gold(gold: str) -> str:
+    """SQuAD normalisation, except for a gold that normalises to nothing (e.g. the option letter "A", "a",
+    or "$" in the authors' MathQA, TriviaQA and MuSiQue rows): that one is only lower-cased and
+    stripped, so it can still be matched instead of matching every empty prediction."""
+    normalized = normalize_answer(gold)
+    return normalized if normalized else " ".join(str(gold).lower().split())
+
+
+def exact_match(pred: str | None, golds: str | Sequence[str] | None, mode: str = "ours") -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0.
+
+    ``ours``: an empty prediction scores 0, and golds that normalise to nothing are compared
+    lower-cased instead (see `_normalized_gold`). ``reference``: plain SQuAD normalisation on both
+    sides, as the authors' script (so an empty prediction matches a gold like "a").
+    """
+    _check_mode(mode)
+    if mode == "reference":
+        p = normalize_answer(pred)
+        return float(any(p == normalize_answer(g) for g in _as_golds(golds)))
+    p = normalize_answer(pred) or " ".join(str(pred or "").lower().split())
+    if not p:
+        return 0.0
+    return float(any(p == _normalized_gold(g) for g in _as_golds(golds)))
 
 
 def _f1_single(pred_tokens: list[str], gold_tokens: list[str]) -> float:
@@ -100,9 +119,11 @@ def token_f1(pred: str | None, golds: str | Sequence[str] | None, mode: str = "o
     """
     _check_mode(mode)
     p = normalize_answer(pred).split()
+    if mode == "ours" and not p:
+        p = str(pred or "").lower().split()
     best = 0.0
     for g in _as_golds(golds):
-        gt = normalize_answer(g).split()
+        gt = (normalize_answer(g) if mode == "reference" else _normalized_gold(g)).split()
         if not p or not gt:
             if mode == "reference" and not p and not gt:
                 best = 1.0
@@ -226,7 +247,7 @@ def score_rows(preds: Sequence[str | None], golds: Sequence[str | Sequence[str] 
     """
     _check_mode(mode)
     out: dict[str, list[float]] = {
-        "em": [exact_match(p, g) for p, g in zip(preds, golds, strict=True)],
+        "em": [exact_match(p, g, mode) for p, g in zip(preds, golds, strict=True)],
         "sm": [substring_match(p, g, mode) for p, g in zip(preds, golds, strict=True)],
         "f1": [token_f1(p, g, mode) for p, g in zip(preds, golds, strict=True)],
     }

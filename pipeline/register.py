@@ -6,19 +6,22 @@ model, registering a new version of `register.model_name` → read the current c
 its version tags → decide → set the alias (or not) → write reports/promotion.json, tag the version, print.
 
 Promotion rule (all numbers in points, the evaluation's headline metrics mode; `m` = `register.metric`):
+- `m` must be one of the candidate's ID averages; this is checked before anything is logged or
+  registered, so a typo fails without leaving a new model version behind.
 - No champion yet: the new version becomes champion.
-- `ci_rule: confident` (default) uses the candidate's 95% bootstrap CIs; the champion's stored means are
-  the reference values:
-  1. ID gain (superiority): candidate ID average of `m`, *lower* CI bound ≥ champion ID mean + `margin`.
-  2. OOD guard (non-inferiority), for every OOD average the two share (EM, F1, SSim): candidate's
-     *lower* CI bound ≥ champion OOD mean − `ood_tolerance`.
+- Candidate and champion evaluated in different metrics modes (`reference` vs `ours`): never promoted
+  (the numbers are not comparable); the reason says so. A different number of rows per dataset is still
+  compared, with a note in the reasons.
+- `ci_rule: confident` (default) uses the candidate's bootstrap CIs (at `evaluate.confidence`); the
+  champion's stored *means* are the reference values:
+  1. ID gain (superiority): the *lower* bound of the candidate's ID CI of `m` ≥ champion ID mean + `margin`.
+  2. OOD guard (non-inferiority), for every OOD average the two share (EM, F1, SSim): the *lower* bound of
+     the candidate's OOD CI ≥ champion OOD mean − `ood_tolerance`.
   Promote only if both hold. So a promotion needs evidence of a gain and evidence of no OOD loss beyond
   the tolerance; with few rows per dataset the CIs are wide and the champion stays (the honest outcome:
   a 4-row evaluation cannot show a 0.5-point gain).
 - `ci_rule: point` compares means only: ID mean ≥ champion + margin, and every OOD mean ≥ champion −
   tolerance.
-A run whose evaluation used a different number of rows or metrics mode than the champion's is still
-compared, with a note in the reasons.
 
 Where the decision goes: `reports/promotion.json`, tags `promotion.*` on the new version (and the
 candidate's averages as `eval.*` tags, which is where the next run reads the champion's numbers from), the
@@ -41,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
 from pipeline.evaluate import TRAINED
 from pipeline.metrics import HEADLINE_METRICS
@@ -105,19 +109,28 @@ class PromotionDecision:
     """Each comparison made: name, candidate value used, threshold, passed."""
 
 
-def decide_promotion(candidate: EvalAverages, champion: EvalAverages | None, cfg: RegisterConfig) -> PromotionDecision:
-    """Apply the promotion rule of the module docstring."""
-    if champion is None:
-        return PromotionDecision(True, ["no current champion: the first version becomes champion"])
-    metric, confident = cfg.metric, cfg.ci_rule == "confident"
+def check_metric(candidate: EvalAverages, metric: str) -> None:
+    """Raise UserError unless `metric` (register.metric) is one of the candidate's ID averages."""
     if metric not in candidate.id:
         raise UserError(f"register.metric={metric!r} has no ID average in metrics.json "
-                        f"(available: {sorted(candidate.id)})")
+                        f"(available: {', '.join(sorted(candidate.id)) or 'none'})")
+
+
+def decide_promotion(candidate: EvalAverages, champion: EvalAverages | None, cfg: RegisterConfig) -> PromotionDecision:
+    """Apply the promotion rule of the module docstring."""
+    metric, confident = cfg.metric, cfg.ci_rule == "confident"
+    check_metric(candidate, metric)
+    if champion is None:
+        return PromotionDecision(True, ["no current champion: the first version becomes champion"])
+    if candidate.mode != champion.mode:
+        reason = (f"not comparable: champion was evaluated in metrics mode {champion.mode!r}, candidate in "
+                  f"{candidate.mode!r}; re-evaluate with the same evaluate.metrics_mode to compare")
+        return PromotionDecision(False, [reason])
     reasons: list[str] = []
     checks: list[dict[str, Any]] = []
-    if (candidate.mode, candidate.rows_per_dataset) != (champion.mode, champion.rows_per_dataset):
-        reasons.append(f"note: champion was evaluated with mode={champion.mode}, rows={champion.rows_per_dataset}; "
-                       f"candidate with mode={candidate.mode}, rows={candidate.rows_per_dataset}")
+    if candidate.rows_per_dataset != champion.rows_per_dataset:
+        reasons.append(f"note: champion was evaluated with rows={champion.rows_per_dataset}; "
+                       f"candidate with rows={candidate.rows_per_dataset}")
     if metric not in champion.id:
         return PromotionDecision(True, [*reasons, f"champion has no ID {metric} recorded: promoting"], checks)
 
@@ -145,7 +158,7 @@ def decide_promotion(candidate: EvalAverages, champion: EvalAverages | None, cfg
             reasons.append(f"OOD {m}: candidate {bound} {value:.2f} < champion {champion.ood[m]['mean']:.2f}"
                            f" − tolerance {cfg.ood_tolerance:g} = {floor:.2f}")
     if ood_ok:
-        reasons.append(f"OOD: no average below champion − {cfg.ood_tolerance:g} (at the candidate's {bound})")
+        reasons.append(f"OOD: every candidate {bound} ≥ champion mean − {cfg.ood_tolerance:g}")
     return PromotionDecision(id_ok and ood_ok, reasons, checks)
 
 
@@ -243,6 +256,7 @@ def run_register(params: Params) -> dict[str, Any]:
     if not metrics_file.is_file():
         raise UserError(f"{metrics_file} is missing: run `promptr1 evaluate` first")
     candidate = EvalAverages.from_metrics_json(json.loads(metrics_file.read_text()))
+    check_metric(candidate, cfg.metric)  # before a model version is registered
 
     with stage_run(params, "register") as run, tempfile.TemporaryDirectory() as tmp:
         client = mlflow.MlflowClient()
@@ -284,8 +298,7 @@ def run_register(params: Params) -> dict[str, Any]:
             "run_id": run.info.run_id,
         }
         out = params.path(params.paths.reports_dir) / PROMOTION_FILE
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2, ensure_ascii=False))
+        write_json_atomic(result, out)
         mlflow.log_artifact(str(out))
     line = (f"{cfg.model_name} v{version}: {verdict} ({cfg.alias} → v{after}). {reason}")
     log.info(line)

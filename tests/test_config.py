@@ -79,3 +79,16 @@ def test_modelref_forms(tmp_path: Path) -> None:
         resolve_model("pkg://no_such_package_xyz/file.gguf")
     with pytest.raises(ModelRefError, match="does not exist"):
         resolve_model("./missing-dir", root=tmp_path)
+
+
+def test_api_backend_without_endpoint_is_refused(repo_root: Path) -> None:
+    # The key must never go to the default local URL: backend=api needs an explicit endpoint.
+    with pytest.raises(ConfigError, match="base_url"):
+        load_params(repo_root / "params.yaml", {"environment": {"backend": "api"}})
+    api = load_params(repo_root / "params.yaml", {"profile": "api"})
+    assert api.environment.url.startswith("https://")
+
+
+def test_grpo_loss_options_are_checked_against_verls_names(repo_root: Path) -> None:
+    with pytest.raises(ConfigError, match="train.kl_loss_type"):
+        load_params(repo_root / "params.yaml", {"train": {"kl_loss_type": "low-var-kl"}})

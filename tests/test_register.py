@@ -55,6 +55,46 @@ def test_different_eval_setup_is_noted():
     assert d.promote and d.reasons[0].startswith("note:")
 
 
+def test_different_metrics_mode_is_never_promoted():
+    """Reference-mode and ours-mode numbers are not comparable: refuse, even for a large apparent gain."""
+    candidate = averages(90.0, 90.0)
+    candidate.mode = "reference"
+    for rule in ("confident", "point"):
+        d = decide_promotion(candidate, averages(30.0, 40.0), CFG.model_copy(update={"ci_rule": rule}))
+        assert not d.promote and not d.checks
+        assert "metrics mode 'ours'" in d.reasons[0] and "'reference'" in d.reasons[0]
+
+
+def test_unknown_metric_is_a_user_error_naming_the_available_ones():
+    from pipeline.errors import UserError
+
+    bad = CFG.model_copy(update={"metric": "bleu"})
+    for champion in (None, averages(30.0, 40.0)):
+        with pytest.raises(UserError, match=r"register\.metric='bleu'.*available: em, f1, ssim"):
+            decide_promotion(averages(40.0, 40.0), champion, bad)
+
+
+def test_unknown_metric_fails_before_anything_is_registered(tmp_path, repo_root, monkeypatch):
+    import mlflow
+
+    from pipeline.errors import UserError
+    from pipeline.register import run_register
+    from pipeline.tracking import configure
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model_dir = tmp_path / "agent"
+    model_dir.mkdir()
+    params = _project(tmp_path, repo_root, model_dir)
+    params.register.metric = "bleu"
+    _write_metrics(tmp_path, 30.0, 40.0)
+    with pytest.raises(UserError, match=r"register\.metric='bleu'.*available: em, f1, ssim"):
+        run_register(params)
+    assert not (tmp_path / "reports" / "promotion.json").exists()
+    configure(params)
+    assert mlflow.MlflowClient().search_registered_models() == []
+    assert mlflow.search_runs(search_all_experiments=True).empty
+
+
 def test_tags_round_trip():
     a = averages(31.25, 40.5)
     b = EvalAverages.from_tags(a.to_tags())

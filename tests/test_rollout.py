@@ -265,11 +265,13 @@ def test_tiny_model_rollout_masks_and_logprobs(tiny_policy, server):
 
 
 def test_tiny_model_budget_smaller_than_a_turn(tiny_policy, server):
-    trajs = roll(tiny_policy, server, [item("QA")], group_size=3, max_turn_tokens=64, max_response_tokens=7)
+    # greedy: deterministic, and the random model emits neither EOS nor a stop string in its first 7 tokens,
+    # so the first turn's limit is the budget (7 < 64) and every trajectory is cut by it
+    trajs = roll(tiny_policy, server, [item("QA")], group_size=3, max_turn_tokens=64, max_response_tokens=7,
+                 temperature=0.0)
     for traj in trajs:
-        assert len(traj.response_ids) <= 7
-        if len(traj.response_ids) == 7:
-            assert traj.stop_reason in {"token_budget", "answer"}
+        assert len(traj.response_ids) == 7 and len(traj.turns) == 1
+        assert traj.stop_reason == "token_budget"
 
 
 def test_transformers_policy_batching_limits_and_stops(tiny_policy, tokenizer):
@@ -282,10 +284,11 @@ def test_transformers_policy_batching_limits_and_stops(tiny_policy, tokenizer):
     alone = [tiny_policy.generate([p], 9, 0.0, 1.0, [], False)[0].token_ids for p in prompts]
     batch = tiny_policy.generate(prompts, 9, 0.0, 1.0, [], False)
     assert [g.token_ids for g in batch] == alone
-    # a stop string ends the row right after it: use one that greedy decoding produces
+    # a stop string ends the row right after it: use one that greedy decoding produces (the first
+    # non-blank 3-character window after the first character, so the row is cut before its end)
     text = tokenizer.decode(alone[2])
-    stop = text[2:5]
-    if stop.strip():
-        (gen,) = tiny_policy.generate([prompts[2]], 9, 0.0, 1.0, [stop], False)
-        assert gen.finish_reason == "stop" and stop in gen.text
-        assert stop not in tokenizer.decode(gen.token_ids[:-1])
+    stop = next(text[i : i + 3] for i in range(1, len(text) - 2) if text[i : i + 3].strip())
+    (gen,) = tiny_policy.generate([prompts[2]], 9, 0.0, 1.0, [stop], False)
+    assert gen.finish_reason == "stop" and stop in gen.text
+    assert gen.token_ids == alone[2][: len(gen.token_ids)]
+    assert stop not in tokenizer.decode(gen.token_ids[:-1])

@@ -260,17 +260,27 @@ def test_lora_training_keeps_base_frozen(tmp_path, tiny_llama_dir, env_server):
     assert ckpt.TrainerState.read(folder).lora is True
 
 
-def test_mismatched_checkpoint_is_refused(tmp_path, tiny_llama_dir, env_server):
-    from pipeline.errors import UserError
-    from pipeline.train.local import train_local
+def test_changed_training_params_start_afresh_instead_of_reusing_the_old_model(tmp_path, tiny_llama_dir,
+                                                                               env_server):
+    # DVC reruns train when e.g. train.lr or reward.preset change; the persisted checkpoint of the old
+    # params must not count as "already complete" nor be resumed.
+    from pipeline.train.local import train_local, training_complete
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1))
     train_local(params)
-    lora = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=2,
-                                                                   lora={"enabled": True}))
-    with pytest.raises(UserError, match="lora"):
-        train_local(lora)
+    assert training_complete(params)
+    old = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent"))
+
+    changed = load_params(REPO_ROOT / "params.yaml",
+                          tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1, lr=3e-4))
+    assert not training_complete(changed)
+    train_local(changed)
+    new = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent"))
+    assert new.step == 1 and new.config["train"]["lr"] == pytest.approx(3e-4)
+    assert old.config["train"]["lr"] != new.config["train"]["lr"]
+    assert _metrics_rows(tmp_path / "reports/train/steps.csv")["step"].tolist() == [1]
+    assert training_complete(changed) and not training_complete(params)
 
 
 # ------------------------------------------------------------------------------------------------ slow

@@ -190,3 +190,16 @@ def test_malformed_turn_ends_the_trajectory(tokenizer, env_server):
     assert out.num_turns == 1 and env_server.chat_requests == []
     assert out.response_mask == [1] * len(manager.turn_ids[0])
     assert out.extra_fields["prompt_r1_reward/score"] == -1.5  # no format credit at all
+    assert out.extra_fields["prompt_r1_stop_reason"] == "no_action"  # the same name as the local rollout
+
+
+def test_reply_that_overflows_the_budget_is_cut_as_in_the_local_rollout(tokenizer, env_server):
+    builder = ConversationBuilder(tokenizer, env_reply_max_chars=2048)
+    a1 = tokenizer.encode(TWO_CALLS_THEN_ANSWER[0], add_special_tokens=False)
+    e1 = builder.env_turn_ids("echo: What is the capital of France?", a1)
+    budget = len(a1) + len(e1) - 3
+    manager = ScriptedServerManager(tokenizer, TWO_CALLS_THEN_ANSWER)
+    out = run_loop(make_config(env_server, f"data.max_response_length={budget}"), manager, tokenizer)
+    assert out.response_mask == [1] * len(a1) + [0] * (len(e1) - 3)
+    assert out.response_ids[len(a1):] == e1[: len(e1) - 3]
+    assert out.num_turns == 1 and out.extra_fields["prompt_r1_stop_reason"] == "token_budget"

@@ -92,6 +92,18 @@ def write_json_atomic(data: Mapping[str, Any], path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def write_text_atomic(text: str, path: Path) -> None:
+    """Write UTF-8 `text` (CSV, Markdown, ...) via a temporary file and a rename."""
+    fd, tmp = _atomic_target(path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, _FILE_MODE)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def rows_to_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
     """Normalised rows → an Arrow table with exactly `SAMPLED_SCHEMA`."""
     return pa.Table.from_pylist([{c: row[c] for c in COLUMNS} for row in rows], schema=SAMPLED_SCHEMA)

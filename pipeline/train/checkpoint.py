@@ -69,6 +69,9 @@ class TrainerState:
     """train.steps when this checkpoint was written."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The metrics of the step this checkpoint ends."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The training-relevant params and the training set's md5 this run was started with
+    (`local.training_config`); a resume or "already complete" only counts when they still match."""
     warmup_done: bool = False
     """The format warm-up (train.warmup) ran before GRPO; its weights are in `<root>/warmup/` and are the
     KL reference. A resumed run never repeats it."""

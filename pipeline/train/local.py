@@ -629,21 +629,67 @@ def steps_csv_path(params: Params) -> Path:
     return params.path(params.paths.reports_dir) / STEPS_CSV
 
 
-def training_complete(params: Params) -> bool:
-    """True when a local checkpoint for train.steps (or later) exists and steps.csv is present."""
+# Params that do not change what a training step computes: changing them continues the same run.
+_RESUMABLE_TRAIN_KEYS = {"steps", "save_every", "keep_checkpoints", "verl", "backend"}
+
+
+def training_config(params: Params) -> dict[str, Any]:
+    """What the trained weights depend on: agent, environment model and sampling, reward, GRPO and
+    warm-up settings, the seed, and the md5 of the training set. `train.steps` is left out on purpose:
+    raising it continues the same run from its last checkpoint."""
+    import hashlib
+
+    env = params.environment
+    train_set = params.path(params.paths.rl_dir) / "train.parquet"
+    digest = hashlib.md5(train_set.read_bytes()).hexdigest() if train_set.is_file() else "missing"
+    return {
+        "seed": params.seed,
+        "agent": params.agent.model_dump(mode="json"),
+        "environment": {"model": env.model, "served_name": env.served_name, "system_prompt": env.system_prompt,
+                        "temperature": env.temperature, "max_tokens": env.max_tokens},
+        "reward": params.reward.model_dump(mode="json"),
+        "train": {k: v for k, v in params.train.model_dump(mode="json").items() if k not in _RESUMABLE_TRAIN_KEYS},
+        "train_set_md5": digest,
+    }
+
+
+def _config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    from pipeline.config import flatten_dict
+
+    a, b = flatten_dict(old), flatten_dict(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def _usable_checkpoint(params: Params) -> tuple[Path, ckpt.TrainerState] | None:
+    """The latest checkpoint if it was trained with the current training config, else None."""
     folder = ckpt.latest_checkpoint(params.path(params.paths.checkpoint_dir))
     if folder is None:
-        return False
-    return ckpt.TrainerState.read(folder).step >= params.train.steps and steps_csv_path(params).is_file()
+        return None
+    state = ckpt.TrainerState.read(folder)
+    return (folder, state) if state.config == training_config(params) else None
 
 
-def _check_compatible(params: Params, state: ckpt.TrainerState, folder: Path) -> None:
-    if state.base_model != params.agent.model or state.lora != params.train.lora.enabled:
-        raise UserError(
-            f"{folder} was trained from {state.base_model!r} (lora={state.lora}); params say "
-            f"{params.agent.model!r} (lora={params.train.lora.enabled}). Delete "
-            f"{params.paths.checkpoint_dir} to start afresh, or restore the params."
-        )
+def training_complete(params: Params) -> bool:
+    """True when a checkpoint of the current training config reached train.steps and steps.csv exists."""
+    found = _usable_checkpoint(params)
+    return found is not None and found[1].step >= params.train.steps and steps_csv_path(params).is_file()
+
+
+def _discard_stale_checkpoints(params: Params) -> None:
+    """Checkpoints trained with other params are removed so the run starts afresh (DVC re-ran train
+    because params changed; resuming someone else's run would silently keep the old model). The old
+    checkpoint stays in DVC's cache for the commit that produced it."""
+    import shutil
+
+    root = params.path(params.paths.checkpoint_dir)
+    folder = ckpt.latest_checkpoint(root)
+    if folder is None or _usable_checkpoint(params) is not None:
+        return
+    changed = _config_changes(ckpt.TrainerState.read(folder).config, training_config(params))
+    log.warning("%s was trained with other params (%s): starting afresh", root,
+                ", ".join(changed[:8]) + (" …" if len(changed) > 8 else ""))
+    shutil.rmtree(root)
+    steps_csv_path(params).unlink(missing_ok=True)
 
 
 def _log_mlflow(metrics: dict[str, float], step: int) -> None:
@@ -672,11 +718,10 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
                         "adapters disabled, which would undo the warm-up): set train.warmup.steps: 0 or "
                         "train.lora.enabled: false")
     root = params.path(params.paths.checkpoint_dir)
+    _discard_stale_checkpoints(params)
     folder = ckpt.latest_checkpoint(root)
     state = ckpt.TrainerState.read(folder) if folder else None
     start = state.step if state else 0
-    if state is not None and folder is not None:
-        _check_compatible(params, state, folder)
     warmed = bool(state and state.warmup_done)
     # A run resumed from a GRPO step never warms up (it either did, or ran without warm-up).
     need_warmup = cfg.warmup.steps > 0 and state is None
@@ -708,7 +753,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     def save(step: int, metrics: dict[str, float]) -> None:
         st = ckpt.TrainerState(step=step, epoch=sampler.epoch, position=sampler.position, seed=params.seed,
                                base_model=params.agent.model, lora=cfg.lora.enabled, steps_target=cfg.steps,
-                               metrics=metrics, warmup_done=warmed)
+                               metrics=metrics, config=training_config(params), warmup_done=warmed)
         ckpt.save_checkpoint(root, st, partial(write_weights, models), trainer.optimizer, keep=cfg.keep_checkpoints)
 
     last: dict[str, float] = dict(state.metrics) if state else {}

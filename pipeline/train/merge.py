@@ -127,6 +127,14 @@ def _verify(merged_dir: Path, expected_logits: torch.Tensor | None, dtype: torch
     return diff, n_new, text
 
 
+def _relative(params: Params, path: Path) -> str:
+    """The checkpoint path as stored in the model card/report: relative to the project, never a machine path."""
+    try:
+        return str(path.resolve().relative_to(params.root.resolve()))
+    except ValueError:
+        return path.name
+
+
 def _merge_local(params: Params, folder: Path, tmp: Path, dtype: torch.dtype) -> MergeReport:
     from transformers import AutoModelForCausalLM
 
@@ -157,7 +165,7 @@ def _merge_local(params: Params, folder: Path, tmp: Path, dtype: torch.dtype) ->
     merged.save_pretrained(str(tmp), safe_serialization=True)
     tokenizer.save_pretrained(str(tmp))
     diff, n_new, text = _verify(tmp, expected, dtype)
-    return MergeReport(source, str(folder), state.step, diff, n_new, text)
+    return MergeReport(source, _relative(params, folder), state.step, diff, n_new, text)
 
 
 def _merge_verl(params: Params, actor_dir: Path, tmp: Path, dtype: torch.dtype) -> MergeReport:
@@ -179,7 +187,8 @@ def _merge_verl(params: Params, actor_dir: Path, tmp: Path, dtype: torch.dtype) 
     tokenizer.save_pretrained(str(tmp))
     diff, n_new, text = _verify(tmp, None, dtype)
     step = actor_dir.parent.name.removeprefix("global_step_")
-    return MergeReport("verl", str(actor_dir), int(step) if step.isdigit() else None, diff, n_new, text)
+    return MergeReport("verl", _relative(params, actor_dir), int(step) if step.isdigit() else None, diff, n_new,
+                       text)
 
 
 def _final_metrics(params: Params) -> dict[str, float]:

@@ -222,7 +222,7 @@ class PromptR1AgentLoop(AgentLoopBase):
                 stop_reason = "token_budget"
                 break
             if prompt is None:
-                stop_reason = "answer"  # the agent ended without a usable interaction prompt: a malformed final turn
+                stop_reason = "no_action"  # neither an answer nor a usable interaction prompt (as the local rollout)
                 break
             if turn_index == self.max_turns - 1:
                 stop_reason = "max_turns"
@@ -233,14 +233,16 @@ class PromptR1AgentLoop(AgentLoopBase):
             usage.add(reply)
             history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply.text}]
             env_ids = self.builder.env_turn_ids(reply.text, agent_ids)
-            if len(response_mask) + len(env_ids) >= self.response_length:
-                # No room left for another agent token after the reply: end on the agent's turn.
-                stop_reason = "token_budget"
-                break
+            # As the local rollout: a reply that does not fit is cut at the budget and the episode ends.
+            room = self.response_length - len(response_mask)
+            env_ids = env_ids[:room]
             response_ids += env_ids
             response_mask += [0] * len(env_ids)
             if want_logprobs:
                 response_logprobs += [0.0] * len(env_ids)
+            if len(response_mask) >= self.response_length:
+                stop_reason = "token_budget"
+                break
 
         breakdown = compute_reward(turns, gold_answers, self.settings.reward)
         extra_fields: dict[str, Any] = {
