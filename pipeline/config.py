@@ -225,8 +225,8 @@ class RegisterConfig(_Section):
     ood_tolerance: float = 1.0
     ci_rule: Literal["confident", "point"] = Field(
         "confident",
-        description="confident: the ID gain must hold at the candidate's CI lower bound and an OOD drop blocks"
-        " only when it holds at the candidate's CI upper bound; point: compare means only.",
+        description="confident: the candidate's ID CI lower bound must be >= the champion's ID mean + margin, "
+        "and each OOD CI lower bound >= the champion's OOD mean - ood_tolerance; point: compare means only.",
     )
 
 

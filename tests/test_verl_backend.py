@@ -184,3 +184,21 @@ def test_export_steps_csv_from_a_real_mlflow_run(tmp_path, monkeypatch):
     lines = (tmp_path / "steps.csv").read_text().splitlines()
     assert lines[0] == "step,actor/kl_loss,critic/score/mean"
     assert lines[1:] == ["1,0.01,-0.5", "2,0.02,0.25"]
+
+
+def test_tracking_uri_with_credentials_never_reaches_verl_overrides(tmp_path, monkeypatch, params):
+    # verl prints its config and we save the overrides as an artifact: a password in the URI must stop
+    # the launch before anything is written.
+    from types import SimpleNamespace
+
+    from pipeline.errors import UserError
+    from pipeline.train.verl_backend import train_verl
+
+    (tmp_path / "data/rl/eval").mkdir(parents=True)
+    (tmp_path / "data/rl/train.parquet").write_bytes(b"")
+    (tmp_path / "data/rl/eval/hotpotqa.parquet").write_bytes(b"")
+    params.root = tmp_path
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:s3cret@mlflow.example/")
+    with pytest.raises(UserError, match="credentials"):
+        train_verl(params, SimpleNamespace(info=SimpleNamespace(run_id="r1")))
+    assert not (tmp_path / "reports/train/verl_overrides.txt").exists()

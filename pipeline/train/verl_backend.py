@@ -66,6 +66,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pipeline.config import Params
 from pipeline.errors import DataError, UserError
@@ -289,6 +290,11 @@ def train_verl(params: Params, run: Any) -> None:
     val_files = _preflight(params)
     run_id = run.info.run_id
     uri = tracking_uri(params)
+    parts = urlsplit(uri)
+    if parts.username or parts.password or "token=" in parts.query.lower():
+        # verl prints and saves its whole config, and the overrides go to reports/ and MLflow.
+        raise UserError("the MLflow tracking URI carries credentials; set MLFLOW_TRACKING_USERNAME / "
+                        "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) on every node instead")
     overrides = build_overrides(params, val_files=val_files) + _mlflow_runtime_env_overrides(uri, run_id)
 
     reports = params.path(params.paths.reports_dir) / "train"
