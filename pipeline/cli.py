@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -51,10 +52,10 @@ def _load(params_file: str | None, sets: list[str] | None) -> Params:
     return load_params(params_file, overrides or None)
 
 
-def _run(fn, *args) -> None:
-    """Call a stage; turn expected failures into one clear line and exit code 1."""
+def _run(call: Callable[[], object]) -> None:
+    """Load params and call a stage; turn expected failures (bad params included) into one clear line, exit 1."""
     try:
-        fn(*args)
+        call()
     except (ConfigError, UserError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -77,7 +78,7 @@ def sources(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 0: fingerprint the raw sources and evaluation files (mirror md5s or Hub revisions) → data/sources/."""
     from pipeline.data.fingerprint import run_sources
 
-    _run(run_sources, _load(params, set_))
+    _run(lambda: run_sources(_load(params, set_)))
 
 
 @app.command()
@@ -85,7 +86,7 @@ def sample(dataset: str, params: ParamsOption = None, set_: SetOption = None) ->
     """Stage 1: normalise, de-leak and sample one training dataset → data/sampled/<dataset>.parquet."""
     from pipeline.data.sample import run_sample
 
-    _run(run_sample, _load(params, set_), dataset)
+    _run(lambda: run_sample(_load(params, set_), dataset))
 
 
 @app.command()
@@ -93,7 +94,7 @@ def validate(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 2: Great Expectations suites over every sampled and evaluation file."""
     from pipeline.data.validate import run_validate
 
-    _run(run_validate, _load(params, set_))
+    _run(lambda: run_validate(_load(params, set_)))
 
 
 @app.command()
@@ -101,7 +102,7 @@ def build(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 3: render the Prompt-R1 template; write the verl RL training set and the evaluation sets."""
     from pipeline.data.build import run_build
 
-    _run(run_build, _load(params, set_))
+    _run(lambda: run_build(_load(params, set_)))
 
 
 @app.command()
@@ -109,7 +110,7 @@ def train(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 4: GRPO training of the agent (backend local or verl), resumable."""
     from pipeline.train.stage import run_train
 
-    _run(run_train, _load(params, set_))
+    _run(lambda: run_train(_load(params, set_)))
 
 
 @app.command()
@@ -117,7 +118,7 @@ def merge(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 5: checkpoints → one Hugging Face model directory in models/agent."""
     from pipeline.train.merge import run_merge
 
-    _run(run_merge, _load(params, set_))
+    _run(lambda: run_merge(_load(params, set_)))
 
 
 @app.command()
@@ -125,7 +126,7 @@ def evaluate(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 6: the merged agent + environment on the ID and OOD sets, with baselines."""
     from pipeline.evaluate import run_evaluate
 
-    _run(run_evaluate, _load(params, set_))
+    _run(lambda: run_evaluate(_load(params, set_)))
 
 
 @app.command()
@@ -133,7 +134,7 @@ def register(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 7: log the model to the MLflow registry; move the champion alias if the rule holds."""
     from pipeline.register import run_register
 
-    _run(run_register, _load(params, set_))
+    _run(lambda: run_register(_load(params, set_)))
 
 
 @app.command()
@@ -146,7 +147,7 @@ def ask(
     """Ask one question: the agent prompts the environment for up to max_turns turns, then answers."""
     from pipeline.agent.ask import run_ask
 
-    _run(run_ask, _load(params, set_), question, model)
+    _run(lambda: run_ask(_load(params, set_), question, model))
 
 
 @env_app.command("start")
@@ -154,7 +155,7 @@ def env_start(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Start (or reuse) the configured environment server and leave it running."""
     from pipeline.environment.servers import cli_start
 
-    _run(cli_start, _load(params, set_))
+    _run(lambda: cli_start(_load(params, set_)))
 
 
 @env_app.command("stop")
@@ -162,7 +163,7 @@ def env_stop(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stop the environment server started by `promptr1 env start`."""
     from pipeline.environment.servers import cli_stop
 
-    _run(cli_stop, _load(params, set_))
+    _run(lambda: cli_stop(_load(params, set_)))
 
 
 @env_app.command("status")
@@ -170,7 +171,7 @@ def env_status(params: ParamsOption = None, set_: SetOption = None) -> None:
     """Health-check the configured environment endpoint."""
     from pipeline.environment.servers import cli_status
 
-    _run(cli_status, _load(params, set_))
+    _run(lambda: cli_status(_load(params, set_)))
 
 
 @flow_app.command("run")
@@ -182,7 +183,7 @@ def flow_run(
     """Run the whole pipeline once as a Prefect flow."""
     from flows.retrain import cli_flow_run
 
-    _run(cli_flow_run, profile, set_ or [], force)
+    _run(lambda: cli_flow_run(profile, set_ or [], force))
 
 
 @flow_app.command("serve")
@@ -190,7 +191,7 @@ def flow_serve(params: ParamsOption = None) -> None:
     """Serve the retraining deployment on the cron schedule in params (needs `prefect server start`)."""
     from flows.retrain import cli_flow_serve
 
-    _run(cli_flow_serve, _load(params, None))
+    _run(lambda: cli_flow_serve(_load(params, None)))
 
 
 if __name__ == "__main__":

@@ -44,8 +44,16 @@ def configure(params: Params) -> str:
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     uri = tracking_uri(params)
+    exported = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
+    # mlflow.set_*_uri also export MLFLOW_TRACKING_URI/MLFLOW_REGISTRY_URI; undo that, or a later
+    # `tracking_uri()` in this process (another project, another test) would take it for the user's override.
+    for key, value in exported.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     client = mlflow.MlflowClient()
     experiment = client.get_experiment_by_name(params.mlflow.experiment)
     if experiment is None:

@@ -152,3 +152,15 @@ def data_params(shared_datasets, tmp_path):
         return make_data_params(mirror or shared_datasets, tmp_path, **overrides)
 
     return factory
+
+
+@pytest.fixture(autouse=True)
+def _isolate_mlflow_uri_env():
+    """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; keep one test's store from leaking into the next."""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

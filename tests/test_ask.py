@@ -42,7 +42,8 @@ def test_promptr1_ask_end_to_end(repo_root, llama_server, tmp_path):
 def test_promptr1_ask_reports_unreachable_environment(repo_root, tmp_path):
     result = CliRunner().invoke(app, [
         "ask", "Q?", "--params", str(repo_root / "params.yaml"),
-        "--set", "environment.backend=api", "--set", "environment.api_key_env=PROMPTR1_SURELY_UNSET_KEY",
+        "--set", "environment.backend=api", "--set", "environment.base_url=https://api.invalid/v1",
+        "--set", "environment.api_key_env=PROMPTR1_SURELY_UNSET_KEY",
         "--set", f"paths.cache_dir={tmp_path}",
     ])
     assert result.exit_code == 1

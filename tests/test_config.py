@@ -92,3 +92,14 @@ def test_api_backend_without_endpoint_is_refused(repo_root: Path) -> None:
 def test_grpo_loss_options_are_checked_against_verls_names(repo_root: Path) -> None:
     with pytest.raises(ConfigError, match="train.kl_loss_type"):
         load_params(repo_root / "params.yaml", {"train": {"kl_loss_type": "low-var-kl"}})
+
+
+def test_cli_reports_bad_params_in_one_line_without_traceback(repo_root: Path) -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["validate", "--params", str(repo_root / "params.yaml"),
+                                      "--set", "train.lerning_rate=0.1"])
+    assert result.exit_code == 1
+    assert "train.lerning_rate" in result.output and "Traceback" not in result.output

@@ -90,7 +90,7 @@ def test_build_refuses_unvalidated_data(built_data, tmp_path):
     with pytest.raises(DataError, match="the last validation failed"):
         run_build(params)
 
-    first = next(iter(summary["files"]))
+    first = next(name for name, f in summary["files"].items() if f.get("kind") == "train")
     summary["files"][first]["sha256"] = "0" * 64
     target.write_text(json.dumps(summary))
     with pytest.raises(DataError, match="changed since it was validated"):
