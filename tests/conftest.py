@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.demo_project import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 for _key, _value in {
@@ -52,14 +54,6 @@ def params(shared_datasets):
 # through llama.cpp's OpenAI-compatible API; mark such tests @pytest.mark.slow.
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def llama_server(tmp_path_factory):
     """Base URL (ending in /v1) of a real llama.cpp server on 127.0.0.1:<free port>, for the session.
@@ -73,7 +67,7 @@ def llama_server(tmp_path_factory):
 
     params = load_params(REPO_ROOT / "params.yaml", {
         "paths": {"cache_dir": str(tmp_path_factory.mktemp("llama_server"))},
-        "environment": {"port": _free_port(), "base_url": "", "server": {"n_ctx": 2048, "startup_timeout_s": 120}},
+        "environment": {"port": free_port(), "base_url": "", "server": {"n_ctx": 2048, "startup_timeout_s": 120}},
     })
     with environment_server(params) as url:
         yield url

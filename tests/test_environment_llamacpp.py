@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 
+from flows.demo_project import free_port, pid_alive
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.servers import (
     STATE_FILE,
@@ -27,22 +27,6 @@ from pipeline.environment.servers import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture()
@@ -81,28 +65,24 @@ def test_second_environment_server_reuses_the_running_one(llama_server, env_para
     session_server = started_server(llama_server)  # the session fixture's process
     with environment_server(env_params) as url:
         assert url == llama_server and started_server(url) is session_server, "nothing new is started"
-    assert is_healthy(llama_server) and not _gone(session_server.pid), "a reused server must be left running"
+    assert is_healthy(llama_server) and pid_alive(session_server.pid), "a reused server must be left running"
 
 
 def test_started_server_is_gone_after_the_block_also_when_it_raises(env_params):
-    from conftest import _free_port
-
-    env_params.environment.port = _free_port()
+    env_params.environment.port = free_port()
     with environment_server(env_params) as url:
         pid = started_server(url).pid
         assert served_models(url) == ["smollm2-135m-instruct"]
-    assert _gone(pid) and not is_healthy(url)
+    assert not pid_alive(pid) and not is_healthy(url)
 
     with pytest.raises(KeyError), environment_server(env_params) as url:
         pid = started_server(url).pid
         raise KeyError("the body failed")
-    assert _gone(pid) and not is_healthy(url)
+    assert not pid_alive(pid) and not is_healthy(url)
 
 
 def test_cli_start_and_stop_real_server(env_params, capsys):
-    from conftest import _free_port
-
-    env_params.environment.port = _free_port()
+    env_params.environment.port = free_port()
     cli_start(env_params)
     state = json.loads((Path(env_params.paths.cache_dir) / STATE_FILE).read_text())
     try:
@@ -111,5 +91,5 @@ def test_cli_start_and_stop_real_server(env_params, capsys):
         assert log, "the server log is written under cache_dir"
     finally:
         cli_stop(env_params)
-    assert _gone(state["pid"]) and not is_healthy(state["url"])
+    assert not pid_alive(state["pid"]) and not is_healthy(state["url"])
     assert "stopped" in capsys.readouterr().out

@@ -11,13 +11,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 from fault_server import FaultServer
 
+from flows.demo_project import free_port, pid_alive
 from pipeline.config import load_params
 from pipeline.environment import servers
 from pipeline.environment.servers import (
@@ -33,28 +33,6 @@ from pipeline.environment.servers import (
 from pipeline.errors import EnvironmentUnavailable
 
 FAULT_SERVER = Path(__file__).resolve().parent / "fault_server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture()

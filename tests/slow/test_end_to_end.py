@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.demo_project import free_port
+
 pytestmark = pytest.mark.slow
 
 COPY_EXCLUDE = {".venv", ".git", "data", "models", "reports", "checkpoints", "mlflow.db", "mlartifacts",
                 "mlruns", ".cache", ".pytest_cache", ".ruff_cache", "__pycache__", "benchmarks"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _copy_project(src: Path, dst: Path) -> None:
@@ -69,7 +64,7 @@ def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: 
     _copy_project(repo_root, project)
     params_file = project / "params.yaml"
     raw = yaml.safe_load(params_file.read_text())
-    params_file.write_text(yaml.safe_dump(smallest_params(raw, shared_datasets, _free_port()), sort_keys=False))
+    params_file.write_text(yaml.safe_dump(smallest_params(raw, shared_datasets, free_port()), sort_keys=False))
 
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
