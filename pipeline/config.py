@@ -38,7 +38,8 @@ class _Section(BaseModel):
 
 
 class PathsConfig(_Section):
-    mirror: str = Field("", description="Local mirror of the raw sources; empty = the Hugging Face Hub.")
+    mirror: str = Field("../shared/datasets",
+                         description="Local mirror of the raw sources; empty = the Hugging Face Hub.")
     sampled_dir: str = "data/sampled"
     rl_dir: str = "data/rl"
     reports_dir: str = "reports"
@@ -61,9 +62,10 @@ class AgentConfig(_Section):
     model: str = Field(description="pkg://<package>/<file>, a local directory, or a Hub id.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_turns: int = Field(5, ge=1)
-    max_turn_tokens: int = Field(1024, gt=0, description="Max tokens of one agent turn.")
-    max_response_tokens: int = Field(8192, gt=0, description="Budget over all turns incl. environment replies.")
-    max_prompt_tokens: int = Field(8192, gt=0)
+    max_turn_tokens: int = Field(96, gt=0, description="Max tokens of one agent turn; paper: 1024.")
+    max_response_tokens: int = Field(
+        1024, gt=0, description="Budget over all turns incl. environment replies; paper: 8192.")
+    max_prompt_tokens: int = Field(1024, gt=0, description="paper: 8192.")
     env_reply_max_chars: int = Field(2048, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -154,14 +156,14 @@ class WarmupConfig(_Section):
     See `pipeline.train.warmup`.
     """
 
-    steps: int = Field(0, ge=0, description="Supervised optimizer steps before GRPO; 0 = no warm-up.")
+    steps: int = Field(12, ge=0, description="Supervised optimizer steps before GRPO; 0 = no warm-up (paper).")
     batch_size: int = Field(2, gt=0, description="Demonstrations per warm-up step.")
-    lr: float = Field(1e-4, gt=0, description="Learning rate of the warm-up's own AdamW.")
+    lr: float = Field(2e-4, gt=0, description="Learning rate of the warm-up's own AdamW.")
     demonstrations: int = Field(
-        0, ge=0, description="Distinct demonstrations built (each costs `interaction_turns` environment "
+        8, ge=0, description="Distinct demonstrations built (each costs `interaction_turns` environment "
         "calls) and cycled through; 0 = steps x batch_size (every step sees new ones).")
     max_answer_tokens: int = Field(
-        32, gt=0, description="Rows whose gold answer is longer (agent tokens) are not used as demonstrations.")
+        24, gt=0, description="Rows whose gold answer is longer (agent tokens) are not used as demonstrations.")
     interaction_turns: int = Field(
         2, ge=0, description="Interaction turns per demonstration before the answer turn (the paper preset "
         "only counts the answer after >= 2 valid interaction turns).")
@@ -169,7 +171,7 @@ class WarmupConfig(_Section):
 
 class TrainConfig(_Section):
     backend: Literal["local", "verl"] = "local"
-    steps: int = Field(4, ge=0)
+    steps: int = Field(2, ge=0)
     batch_size: int = Field(2, gt=0)
     group_size: int = Field(4, ge=2, description="G: trajectories per question.")
     mini_batch_size: int = Field(2, gt=0)
@@ -196,7 +198,8 @@ class TrainConfig(_Section):
 class EvaluateConfig(_Section):
     rows_per_dataset: int = Field(4, gt=0)
     metrics_mode: Literal["ours", "reference"] = "ours"
-    baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(default_factory=list)
+    baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(
+        default_factory=lambda: ["env_only", "agent_only", "base_agent"])
     bootstrap_samples: int = 1000
     confidence: float = 0.95
     agent_max_turn_tokens: int = 96
