@@ -100,6 +100,13 @@ class EnvironmentConfig(_Section):
     price_per_million_prompt: float = 0.0
     price_per_million_completion: float = 0.0
     budget_usd: float | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="GPT-OSS reasoning effort (sent only when set); null for models without one.")
+    length_retry_factor: float = Field(
+        4.0, ge=1, description="An empty reply after finish_reason=length is asked once more with max_tokens × this.")
+    max_failure_rate: float = Field(
+        0.05, ge=0, le=1, description="Stop once more than this share of the last `failure_window` calls failed.")
+    failure_window: int = Field(50, ge=1, description="Sent calls over which the failure rate is judged.")
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @model_validator(mode="after")

@@ -58,6 +58,10 @@ class EnvironmentReply:
     error: str | None = None
     """Why the call failed after all retries (timeout, HTTP status, malformed body), else None."""
     cost_usd: float = 0.0
+    truncated: bool = False
+    """The server stopped at `max_tokens` (`finish_reason: length`): the text may be cut."""
+    empty_after_length: bool = False
+    """The first answer was empty with `finish_reason: length` and was asked again with a larger budget."""
 
 
 @dataclass
@@ -70,7 +74,13 @@ class UsageStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     errors: int = 0
+    """Calls that failed after every retry (the reply is an error note)."""
     retries: int = 0
+    truncated: int = 0
+    """Replies cut at `max_tokens` (`finish_reason: length`)."""
+    empty_after_length: int = 0
+    """Empty replies after `finish_reason: length` (a reasoning model spent the budget thinking), each
+    retried once with a larger budget; counted whether or not the retry succeeded."""
     latency_s: float = 0.0
     cost_usd: float = 0.0
 
@@ -86,6 +96,8 @@ class UsageStats:
             self.cost_usd += reply.cost_usd
         self.retries += reply.retries
         self.errors += int(reply.error is not None)
+        self.truncated += int(reply.truncated)
+        self.empty_after_length += int(reply.empty_after_length)
 
     def merge(self, other: UsageStats) -> None:
         for name in self.__dataclass_fields__:

@@ -353,7 +353,70 @@ def test_parse_completion_rejects_malformed_bodies(body):
 def test_parse_completion_tolerates_missing_usage_and_content():
     from pipeline.environment.client import _parse_completion
 
-    assert _parse_completion(b'{"choices": [{"message": {"content": "hi"}}]}') == ("hi", 0, 0)
-    assert _parse_completion(b'{"choices": [{"message": {}}], "usage": {"prompt_tokens": "x"}}') == ("", 0, 0)
-    body = b'{"choices": [{"message": {"content": "a b"}}], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}'
-    assert _parse_completion(body) == ("a b", 7, 2)
+    assert _parse_completion(b'{"choices": [{"message": {"content": "hi"}}]}') == ("hi", 0, 0, None)
+    assert _parse_completion(b'{"choices": [{"message": {}}], "usage": {"prompt_tokens": "x"}}') == ("", 0, 0, None)
+    body = (b'{"choices": [{"message": {"content": "a b"}, "finish_reason": "length"}],'
+            b' "usage": {"prompt_tokens": 7, "completion_tokens": 2}}')
+    assert _parse_completion(body) == ("a b", 7, 2, "length")
+
+
+def test_empty_after_length_is_counted_and_asked_again_with_a_larger_budget(server):
+    """GPT-OSS spends max_tokens reasoning and returns empty content: one retry with max_tokens × factor."""
+    server.script(Behaviour("empty", finish_reason="length"), Behaviour("ok", text="forty-two"))
+    client = EnvironmentClient(make_cfg(server, max_tokens=32, length_retry_factor=4.0))
+    reply = run(_reply(client, [], "hi"))
+    assert reply.error is None and reply.text == "forty-two" and reply.empty_after_length
+    assert [r.body["max_tokens"] for r in server.chat_requests] == [32, 128]
+    assert client.usage.empty_after_length == 1 and client.usage.errors == 0
+
+
+def test_empty_after_length_twice_is_a_counted_failure(server):
+    server.default = Behaviour("empty", finish_reason="length")
+    client = EnvironmentClient(make_cfg(server))
+    reply = run(_reply(client, [], "hi"))
+    assert reply.error == "empty reply after finish_reason=length twice"
+    assert len(server.chat_requests) == 2
+    assert client.usage.errors == 1 and client.usage.empty_after_length == 1
+
+
+def test_cut_reply_is_counted_as_truncated(server):
+    server.default = Behaviour("ok", text="a long reply cut", finish_reason="length")
+    client = EnvironmentClient(make_cfg(server))
+    reply = run(_reply(client, [], "hi"))
+    assert reply.error is None and reply.truncated and client.usage.truncated == 1
+
+
+def test_reasoning_effort_is_sent_only_when_set(server):
+    run(_reply(EnvironmentClient(make_cfg(server, cache=False)), [], "a"))
+    run(_reply(EnvironmentClient(make_cfg(server, cache=False, reasoning_effort="low")), [], "b"))
+    assert "reasoning_effort" not in server.chat_requests[0].body
+    assert server.chat_requests[1].body["reasoning_effort"] == "low"
+
+
+def test_failure_rate_above_the_limit_stops_with_the_keys_named(server):
+    """A dead environment must stop the run, not become reward signal: 2 of 4 calls failing > 25%."""
+    from pipeline.errors import EnvironmentUnhealthy
+
+    server.script(Behaviour("ok"), Behaviour("status", status=400), Behaviour("ok"), Behaviour("status", status=400))
+    client = EnvironmentClient(make_cfg(server, cache=False, failure_window=4, max_failure_rate=0.25))
+
+    async def go():
+        for prompt in ("a", "b", "c"):
+            await client.reply([], prompt)
+        with pytest.raises(EnvironmentUnhealthy, match=r"failure_window=4.*HTTP 400"):
+            await client.reply([], "d")
+        await client.aclose()
+
+    run(go())
+
+
+def test_failure_rate_at_the_limit_goes_on(server):
+    server.script(Behaviour("ok"), Behaviour("status", status=400), Behaviour("ok"), Behaviour("ok"))
+    client = EnvironmentClient(make_cfg(server, cache=False, failure_window=4, max_failure_rate=0.25))
+
+    async def go():
+        replies = [await client.reply([], p) for p in "abcdef"]
+        await client.aclose()
+        return replies
+
+    assert sum(r.error is not None for r in run(go())) == 1
