@@ -121,7 +121,7 @@ def test_non_retryable_4xx_is_not_retried(server):
 def test_rejected_key_raises_environment_unavailable(server, monkeypatch):
     monkeypatch.setenv("PROMPTR1_TEST_ENV_KEY", "sk-secret-value-123")
     server.default = Behaviour("status", status=401)
-    client = EnvironmentClient(make_cfg(server))
+    client = EnvironmentClient(make_cfg(server, backend="api"))  # http is allowed to a loopback endpoint
     with pytest.raises(EnvironmentUnavailable) as info:
         run(_reply(client, [], "hi"))
     assert "PROMPTR1_TEST_ENV_KEY" in str(info.value) and "sk-secret-value-123" not in str(info.value)
@@ -420,3 +420,50 @@ def test_failure_rate_at_the_limit_goes_on(server):
         return replies
 
     assert sum(r.error is not None for r in run(go())) == 1
+
+
+def test_key_never_goes_to_a_local_backend(server, monkeypatch):
+    """llama.cpp / vLLM servers the pipeline starts get a placeholder, even with the key variable set."""
+    monkeypatch.setenv("PROMPTR1_TEST_ENV_KEY", "sk-canary-local-777")
+    run(_reply(EnvironmentClient(make_cfg(server, cache=False)), [], "hi"))
+    assert server.chat_requests[0].headers["authorization"] == "Bearer sk-local-no-key"
+
+
+@pytest.mark.parametrize("url", ["http://api.example.test/v1", "http://10.0.0.5:8000/v1", "ftp://host/v1"])
+def test_key_is_refused_over_clear_text_to_another_host(url, monkeypatch):
+    monkeypatch.setenv("PROMPTR1_TEST_ENV_KEY", "sk-canary-http-888")
+    cfg = EnvironmentConfig(backend="api", model="m", served_name="m", base_url=url, system_prompt="s",
+                            api_key_env="PROMPTR1_TEST_ENV_KEY")
+    with pytest.raises(EnvironmentUnavailable, match="only over https") as info:
+        EnvironmentClient(cfg)
+    assert "sk-canary-http-888" not in str(info.value)
+
+
+def test_failing_cache_write_does_not_strand_coalesced_waiters(server, tmp_path):
+    """Two identical requests in flight share one call; a cache write that raises must not hang the second."""
+    import sqlite3
+
+    server.default = Behaviour(delay_s=0.3)
+    client = EnvironmentClient(make_cfg(server), cache_path=tmp_path / "cache.sqlite")
+
+    def broken_put(*args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    client.cache.put = broken_put
+
+    async def go():
+        replies = await asyncio.wait_for(asyncio.gather(client.reply([], "same"), client.reply([], "same")), 10)
+        await client.aclose()
+        return replies
+
+    first, second = run(go())
+    assert first.error is None and second.text == first.text
+    assert len(server.chat_requests) == 1
+
+
+def test_oversized_body_is_a_counted_malformed_reply(server):
+    server.default = Behaviour("ok", text="x" * (5 * 1024 * 1024))
+    client = EnvironmentClient(make_cfg(server, max_retries=0, cache=False))
+    reply = run(_reply(client, [], "hi"))
+    assert reply.error is not None and "exceeds the" in reply.error and client.usage.errors == 1
+    assert len(reply.text) < 1000

@@ -46,7 +46,13 @@ server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisi
 - **Tracing** (optional, off by default): with `trace=True` and MLflow installed, each request is recorded
   as an MLflow span (messages in, text and token counts out; never headers or keys).
 - The API key is read from the variable *named* by `environment.api_key_env`; its value is never logged or
-  put into an error message. Local servers accept any key, so a placeholder is sent when it is unset.
+  put into an error message. It is sent only to the paid backend (`api`), only over https or to a loopback
+  address over http; servers the pipeline starts itself (llama.cpp, vLLM) always get a placeholder, so a key
+  in the environment never leaves for a host it was not meant for.
+- **Replies are bounded**: a body over `MAX_BODY_BYTES` is a malformed reply (retried, then counted), so a
+  misbehaving server cannot fill memory, logs or MLflow.
+- **A failing cache write never strands waiters**: the coalesced in-flight future is resolved first, then
+  the reply is cached (a write error is logged and the reply still returned).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import openai
 from openai import AsyncOpenAI
@@ -81,6 +88,9 @@ logger = logging.getLogger(__name__)
 CACHE_FILE = "environment_cache.sqlite"
 LOCAL_PLACEHOLDER_KEY = "sk-local-no-key"
 """Sent to local servers (llama.cpp, vLLM) when no key variable is set: they do not check it."""
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest chat-completion body accepted (4 MiB; a 2,048-token reply is ~10 KB)."""
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 120.0
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
@@ -90,18 +100,25 @@ RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 def resolve_api_key(cfg: EnvironmentConfig) -> str:
     """The API key from the variable named in params; a placeholder for local servers.
 
-    Raises EnvironmentUnavailable for the paid backend when the variable is unset or empty; the message
-    names the variable, never a value.
+    Raises EnvironmentUnavailable for the paid backend when the variable is unset or empty, or when the
+    endpoint would carry the key in clear text to another machine (http to a non-loopback host); the
+    message names the variable and the key, never a value. Local backends always get the placeholder.
     """
+    if cfg.backend != "api":
+        return LOCAL_PLACEHOLDER_KEY
+    url = urlsplit(cfg.url)
+    if url.scheme != "https" and not (url.scheme == "http" and url.hostname in LOOPBACK_HOSTS):
+        raise EnvironmentUnavailable(
+            f"environment.base_url={cfg.url!r}: the API key from ${cfg.api_key_env} is sent only over https "
+            "(or http to a loopback address)"
+        )
     key = os.environ.get(cfg.api_key_env, "")
-    if key:
-        return key
-    if cfg.backend == "api":
+    if not key:
         raise EnvironmentUnavailable(
             f"environment backend 'api' ({cfg.url}) needs an API key in the environment variable "
             f"{cfg.api_key_env}, which is unset or empty: export {cfg.api_key_env}=... and retry"
         )
-    return LOCAL_PLACEHOLDER_KEY
+    return key
 
 
 @dataclass(frozen=True)
@@ -280,11 +297,15 @@ class EnvironmentClient:
                 future.set_result(EnvironmentReply(text="", error="coalesced request did not complete"))
             raise
         if key is not None and future is not None:
-            if result.error is None:
-                self.cache.put(key, self.model, CachedResponse(result.text, result.prompt_tokens,
-                                                               result.completion_tokens))
             _forget(state.in_flight, key, future)
             future.set_result(result)
+            if result.error is None:
+                try:
+                    self.cache.put(key, self.model, CachedResponse(result.text, result.prompt_tokens,
+                                                                   result.completion_tokens))
+                except sqlite3.Error as exc:
+                    logger.warning("environment response cache %s: write failed (%s); reply not cached",
+                                   self.cache.path, exc)
         self.usage.add(result)
         self.spent_usd += result.cost_usd
         self._judge_health(result)
@@ -474,6 +495,8 @@ class _SpanInputs:
 
 def _parse_completion(body: bytes) -> tuple[str, int, int, str | None]:
     """(text, prompt tokens, completion tokens, finish_reason) of a chat completion; _Malformed if not one."""
+    if len(body) > MAX_BODY_BYTES:
+        raise _Malformed(f"body of {len(body):,} bytes exceeds the {MAX_BODY_BYTES:,}-byte limit")
     try:
         data = json.loads(body)
     except ValueError as exc:  # truncated JSON, HTML from a proxy, …
