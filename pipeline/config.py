@@ -354,7 +354,44 @@ def load_params(
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{path} (profile {profile!r}): {problems}") from exc
     params.root = path.parent
+    problems = output_path_problems(params)
+    if problems:
+        raise ConfigError(f"{path} (profile {profile!r}): " + "; ".join(problems))
     return params
+
+
+OUTPUT_PATH_KEYS = ("sampled_dir", "rl_dir", "reports_dir", "checkpoint_dir", "model_dir", "cache_dir")
+"""`paths.*` the pipeline writes, replaces and deletes: each must be a folder of the project's own."""
+PROTECTED_FOLDERS = frozenset({".git", ".dvc", "pipeline", "flows", "tests", "profiles", "benchmarks", "docs",
+                               ".ci", "scripts", "constraints"})
+"""Top-level folders of the project that hold code or history, never outputs."""
+
+
+def output_path_problems(params: Params) -> list[str]:
+    """Why each output path param is unsafe (empty = all safe).
+
+    An output swap replaces and removes its folder, so an output path must never be the project root or a
+    parent of it, one of the project's code folders, a relative path that climbs out of the project, or a
+    top-level system folder (`/`, `/tmp`, `/home`, the home directory). An absolute path elsewhere is an
+    explicit choice (tests write into temporary folders) and is allowed.
+    """
+    root = params.root.resolve()
+    home = Path.home().resolve()
+    problems = []
+    for key in OUTPUT_PATH_KEYS:
+        value = getattr(params.paths, key)
+        target = (root / value).resolve()
+        where = f"paths.{key}={value!r} resolves to {target}"
+        if target == root or target in root.parents:
+            problems.append(f"{where}, the project folder or a parent of it (outputs are replaced and removed)")
+        elif root in target.parents and target.relative_to(root).parts[0] in PROTECTED_FOLDERS:
+            problems.append(f"{where}, inside the project's {target.relative_to(root).parts[0]}/ folder, "
+                            "which holds code, not outputs")
+        elif root not in target.parents and not Path(value).is_absolute():
+            problems.append(f"{where}: a relative output path must stay inside the project folder")
+        elif len(target.parts) < 3 or target == home:
+            problems.append(f"{where}, a top-level system folder (outputs are replaced and removed)")
+    return problems
 
 
 def parse_override(text: str) -> dict[str, Any]:
