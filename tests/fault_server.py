@@ -228,8 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds before every chat reply")
+    parser.add_argument("--model", default="fault-model", help="model id listed by /v1/models")
     args = parser.parse_args(argv)
-    server = FaultServer(Behaviour(delay_s=args.delay), port=args.port)
+    server = FaultServer(Behaviour(delay_s=args.delay), port=args.port, model=args.model)
     sys.stdout.write(f"{server.port}\n")
     sys.stdout.flush()
     try:
