@@ -40,7 +40,13 @@ from pipeline.config import Params
 from pipeline.errors import BudgetExceeded, UserError
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import warmup
-from pipeline.train.models import PolicyModels, load_full_weights, load_policy_models, pick_device, write_weights
+from pipeline.train.models import (
+    PolicyModels,
+    load_full_weights,
+    load_policy_models,
+    pick_device,
+    write_weights,
+)
 from pipeline.train.questions import QuestionSampler, load_training_set, prompt_item_from_row
 from pipeline.train.resume import discard_stale_checkpoints, training_config
 from pipeline.train.step_metrics import StepsLog, log_mlflow_metrics, steps_csv_path
