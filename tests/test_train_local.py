@@ -22,12 +22,9 @@ import yaml
 
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.local import (
-    QuestionSampler,
-    StepsLog,
-    collate,
-    response_log_probs,
-)
+from pipeline.train.batch import collate, response_log_probs
+from pipeline.train.questions import QuestionSampler
+from pipeline.train.step_metrics import StepsLog
 from pipeline.types import PromptItem, Trajectory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -219,7 +216,8 @@ def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.train.grpo import grpo_advantages
-    from pipeline.train.local import LocalTrainer, PolicyModels
+    from pipeline.train.models import PolicyModels
+    from pipeline.train.trainer import LocalTrainer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
@@ -264,7 +262,8 @@ def test_changed_training_params_start_afresh_instead_of_reusing_the_old_model(t
                                                                                env_server):
     # DVC reruns train when e.g. train.lr or reward.preset change; the persisted checkpoint of the old
     # params must not count as "already complete" nor be resumed.
-    from pipeline.train.local import train_local, training_complete
+    from pipeline.train.local import train_local
+    from pipeline.train.resume import training_complete
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1))
