@@ -96,7 +96,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     if warmed and models.reference is not None:
         _load_warmed_reference(models, root, params.agent.model)
     if folder is not None:
-        _restore_optimizer_and_rng(trainer, folder)
+        ckpt.restore_optimizer_and_rng(trainer.optimizer, folder)
         log.info("resumed at step %d (epoch %d, position %d)", start, sampler.epoch, sampler.position)
 
     def save(step: int, metrics: dict[str, float]) -> None:
@@ -156,11 +156,6 @@ def _load_warmed_reference(models: PolicyModels, root: Path, base_ref: str) -> N
         log.info("KL reference: the warmed-up weights in %s", root / WARMUP_DIR)
     else:
         log.warning("%s missing: the KL reference falls back to the base weights", root / WARMUP_DIR)
-
-
-def _restore_optimizer_and_rng(trainer: LocalTrainer, folder: Path) -> None:
-    trainer.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
-    ckpt.restore_rng_state(torch.load(folder / "rng.pt", weights_only=False))
 
 
 def _run_warmup(params: Params, models: PolicyModels, frame: pd.DataFrame, device: torch.device,
