@@ -176,7 +176,7 @@ def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_ll
     for name in ("critic/score/mean", "critic/score/min", "critic/score/max", "critic/advantages/mean",
                  "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr", "response_length/mean",
                  "num_turns/mean", "reward/format/mean", "reward/answer/mean", "reward/complete_final/mean",
-                 "env/calls", "env/errors", "env/cost_usd", "timing_s/gen", "timing_s/env",
+                 "env/calls", "env/errors", "env/failure_rate", "env/truncated", "env/empty_after_length", "env/cost_usd", "timing_s/gen", "timing_s/env",
                  "timing_s/update", "timing_s/step"):
         assert name in steps.columns, name
     # A random tiny model never hits the format, so all rewards tie (advantage 0) and the policy still

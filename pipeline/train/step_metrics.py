@@ -76,12 +76,13 @@ def rollout_metrics(trajectories: list[Trajectory], scores: torch.Tensor, advant
     for reason in get_args(StopReason):
         m[f"rollout/stop_{reason}"] = sum(t.stop_reason == reason for t in trajectories) / len(trajectories)
     usage = {"calls": 0.0, "cache_hits": 0.0, "prompt_tokens": 0.0, "completion_tokens": 0.0, "errors": 0.0,
-             "retries": 0.0, "cost_usd": 0.0}
+             "retries": 0.0, "truncated": 0.0, "empty_after_length": 0.0, "cost_usd": 0.0}
     for t in trajectories:
         for key in usage:
             usage[key] += float(getattr(t.usage, key))
     m.update({f"env/{k}": v for k, v in usage.items()})
     m["env/tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    m["env/failure_rate"] = usage["errors"] / usage["calls"] if usage["calls"] else 0.0
     return m
 
 
