@@ -402,3 +402,24 @@ def test_stage_dispatches_verl_backend_inside_the_train_run(tmp_path, monkeypatc
     run_train(params)
     assert len(calls) == 1 and calls[0][0] == "verl" and calls[0][1] == calls[0][2]
     assert json.loads((tmp_path / "reports/mlflow_run.json").read_text())["run_id"]
+
+
+@pytest.mark.slow
+def test_failing_environment_stops_training_with_the_keys_named(tmp_path, tiny_llama_dir):
+    """A dead environment must stop training, not turn into reward: warm-up demonstrations call it first."""
+    from fault_server import Behaviour, FaultServer
+
+    from pipeline.errors import EnvironmentUnhealthy
+    from pipeline.train.local import train_local
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    with FaultServer(Behaviour("status", status=400)) as server:
+        overrides = tiny_overrides(tmp_path, tiny_llama_dir, server.url,
+                                   warmup={"steps": 2, "batch_size": 2, "demonstrations": 4})
+        overrides["environment"].update(failure_window=4, max_failure_rate=0.25)
+        overrides["agent"].update(max_turns=3, max_turn_tokens=96, max_response_tokens=1024)
+        params = load_params(REPO_ROOT / "params.yaml", overrides)
+        with pytest.raises(EnvironmentUnhealthy, match=r"environment\.max_failure_rate=0\.25.*HTTP 400"):
+            train_local(params)
+        assert len(server.chat_requests) == 4  # stopped at the first full window, not after every demo
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoints/agent") is None

@@ -37,7 +37,7 @@ import pandas as pd
 import torch
 
 from pipeline.config import Params
-from pipeline.errors import BudgetExceeded, UserError
+from pipeline.errors import BudgetExceeded, EnvironmentUnhealthy, UserError
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import warmup
 from pipeline.train.models import (
@@ -121,8 +121,9 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
                 position = (sampler.epoch, sampler.position)
                 try:
                     metrics = trainer.step(env, step)
-                except BudgetExceeded:
-                    # Keep every finished step: checkpoint the last one (its questions drawn, not this one's).
+                except (BudgetExceeded, EnvironmentUnhealthy):
+                    # Keep every finished step: checkpoint the last one (its questions drawn, not this one's);
+                    # the failing step itself is never saved, so a resume redoes it against a healthy server.
                     sampler.restore(*position)
                     if step - 1 > start and (step - 1) % cfg.save_every != 0:
                         save(step - 1, last)
