@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from demo_project import free_port, pid_alive
 from fault_server import FaultServer
 
-from flows.demo_project import free_port, pid_alive
 from pipeline.config import load_params
 from pipeline.environment import servers
 from pipeline.environment.servers import (
