@@ -68,6 +68,7 @@ def _params_command(target: str, help_: str) -> Callable[..., None]:
         _run(lambda: call(_load(params, set_)))
 
     command.__doc__ = help_
+    command.target = target  # what the command runs, for readers and the dvc.yaml deps test
     return command
 
 
@@ -108,6 +109,18 @@ for _name, _command in STAGE_COMMANDS.items():
     app.command(_name)(_command)
 for _name, _command in ENV_COMMANDS.items():
     env_app.command(_name)(_command)
+
+
+@app.command()
+def weights(
+    check: Annotated[bool, typer.Option("--check", help="Only report what is missing (exit 1 if anything is).")] = False,
+    params: ParamsOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Fetch every model the params need into the Hugging Face cache and verify it (before GPU time)."""
+    from pipeline.weights import run_weights
+
+    _run(lambda: run_weights(_load(params, set_), check_only=check))
 
 
 @app.command()
