@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +44,7 @@ import httpx
 import typer
 
 from pipeline.environment.client import resolve_api_key
+from pipeline.environment.guard import guarded
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.modelref import ModelRefError, resolve_model
 
@@ -199,6 +201,11 @@ def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
     cfg = params.environment
     _check_startable(params)
     command = server_command(params)
+    if shutil.which(command[0]) is None:
+        raise EnvironmentUnavailable(f"cannot start the environment server: {command[0]!r} is not on PATH "
+                                     f"(environment.backend={cfg.backend})")
+    if not detached:  # stopped even if this process is SIGKILLed (pipeline.environment.guard)
+        command = guarded(command)
     log_path = _cache_dir(params) / f"environment_server_{cfg.backend}_{cfg.port}.log"
     logger.info("starting the environment server: %s (log: %s)", shlex.join(command), log_path)
     with open(log_path, "wb") as log:
