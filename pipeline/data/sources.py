@@ -45,6 +45,7 @@ from pipeline.agent.template import DAPO_INSTRUCTION, split_user_message
 from pipeline.config import Params
 from pipeline.data.schema import display_path
 from pipeline.errors import DataError
+from pipeline.types import EvalRow
 
 log = logging.getLogger(__name__)
 
@@ -536,28 +537,17 @@ def authors_eval_path(params: Params, spec: DatasetSpec) -> Path:
     return target
 
 
-@dataclass(frozen=True)
-class EvalRow:
-    """One row of the authors' evaluation file, read back into our terms."""
-
-    id: str
-    question: str
-    answers: list[str]
-    prompt_content: str
-    has_instruction: bool
-    """The row carries its dataset's own instruction (DAPO's wrapper)."""
-    index: int
-
-    def normalised(self, spec: DatasetSpec) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "question": self.question,
-            "answers": self.answers,
-            "context": "",
-            "task_type": spec.task_type,
-            "source_split": "eval",
-            "dataset": spec.name,
-        }
+def normalised_eval_row(row: EvalRow, spec: DatasetSpec) -> dict[str, Any]:
+    """An evaluation row in the normalised schema of the sampled files (what `validate` checks)."""
+    return {
+        "id": row.id,
+        "question": row.question,
+        "answers": row.answers,
+        "context": "",
+        "task_type": spec.task_type,
+        "source_split": "eval",
+        "dataset": spec.name,
+    }
 
 
 def load_authors_eval(params: Params, spec: DatasetSpec) -> list[EvalRow]:
@@ -580,12 +570,14 @@ def load_authors_eval(params: Params, spec: DatasetSpec) -> list[EvalRow]:
             raise DataError(f"{shown}: row {i}, column 'reward_model': no ground_truth list")
         out.append(
             EvalRow(
+                dataset=spec.name,
+                split="id" if spec.trains else "ood",
+                index=i,
                 id=f"{spec.name}-eval-{i:03d}",
                 question=question,
                 answers=list(truth),
-                prompt_content=content,
+                messages=[{"role": "user", "content": content}],  # split_user_message parsed it as one
                 has_instruction=has_instruction,
-                index=i,
             )
         )
     return out
