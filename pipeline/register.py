@@ -56,7 +56,7 @@ import typer
 
 from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
-from pipeline.evaluate import TRAINED
+from pipeline.evaluation.systems import TRAINED
 from pipeline.metrics import HEADLINE_METRICS
 
 if TYPE_CHECKING:

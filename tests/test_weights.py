@@ -36,7 +36,7 @@ def hf_home(tmp_path, monkeypatch):
     home = tmp_path / "hf"
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import huggingface_hub.constants as constants
+    from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

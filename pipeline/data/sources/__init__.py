@@ -23,9 +23,9 @@ from pipeline.data.sources import long_form, math_problems, multi_hop_qa, open_q
 from pipeline.data.sources.authors_eval import (
     AUTHORS_EVAL_URL,
     EVAL_COLUMNS,
-    EvalRow,
     authors_eval_path,
     load_authors_eval,
+    normalised_eval_row,
 )
 from pipeline.data.sources.reading import MIRROR_COLUMNS, RawSource, load_raw, read_mirror_file
 from pipeline.data.sources.registry import (
@@ -52,7 +52,6 @@ __all__ = [
     "BadRow",
     "Converter",
     "DatasetSpec",
-    "EvalRow",
     "HubSource",
     "MetricFamily",
     "MirrorSource",
@@ -66,6 +65,7 @@ __all__ = [
     "long_form",
     "math_problems",
     "multi_hop_qa",
+    "normalised_eval_row",
     "open_qa",
     "read_mirror_file",
     "register",

@@ -8,7 +8,6 @@ from the authors' GitHub repository into `paths.cache_dir` (written atomically).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from pipeline.data.schema import display_path
 from pipeline.data.sources.reading import read_mirror_file
 from pipeline.data.sources.registry import DatasetSpec
 from pipeline.errors import DataError
+from pipeline.types import EvalRow
 
 EVAL_COLUMNS = ("prompt", "reward_model")
 AUTHORS_EVAL_URL = "https://raw.githubusercontent.com/QwenQKing/Prompt-R1/main/dataset/eval_data/{file}"
@@ -48,28 +48,17 @@ def authors_eval_path(params: Params, spec: DatasetSpec) -> Path:
     return target
 
 
-@dataclass(frozen=True)
-class EvalRow:
-    """One row of the authors' evaluation file, read back into our terms."""
-
-    id: str
-    question: str
-    answers: list[str]
-    prompt_content: str
-    has_instruction: bool
-    """The row carries its dataset's own instruction (DAPO's wrapper)."""
-    index: int
-
-    def normalised(self, spec: DatasetSpec) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "question": self.question,
-            "answers": self.answers,
-            "context": "",
-            "task_type": spec.task_type,
-            "source_split": "eval",
-            "dataset": spec.name,
-        }
+def normalised_eval_row(row: EvalRow, spec: DatasetSpec) -> dict[str, Any]:
+    """An evaluation row in the normalised schema of the sampled files (what `validate` checks)."""
+    return {
+        "id": row.id,
+        "question": row.question,
+        "answers": row.answers,
+        "context": "",
+        "task_type": spec.task_type,
+        "source_split": "eval",
+        "dataset": spec.name,
+    }
 
 
 def load_authors_eval(params: Params, spec: DatasetSpec) -> list[EvalRow]:
@@ -92,12 +81,14 @@ def load_authors_eval(params: Params, spec: DatasetSpec) -> list[EvalRow]:
             raise DataError(f"{shown}: row {i}, column 'reward_model': no ground_truth list")
         out.append(
             EvalRow(
+                dataset=spec.name,
+                split="id" if spec.trains else "ood",
+                index=i,
                 id=f"{spec.name}-eval-{i:03d}",
                 question=question,
                 answers=list(truth),
-                prompt_content=content,
+                messages=[{"role": "user", "content": content}],  # split_user_message parsed it as one
                 has_instruction=has_instruction,
-                index=i,
             )
         )
     return out
