@@ -76,6 +76,8 @@ class ServerConfig(_Section):
     tensor_parallel_size: int = 8
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 32768
+    gpus: list[int] = Field(default_factory=list, description="vllm: CUDA device ids the server runs on "
+                            "(CUDA_VISIBLE_DEVICES); empty = the first tensor_parallel_size devices.")
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -136,6 +138,8 @@ class VerlConfig(_Section):
     rollout_name: str = "vllm"
     rollout_tp: int = 8
     rollout_gpu_memory_utilization: float = 0.6
+    gpus: list[int] = Field(default_factory=list, description="CUDA device ids verl uses on each node "
+                            "(Ray's CUDA_VISIBLE_DEVICES); empty = the first n_gpus_per_node devices.")
     test_freq: int = 10
     save_freq: int = 10
     val_before_train: bool = True
