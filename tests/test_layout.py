@@ -189,32 +189,58 @@ def test_paper_1node_is_the_paper_but_for_the_layout():
     assert len(training_gpus(merged("profile=paper-1node")) + environment_gpus(merged("profile=paper-1node"))) == 8
 
 
-def _verl_accepts(batch: int, n: int, mini: int, micro: int, gpus: int, nnodes: int) -> bool:
-    """verl's own checks: validate_config (utils/config.py) and ActorConfig.validate (workers/config/actor.py)."""
+def _compose_verl(overrides: list[str]):
     import verl
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    overrides = [f"data.train_batch_size={batch}", f"actor_rollout_ref.rollout.n={n}",
-                 f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
-                 f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
-                 f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
-                 f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
-                 f"trainer.n_gpus_per_node={gpus}", f"trainer.nnodes={nnodes}", "algorithm.adv_estimator=grpo"]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"),
                                    version_base=None):
-            cfg = compose(config_name="ppo_trainer", overrides=overrides)
+            return compose(config_name="ppo_trainer", overrides=overrides)
     finally:
         GlobalHydra.instance().clear()
+
+
+def _verl_validates(cfg) -> None:
+    """verl's own checks: validate_config (utils/config.py) and ActorConfig.validate (workers/config/actor.py)."""
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    validate_config(cfg, use_reference_policy=True, use_critic=False)
+    omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).validate(
+        cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes, cfg.data.train_batch_size)
+
+
+def _verl_accepts(batch: int, n: int, mini: int, micro: int, gpus: int, nnodes: int) -> bool:
+    cfg = _compose_verl([f"data.train_batch_size={batch}", f"actor_rollout_ref.rollout.n={n}",
+                         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+                         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+                         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+                         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
+                         f"trainer.n_gpus_per_node={gpus}", f"trainer.nnodes={nnodes}",
+                         "algorithm.adv_estimator=grpo"])
     try:
-        validate_config(cfg, use_reference_policy=True, use_critic=False)
-        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).validate(gpus * nnodes, batch)
+        _verl_validates(cfg)
     except (AssertionError, ValueError):
         return False
     return True
+
+
+@pytest.mark.slow  # imports verl (Ray, torch): ~1 min cold on 2 cores
+@pytest.mark.parametrize("profile", ["paper", "paper-1node", "smoke-1gpu"])
+def test_gpu_profiles_compose_into_a_config_verl_validates(profile):
+    """What `train` hands verl for each GPU profile passes verl's own validation, with the profile's sizes."""
+    from pipeline.train.verl_backend import build_overrides
+
+    params = merged(f"profile={profile}")
+    cfg = _compose_verl(build_overrides(params))
+    _verl_validates(cfg)
+    assert cfg.trainer.n_gpus_per_node == len(training_gpus(params))
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == params.train.verl.rollout_tp
+    assert cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n % cfg.trainer.n_gpus_per_node == 0
+    if profile == "smoke-1gpu":
+        assert cfg.trainer.total_training_steps == 3
 
 
 @pytest.mark.slow  # imports verl (Ray, torch): ~1 min cold on 2 cores
