@@ -124,6 +124,27 @@ def weights(
 
 
 @app.command()
+def check(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Check that the merged params describe a runnable layout (params only: no network, no GPU).
+
+    Exit 0 with a one-line summary; exit 2 with one line per problem, each naming the param keys.
+    """
+    from pipeline.layout import describe, layout_problems
+
+    try:
+        merged = _load(params, set_)
+    except ConfigError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    problems = layout_problems(merged)
+    for problem in problems:
+        typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
+    if problems:
+        raise typer.Exit(2)
+    typer.echo(f"layout ok: {describe(merged)}")
+
+
+@app.command()
 def ask(
     question: str,
     model: Annotated[str | None, typer.Option(help="Agent model (default: models/agent if merged, else params).")] = None,

@@ -79,6 +79,8 @@ class ServerConfig(_Section):
     tensor_parallel_size: int = Field(8, ge=1, le=64, description="vLLM: GPUs one replica spans.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of each GPU's memory.")
     max_model_len: int = Field(32768, ge=256, description="vLLM: longest context served.")
+    gpus: list[int] = Field(default_factory=list, description="vLLM: CUDA device ids the server runs on "
+                            "(CUDA_VISIBLE_DEVICES); empty = the first tensor_parallel_size devices.")
     extra_args: list[str] = Field(default_factory=list, description="Appended to the server command; may not "
                                   "rebind the host (`--host` comes from environment.host) or carry secrets.")
 
@@ -165,6 +167,8 @@ class VerlConfig(_Section):
     rollout_name: str = "vllm"
     rollout_tp: int = 8
     rollout_gpu_memory_utilization: float = 0.6
+    gpus: list[int] = Field(default_factory=list, description="CUDA device ids verl uses on each node "
+                            "(Ray's CUDA_VISIBLE_DEVICES); empty = the first n_gpus_per_node devices.")
     test_freq: int = 10
     save_freq: int = 10
     val_before_train: bool = True
