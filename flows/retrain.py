@@ -85,6 +85,7 @@ from flows.report import RunReport, mlflow_line, mlflow_run_info, promotion_line
 from flows.run_lock import run_lock
 from pipeline.config import PARAMS_FILE, Params, find_root, load_params
 from pipeline.errors import UserError
+from pipeline.layout import assert_runnable
 from pipeline.runtime import configure_logging, quiet_telemetry, terminate_as_interrupt
 
 log = logging.getLogger(__name__)
@@ -251,6 +252,7 @@ def retrain(
         originals = apply_run_overrides(str(root), items)
         try:
             params = load_params(root / PARAMS_FILE)
+            assert_runnable(params)  # the layout check (`promptr1 check`) before any stage or server starts
             return _run_stages(root, params, items, force)
         finally:
             dvc_steps.restore_files(originals)
