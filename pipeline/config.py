@@ -57,6 +57,9 @@ class DataConfig(_Section):
     eval_rows: int = Field(128, gt=0, description="Rows in each of the authors' evaluation files.")
     allow_skip: list[str] = Field(default_factory=list, description="Datasets that may be skipped if unreachable.")
     max_question_tokens: int = Field(4096, gt=0)
+    min_usable_fraction: float = Field(
+        0.5, ge=0, le=1, description="Sampling stops (DataError, nothing written) when fewer of a source's rows "
+        "survive cleaning and leakage removal.")
 
 
 class AgentConfig(_Section):
