@@ -219,6 +219,8 @@ class TrainConfig(_Section):
     total_epochs: int = Field(1, ge=1)
     save_every: int = Field(2, gt=0)
     keep_checkpoints: int = Field(2, ge=1, description="Local backend: newest checkpoints kept on disk.")
+    keep_stale_checkpoints: int = Field(
+        1, ge=0, le=100, description="Checkpoint folders of changed params set aside (not deleted), newest kept.")
     gradient_checkpointing: bool = False
     lora: LoraConfig = Field(default_factory=LoraConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
