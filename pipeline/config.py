@@ -57,6 +57,9 @@ class DataConfig(_Section):
     eval_rows: int = Field(128, gt=0, description="Rows in each of the authors' evaluation files.")
     allow_skip: list[str] = Field(default_factory=list, description="Datasets that may be skipped if unreachable.")
     max_question_tokens: int = Field(4096, gt=0)
+    min_usable_fraction: float = Field(
+        0.5, ge=0, le=1, description="Sampling stops (DataError, nothing written) when fewer of a source's rows "
+        "survive cleaning and leakage removal.")
 
 
 class AgentConfig(_Section):
@@ -220,6 +223,8 @@ class TrainConfig(_Section):
     total_epochs: int = Field(1, ge=1)
     save_every: int = Field(2, gt=0)
     keep_checkpoints: int = Field(2, ge=1, description="Local backend: newest checkpoints kept on disk.")
+    keep_stale_checkpoints: int = Field(
+        1, ge=0, le=100, description="Checkpoint folders of changed params set aside (not deleted), newest kept.")
     gradient_checkpointing: bool = False
     lora: LoraConfig = Field(default_factory=LoraConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
