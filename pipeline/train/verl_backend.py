@@ -72,6 +72,7 @@ import yaml
 
 from pipeline.config import EnvironmentConfig, Params
 from pipeline.errors import DataError, UserError
+from pipeline.layout import cuda_visible_devices, training_gpus
 
 log = logging.getLogger(__name__)
 
@@ -291,8 +292,11 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
                 "RAY_USAGE_STATS_ENABLED": env.get("RAY_USAGE_STATS_ENABLED", "0")})
     if params.train.verl.ray_address:
         env["RAY_ADDRESS"] = params.train.verl.ray_address
-    else:
+    else:  # a private Ray started by verl here: it sees only the training GPUs the layout assigns
         env.pop("RAY_ADDRESS", None)
+        gpus = training_gpus(params)
+        if gpus and params.train.verl.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
 
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
