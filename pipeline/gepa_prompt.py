@@ -99,6 +99,9 @@ def load_slices(params: Params) -> Slices:
 class EnvironmentInstructionAdapter:
     """GEPA's adapter: a candidate instruction → the environment answers each row as in `env_only`."""
 
+    propose_new_texts = None
+    """Part of GEPA's adapter protocol: None = proposals come from the optimiser's proposer."""
+
     def __init__(self, env: EnvironmentClient) -> None:
         self.env = env
 
@@ -180,9 +183,10 @@ class HistoryRecorder:
                              old_score=event["old_score"], reason=event["reason"])
 
     def on_valset_evaluated(self, event: dict[str, Any]) -> None:
+        # GEPA attaches its budget hook after scoring the seed, so the seed's calls are its val rows.
+        calls = self.metric_calls if event["iteration"] else int(event["num_examples_evaluated"])
         self.val_scores.append({"iteration": event["iteration"], "candidate": event["candidate_idx"],
-                                "val_score": round(float(event["average_score"]), 4),
-                                "metric_calls": self.metric_calls})
+                                "val_score": round(float(event["average_score"]), 4), "metric_calls": calls})
 
     def _close_proposal(self, iteration: int, **outcome: Any) -> None:
         for p in reversed(self.proposals):
@@ -251,6 +255,11 @@ def optimise(params: Params, slices: Slices, task: EnvironmentClient,
     best_holdout = adapter.evaluate(slices.holdout, {COMPONENT: best}).scores
     holdout_usage = task.take_usage()
     accepted = sum(p["accepted"] for p in recorder.proposals)
+    if not recorder.proposals:
+        # GEPA logs a failing proposal step and goes on; a run that proposed nothing must not look like one
+        # whose proposals were all worse.
+        log.warning("GEPA made no proposal in %d metric calls: see the GEPA log lines above",
+                    result.total_metric_calls or 0)
     return {
         "component": COMPONENT,
         "seed": {"instruction": seed_instruction, "val_score": round(result.val_aggregate_scores[0], 4),
