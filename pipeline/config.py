@@ -410,7 +410,7 @@ def load_params(
     return params
 
 
-OUTPUT_PATH_KEYS = ("sampled_dir", "rl_dir", "reports_dir", "checkpoint_dir", "model_dir", "cache_dir")
+OUTPUT_PATH_KEYS = ("sampled_dir", "rl_dir", "reports_dir", "checkpoint_dir", "model_dir", "cache_dir", "gepa_dir")
 """`paths.*` the pipeline writes, replaces and deletes: each must be a folder of the project's own."""
 PROTECTED_FOLDERS = frozenset({".git", ".dvc", "pipeline", "flows", "tests", "profiles", "benchmarks", "docs",
                                ".ci", "scripts", "constraints"})
