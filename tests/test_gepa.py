@@ -180,3 +180,20 @@ def test_gepa_stage_on_the_bundled_model(built_data, llama_server, tmp_path):
     best = max(c["val_score"] for c in content["candidates"])
     assert content["optimised"]["val_score"] == best >= content["seed"]["val_score"]
     assert (tmp_path / "reports" / "gepa" / "history.csv").is_file()
+
+
+def test_the_reflection_model_is_configurable(gepa_params):
+    """`gepa.reflection_*` sends GEPA's reflection prompts to another endpoint and model; tasks stay put."""
+    with FaultServer(responder=respond) as task_server, \
+            FaultServer(responder=respond, model="reflector") as reflection_server:
+        params = gepa_params(task_server.url, reflection_base_url=reflection_server.url,
+                             reflection_served_name="reflector", reflection_max_tokens=64)
+        content = run_gepa(params)
+        task_bodies = [r.body for r in task_server.chat_requests]
+        reflection_bodies = [r.body for r in reflection_server.chat_requests]
+    assert content["models"] == {"task": "fault-model", "reflection": "reflector"}
+    assert len(reflection_bodies) == content["cost"]["reflection"]["calls"] >= 1
+    assert all(b["model"] == "reflector" and b["max_tokens"] == 64 for b in reflection_bodies)
+    assert all(b["messages"][-1]["content"].startswith(GEPA_REFLECTION_OPENING) for b in reflection_bodies)
+    assert not any(b["messages"][-1]["content"].startswith(GEPA_REFLECTION_OPENING) for b in task_bodies)
+    assert content["optimised"]["instruction"] == SHORT
