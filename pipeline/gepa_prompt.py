@@ -70,9 +70,14 @@ class TaskExample:
 
 @dataclass
 class Slices:
+    """Three disjoint slices of the training set."""
+
     train: list[TaskExample]
+    """GEPA reflects on minibatches of these."""
     val: list[TaskExample]
+    """GEPA scores every accepted candidate on these (its Pareto set) and picks the best by them."""
     holdout: list[TaskExample]
+    """Never shown to GEPA: the seed and the optimised instruction are compared on these."""
 
 
 def load_slices(params: Params) -> Slices:
