@@ -320,7 +320,8 @@ def test_paper_numbers_beside_ours_only_compared_on_the_papers_setup(tmp_path, p
     hot = next(r for r in cmp_["rows"] if (r["system"], r["scope"], r["metric"]) == (TRAINED, "hotpotqa", "em"))
     assert (hot["paper"], hot["ours"]) == (44.53, 50.0)  # ours: EM [1, 0] in reference mode
     md = "\n".join(paper_markdown(cmp_))
-    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | not comparable: agent is smollm2" in md
+    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | not comparable (agent, environment, rows) |" in md
+    assert "Not comparable (agent is smollm2-135m-instruct.q4_1, not Qwen3-4B; environment is" in md
     assert "| prompt_r1 | gsm8k | EM | 97.66 | – | no score of ours |" in md
 
     # the paper's setup (the api profile with the paper's agent, full sets): the difference is given

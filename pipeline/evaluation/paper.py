@@ -5,7 +5,8 @@ Design decisions:
   per-dataset EM/F1/SSim and the ID/OOD averages of Prompt-R1, and the averages of the environment alone.
 - **Comparable or not, said per run.** A difference is shown only when the run is the paper's setup:
   agent Qwen3-4B, environment GPT-4o-mini, the full 128 rows per set. Otherwise every row still shows the
-  paper's number and ours, and the difference column says why not (all the reasons, in one line).
+  paper's number and ours, and the difference column says why not (what differs: agent, environment,
+  rows; the full reasons head the table).
 - **Our numbers in the paper's metrics mode.** The authors scored with their own script, which our
   `reference` mode reproduces (empty predictions and the reversed substring match included), so the
   comparison reads that mode whichever mode the run reports as its headline.
@@ -35,16 +36,16 @@ def _model_name(ref: str) -> str:
     return ref.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf").lower()
 
 
-def not_comparable_reasons(params: Params, rows_per_dataset: int, paper: dict[str, Any]) -> list[str]:
-    """Why this run cannot be compared number for number with the paper (empty when it can)."""
-    reasons = []
+def not_comparable_reasons(params: Params, rows_per_dataset: int, paper: dict[str, Any]) -> dict[str, str]:
+    """Why this run cannot be compared number for number with the paper, by what differs (empty: it can)."""
+    reasons = {}
     if _model_name(params.agent.model) != paper["agent"].lower():
-        reasons.append(f"agent is {_model_name(params.agent.model)}, not {paper['agent']}")
+        reasons["agent"] = f"agent is {_model_name(params.agent.model)}, not {paper['agent']}"
     env_names = {_model_name(params.environment.model), _model_name(params.environment.served_name)}
     if paper["environment"].lower() not in env_names:
-        reasons.append(f"environment is {params.environment.served_name}, not {paper['environment']}")
+        reasons["environment"] = f"environment is {params.environment.served_name}, not {paper['environment']}"
     if rows_per_dataset < paper["rows_per_dataset"]:
-        reasons.append(f"{rows_per_dataset} rows per set, not {paper['rows_per_dataset']}")
+        reasons["rows"] = f"{rows_per_dataset} rows per set, not {paper['rows_per_dataset']}"
     return reasons
 
 
@@ -71,7 +72,8 @@ def paper_comparison(summary: dict[str, Any], params: Params, paper: dict[str, A
                 delta = None if (reasons or mine is None) else round(mine - value, 2)
                 rows.append({"system": system, "scope": scope, "metric": metric, "paper": value, "ours": mine,
                              "delta": delta})
-    return {"source": paper["source"], "comparable": not reasons, "reasons": reasons,
+    return {"source": paper["source"], "comparable": not reasons, "reasons": list(reasons.values()),
+            "differs": list(reasons),
             "metrics_mode": paper["metrics_mode"], "rows": rows}
 
 
@@ -88,6 +90,6 @@ def paper_markdown(comparison: dict[str, Any]) -> list[str]:
         if r["delta"] is not None:
             delta = f"{r['delta']:+.2f}"
         else:
-            delta = "no score of ours" if r["ours"] is None else f"not comparable: {why}"
+            delta = "no score of ours" if r["ours"] is None else f"not comparable ({', '.join(comparison['differs'])})"
         lines.append(f"| {r['system']} | {r['scope']} | {r['metric'].upper()} | {r['paper']:.2f} | {ours} | {delta} |")
     return lines
