@@ -116,6 +116,8 @@ STAGE_POLICIES: dict[str, StagePolicy] = {
     "sample": StagePolicy(),
     "validate": StagePolicy(),
     "build": StagePolicy(),
+    # Idempotent: the same seed, slices and cached environment replies give the same prompt.
+    "gepa": StagePolicy(retries=1, retry_delays_s=(30.0,), needs_environment=True),
     # Safe to retry only because it resumes from the last checkpoint (persist: true output); see docstring.
     "train": StagePolicy(retries=1, retry_delays_s=(60.0,), needs_environment=True),
     "merge": StagePolicy(),

@@ -101,6 +101,8 @@ STAGE_COMMANDS: dict[str, Callable[..., None]] = {
                              "Stage 4: GRPO training of the agent (backend local or verl), resumable."),
     "merge": _params_command("pipeline.train.merge:run_merge",
                              "Stage 5: checkpoints → one Hugging Face model directory in models/agent."),
+    "gepa": _params_command("pipeline.gepa_prompt:run_gepa", "GEPA optimises the environment's instruction on a "
+                            "training slice (the rival system `gepa`) → data/gepa/prompt.json."),
     "evaluate": _params_command("pipeline.evaluate:run_evaluate",
                                 "Stage 6: the merged agent + environment on the ID and OOD sets, with baselines."),
     "register": _params_command("pipeline.register:run_register", "Stage 7: log the model to the MLflow registry; "

@@ -47,6 +47,7 @@ class PathsConfig(_Section):
     checkpoint_dir: str = "checkpoints/agent"
     model_dir: str = "models/agent"
     cache_dir: str = ".cache"
+    gepa_dir: str = Field("data/gepa", description="The gepa stage's optimised prompt (prompt.json).")
 
 
 class DataConfig(_Section):
@@ -234,8 +235,8 @@ class TrainConfig(_Section):
 class EvaluateConfig(_Section):
     rows_per_dataset: int = Field(4, gt=0)
     metrics_mode: Literal["ours", "reference"] = "ours"
-    baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(
-        default_factory=lambda: ["env_only", "agent_only", "base_agent"])
+    baselines: list[Literal["env_only", "agent_only", "base_agent", "gepa"]] = Field(
+        default_factory=lambda: ["env_only", "agent_only", "base_agent", "gepa"])
     bootstrap_samples: int = Field(1000, ge=10, le=1_000_000)
     confidence: float = Field(0.95, gt=0, lt=1)
     agent_max_turn_tokens: int = Field(96, ge=1)
@@ -254,6 +255,34 @@ class EvaluateConfig(_Section):
         " only the final answer inside <answer> </answer>.",
         description="Appended to the question for the agent_only baseline (one turn, no environment).",
     )
+
+
+class GepaConfig(_Section):
+    """The gepa stage: GEPA optimises the environment's instruction (seed: `evaluate.env_only_instruction`)."""
+
+    max_metric_calls: int = Field(40, ge=1, le=100_000, description="GEPA's budget: task rollouts scored.")
+    train_size: int = Field(8, ge=1, le=100_000, description="Training rows GEPA reflects on (minibatches).")
+    val_size: int = Field(6, ge=1, le=100_000, description="Rows GEPA scores candidates on (its Pareto set).")
+    holdout_size: int = Field(12, ge=1, le=100_000,
+                              description="Rows the optimiser never sees: seed vs optimised prompt, reported.")
+    minibatch_size: int = Field(3, ge=1, le=1000, description="Rows per reflection step.")
+    seed: int = Field(0, description="GEPA's and the slices' random seed.")
+    reflection_served_name: str = Field(
+        "", description="Model that writes new instructions; empty = the environment's served_name.")
+    reflection_base_url: str = Field(
+        "", description="Its OpenAI-compatible endpoint; empty = the environment's (key from api_key_env).")
+    reflection_max_tokens: int = Field(256, ge=16, le=131_072, description="Reply budget of a reflection call.")
+    reflection_temperature: float = Field(0.0, ge=0, le=2)
+    max_instruction_chars: int = Field(
+        1200, ge=50, le=100_000, description="A proposed instruction is cut to this length (small models ramble).")
+
+    @field_validator("reflection_base_url")
+    @classmethod
+    def _no_credentials_in_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.username or parts.password:
+            raise ValueError("gepa.reflection_base_url carries credentials: use environment.api_key_env")
+        return url
 
 
 class RegisterConfig(_Section):
@@ -300,6 +329,7 @@ class Params(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    gepa: GepaConfig = Field(default_factory=GepaConfig)
     register: RegisterConfig = Field(default_factory=RegisterConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     flow: FlowConfig = Field(default_factory=FlowConfig)
@@ -389,7 +419,7 @@ def load_params(
     return params
 
 
-OUTPUT_PATH_KEYS = ("sampled_dir", "rl_dir", "reports_dir", "checkpoint_dir", "model_dir", "cache_dir")
+OUTPUT_PATH_KEYS = ("sampled_dir", "rl_dir", "reports_dir", "checkpoint_dir", "model_dir", "cache_dir", "gepa_dir")
 """`paths.*` the pipeline writes, replaces and deletes: each must be a folder of the project's own."""
 PROTECTED_FOLDERS = frozenset({".git", ".dvc", "pipeline", "flows", "tests", "profiles", "benchmarks", "docs",
                                ".ci", "scripts", "constraints"})
