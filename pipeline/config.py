@@ -79,8 +79,18 @@ class ServerConfig(_Section):
     extra_args: list[str] = Field(default_factory=list)
 
 
+class KnowledgeConfig(_Section):
+    """The knowledgeable environment (backend `knowledge`, `pipeline.environment.knowledge`)."""
+
+    sources: list[str] = Field(
+        default_factory=lambda: ["data/rl/train.parquet", "data/rl/eval"],
+        description="Parquet/JSONL files or folders of questions with gold answers the environment knows.")
+    min_overlap: float = Field(
+        0.6, gt=0, le=1, description="Share of a stored question's content words the request must contain.")
+
+
 class EnvironmentConfig(_Section):
-    backend: Literal["llamacpp", "vllm", "api"] = "llamacpp"
+    backend: Literal["llamacpp", "vllm", "api", "knowledge"] = "llamacpp"
     model: str
     served_name: str
     host: str = "127.0.0.1"
@@ -99,6 +109,7 @@ class EnvironmentConfig(_Section):
     price_per_million_completion: float = 0.0
     budget_usd: float | None = None
     server: ServerConfig = Field(default_factory=ServerConfig)
+    knowledge: KnowledgeConfig = Field(default_factory=KnowledgeConfig)
 
     @model_validator(mode="after")
     def _api_needs_an_endpoint(self) -> EnvironmentConfig:
