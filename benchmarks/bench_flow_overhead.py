@@ -2,7 +2,7 @@
 
     python benchmarks/bench_flow_overhead.py [--repeats 5] [--real]
 
-Measured on flows/demo_project.py's tiny DVC project (five stages, trivial commands), after one full run:
+Measured on tests/demo_project.py's tiny DVC project (five stages, trivial commands), after one full run:
 - `dvc repro` (a subprocess, as a user types it);
 - the flow in-process with a warm Prefect API (`run_pipeline_flow`, what a served deployment pays per run
   once its process is up);
@@ -27,6 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the demo project is test scaffolding (tests/demo_project.py)
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -83,7 +84,8 @@ def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
-    from flows.demo_project import StaticEnvironment, make_demo_project
+    from demo_project import StaticEnvironment, make_demo_project
+
     from flows.retrain import run_pipeline_flow
 
     results: dict = {

@@ -22,7 +22,8 @@ Design decisions:
   one git commit in the project; without it the run is still complete and the flow says why no experiment
   was recorded.
 - DVC runs as `python -m dvc` from the interpreter running the flow, with that interpreter's `bin/` first on
-  PATH, so stage commands (`promptr1 …`) resolve to the same environment even when it is not activated.
+  PATH, so stage commands (`promptr1 …`) resolve to the same environment even when it is not activated,
+  and with `pipeline.runtime.TELEMETRY_OFF` set unless the caller's environment says otherwise.
 """
 
 from __future__ import annotations
@@ -34,22 +35,13 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.runtime import TELEMETRY_OFF
 
 log = logging.getLogger(__name__)
 
-QUIET_ENV = {
-    "DVC_NO_ANALYTICS": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "DO_NOT_TRACK": "1",
-    "GX_ANALYTICS_ENABLED": "false",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-}
 OUTPUT_TAIL_LINES = 40
 STOP_GRACE_S = 30.0
 # DVC's git hints after every stage: noise in a flow that records experiments itself.
@@ -67,22 +59,10 @@ class StageFailed(UserError):
         super().__init__(f"stage {stage!r} failed (dvc exit code {returncode}); last output:\n{tail}")
 
 
-@dataclass(frozen=True)
-class StageResult:
-    """What one stage task did."""
-
-    stage: str
-    ran: bool
-    """True when DVC was invoked (it may still have found nothing to do)."""
-    reproduced: bool
-    """True when DVC actually executed the stage's command (its output says `Running stage`)."""
-    seconds: float
-
-
 def subprocess_env() -> dict[str, str]:
     """os.environ with telemetry off and this interpreter's bin/ first on PATH."""
     env = dict(os.environ)
-    for key, value in QUIET_ENV.items():
+    for key, value in TELEMETRY_OFF.items():
         env.setdefault(key, value)
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")

@@ -59,6 +59,12 @@ class RunReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def read_results(self, params: Params) -> None:
+        """Fill the evaluation table, promotion decision and MLflow run from the files the stages wrote."""
+        self.eval_summary = read_eval_summary(params)
+        self.promotion = read_promotion(params)
+        self.mlflow = mlflow_run_info(params)
+
 
 def strip_credentials(uri: str) -> str:
     """Drop user:password@ from a URI before it is shown anywhere."""

@@ -2,9 +2,9 @@
 
     promptr1 flow run [--profile paper] [-S train.steps=8] [--force]     # once, now
     python -m flows.retrain --profile paper --environment vllm            # the same, without the CLI
-    prefect server start & export PREFECT_API_URL=http://127.0.0.1:4200/api
-    promptr1 flow serve                                                   # weekly (flow.cron in params)
-    prefect deploy --all                                                  # prefect.yaml: GPU work pool
+
+Schedules and deployments are flows/deploy.py's; the environment server's tasks are
+flows/environment_tasks.py's; the DVC calls are flows/dvc_steps.py's.
 
 Roles: DVC decides *what* must rerun (hashes, dvc.lock), Prefect decides *when and where* and retries,
 MLflow records *what happened*. Design decisions:
@@ -29,15 +29,11 @@ MLflow records *what happened*. Design decisions:
   `environment` are overrides too (`profile=paper`, `environment.backend=vllm`; `local` means llamacpp).
   An experiment is saved only when something ran or was overridden, and only once the project has a git
   commit (the flow says so otherwise).
-- **Environment lifecycle as tasks.** Right before `train` and `evaluate`, and only if DVC says that stage
-  will run (or `force`), `start-environment` enters `pipeline.environment.servers.environment_server(params)`
-  (which reuses a healthy server already answering at the URL and never stops one it did not start) and
-  `check-environment` asks `GET <url>/models`. `stop-environment` runs in a `finally`, so a failing stage, a
-  failed health check or an interrupt still stops what the flow started; `on_crashed`/`on_cancellation`
-  hooks repeat it for runs Prefect kills. The stage commands find the server healthy and reuse it.
-- **Retries only where they are safe** (`STAGE_POLICIES`): starting and health-checking the environment,
-  `evaluate` (idempotent: same model, same rows, cached environment replies) and `register` (idempotent:
-  registering/aliasing the same run again) retry with growing delays. `train` retries once and that is
+- **Environment lifecycle as tasks** (flows/environment_tasks.py): started and health-checked right before
+  `train` and `evaluate` only if DVC says that stage will run (or `force`), stopped in a `finally` and by
+  the flow's `on_crashed`/`on_cancellation` hooks.
+- **Retries only where they are safe** (`STAGE_POLICIES`): `evaluate` (idempotent: same model, same rows,
+  cached environment replies) and `register` (idempotent: registering/aliasing the same run again) retry with growing delays. `train` retries once and that is
   safe only because it *resumes*: `checkpoints/agent` is a `persist: true` output (DVC does not delete it
   before rerunning) and the stage restarts from the `latest` checkpoint (local backend) or with verl's
   `trainer.resume_mode=auto`, never from step 0. Data stages and `merge` are deterministic: a retry would
@@ -51,11 +47,11 @@ MLflow records *what happened*. Design decisions:
   (reports/eval/summary.md), the promotion decision (reports/promotion.json) and the MLflow run
   (reports/mlflow_run.json; a UI link for an http(s) tracking server). Failed runs publish it too, with the
   error. The flow returns the same data as a dict.
-- **Failure notifications** are Prefect's, configured outside the code (docs/prefect.md): an automation
-  with trigger "flow run of `promptr1-retrain` enters Failed/Crashed" and action "send a notification" to a
-  webhook/Slack/e-mail block, e.g.
-  `prefect block create slack-webhook` (or `webhook`) then an automation in the UI or `prefect automation
-  create --from-file docs/prefect-automation.yaml`. Nothing to change here when the channel changes.
+- **Failure notifications** are Prefect automations, configured outside the code (flows/deploy.py,
+  docs/prefect.md).
+- **SIGTERM unwinds like Ctrl-C** in `promptr1 flow run` and `python -m flows.retrain`
+  (`pipeline.runtime.terminate_as_interrupt`): the `finally` blocks stop the environment server and the
+  running stage and restore params instead of the process dying mid-way.
 - Tests and benchmarks swap the environment launcher and the retry delays through `run_pipeline_flow(…,
   launcher=…, policies=…)`; deployments always use the defaults.
 """
@@ -63,48 +59,41 @@ MLflow records *what happened*. Design decisions:
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-import httpx
 import typer
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as current_flow_run
 
-if TYPE_CHECKING:
-    from prefect.deployments.runner import RunnerDeployment
-
 from flows import dvc_steps
-from flows.report import (
-    RunReport,
-    mlflow_line,
-    mlflow_run_info,
-    promotion_line,
-    read_eval_summary,
-    read_promotion,
+from flows.environment_tasks import (
+    EnvironmentSession,
+    Launcher,
+    check_environment,
+    default_launcher,
+    start_environment,
+    stop_environment,
+    stop_live_environments,
 )
-from flows.run_lock import ensure_prefect_limit, run_lock
+from flows.report import RunReport, mlflow_line, mlflow_run_info, promotion_line, to_markdown
+from flows.run_lock import run_lock
 from pipeline.config import PARAMS_FILE, Params, find_root, load_params
-from pipeline.errors import EnvironmentUnavailable, UserError
+from pipeline.errors import UserError
+from pipeline.runtime import configure_logging, quiet_telemetry, terminate_as_interrupt
 
 log = logging.getLogger(__name__)
 
 FLOW_NAME = "promptr1-retrain"
-DEPLOYMENT_NAME = "retrain"
 ARTIFACT_KEY = "promptr1-retrain"
 
 EnvironmentChoice = Literal["local", "vllm", "api"]
 ENVIRONMENT_BACKENDS: dict[str, str] = {"local": "llamacpp", "vllm": "vllm", "api": "api"}
-
-Launcher = Callable[[Params], AbstractContextManager[str]]
 
 
 @dataclass(frozen=True)
@@ -130,8 +119,6 @@ STAGE_POLICIES: dict[str, StagePolicy] = {
     "register": StagePolicy(retries=3, retry_delays_s=(10.0, 30.0, 90.0)),
 }
 DEFAULT_POLICY = StagePolicy()
-ENVIRONMENT_RETRIES = 2
-ENVIRONMENT_RETRY_DELAYS_S = [20.0, 60.0]
 
 
 @dataclass
@@ -141,47 +128,6 @@ class _Hooks:
 
 
 _hooks = _Hooks()
-
-
-def _default_launcher(params: Params) -> AbstractContextManager[str]:
-    from pipeline.environment.servers import environment_server
-
-    return environment_server(params)
-
-
-class EnvironmentSession:
-    """The environment server this flow run entered; closing it stops only what was started."""
-
-    live: ClassVar[set[EnvironmentSession]] = set()
-
-    def __init__(self, params: Params, launcher: Launcher) -> None:
-        self.params = params
-        self.launcher = launcher
-        self.url: str | None = None
-        self._stack = ExitStack()
-
-    def start(self) -> str:
-        if self.url is None:
-            self.url = self._stack.enter_context(self.launcher(self.params))
-            EnvironmentSession.live.add(self)
-        return self.url
-
-    def stop(self) -> None:
-        try:
-            self._stack.close()
-        finally:
-            self.url = None
-            EnvironmentSession.live.discard(self)
-
-    @classmethod
-    def stop_all(cls) -> None:
-        for session in list(cls.live):
-            session.stop()
-
-
-def _stop_live_environments(flow_: Any, flow_run: Any, state: Any) -> None:
-    """on_crashed / on_cancellation: stop servers a killed run left behind."""
-    EnvironmentSession.stop_all()
 
 
 # ----------------------------------------------------------------------------------------------- tasks
@@ -227,45 +173,6 @@ def run_stage(project_dir: str, stage: str, force: bool, skip: bool = False) -> 
             "seconds": seconds}
 
 
-@task(name="start-environment", cache_policy=NO_CACHE, retries=ENVIRONMENT_RETRIES,
-      retry_delay_seconds=ENVIRONMENT_RETRY_DELAYS_S)
-def start_environment(session: EnvironmentSession) -> str:
-    """Start (or reuse) the configured environment server; return its base URL."""
-    cfg = session.params.environment
-    url = session.start()
-    get_run_logger().info("environment (%s, %s) at %s", cfg.backend, cfg.served_name, url)
-    return url
-
-
-@task(name="check-environment", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2.0, 5.0, 10.0])
-def check_environment(url: str, api_key_env: str | None = None, timeout_s: float = 10.0) -> list[str]:
-    """`GET <url>/models` must answer 200; return the served model ids."""
-    import os
-
-    headers = {}
-    if api_key_env and os.environ.get(api_key_env):
-        headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
-    try:
-        response = httpx.get(f"{url.rstrip('/')}/models", headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise EnvironmentUnavailable(f"environment at {url} does not answer: {exc}") from exc
-    if response.status_code != 200:
-        raise EnvironmentUnavailable(f"environment at {url}: GET /models answered {response.status_code}")
-    try:
-        models = [m.get("id", "?") for m in response.json().get("data", [])]
-    except (ValueError, AttributeError):
-        models = []
-    get_run_logger().info("environment healthy at %s (models: %s)", url, ", ".join(models) or "n/a")
-    return models
-
-
-@task(name="stop-environment", cache_policy=NO_CACHE)
-def stop_environment(session: EnvironmentSession) -> None:
-    """Stop the server the flow started (a reused one is left running)."""
-    session.stop()
-    get_run_logger().info("environment released")
-
-
 @task(name="record-experiment", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
 def record_experiment(project_dir: str, name: str) -> str | None:
     """`dvc exp save -n <name>`: this run's params, dvc.lock and metrics as a DVC experiment."""
@@ -279,8 +186,6 @@ def record_experiment(project_dir: str, name: str) -> str | None:
 @task(name="publish-report", cache_policy=NO_CACHE)
 def publish_report(report: RunReport) -> str:
     """The run's markdown artifact (key promptr1-retrain)."""
-    from flows.report import to_markdown
-
     markdown = to_markdown(report)
     create_markdown_artifact(markdown=markdown, key=ARTIFACT_KEY,
                              description=f"Prompt-R1 retraining ({report.profile}): evaluation, promotion, MLflow")
@@ -315,7 +220,7 @@ def _flow_run_name() -> str | None:
         return None
 
 
-@flow(name=FLOW_NAME, on_crashed=[_stop_live_environments], on_cancellation=[_stop_live_environments],
+@flow(name=FLOW_NAME, on_crashed=[stop_live_environments], on_cancellation=[stop_live_environments],
       description="Prompt-R1 pipeline: DVC stages as tasks, environment lifecycle, DVC experiment, summary.")
 def retrain(
     profile: str | None = None,
@@ -361,7 +266,7 @@ def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> di
     lock_file = root / "dvc.lock"
     lock_before = lock_file.read_bytes() if lock_file.is_file() else b""
     stages, always, stale = plan_run(str(root))
-    session = EnvironmentSession(params, _hooks.launcher or _default_launcher)
+    session = EnvironmentSession(params, _hooks.launcher or default_launcher)
     try:
         # Always-changed stages (source fingerprints) run first; then DVC knows what else is stale.
         for stage in (s for s in stages if s in always):
@@ -398,23 +303,17 @@ def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> di
             report.experiment_note = "not recorded: the project has no git commit yet"
     else:
         report.experiment_note = "none: nothing changed"
-    _fill_results(report, params)
+    report.read_results(params)
     publish_report(report)
     logger.info("MLflow: %s", mlflow_line(report.mlflow))
     logger.info("promotion: %s", promotion_line(report.promotion))
     return report.to_dict()
 
 
-def _fill_results(report: RunReport, params: Params) -> None:
-    report.eval_summary = read_eval_summary(params)
-    report.promotion = read_promotion(params)
-    report.mlflow = mlflow_run_info(params)
-
-
 def _publish_quietly(report: RunReport, params: Params) -> None:
     """Publish the failure summary; never mask the stage's own error."""
     try:
-        _fill_results(report, params)
+        report.read_results(params)
         publish_report(report)
     except Exception as exc:  # noqa: BLE001
         log.warning("could not publish the failure summary: %s", exc)
@@ -451,30 +350,11 @@ def run_pipeline_flow(
         _hooks = previous
 
 
-@contextmanager
-def _terminate_as_exit() -> Iterator[None]:
-    """SIGTERM (a process manager, `timeout`, `kill`) unwinds like Ctrl-C: the flow's `finally` blocks stop
-    the environment server and the running stage and restore params, instead of the process dying mid-way.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def cli_flow_run(profile: str | None, sets: list[str], force: bool,
                  environment: EnvironmentChoice | None = None) -> None:
     """`promptr1 flow run`: run the flow now and print the MLflow run and the promotion decision."""
     root = find_root()
-    with _terminate_as_exit():
+    with terminate_as_interrupt():
         state = run_pipeline_flow(root, profile, sets, force, environment=environment, return_state=True)
     if not state.is_completed():
         raise UserError(f"pipeline flow {state.name.lower()}: {state.message or 'see the Prefect logs'}")
@@ -487,58 +367,6 @@ def cli_flow_run(profile: str | None, sets: list[str], force: bool,
     typer.echo(f"experiment: {summary.get('experiment') or summary.get('experiment_note')}")
     typer.echo(f"MLflow:     {mlflow_line(info)}")
     typer.echo(f"promotion:  {promotion_line(summary.get('promotion'))}")
-
-
-def deployment_parameters(params: Params, *, scheduled: bool = True) -> dict[str, Any]:
-    """Parameters a deployment's runs get: the profile params name, no overrides, the scheduled wait."""
-    return {
-        "profile": params.profile,
-        "overrides": [],
-        "force": False,
-        "lock_timeout_s": params.flow.scheduled_lock_timeout_s if scheduled else params.flow.lock_timeout_s,
-    }
-
-
-def build_deployment(params: Params, *, project_dir: str | Path | None = None) -> RunnerDeployment:
-    """The served deployment: cron schedule and concurrency from `params.flow`; built without a server."""
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-    from prefect.schedules import Cron
-
-    parameters = deployment_parameters(params)
-    if project_dir is not None:
-        parameters["project_dir"] = str(project_dir)
-    return retrain.to_deployment(
-        name=DEPLOYMENT_NAME,
-        schedules=[Cron(params.flow.cron, timezone=params.flow.timezone)],
-        parameters=parameters,
-        concurrency_limit=ConcurrencyLimitConfig(limit=params.flow.concurrency_limit,
-                                                 collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
-        description=f"Scheduled Prompt-R1 retraining, profile {params.profile!r}",
-        tags=["prompt-r1", f"profile:{params.profile}"],
-    )
-
-
-def prefect_api_url() -> str | None:
-    from prefect.settings import PREFECT_API_URL
-
-    return PREFECT_API_URL.value() or None
-
-
-def cli_flow_serve(params: Params) -> None:
-    """`promptr1 flow serve`: serve the deployment on its cron schedule (blocks; Ctrl-C pauses it)."""
-    if not prefect_api_url():
-        raise UserError(
-            "`promptr1 flow serve` needs a Prefect server: schedules do not run on the temporary one. "
-            "Start one (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api "
-            "(or `prefect config set PREFECT_API_URL=...`)"
-        )
-    from prefect import serve
-
-    ensure_prefect_limit(params.flow.concurrency_limit)
-    deployment = build_deployment(params, project_dir=params.root)
-    log.info("serving %s/%s: cron %r (%s), %d concurrent run(s)", FLOW_NAME, DEPLOYMENT_NAME,
-             params.flow.cron, params.flow.timezone, params.flow.concurrency_limit)
-    serve(deployment)
 
 
 def _main(
@@ -557,10 +385,8 @@ def _main(
 
 
 if __name__ == "__main__":
-    from pipeline.cli import _quiet_telemetry
-
-    _quiet_telemetry()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_telemetry()
+    configure_logging()
     try:
         typer.run(_main)
     except UserError as exc:

@@ -3,15 +3,17 @@
 Every command reads params through `pipeline.config.load_params` (params.yaml + the profile it names,
 then any `--set key=value` overrides), so the CLI, DVC and Prefect all see one configuration.
 Stage modules are imported lazily: `promptr1 --help` stays fast and a CPU install never imports GPU code.
+The commands that only load params and call one function are rows of `STAGE_COMMANDS` / `ENV_COMMANDS`
+(`module:function`, as entry points name them), built by one factory; commands with arguments of their
+own (`sample`, `ask`, `flow …`) are written out.
+Process setup (telemetry off, logging to stderr) is `pipeline.runtime`'s, shared with `python -m flows.retrain`.
 Errors the user can fix (bad params, bad data, missing key variable) print one clear line and exit 1,
 without a traceback.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
+import importlib
 from collections.abc import Callable
 from typing import Annotated
 
@@ -19,6 +21,7 @@ import typer
 
 from pipeline.config import ConfigError, Params, deep_merge, load_params, parse_override
 from pipeline.errors import UserError
+from pipeline.runtime import configure_logging, quiet_telemetry
 
 app = typer.Typer(help="Prompt-R1 pipeline: data, GRPO training, evaluation, registry.", no_args_is_help=True)
 env_app = typer.Typer(help="Start, check and stop the environment server (the large LLM).", no_args_is_help=True)
@@ -29,20 +32,6 @@ app.add_typer(flow_app, name="flow")
 
 SetOption = Annotated[list[str] | None, typer.Option("--set", "-S", help="Override a param: key.sub=value.")]
 ParamsOption = Annotated[str | None, typer.Option("--params", help="params.yaml to read (default: nearest).")]
-
-
-def _quiet_telemetry() -> None:
-    for key, value in {
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "DO_NOT_TRACK": "1",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "GX_ANALYTICS_ENABLED": "false",
-        "DVC_NO_ANALYTICS": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }.items():
-        os.environ.setdefault(key, value)
 
 
 def _load(params_file: str | None, sets: list[str] | None) -> Params:
@@ -63,25 +52,26 @@ def _run(call: Callable[[], object]) -> None:
 
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
-    _quiet_telemetry()
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("httpx", "urllib3", "filelock", "alembic", "openai._base_client"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_telemetry()
+    configure_logging(verbose)
 
 
-@app.command()
-def sources(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Stage 0: fingerprint the raw sources and evaluation files (mirror md5s or Hub revisions) → data/sources/."""
-    from pipeline.data.fingerprint import run_sources
+def _params_command(target: str, help_: str) -> Callable[..., None]:
+    """A command `… [--params FILE] [--set key=value …]` that calls `module:function` with the loaded params.
 
-    _run(lambda: run_sources(_load(params, set_)))
+    The module is imported when the command runs, not when the CLI starts.
+    """
+    module, function = target.split(":")
+
+    def command(params: ParamsOption = None, set_: SetOption = None) -> None:
+        call = getattr(importlib.import_module(module), function)
+        _run(lambda: call(_load(params, set_)))
+
+    command.__doc__ = help_
+    command.target = target  # what the command runs, for readers and the dvc.yaml deps test
+    return command
 
 
-@app.command()
 def sample(dataset: str, params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 1: normalise, de-leak and sample one training dataset → data/sampled/<dataset>.parquet."""
     from pipeline.data.sample import run_sample
@@ -89,52 +79,48 @@ def sample(dataset: str, params: ParamsOption = None, set_: SetOption = None) ->
     _run(lambda: run_sample(_load(params, set_), dataset))
 
 
-@app.command()
-def validate(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Stage 2: Great Expectations suites over every sampled and evaluation file."""
-    from pipeline.data.validate import run_validate
-
-    _run(lambda: run_validate(_load(params, set_)))
-
-
-@app.command()
-def build(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Stage 3: render the Prompt-R1 template; write the verl RL training set and the evaluation sets."""
-    from pipeline.data.build import run_build
-
-    _run(lambda: run_build(_load(params, set_)))
-
-
-@app.command()
-def train(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Stage 4: GRPO training of the agent (backend local or verl), resumable."""
-    from pipeline.train.stage import run_train
-
-    _run(lambda: run_train(_load(params, set_)))
-
-
-@app.command()
-def merge(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Stage 5: checkpoints → one Hugging Face model directory in models/agent."""
-    from pipeline.train.merge import run_merge
-
-    _run(lambda: run_merge(_load(params, set_)))
-
-
-@app.command()
-def evaluate(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Stage 6: the merged agent + environment on the ID and OOD sets, with baselines."""
-    from pipeline.evaluate import run_evaluate
-
-    _run(lambda: run_evaluate(_load(params, set_)))
+# The stage commands dvc.yaml calls, in pipeline order (`promptr1 --help` lists them so).
+STAGE_COMMANDS: dict[str, Callable[..., None]] = {
+    "sources": _params_command("pipeline.data.fingerprint:run_sources", "Stage 0: fingerprint the raw sources and "
+                               "evaluation files (mirror md5s or Hub revisions) → data/sources/."),
+    "sample": sample,
+    "validate": _params_command("pipeline.data.validate:run_validate",
+                                "Stage 2: Great Expectations suites over every sampled and evaluation file."),
+    "build": _params_command("pipeline.data.build:run_build", "Stage 3: render the Prompt-R1 template; write the "
+                             "verl RL training set and the evaluation sets."),
+    "train": _params_command("pipeline.train.stage:run_train",
+                             "Stage 4: GRPO training of the agent (backend local or verl), resumable."),
+    "merge": _params_command("pipeline.train.merge:run_merge",
+                             "Stage 5: checkpoints → one Hugging Face model directory in models/agent."),
+    "evaluate": _params_command("pipeline.evaluate:run_evaluate",
+                                "Stage 6: the merged agent + environment on the ID and OOD sets, with baselines."),
+    "register": _params_command("pipeline.register:run_register", "Stage 7: log the model to the MLflow registry; "
+                                "move the champion alias if the rule holds."),
+}
+ENV_COMMANDS: dict[str, Callable[..., None]] = {
+    "start": _params_command("pipeline.environment.servers:cli_start",
+                             "Start (or reuse) the configured environment server and leave it running."),
+    "stop": _params_command("pipeline.environment.servers:cli_stop",
+                            "Stop the environment server started by `promptr1 env start`."),
+    "status": _params_command("pipeline.environment.servers:cli_status",
+                              "Health-check the configured environment endpoint."),
+}
+for _name, _command in STAGE_COMMANDS.items():
+    app.command(_name)(_command)
+for _name, _command in ENV_COMMANDS.items():
+    env_app.command(_name)(_command)
 
 
 @app.command()
-def register(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Stage 7: log the model to the MLflow registry; move the champion alias if the rule holds."""
-    from pipeline.register import run_register
+def weights(
+    check: Annotated[bool, typer.Option("--check", help="Only report what is missing (exit 1 if anything is).")] = False,
+    params: ParamsOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Fetch every model the params need into the Hugging Face cache and verify it (before GPU time)."""
+    from pipeline.weights import run_weights
 
-    _run(lambda: run_register(_load(params, set_)))
+    _run(lambda: run_weights(_load(params, set_), check_only=check))
 
 
 @app.command()
@@ -148,30 +134,6 @@ def ask(
     from pipeline.agent.ask import run_ask
 
     _run(lambda: run_ask(_load(params, set_), question, model))
-
-
-@env_app.command("start")
-def env_start(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Start (or reuse) the configured environment server and leave it running."""
-    from pipeline.environment.servers import cli_start
-
-    _run(lambda: cli_start(_load(params, set_)))
-
-
-@env_app.command("stop")
-def env_stop(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Stop the environment server started by `promptr1 env start`."""
-    from pipeline.environment.servers import cli_stop
-
-    _run(lambda: cli_stop(_load(params, set_)))
-
-
-@env_app.command("status")
-def env_status(params: ParamsOption = None, set_: SetOption = None) -> None:
-    """Health-check the configured environment endpoint."""
-    from pipeline.environment.servers import cli_status
-
-    _run(lambda: cli_status(_load(params, set_)))
 
 
 @flow_app.command("run")
@@ -189,7 +151,7 @@ def flow_run(
 @flow_app.command("serve")
 def flow_serve(params: ParamsOption = None) -> None:
     """Serve the retraining deployment on the cron schedule in params (needs `prefect server start`)."""
-    from flows.retrain import cli_flow_serve
+    from flows.deploy import cli_flow_serve
 
     _run(lambda: cli_flow_serve(_load(params, None)))
 

@@ -38,7 +38,8 @@ class _Section(BaseModel):
 
 
 class PathsConfig(_Section):
-    mirror: str = Field("", description="Local mirror of the raw sources; empty = the Hugging Face Hub.")
+    mirror: str = Field("../shared/datasets",
+                         description="Local mirror of the raw sources; empty = the Hugging Face Hub.")
     sampled_dir: str = "data/sampled"
     rl_dir: str = "data/rl"
     reports_dir: str = "reports"
@@ -61,9 +62,10 @@ class AgentConfig(_Section):
     model: str = Field(description="pkg://<package>/<file>, a local directory, or a Hub id.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_turns: int = Field(5, ge=1)
-    max_turn_tokens: int = Field(1024, gt=0, description="Max tokens of one agent turn.")
-    max_response_tokens: int = Field(8192, gt=0, description="Budget over all turns incl. environment replies.")
-    max_prompt_tokens: int = Field(8192, gt=0)
+    max_turn_tokens: int = Field(96, gt=0, description="Max tokens of one agent turn; paper: 1024.")
+    max_response_tokens: int = Field(
+        1024, gt=0, description="Budget over all turns incl. environment replies; paper: 8192.")
+    max_prompt_tokens: int = Field(1024, gt=0, description="paper: 8192.")
     env_reply_max_chars: int = Field(2048, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -108,6 +110,13 @@ class EnvironmentConfig(_Section):
     price_per_million_prompt: float = 0.0
     price_per_million_completion: float = 0.0
     budget_usd: float | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="GPT-OSS reasoning effort (sent only when set); null for models without one.")
+    length_retry_factor: float = Field(
+        4.0, ge=1, description="An empty reply after finish_reason=length is asked once more with max_tokens × this.")
+    max_failure_rate: float = Field(
+        0.05, ge=0, le=1, description="Stop once more than this share of the last `failure_window` calls failed.")
+    failure_window: int = Field(50, ge=1, description="Sent calls over which the failure rate is judged.")
     server: ServerConfig = Field(default_factory=ServerConfig)
     knowledge: KnowledgeConfig = Field(default_factory=KnowledgeConfig)
 
@@ -165,14 +174,14 @@ class WarmupConfig(_Section):
     See `pipeline.train.warmup`.
     """
 
-    steps: int = Field(0, ge=0, description="Supervised optimizer steps before GRPO; 0 = no warm-up.")
+    steps: int = Field(12, ge=0, description="Supervised optimizer steps before GRPO; 0 = no warm-up (paper).")
     batch_size: int = Field(2, gt=0, description="Demonstrations per warm-up step.")
-    lr: float = Field(1e-4, gt=0, description="Learning rate of the warm-up's own AdamW.")
+    lr: float = Field(2e-4, gt=0, description="Learning rate of the warm-up's own AdamW.")
     demonstrations: int = Field(
-        0, ge=0, description="Distinct demonstrations built (each costs `interaction_turns` environment "
+        8, ge=0, description="Distinct demonstrations built (each costs `interaction_turns` environment "
         "calls) and cycled through; 0 = steps x batch_size (every step sees new ones).")
     max_answer_tokens: int = Field(
-        32, gt=0, description="Rows whose gold answer is longer (agent tokens) are not used as demonstrations.")
+        24, gt=0, description="Rows whose gold answer is longer (agent tokens) are not used as demonstrations.")
     interaction_turns: int = Field(
         2, ge=0, description="Interaction turns per demonstration before the answer turn (the paper preset "
         "only counts the answer after >= 2 valid interaction turns).")
@@ -180,7 +189,7 @@ class WarmupConfig(_Section):
 
 class TrainConfig(_Section):
     backend: Literal["local", "verl"] = "local"
-    steps: int = Field(4, ge=0)
+    steps: int = Field(2, ge=0)
     batch_size: int = Field(2, gt=0)
     group_size: int = Field(4, ge=2, description="G: trajectories per question.")
     mini_batch_size: int = Field(2, gt=0)
@@ -207,7 +216,8 @@ class TrainConfig(_Section):
 class EvaluateConfig(_Section):
     rows_per_dataset: int = Field(4, gt=0)
     metrics_mode: Literal["ours", "reference"] = "ours"
-    baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(default_factory=list)
+    baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(
+        default_factory=lambda: ["env_only", "agent_only", "base_agent"])
     bootstrap_samples: int = 1000
     confidence: float = 0.95
     agent_max_turn_tokens: int = 96
@@ -355,7 +365,44 @@ def load_params(
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{path} (profile {profile!r}): {problems}") from exc
     params.root = path.parent
+    problems = output_path_problems(params)
+    if problems:
+        raise ConfigError(f"{path} (profile {profile!r}): " + "; ".join(problems))
     return params
+
+
+OUTPUT_PATH_KEYS = ("sampled_dir", "rl_dir", "reports_dir", "checkpoint_dir", "model_dir", "cache_dir")
+"""`paths.*` the pipeline writes, replaces and deletes: each must be a folder of the project's own."""
+PROTECTED_FOLDERS = frozenset({".git", ".dvc", "pipeline", "flows", "tests", "profiles", "benchmarks", "docs",
+                               ".ci", "scripts", "constraints"})
+"""Top-level folders of the project that hold code or history, never outputs."""
+
+
+def output_path_problems(params: Params) -> list[str]:
+    """Why each output path param is unsafe (empty = all safe).
+
+    An output swap replaces and removes its folder, so an output path must never be the project root or a
+    parent of it, one of the project's code folders, a relative path that climbs out of the project, or a
+    top-level system folder (`/`, `/tmp`, `/home`, the home directory). An absolute path elsewhere is an
+    explicit choice (tests write into temporary folders) and is allowed.
+    """
+    root = params.root.resolve()
+    home = Path.home().resolve()
+    problems = []
+    for key in OUTPUT_PATH_KEYS:
+        value = getattr(params.paths, key)
+        target = (root / value).resolve()
+        where = f"paths.{key}={value!r} resolves to {target}"
+        if target == root or target in root.parents:
+            problems.append(f"{where}, the project folder or a parent of it (outputs are replaced and removed)")
+        elif root in target.parents and target.relative_to(root).parts[0] in PROTECTED_FOLDERS:
+            problems.append(f"{where}, inside the project's {target.relative_to(root).parts[0]}/ folder, "
+                            "which holds code, not outputs")
+        elif root not in target.parents and not Path(value).is_absolute():
+            problems.append(f"{where}: a relative output path must stay inside the project folder")
+        elif len(target.parts) < 3 or target == home:
+            problems.append(f"{where}, a top-level system folder (outputs are replaced and removed)")
+    return problems
 
 
 def parse_override(text: str) -> dict[str, Any]:

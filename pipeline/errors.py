@@ -15,3 +15,8 @@ class EnvironmentUnavailable(UserError):
 
 class BudgetExceeded(UserError):
     """The configured environment budget (USD) is spent; the run stopped cleanly."""
+
+
+class EnvironmentUnhealthy(UserError):
+    """Too many environment calls failed in a row window (`environment.max_failure_rate`): training would learn
+    from error notes instead of replies, so the run stops; the last good checkpoint stays."""

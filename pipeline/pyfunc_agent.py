@@ -67,7 +67,7 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
         log.info("Prompt-R1 agent loaded; environment %s (%s)", self.env_cfg.url, self.env_cfg.served_name)
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        from pipeline.agent.rollout import run_rollout
+        from pipeline.agent.rollout import run_rollout, trajectory_record
         from pipeline.agent.template import render_user_message
         from pipeline.environment.client import EnvironmentClient
         from pipeline.types import PromptItem
@@ -95,13 +95,11 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
             )
         finally:
             asyncio.run(env.aclose())
-        from pipeline.evaluate import _trajectory_record
-
         return pd.DataFrame([{
             "answer": t.answer, "turns": t.num_turns, "stop_reason": t.stop_reason, "env_calls": t.usage.calls,
             "env_prompt_tokens": t.usage.prompt_tokens, "env_completion_tokens": t.usage.completion_tokens,
             "env_errors": t.usage.errors,
-            "trajectory": json.dumps(_trajectory_record(t), ensure_ascii=False, default=str),
+            "trajectory": json.dumps(trajectory_record(t), ensure_ascii=False, default=str),
         } for t in trajs], columns=OUTPUT_COLUMNS)
 
 

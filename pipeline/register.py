@@ -23,6 +23,16 @@ Promotion rule (all numbers in points, the evaluation's headline metrics mode; `
 - `ci_rule: point` compares means only: ID mean ≥ champion + margin, and every OOD mean ≥ champion −
   tolerance.
 
+Fail closed (the alias is what serving trusts, so doubt keeps the champion):
+- The champion is read or the stage stops: only MLflow's "alias not found" / "model not found" mean "no
+  champion"; any other error (store down, permissions) raises, after the version is registered but before
+  the alias could move.
+- A champion without recorded evaluation (`eval.*` tags), without a recorded metrics mode, or without the
+  promotion metric is *kept*: it cannot be shown worse. (To replace it deliberately, delete the alias.)
+- A candidate that lacks an OOD average the champion has is not promoted: the OOD guard cannot be skipped.
+- The alias moves under a file lock (`<cache_dir>/register-<model>.lock`) after re-reading the champion, so
+  two registers at once cannot both move it on a stale comparison.
+
 Experiment profiles never touch production: for a profile in `EXPERIMENT_PROFILES` (`learn`, the learning
 experiment) the stage refuses to run when `register.alias` is the production `champion`, before anything is
 logged; those profiles register under their own model name and alias (profiles/learn.yaml).
@@ -50,7 +60,7 @@ import typer
 
 from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
-from pipeline.evaluate import TRAINED
+from pipeline.evaluation.systems import TRAINED
 from pipeline.metrics import HEADLINE_METRICS
 
 if TYPE_CHECKING:
@@ -112,7 +122,7 @@ class EvalAverages:
                 out[parts[1]].setdefault(parts[2], {})[parts[3]] = float(value)
         if not out["id"]:
             return None
-        return cls(id=out["id"], ood=out["ood"], mode=tags.get(f"{TAG_PREFIX}mode", "ours"),
+        return cls(id=out["id"], ood=out["ood"], mode=tags.get(f"{TAG_PREFIX}mode", ""),
                    rows_per_dataset=int(tags.get(f"{TAG_PREFIX}rows_per_dataset", "0")))
 
 
@@ -137,6 +147,9 @@ def decide_promotion(candidate: EvalAverages, champion: EvalAverages | None, cfg
     check_metric(candidate, metric)
     if champion is None:
         return PromotionDecision(True, ["no current champion: the first version becomes champion"])
+    if not champion.mode:
+        return PromotionDecision(False, [("champion has no recorded metrics mode (eval.mode tag): not comparable, "
+                                         "kept")])
     if candidate.mode != champion.mode:
         reason = (f"not comparable: champion was evaluated in metrics mode {champion.mode!r}, candidate in "
                   f"{candidate.mode!r}; re-evaluate with the same evaluate.metrics_mode to compare")
@@ -147,7 +160,12 @@ def decide_promotion(candidate: EvalAverages, champion: EvalAverages | None, cfg
         reasons.append(f"note: champion was evaluated with rows={champion.rows_per_dataset}; "
                        f"candidate with rows={candidate.rows_per_dataset}")
     if metric not in champion.id:
-        return PromotionDecision(True, [*reasons, f"champion has no ID {metric} recorded: promoting"], checks)
+        return PromotionDecision(False, [*reasons, f"champion has no ID {metric} recorded: not comparable, kept"],
+                                 checks)
+    lacking = [m for m in HEADLINE_METRICS if m in champion.ood and m not in candidate.ood]
+    if lacking:
+        return PromotionDecision(False, [*reasons, (f"candidate has no OOD {', '.join(lacking)} while the champion "
+                                         "has: the OOD guard cannot be checked, kept")], checks)
 
     bound = "low" if confident else "mean"
     cand_id = candidate.id[metric][bound]
@@ -243,16 +261,46 @@ def log_models(params: Params, model_dir: Path, tmp_dir: Path) -> Any:
 
 
 def current_champion(client: Any, name: str, alias: str) -> Any | None:
-    """The model version the alias points at, or None."""
+    """The model version the alias points at; None only when the alias (or the model) does not exist.
+
+    Any other MLflow error raises UserError: an unreadable champion is never taken for "no champion".
+    """
     import mlflow.exceptions
 
     try:
         return client.get_model_version_by_alias(name, alias)
-    except mlflow.exceptions.MlflowException:
-        return None
+    except mlflow.exceptions.MlflowException as exc:
+        message = str(exc)
+        if (exc.error_code == "INVALID_PARAMETER_VALUE" and f"alias {alias} not found" in message) or (
+                exc.error_code == "RESOURCE_DOES_NOT_EXIST" and "Registered Model" in message):
+            return None
+        raise UserError(f"cannot read the current {name}@{alias} from the MLflow registry ({exc.error_code}: "
+                        f"{message.splitlines()[0][:200]}); the alias was not moved") from None
+
+
+def judge_against_champion(client: Any, candidate: EvalAverages, cfg: RegisterConfig) -> tuple[Any, EvalAverages | None,
+                                                                                               PromotionDecision]:
+    """(champion version or None, its averages, the decision) from the registry as it is now."""
+    champ_version = current_champion(client, cfg.model_name, cfg.alias)
+    champion = EvalAverages.from_tags(dict(champ_version.tags)) if champ_version is not None else None
+    if champ_version is not None and champion is None:
+        return champ_version, None, PromotionDecision(False, [
+            (f"champion v{champ_version.version} has no recorded evaluation (eval.* tags): it cannot be compared, "
+            "kept (delete the alias to replace it deliberately)")])
+    return champ_version, champion, decide_promotion(candidate, champion, cfg)
 
 
 # --- the stage ---------------------------------------------------------------------------------------
+
+
+def promotion_lock(params: Params, model_name: str, timeout_s: float = 600.0) -> Any:
+    """An inter-process lock around reading the champion and moving the alias (one per registered model)."""
+    from filelock import FileLock
+
+    folder = params.path(params.paths.cache_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
+    return FileLock(str(folder / f"register-{safe}.lock"), timeout=timeout_s)
 
 
 def run_register(params: Params) -> dict[str, Any]:
@@ -278,19 +326,15 @@ def run_register(params: Params) -> dict[str, Any]:
         client = mlflow.MlflowClient()
         info = log_models(params, model_dir, Path(tmp))
         version = str(info.registered_model_version)
-        champ_version = current_champion(client, cfg.model_name, cfg.alias)
-        champion = EvalAverages.from_tags(dict(champ_version.tags)) if champ_version is not None else None
-        if champ_version is not None and champion is None:
-            decision = PromotionDecision(True, [(f"champion v{champ_version.version} has no recorded evaluation "
-                                                "(eval.* tags): replacing it")])
-        else:
-            decision = decide_promotion(candidate, champion, cfg)
-
         for key, value in candidate.to_tags().items():
             client.set_model_version_tag(cfg.model_name, version, key, value)
-        if decision.promote:
-            client.set_registered_model_alias(cfg.model_name, cfg.alias, version)
-        after = client.get_model_version_by_alias(cfg.model_name, cfg.alias).version
+        # Decide and move under one lock, on the champion as it is at that moment.
+        with promotion_lock(params, cfg.model_name):
+            champ_version, champion, decision = judge_against_champion(client, candidate, cfg)
+            if decision.promote:
+                client.set_registered_model_alias(cfg.model_name, cfg.alias, version)
+        current = current_champion(client, cfg.model_name, cfg.alias)
+        after = current.version if current is not None else None
         verdict = "promoted" if decision.promote else "kept"
         reason = "; ".join(decision.reasons)
         client.set_model_version_tag(cfg.model_name, version, "promotion.decision", verdict)
@@ -306,7 +350,7 @@ def run_register(params: Params) -> dict[str, Any]:
         result = {
             "model_name": cfg.model_name, "version": version, "alias": cfg.alias, "promoted": decision.promote,
             "decision": verdict, "champion_before": str(champ_version.version) if champ_version is not None else None,
-            "champion_after": str(after), "model_uri": f"models:/{cfg.model_name}@{cfg.alias}",
+            "champion_after": str(after) if after is not None else None, "model_uri": f"models:/{cfg.model_name}@{cfg.alias}",
             "rule": {"metric": cfg.metric, "margin": cfg.margin, "ood_tolerance": cfg.ood_tolerance,
                      "ci_rule": cfg.ci_rule},
             "reasons": decision.reasons, "checks": decision.checks,

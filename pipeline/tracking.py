@@ -176,13 +176,3 @@ def log_dataset_inputs(frames: dict[str, tuple[Any, Path]], context: str) -> Non
     for name, (frame, source) in frames.items():
         dataset = mlflow.data.from_pandas(frame, source=str(source), name=name)
         mlflow.log_input(dataset, context=context)
-
-
-def active_parent_run_id() -> str | None:
-    """The parent of the active (child) run, if any: where stage results meet."""
-    import mlflow
-
-    run = mlflow.active_run()
-    if run is None:
-        return None
-    return run.data.tags.get("mlflow.parentRunId")

@@ -1,7 +1,7 @@
 """Small data types shared across the pipeline: what a turn, a trajectory and an environment reply are.
 
-These are passed between `agent/` (protocol, rollout), `environment/` (the large LLM), `reward.py`,
-`train/` and `evaluate.py`, so each of those modules can be read and tested on its own.
+These are passed between `data/`, `agent/` (protocol, rollout), `environment/` (the large LLM), `reward.py`,
+`train/` and the evaluate stage, so each of those modules can be read and tested on its own.
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ class EnvironmentReply:
     error: str | None = None
     """Why the call failed after all retries (timeout, HTTP status, malformed body), else None."""
     cost_usd: float = 0.0
+    truncated: bool = False
+    """The server stopped at `max_tokens` (`finish_reason: length`): the text may be cut."""
+    empty_after_length: bool = False
+    """The first answer was empty with `finish_reason: length` and was asked again with a larger budget."""
 
 
 @dataclass
@@ -70,7 +74,13 @@ class UsageStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     errors: int = 0
+    """Calls that failed after every retry (the reply is an error note)."""
     retries: int = 0
+    truncated: int = 0
+    """Replies cut at `max_tokens` (`finish_reason: length`)."""
+    empty_after_length: int = 0
+    """Empty replies after `finish_reason: length` (a reasoning model spent the budget thinking), each
+    retried once with a larger budget; counted whether or not the retry succeeded."""
     latency_s: float = 0.0
     cost_usd: float = 0.0
 
@@ -86,6 +96,8 @@ class UsageStats:
             self.cost_usd += reply.cost_usd
         self.retries += reply.retries
         self.errors += int(reply.error is not None)
+        self.truncated += int(reply.truncated)
+        self.empty_after_length += int(reply.empty_after_length)
 
     def merge(self, other: UsageStats) -> None:
         for name in self.__dataclass_fields__:
@@ -140,6 +152,37 @@ class PromptItem:
     gold_answers: list[str]
     data_source: str
     question: str = ""
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """One evaluation question, one type on both sides of the `build` stage.
+
+    `data.sources.load_authors_eval` reads it from the authors' evaluation file (what `build` writes to
+    `data/rl/eval/<dataset>.parquet`), and the evaluate stage reads it back from that file; both use the
+    same fields, so the two readers cannot drift apart.
+    """
+
+    dataset: str
+    split: str
+    """`id` (a dataset the agent trains on) or `ood`."""
+    index: int
+    """Position of the row in its evaluation file."""
+    id: str
+    question: str
+    """The bare question, without the Prompt-R1 template or a dataset instruction."""
+    answers: list[str]
+    """The gold answers (`reward_model.ground_truth`)."""
+    messages: list[dict[str, str]]
+    """The chat prompt as the file holds it (the single Prompt-R1 user message)."""
+    has_instruction: bool = False
+    """The user message carries its dataset's own instruction (DAPO's wrapper); read from the authors'
+    file, where `build` checks that our template reproduces the message."""
+
+    @property
+    def prompt_content(self) -> str:
+        """The text of the (first) user message: template, question and any dataset instruction."""
+        return self.messages[0]["content"]
 
 
 @dataclass

@@ -6,24 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
+from demo_project import free_port
 
-from flows.demo_project import free_port
+from pipeline.runtime import quiet_telemetry
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-for _key, _value in {
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "DO_NOT_TRACK": "1",
-    "GX_ANALYTICS_ENABLED": "false",
-    "DVC_NO_ANALYTICS": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "HF_HUB_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
+# Telemetry off as every entry point sets it; tests also stay offline (no Hub) and need no Ray auth.
+quiet_telemetry()
+for _key, _value in {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}.items():
     os.environ.setdefault(_key, _value)
 
 

@@ -44,6 +44,8 @@ class Behaviour:
     """`Retry-After` header value sent with kind `status`."""
     text: str | None = None
     """Reply text for kind `ok` (default: echo of the last user message)."""
+    finish_reason: str = "stop"
+    """`finish_reason` of the choice (`length` stands for a reply cut at max_tokens)."""
 
 
 @dataclass
@@ -209,7 +211,7 @@ class FaultServer:
                 last_user = next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
                 text = "" if kind == "empty" else (behaviour.text if behaviour.text is not None else f"echo: {last_user}")
                 choices = [] if kind == "no_choices" else [
-                    {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                    {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": behaviour.finish_reason}
                 ]
                 reply = {
                     "id": "chatcmpl-fault", "object": "chat.completion", "created": int(time.time()),
@@ -226,8 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds before every chat reply")
+    parser.add_argument("--model", default="fault-model", help="model id listed by /v1/models")
     args = parser.parse_args(argv)
-    server = FaultServer(Behaviour(delay_s=args.delay), port=args.port)
+    server = FaultServer(Behaviour(delay_s=args.delay), port=args.port, model=args.model)
     sys.stdout.write(f"{server.port}\n")
     sys.stdout.flush()
     try:

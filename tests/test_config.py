@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,24 @@ def test_cli_reports_bad_params_in_one_line_without_traceback(repo_root: Path) -
                                       "--set", "train.lerning_rate=0.1"])
     assert result.exit_code == 1
     assert "train.lerning_rate" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("model_dir", ".", "the project folder or a parent of it"),
+    ("checkpoint_dir", "..", "the project folder or a parent of it"),
+    ("reports_dir", "/tmp", "a top-level system folder"),
+    ("model_dir", "/", "the project folder or a parent of it"),
+    ("cache_dir", "data/../../elsewhere", "must stay inside the project folder"),
+    ("rl_dir", "pipeline", "project's pipeline/ folder"),
+    ("sampled_dir", ".git/objects", "project's .git/ folder"),
+])
+def test_destructive_output_paths_are_refused_naming_the_key(key, value, message):
+    """An output swap replaces and removes its folder: it must never be the project, a parent, or its code."""
+    with pytest.raises(ConfigError, match=rf"paths\.{key}=.*{re.escape(message)}"):
+        load_params(Path(__file__).resolve().parents[1] / "params.yaml", {"paths": {key: value}})
+
+
+def test_output_paths_inside_the_project_or_explicitly_elsewhere_are_accepted(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    params = load_params(root / "params.yaml", {"paths": {"model_dir": "models/other", "reports_dir": str(tmp_path)}})
+    assert params.paths.model_dir == "models/other"

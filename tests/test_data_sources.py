@@ -8,20 +8,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.sample import run_sample
-from pipeline.data.sources import (
-    REGISTRY,
-    DatasetSpec,
-    _booksum_hub_title,
-    _dapo_unwrap,
-    _gsm8k_final_answer,
-    _mathqa_option_value,
-    _xsum_mirror_reverse,
+from pipeline.data.sources import REGISTRY, DatasetSpec, get_spec, load_authors_eval, register
+from pipeline.data.sources.long_form import (
     article_task,
-    get_spec,
-    load_authors_eval,
+    booksum_hub_title,
     title_task,
     writing_prompt_task,
+    xsum_mirror_reverse,
 )
+from pipeline.data.sources.math_problems import dapo_unwrap, gsm8k_final_answer, mathqa_option_value
+from pipeline.data.sources.registry import flashrag
 from pipeline.errors import DataError
 
 TRAIN = ["2wikimultihopqa", "hotpotqa", "gsm8k", "dapo_math", "musique", "popqa", "booksum", "writingprompts"]
@@ -39,6 +35,44 @@ def test_registry_declares_the_twelve_datasets_once():
         assert (spec.metric_family == "generation") == (spec.task_type == "long_form")
     assert {get_spec(d).metric_family for d in ("booksum", "writingprompts", "xsum")} == {"generation"}
     assert {get_spec(d).task_type for d in ("gsm8k", "dapo_math", "mathqa")} == {"math"}
+
+
+def test_a_new_dataset_is_one_register_call_and_keeps_the_paper_order():
+    """The families are imported alphabetically (long_form first); the registry still reads in the paper's order,
+    and a dataset beyond the paper's twelve follows them."""
+    before = dict(REGISTRY)
+    try:
+        spec = register(
+            "a_new_qa",
+            "open_qa",
+            trains=False,
+            hub=flashrag("nq", "test"),
+            mirror="nq/test.parquet",
+            eval_file="nq.parquet",
+            eval_tag="nq-128-eval_ood",
+        )
+        assert list(REGISTRY) == TRAIN + OOD + ["a_new_qa"] and get_spec("a_new_qa") is spec
+        assert spec.metric_family == "qa" and spec.mirror.files == ("nq/test.parquet",)
+        assert spec.hub.describe() == "hub:RUC-NLPIR/FlashRAG_datasets[nq]:test"
+        assert spec.task_format("  as is ") == "  as is "
+    finally:
+        REGISTRY.clear()
+        REGISTRY.update(before)
+
+
+def test_a_dataset_is_registered_once():
+    gsm8k = get_spec("gsm8k")
+    with pytest.raises(ValueError, match="'gsm8k' is registered twice"):
+        register(
+            "gsm8k",
+            "math",
+            trains=True,
+            hub=gsm8k.hub,
+            mirror="gsm8k/other.parquet",
+            eval_file=gsm8k.eval_file,
+            eval_tag=gsm8k.eval_tag,
+        )
+    assert REGISTRY["gsm8k"] is gsm8k and list(REGISTRY) == TRAIN + OOD
 
 
 def test_params_lists_match_the_registry(params):
@@ -88,29 +122,29 @@ def test_task_formats_match_the_authors_rows():
 
 
 def test_source_converters():
-    rec = _gsm8k_final_answer({"answers": ["He pays 3*4=12.\n#### 1,200"]}, {})
+    rec = gsm8k_final_answer({"answers": ["He pays 3*4=12.\n#### 1,200"]}, {})
     assert rec["answers"] == ["1200"]
     with pytest.raises(Exception, match="answer_unparseable"):
-        _gsm8k_final_answer({"answers": ["no marker"]}, {})
+        gsm8k_final_answer({"answers": ["no marker"]}, {})
 
     wrapped = (
         "Solve the following math problem step by step. The last line of your response should be of the form "
         "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nWhat is 2+2?\n\n"
         'Remember to put your answer on its own line after "Answer:".'
     )
-    assert _dapo_unwrap({"question": wrapped}, {})["question"] == "What is 2+2?"
-    assert _dapo_unwrap({"question": "bare"}, {})["question"] == "bare"
+    assert dapo_unwrap({"question": wrapped}, {})["question"] == "What is 2+2?"
+    assert dapo_unwrap({"question": "bare"}, {})["question"] == "bare"
 
     row = {"correct": "b", "options": "a ) 5.4 , b ) 5.6 , c ) 6"}
-    assert _mathqa_option_value({"answers": ["b"]}, row)["answers"] == ["5.6"]
+    assert mathqa_option_value({"answers": ["b"]}, row)["answers"] == ["5.6"]
 
-    book = _booksum_hub_title(
+    book = booksum_hub_title(
         {"question": "x"},
         {"book_id": "Emma.chapter 3", "summary_id": "chapter 3", "bid": 158, "source": "sparknotes"},
     )
     assert book["question"] == "Emma — chapter 3" and book["id"] == "booksum-chapter-158-sparknotes-chapter 3"
 
-    rev = _xsum_mirror_reverse(
+    rev = xsum_mirror_reverse(
         {
             "question": "Summarize the following BBC article in one sentence.\n\nDoc text.",
             "answers": ["One line."],

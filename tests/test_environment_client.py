@@ -121,7 +121,7 @@ def test_non_retryable_4xx_is_not_retried(server):
 def test_rejected_key_raises_environment_unavailable(server, monkeypatch):
     monkeypatch.setenv("PROMPTR1_TEST_ENV_KEY", "sk-secret-value-123")
     server.default = Behaviour("status", status=401)
-    client = EnvironmentClient(make_cfg(server))
+    client = EnvironmentClient(make_cfg(server, backend="api"))  # http is allowed to a loopback endpoint
     with pytest.raises(EnvironmentUnavailable) as info:
         run(_reply(client, [], "hi"))
     assert "PROMPTR1_TEST_ENV_KEY" in str(info.value) and "sk-secret-value-123" not in str(info.value)
@@ -353,7 +353,117 @@ def test_parse_completion_rejects_malformed_bodies(body):
 def test_parse_completion_tolerates_missing_usage_and_content():
     from pipeline.environment.client import _parse_completion
 
-    assert _parse_completion(b'{"choices": [{"message": {"content": "hi"}}]}') == ("hi", 0, 0)
-    assert _parse_completion(b'{"choices": [{"message": {}}], "usage": {"prompt_tokens": "x"}}') == ("", 0, 0)
-    body = b'{"choices": [{"message": {"content": "a b"}}], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}'
-    assert _parse_completion(body) == ("a b", 7, 2)
+    assert _parse_completion(b'{"choices": [{"message": {"content": "hi"}}]}') == ("hi", 0, 0, None)
+    assert _parse_completion(b'{"choices": [{"message": {}}], "usage": {"prompt_tokens": "x"}}') == ("", 0, 0, None)
+    body = (b'{"choices": [{"message": {"content": "a b"}, "finish_reason": "length"}],'
+            b' "usage": {"prompt_tokens": 7, "completion_tokens": 2}}')
+    assert _parse_completion(body) == ("a b", 7, 2, "length")
+
+
+def test_empty_after_length_is_counted_and_asked_again_with_a_larger_budget(server):
+    """GPT-OSS spends max_tokens reasoning and returns empty content: one retry with max_tokens × factor."""
+    server.script(Behaviour("empty", finish_reason="length"), Behaviour("ok", text="forty-two"))
+    client = EnvironmentClient(make_cfg(server, max_tokens=32, length_retry_factor=4.0))
+    reply = run(_reply(client, [], "hi"))
+    assert reply.error is None and reply.text == "forty-two" and reply.empty_after_length
+    assert [r.body["max_tokens"] for r in server.chat_requests] == [32, 128]
+    assert client.usage.empty_after_length == 1 and client.usage.errors == 0
+
+
+def test_empty_after_length_twice_is_a_counted_failure(server):
+    server.default = Behaviour("empty", finish_reason="length")
+    client = EnvironmentClient(make_cfg(server))
+    reply = run(_reply(client, [], "hi"))
+    assert reply.error == "empty reply after finish_reason=length twice"
+    assert len(server.chat_requests) == 2
+    assert client.usage.errors == 1 and client.usage.empty_after_length == 1
+
+
+def test_cut_reply_is_counted_as_truncated(server):
+    server.default = Behaviour("ok", text="a long reply cut", finish_reason="length")
+    client = EnvironmentClient(make_cfg(server))
+    reply = run(_reply(client, [], "hi"))
+    assert reply.error is None and reply.truncated and client.usage.truncated == 1
+
+
+def test_reasoning_effort_is_sent_only_when_set(server):
+    run(_reply(EnvironmentClient(make_cfg(server, cache=False)), [], "a"))
+    run(_reply(EnvironmentClient(make_cfg(server, cache=False, reasoning_effort="low")), [], "b"))
+    assert "reasoning_effort" not in server.chat_requests[0].body
+    assert server.chat_requests[1].body["reasoning_effort"] == "low"
+
+
+def test_failure_rate_above_the_limit_stops_with_the_keys_named(server):
+    """A dead environment must stop the run, not become reward signal: 2 of 4 calls failing > 25%."""
+    from pipeline.errors import EnvironmentUnhealthy
+
+    server.script(Behaviour("ok"), Behaviour("status", status=400), Behaviour("ok"), Behaviour("status", status=400))
+    client = EnvironmentClient(make_cfg(server, cache=False, failure_window=4, max_failure_rate=0.25))
+
+    async def go():
+        for prompt in ("a", "b", "c"):
+            await client.reply([], prompt)
+        with pytest.raises(EnvironmentUnhealthy, match=r"failure_window=4.*HTTP 400"):
+            await client.reply([], "d")
+        await client.aclose()
+
+    run(go())
+
+
+def test_failure_rate_at_the_limit_goes_on(server):
+    server.script(Behaviour("ok"), Behaviour("status", status=400), Behaviour("ok"), Behaviour("ok"))
+    client = EnvironmentClient(make_cfg(server, cache=False, failure_window=4, max_failure_rate=0.25))
+
+    async def go():
+        replies = [await client.reply([], p) for p in "abcdef"]
+        await client.aclose()
+        return replies
+
+    assert sum(r.error is not None for r in run(go())) == 1
+
+
+def test_key_never_goes_to_a_local_backend(server, monkeypatch):
+    """llama.cpp / vLLM servers the pipeline starts get a placeholder, even with the key variable set."""
+    monkeypatch.setenv("PROMPTR1_TEST_ENV_KEY", "sk-canary-local-777")
+    run(_reply(EnvironmentClient(make_cfg(server, cache=False)), [], "hi"))
+    assert server.chat_requests[0].headers["authorization"] == "Bearer sk-local-no-key"
+
+
+@pytest.mark.parametrize("url", ["http://api.example.test/v1", "http://10.0.0.5:8000/v1", "ftp://host/v1"])
+def test_key_is_refused_over_clear_text_to_another_host(url, monkeypatch):
+    monkeypatch.setenv("PROMPTR1_TEST_ENV_KEY", "sk-canary-http-888")
+    cfg = EnvironmentConfig(backend="api", model="m", served_name="m", base_url=url, system_prompt="s",
+                            api_key_env="PROMPTR1_TEST_ENV_KEY")
+    with pytest.raises(EnvironmentUnavailable, match="only over https") as info:
+        EnvironmentClient(cfg)
+    assert "sk-canary-http-888" not in str(info.value)
+
+
+def test_failing_cache_write_does_not_strand_coalesced_waiters(server, tmp_path):
+    """Two identical requests in flight share one call; a cache write that raises must not hang the second."""
+    import sqlite3
+
+    server.default = Behaviour(delay_s=0.3)
+    client = EnvironmentClient(make_cfg(server), cache_path=tmp_path / "cache.sqlite")
+
+    def broken_put(*args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    client.cache.put = broken_put
+
+    async def go():
+        replies = await asyncio.wait_for(asyncio.gather(client.reply([], "same"), client.reply([], "same")), 10)
+        await client.aclose()
+        return replies
+
+    first, second = run(go())
+    assert first.error is None and second.text == first.text
+    assert len(server.chat_requests) == 1
+
+
+def test_oversized_body_is_a_counted_malformed_reply(server):
+    server.default = Behaviour("ok", text="x" * (5 * 1024 * 1024))
+    client = EnvironmentClient(make_cfg(server, max_retries=0, cache=False))
+    reply = run(_reply(client, [], "hi"))
+    assert reply.error is not None and "exceeds the" in reply.error and client.usage.errors == 1
+    assert len(reply.text) < 1000

@@ -13,8 +13,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+from demo_project import free_port, pid_alive
 
-from flows.demo_project import free_port, pid_alive
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.servers import (
     STATE_FILE,

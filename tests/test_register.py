@@ -195,3 +195,94 @@ def test_champion_answers_through_a_real_llamacpp_environment(tmp_path, repo_roo
     # whenever the agent prompted the environment, the real llama.cpp server answered it
     assert all(r["error"] is None and r["text"] for r in replies)
     assert out.loc[0, "env_calls"] == len(replies)
+
+
+# --- fail closed -----------------------------------------------------------------------------------------
+
+
+def test_champion_without_mode_or_metric_is_kept():
+    """Doubt keeps the champion: unknown metrics mode, or no value for the promotion metric."""
+    champ = averages(30.0, 40.0)
+    champ.mode = ""
+    d = decide_promotion(averages(80.0, 80.0), champ, CFG)
+    assert not d.promote and "no recorded metrics mode" in d.reasons[0]
+    champ = averages(30.0, 40.0)
+    champ.id.pop("f1")
+    d = decide_promotion(averages(80.0, 80.0), champ, CFG)
+    assert not d.promote and "no ID f1 recorded" in d.reasons[-1]
+
+
+def test_candidate_without_ood_numbers_is_not_promoted():
+    """The OOD guard cannot be skipped by a candidate that simply has no OOD averages."""
+    candidate = averages(80.0, 80.0)
+    candidate.ood = {}
+    d = decide_promotion(candidate, averages(30.0, 40.0), CFG)
+    assert not d.promote and "candidate has no OOD em, f1, ssim" in d.reasons[-1]
+
+
+def test_a_failing_registry_is_an_error_not_no_champion(monkeypatch):
+    """Only "alias not found" means no champion; a store answering 500 stops the stage."""
+    import mlflow
+    from fault_server import Behaviour, FaultServer
+
+    from pipeline.errors import UserError
+    from pipeline.register import current_champion
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with FaultServer(Behaviour("status", status=500)) as server:
+        client = mlflow.MlflowClient(tracking_uri=f"http://127.0.0.1:{server.port}",
+                                     registry_uri=f"http://127.0.0.1:{server.port}")
+        with pytest.raises(UserError, match="cannot read the current prompt-r1-agent@champion"):
+            current_champion(client, "prompt-r1-agent", "champion")
+
+
+def test_missing_alias_and_missing_model_mean_no_champion(tmp_path):
+    import mlflow
+
+    from pipeline.register import current_champion
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}")
+    assert current_champion(client, "nope", "champion") is None
+    client.create_registered_model("nope")
+    assert current_champion(client, "nope", "champion") is None
+
+
+def test_untagged_champion_is_kept_and_the_alias_moves_under_a_lock_with_a_recheck(
+        tmp_path, repo_root, tiny_llama_dir, monkeypatch):
+    """A champion with no recorded evaluation is not replaced; a register blocked on the lock re-reads the
+    champion that another register promoted meanwhile and compares against that one."""
+    import threading
+
+    import mlflow
+
+    from pipeline.register import promotion_lock, run_register
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    params = _project(tmp_path, repo_root, tiny_llama_dir)
+    name = params.register.model_name
+    _write_metrics(tmp_path, 30.0, 40.0)
+    assert run_register(params)["promoted"]
+    client = mlflow.MlflowClient()
+    for key in list(client.get_model_version(name, "1").tags):
+        if key.startswith("eval."):
+            client.delete_model_version_tag(name, "1", key)
+    _write_metrics(tmp_path, 80.0, 80.0)
+    second = run_register(params)
+    assert not second["promoted"] and second["champion_after"] == "1"
+    assert "no recorded evaluation" in second["reasons"][0]
+
+    # v2 is a well-evaluated 80/80 model: make it champion, as a concurrent register would, while v3's
+    # register (a 50/50 model that would beat the untagged v1) waits on the lock.
+    _write_metrics(tmp_path, 50.0, 50.0)
+    result: dict = {}
+    lock = promotion_lock(params, name)
+    lock.acquire()
+    worker = threading.Thread(target=lambda: result.update(run_register(params)))
+    worker.start()
+    try:
+        client.set_registered_model_alias(name, "champion", "2")
+    finally:
+        lock.release()
+    worker.join(timeout=300)
+    assert result["version"] == "3" and not result["promoted"]
+    assert result["champion_before"] == "2" and result["champion_after"] == "2"

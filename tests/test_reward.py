@@ -1,7 +1,9 @@
 """Worked examples of the double-constrained reward (method.md), computed by hand for both presets.
 
-Turns are built with explicit flags so each example states exactly which indicator is on; the
-parser's own rules are tested by the protocol tests (and with real turn texts in test_verl_reward.py).
+Turns are built with explicit flags so each example states exactly which indicator is on (the `paper`
+preset reads those flags); their texts agree with the flags, because the `released` preset reads the text
+the way the authors' code does. The parser's own rules are tested by the protocol tests, real turn texts
+in test_verl_reward.py, and the released preset's text rules in test_reward_released.py.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ def inter(valid: bool = True) -> ParsedTurn:
 
 
 def final(answer: str | None, complete: bool = True) -> ParsedTurn:
-    """A final turn; A_p = answer is not None, A_n = answer non-empty, C_f = complete (and tags present)."""
+    """A final turn; A_p = answer is not None, A_n = answer non-empty, C_f = complete (and tags present).
+
+    An incomplete final turn has text after `</answer>`, which breaks C_f in both presets."""
     has = answer is not None
-    return ParsedTurn(text=f"<think>r</think><answer>{answer}</answer>", think="r", answer=answer,
+    tail = "" if complete else " (checked)"
+    return ParsedTurn(text=f"<think>r</think><answer>{answer}</answer>{tail}", think="r", answer=answer,
                       has_answer_tags=has, answer_nonempty=bool(has and answer.strip()),
                       complete_final=bool(has and complete))
 
@@ -160,9 +165,10 @@ def test_released_malformed_final():
 
 
 def test_released_empty_answer():
-    # .4 + .25 + .1 = .75 -> R = -0.25
+    # their A_p needs non-empty answer content, and A_n and C_f are only checked under A_p: .4 -> R = -0.6
     r = compute_reward([inter(), final("")], ["Paris"], RELEASED)
-    assert r.total == pytest.approx(-0.25)
+    assert (r.answer_tags, r.answer_nonempty, r.complete_final) == (0.0, 0.0, 0.0)
+    assert r.total == pytest.approx(-0.6)
 
 
 def test_released_several_golds_and_cap():
@@ -172,9 +178,10 @@ def test_released_several_golds_and_cap():
 
 
 def test_released_cap_opens_the_gate_with_no_answer_at_all():
-    # 3 valid intermediate turns (1.2 -> 1.0) then a final interaction turn: gated, R = -1 + 1 + 0 = 0
+    # 4 interaction turns: their loop answers the last call too, so all 4 are intermediate blocks and the
+    # final block is the bare `<think>\n` opener: 1.6 -> 1.0 (cap), gated, R = -1 + 1 + 0 = 0
     r = compute_reward([inter()] * 4, ["Paris"], RELEASED)
-    assert r.gated and r.total == 0.0 and r.answer == 0.0
+    assert r.gated and r.total == 0.0 and r.answer == 0.0 and r.valid_intermediate_turns == 4
 
 
 # ---------------------------------------------------------------- floating point at the gate

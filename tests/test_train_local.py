@@ -22,12 +22,9 @@ import yaml
 
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.local import (
-    QuestionSampler,
-    StepsLog,
-    collate,
-    response_log_probs,
-)
+from pipeline.train.batch import collate, response_log_probs
+from pipeline.train.questions import QuestionSampler
+from pipeline.train.step_metrics import StepsLog
 from pipeline.types import PromptItem, Trajectory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +176,7 @@ def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_ll
     for name in ("critic/score/mean", "critic/score/min", "critic/score/max", "critic/advantages/mean",
                  "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr", "response_length/mean",
                  "num_turns/mean", "reward/format/mean", "reward/answer/mean", "reward/complete_final/mean",
-                 "env/calls", "env/errors", "env/cost_usd", "timing_s/gen", "timing_s/env",
+                 "env/calls", "env/errors", "env/failure_rate", "env/truncated", "env/empty_after_length", "env/cost_usd", "timing_s/gen", "timing_s/env",
                  "timing_s/update", "timing_s/step"):
         assert name in steps.columns, name
     # A random tiny model never hits the format, so all rewards tie (advantage 0) and the policy still
@@ -219,7 +216,8 @@ def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.train.grpo import grpo_advantages
-    from pipeline.train.local import LocalTrainer, PolicyModels
+    from pipeline.train.models import PolicyModels
+    from pipeline.train.trainer import LocalTrainer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
@@ -264,7 +262,8 @@ def test_changed_training_params_start_afresh_instead_of_reusing_the_old_model(t
                                                                                env_server):
     # DVC reruns train when e.g. train.lr or reward.preset change; the persisted checkpoint of the old
     # params must not count as "already complete" nor be resumed.
-    from pipeline.train.local import train_local, training_complete
+    from pipeline.train.local import train_local
+    from pipeline.train.resume import training_complete
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1))
@@ -403,3 +402,24 @@ def test_stage_dispatches_verl_backend_inside_the_train_run(tmp_path, monkeypatc
     run_train(params)
     assert len(calls) == 1 and calls[0][0] == "verl" and calls[0][1] == calls[0][2]
     assert json.loads((tmp_path / "reports/mlflow_run.json").read_text())["run_id"]
+
+
+@pytest.mark.slow
+def test_failing_environment_stops_training_with_the_keys_named(tmp_path, tiny_llama_dir):
+    """A dead environment must stop training, not turn into reward: warm-up demonstrations call it first."""
+    from fault_server import Behaviour, FaultServer
+
+    from pipeline.errors import EnvironmentUnhealthy
+    from pipeline.train.local import train_local
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    with FaultServer(Behaviour("status", status=400)) as server:
+        overrides = tiny_overrides(tmp_path, tiny_llama_dir, server.url,
+                                   warmup={"steps": 2, "batch_size": 2, "demonstrations": 4})
+        overrides["environment"].update(failure_window=4, max_failure_rate=0.25)
+        overrides["agent"].update(max_turns=3, max_turn_tokens=96, max_response_tokens=1024)
+        params = load_params(REPO_ROOT / "params.yaml", overrides)
+        with pytest.raises(EnvironmentUnhealthy, match=r"environment\.max_failure_rate=0\.25.*HTTP 400"):
+            train_local(params)
+        assert len(server.chat_requests) == 4  # stopped at the first full window, not after every demo
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoints/agent") is None

@@ -41,7 +41,8 @@ def warm_params(tmp_path: Path, model_dir: Path, env_url: str, **warmup):
 
 def build(params, count: int):
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.train.local import load_tokenizer, prompt_item_from_row
+    from pipeline.train.models import load_tokenizer
+    from pipeline.train.questions import prompt_item_from_row
     from pipeline.train.warmup import build_demonstrations
 
     frame = pd.read_parquet(params.path(params.paths.rl_dir) / "train.parquet")
@@ -112,7 +113,8 @@ def test_warmup_loss_decreases_on_the_tiny_model(tmp_path, tiny_llama_dir, env_s
     from transformers import AutoModelForCausalLM
 
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.train.local import load_tokenizer, prompt_item_from_row
+    from pipeline.train.models import load_tokenizer
+    from pipeline.train.questions import prompt_item_from_row
     from pipeline.train.warmup import run_warmup
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")

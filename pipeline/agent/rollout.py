@@ -27,6 +27,8 @@ Design decisions:
 - **Timings per trajectory:** `generation_s` adds the wall time of every batch the trajectory was part of
   (it waited that long); `environment_s` adds its own environment calls' wall time (queueing included).
 - **Grouping:** trajectories are returned item-major (item0 x G, item1 x G, ...), the order GRPO groups in.
+- **One record of a trajectory** (`trajectory_record`): the JSON shape that evaluation predictions and the
+  served pyfunc model both output, kept beside the loop that fills the trajectory.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
@@ -194,3 +196,19 @@ def _append(traj: Trajectory, ids: list[int], mask: int, logprobs: list[float] |
 def run_rollout(*args: Any, **kwargs: Any) -> list[Trajectory]:
     """Synchronous `rollout` (one `asyncio.run`); same arguments."""
     return asyncio.run(rollout(*args, **kwargs))
+
+
+def trajectory_record(traj: Trajectory) -> list[dict[str, Any]]:
+    """The turns of a trajectory as plain JSON-able dicts (texts, parts, flags, env reply; no token ids)."""
+    out = []
+    for turn in traj.turns:
+        p = turn.parsed
+        rec: dict[str, Any] = {
+            "text": p.text, "think": p.think, "interaction_prompt": p.interaction_prompt, "answer": p.answer,
+            "valid_intermediate": p.valid_intermediate, "complete_final": p.complete_final, "issues": p.issues,
+            "agent_tokens": len(turn.agent_token_ids),
+        }
+        if turn.env_reply is not None:
+            rec["environment"] = asdict(turn.env_reply)
+        out.append(rec)
+    return out

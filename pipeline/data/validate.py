@@ -48,7 +48,14 @@ from pipeline.data.schema import (
     question_key,
     write_json_atomic,
 )
-from pipeline.data.sources import REGISTRY, DatasetSpec, authors_eval_path, get_spec, load_authors_eval
+from pipeline.data.sources import (
+    REGISTRY,
+    DatasetSpec,
+    authors_eval_path,
+    get_spec,
+    load_authors_eval,
+    normalised_eval_row,
+)
 from pipeline.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -201,7 +208,7 @@ def _read_eval(params: Params, spec: DatasetSpec) -> Target | None:
         name=display_path(path, params.root),
         dataset=spec.name,
         kind="eval",
-        rows=[r.normalised(spec) for r in rows],
+        rows=[normalised_eval_row(r, spec) for r in rows],
         columns=list(COLUMNS),
         expected_rows=params.data.eval_rows,
         sha256=file_sha256(path),

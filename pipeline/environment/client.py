@@ -31,13 +31,28 @@ server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisi
   meets several event loops. The SDK client (its httpx pool), the semaphore and the in-flight table are
   bound to a loop, so they are rebuilt when the running loop changes; usage and the cache persist. Use
   one client from one event loop at a time (one per thread if threads each run a loop).
+- **Empty after `finish_reason: length`.** A reasoning model (GPT-OSS) can spend `max_tokens` thinking and
+  return empty content. That is counted (`UsageStats.empty_after_length`) and asked once more at once with
+  `max_tokens × environment.length_retry_factor`; if still empty it is a failed call. GPT-OSS's
+  `reasoning_effort` comes from params (sent only when set, and part of the cache key).
+- **Failures stop the run.** Every sent call's outcome (failed after all retries, or not) enters a sliding
+  window of the last `environment.failure_window` calls; once the window is full and its failure rate
+  exceeds `environment.max_failure_rate`, `reply()` raises `EnvironmentUnhealthy` (naming the rate, the
+  keys and the last error). Training and evaluation therefore stop instead of learning from, or scoring,
+  error notes; checkpoints already written stay.
 - **Budget.** Cost is computed from the price table in params (USD per million prompt/completion tokens).
   Once the running cost reaches `budget_usd`, the next call raises `BudgetExceeded` before sending
   anything, so the run stops cleanly with a clear message; calls already in flight still complete.
 - **Tracing** (optional, off by default): with `trace=True` and MLflow installed, each request is recorded
   as an MLflow span (messages in, text and token counts out; never headers or keys).
 - The API key is read from the variable *named* by `environment.api_key_env`; its value is never logged or
-  put into an error message. Local servers accept any key, so a placeholder is sent when it is unset.
+  put into an error message. It is sent only to the paid backend (`api`), only over https or to a loopback
+  address over http; servers the pipeline starts itself (llama.cpp, vLLM) always get a placeholder, so a key
+  in the environment never leaves for a host it was not meant for.
+- **Replies are bounded**: a body over `MAX_BODY_BYTES` is a malformed reply (retried, then counted), so a
+  misbehaving server cannot fill memory, logs or MLflow.
+- **A failing cache write never strands waiters**: the coalesced in-flight future is resolved first, then
+  the reply is cached (a write error is logged and the reply still returned).
 """
 
 from __future__ import annotations
@@ -52,15 +67,17 @@ import random
 import sqlite3
 import threading
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import openai
 from openai import AsyncOpenAI
 
-from pipeline.errors import BudgetExceeded, EnvironmentUnavailable
+from pipeline.errors import BudgetExceeded, EnvironmentUnavailable, EnvironmentUnhealthy
 from pipeline.types import EnvironmentReply, UsageStats
 
 if TYPE_CHECKING:
@@ -71,6 +88,9 @@ logger = logging.getLogger(__name__)
 CACHE_FILE = "environment_cache.sqlite"
 LOCAL_PLACEHOLDER_KEY = "sk-local-no-key"
 """Sent to local servers (llama.cpp, vLLM) when no key variable is set: they do not check it."""
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest chat-completion body accepted (4 MiB; a 2,048-token reply is ~10 KB)."""
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 120.0
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
@@ -80,18 +100,25 @@ RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 def resolve_api_key(cfg: EnvironmentConfig) -> str:
     """The API key from the variable named in params; a placeholder for local servers.
 
-    Raises EnvironmentUnavailable for the paid backend when the variable is unset or empty; the message
-    names the variable, never a value.
+    Raises EnvironmentUnavailable for the paid backend when the variable is unset or empty, or when the
+    endpoint would carry the key in clear text to another machine (http to a non-loopback host); the
+    message names the variable and the key, never a value. Local backends always get the placeholder.
     """
+    if cfg.backend != "api":
+        return LOCAL_PLACEHOLDER_KEY
+    url = urlsplit(cfg.url)
+    if url.scheme != "https" and not (url.scheme == "http" and url.hostname in LOOPBACK_HOSTS):
+        raise EnvironmentUnavailable(
+            f"environment.base_url={cfg.url!r}: the API key from ${cfg.api_key_env} is sent only over https "
+            "(or http to a loopback address)"
+        )
     key = os.environ.get(cfg.api_key_env, "")
-    if key:
-        return key
-    if cfg.backend == "api":
+    if not key:
         raise EnvironmentUnavailable(
             f"environment backend 'api' ({cfg.url}) needs an API key in the environment variable "
             f"{cfg.api_key_env}, which is unset or empty: export {cfg.api_key_env}=... and retry"
         )
-    return LOCAL_PLACEHOLDER_KEY
+    return key
 
 
 @dataclass(frozen=True)
@@ -161,6 +188,27 @@ class ResponseCache:
                 self._conn = None
 
 
+class FailureWindow:
+    """The outcomes of the last `size` sent calls; `unhealthy()` once it is full and fails above `max_rate`."""
+
+    def __init__(self, size: int, max_rate: float) -> None:
+        self.size, self.max_rate = size, max_rate
+        self._outcomes: deque[bool] = deque(maxlen=size)
+        self.last_error: str | None = None
+
+    def record(self, failed: bool, error: str | None = None) -> None:
+        self._outcomes.append(failed)
+        if failed:
+            self.last_error = error
+
+    @property
+    def rate(self) -> float:
+        return sum(self._outcomes) / len(self._outcomes) if self._outcomes else 0.0
+
+    def unhealthy(self) -> bool:
+        return len(self._outcomes) == self.size and self.rate > self.max_rate
+
+
 class _Malformed(Exception):
     """The endpoint answered 200 with a body that is not a chat completion."""
 
@@ -188,6 +236,7 @@ class EnvironmentClient:
         self.trace = trace
         self._state: _LoopState | None = None
         self._stale_sdks: list[AsyncOpenAI] = []
+        self.health = FailureWindow(cfg.failure_window, cfg.max_failure_rate)
 
     @classmethod
     def from_params(cls, params: Params, *, trace: bool = False) -> EnvironmentClient:
@@ -200,7 +249,10 @@ class EnvironmentClient:
     @property
     def sampling(self) -> dict[str, Any]:
         """The sampling parameters sent with every request (and part of the cache key)."""
-        return {"temperature": self.cfg.temperature, "max_tokens": self.cfg.max_tokens}
+        sampling: dict[str, Any] = {"temperature": self.cfg.temperature, "max_tokens": self.cfg.max_tokens}
+        if self.cfg.reasoning_effort:
+            sampling["reasoning_effort"] = self.cfg.reasoning_effort
+        return sampling
 
     @property
     def caching(self) -> bool:
@@ -245,13 +297,18 @@ class EnvironmentClient:
                 future.set_result(EnvironmentReply(text="", error="coalesced request did not complete"))
             raise
         if key is not None and future is not None:
-            if result.error is None:
-                self.cache.put(key, self.model, CachedResponse(result.text, result.prompt_tokens,
-                                                               result.completion_tokens))
             _forget(state.in_flight, key, future)
             future.set_result(result)
+            if result.error is None:
+                try:
+                    self.cache.put(key, self.model, CachedResponse(result.text, result.prompt_tokens,
+                                                                   result.completion_tokens))
+                except sqlite3.Error as exc:
+                    logger.warning("environment response cache %s: write failed (%s); reply not cached",
+                                   self.cache.path, exc)
         self.usage.add(result)
         self.spent_usd += result.cost_usd
+        self._judge_health(result)
         return result
 
     def take_usage(self) -> UsageStats:
@@ -279,6 +336,16 @@ class EnvironmentClient:
             self.cache.close()
 
     # -- internals --------------------------------------------------------------------------------------
+
+    def _judge_health(self, result: EnvironmentReply) -> None:
+        self.health.record(result.error is not None, result.error)
+        if self.health.unhealthy():
+            raise EnvironmentUnhealthy(
+                f"environment at {self.cfg.url} failed {self.health.rate:.0%} of the last {self.health.size} calls "
+                f"(environment.max_failure_rate={self.cfg.max_failure_rate:g}, "
+                f"environment.failure_window={self.cfg.failure_window}); last error: {self.health.last_error}. "
+                "Stopped so that nothing learns from or is scored on error notes"
+            )
 
     def _check_budget(self) -> None:
         budget = self.cfg.budget_usd
@@ -324,7 +391,14 @@ class EnvironmentClient:
         for attempt in range(self.cfg.max_retries + 1):
             delay: float | None = None
             try:
-                text, prompt_tokens, completion_tokens = await self._request_once(sdk, messages)
+                text, prompt_tokens, completion_tokens, finish = await self._request_once(sdk, messages)
+                empty_after_length = not text.strip() and finish == "length"
+                if empty_after_length:
+                    budget = int(self.cfg.max_tokens * self.cfg.length_retry_factor)
+                    logger.debug("empty reply after finish_reason=length; asking again with max_tokens=%d", budget)
+                    text, more_prompt, more_completion, finish = await self._request_once(
+                        sdk, messages, max_tokens=budget)
+                    prompt_tokens, completion_tokens = prompt_tokens + more_prompt, completion_tokens + more_completion
             except openai.APIStatusError as exc:
                 status = exc.status_code
                 error = f"HTTP {status}: {_short(exc.message)}"
@@ -344,11 +418,15 @@ class EnvironmentClient:
                 error = f"malformed response: {_short(str(exc))}"
             else:
                 if not text.strip():
-                    return self._failed("empty reply", start, retries, prompt_tokens, completion_tokens)
+                    reason = "empty reply after finish_reason=length twice" if empty_after_length else "empty reply"
+                    failed = self._failed(reason, start, retries, prompt_tokens, completion_tokens)
+                    failed.empty_after_length = empty_after_length
+                    return failed
                 return EnvironmentReply(
                     text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                     latency_s=time.perf_counter() - start, retries=retries,
                     cost_usd=self._cost(prompt_tokens, completion_tokens),
+                    truncated=finish == "length", empty_after_length=empty_after_length,
                 )
             if attempt == self.cfg.max_retries:
                 break
@@ -359,20 +437,23 @@ class EnvironmentClient:
         logger.warning("environment call failed after %d retries: %s", retries, error)
         return self._failed(error, start, retries)
 
-    async def _request_once(self, sdk: AsyncOpenAI, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+    async def _request_once(self, sdk: AsyncOpenAI, messages: list[dict[str, str]],
+                            max_tokens: int | None = None) -> tuple[str, int, int, str | None]:
+        """One request: (text, prompt tokens, completion tokens, finish_reason)."""
+        sampling = {**self.sampling, **({"max_tokens": max_tokens} if max_tokens else {})}
         span_cm = self._span(messages) if self.trace else nullcontext(None)
         with span_cm as span:
             async with asyncio.timeout(self.cfg.timeout_s):
                 body = await sdk.post(
                     "/chat/completions", cast_to=bytes,
-                    body={"model": self.model, "messages": messages, **self.sampling},
+                    body={"model": self.model, "messages": messages, **sampling},
                     options={"timeout": self.cfg.timeout_s},
                 )
-            text, prompt_tokens, completion_tokens = _parse_completion(body)
+            text, prompt_tokens, completion_tokens, finish = _parse_completion(body)
             if span is not None:
                 span.set_outputs({"text": text, "prompt_tokens": prompt_tokens,
-                                  "completion_tokens": completion_tokens})
-        return text, prompt_tokens, completion_tokens
+                                  "completion_tokens": completion_tokens, "finish_reason": finish})
+        return text, prompt_tokens, completion_tokens, finish
 
     def _span(self, messages: list[dict[str, str]]):
         try:
@@ -412,8 +493,10 @@ class _SpanInputs:
         return self._cm.__exit__(*exc)
 
 
-def _parse_completion(body: bytes) -> tuple[str, int, int]:
-    """(text, prompt tokens, completion tokens) of a chat-completion body; _Malformed when it is not one."""
+def _parse_completion(body: bytes) -> tuple[str, int, int, str | None]:
+    """(text, prompt tokens, completion tokens, finish_reason) of a chat completion; _Malformed if not one."""
+    if len(body) > MAX_BODY_BYTES:
+        raise _Malformed(f"body of {len(body):,} bytes exceeds the {MAX_BODY_BYTES:,}-byte limit")
     try:
         data = json.loads(body)
     except ValueError as exc:  # truncated JSON, HTML from a proxy, …
@@ -433,7 +516,8 @@ def _parse_completion(body: bytes) -> tuple[str, int, int]:
         completion_tokens = int(usage.get("completion_tokens") or 0)
     except (TypeError, ValueError):
         prompt_tokens = completion_tokens = 0
-    return content or "", prompt_tokens, completion_tokens
+    finish = choices[0].get("finish_reason")
+    return content or "", prompt_tokens, completion_tokens, finish if isinstance(finish, str) else None
 
 
 def _retry_after(response: Any) -> float | None:
@@ -463,4 +547,4 @@ def _short(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-__all__ = ["CACHE_FILE", "EnvironmentClient", "ResponseCache", "resolve_api_key"]
+__all__ = ["CACHE_FILE", "EnvironmentClient", "FailureWindow", "ResponseCache", "resolve_api_key"]

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,7 @@ import httpx
 import typer
 
 from pipeline.environment.client import resolve_api_key
+from pipeline.environment.guard import guarded
 from pipeline.environment.knowledge import knowledge_command
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.modelref import ModelRefError, resolve_model
@@ -183,10 +185,17 @@ def is_healthy(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> 
     return served_models(url, api_key, timeout_s) is not None
 
 
-def _warn_if_other_model(cfg: EnvironmentConfig, models: list[str]) -> None:
+def check_serves_configured_model(cfg: EnvironmentConfig, models: list[str]) -> None:
+    """Refuse to reuse a server that answers at the URL but serves another model than params name.
+
+    Training against the wrong environment would run for hours on the wrong signal; the check is what
+    "reuse" means. A server that lists no models at all (some proxies) is accepted.
+    """
     if models and cfg.served_name not in models:
-        logger.warning("the server at %s serves %s, not %r; requests name %r anyway",
-                       cfg.url, models, cfg.served_name, cfg.served_name)
+        raise EnvironmentUnavailable(
+            f"the server answering at {cfg.url} serves {models}, not environment.served_name={cfg.served_name!r}: "
+            "stop it, point environment.port/base_url elsewhere, or set environment.served_name to what it serves"
+        )
 
 
 # -- start / stop ---------------------------------------------------------------------------------------
@@ -226,6 +235,11 @@ def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
     cfg = params.environment
     _check_startable(params)
     command = server_command(params)
+    if shutil.which(command[0]) is None:
+        raise EnvironmentUnavailable(f"cannot start the environment server: {command[0]!r} is not on PATH "
+                                     f"(environment.backend={cfg.backend})")
+    if not detached:  # stopped even if this process is SIGKILLed (pipeline.environment.guard)
+        command = guarded(command)
     log_path = _cache_dir(params) / f"environment_server_{cfg.backend}_{cfg.port}.log"
     logger.info("starting the environment server: %s (log: %s)", shlex.join(command), log_path)
     with open(log_path, "wb") as log:
@@ -328,8 +342,8 @@ def environment_server(params: Params) -> Iterator[str]:
         return
     models = served_models(cfg.url)
     if models is not None:
+        check_serves_configured_model(cfg, models)
         logger.info("reusing the environment server already answering at %s", cfg.url)
-        _warn_if_other_model(cfg, models)
         yield cfg.url
         return
     server = start_server(params)
@@ -382,7 +396,7 @@ def cli_start(params: Params) -> None:
         return
     models = served_models(cfg.url)
     if models is not None:
-        _warn_if_other_model(cfg, models)
+        check_serves_configured_model(cfg, models)
         typer.echo(f"an environment server already answers at {cfg.url} (models: {', '.join(models)}); reusing it")
         return
     server = start_server(params, detached=True)

@@ -22,6 +22,9 @@ Design decisions:
 - Only the newest `keep` checkpoints are kept: a full fine-tune of the 135M agent with AdamW state is
   ~1.6 GB per checkpoint.
 - The format warm-up writes `step_0/` (flag `warmup_done`) and `warmup/model/` (pipeline.train.warmup).
+- **Safe loading**: `optimizer.pt` and `rng.pt` hold only tensors, numbers, strings and containers, and are
+  read with `torch.load(weights_only=True)`: a checkpoint folder someone else wrote cannot run code on
+  resume (a pickle of arbitrary objects is refused with a message naming the file).
 - verl writes `global_step_N/actor/` into the same folder instead (backend verl); `latest_verl_step`
   finds those for the merge stage.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -42,6 +46,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -129,19 +135,43 @@ def latest_verl_step(root: Path) -> Path | None:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain numbers only (loadable with `weights_only=True`)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_safely(path: Path) -> Any:
+    """`torch.load(path, weights_only=True)`; a file that needs arbitrary unpickling is refused, naming it."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        raise UserError(f"checkpoint file {path} holds objects beyond tensors and plain data; refusing to load "
+                        f"it (it could run code): {str(exc).splitlines()[0]}") from None
+
+
+def restore_optimizer_and_rng(optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Resume the optimizer and every RNG from `folder` (optimizer.pt, rng.pt), loading both safely."""
+    optimizer.load_state_dict(load_safely(folder / "optimizer.pt"))
+    restore_rng_state(load_safely(folder / "rng.pt"))
 
 
 def save_checkpoint(

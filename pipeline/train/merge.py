@@ -138,7 +138,7 @@ def _relative(params: Params, path: Path) -> str:
 def _merge_local(params: Params, folder: Path, tmp: Path, dtype: torch.dtype) -> MergeReport:
     from transformers import AutoModelForCausalLM
 
-    from pipeline.train.local import load_causal_lm, load_tokenizer
+    from pipeline.train.models import load_causal_lm, load_tokenizer
 
     state = ckpt.TrainerState.read(folder)
     tok_dir = folder / "tokenizer"
@@ -181,7 +181,7 @@ def _merge_verl(params: Params, actor_dir: Path, tmp: Path, dtype: torch.dtype) 
     source_tok = hf_dir if hf_dir.is_dir() else None
     tokenizer = AutoTokenizer.from_pretrained(str(source_tok or tmp))
     if not getattr(tokenizer, "chat_template", None):
-        from pipeline.train.local import load_tokenizer
+        from pipeline.train.models import load_tokenizer
 
         tokenizer = load_tokenizer(params.agent.model, params.root)
     tokenizer.save_pretrained(str(tmp))
@@ -194,7 +194,7 @@ def _merge_verl(params: Params, actor_dir: Path, tmp: Path, dtype: torch.dtype) 
 def _final_metrics(params: Params) -> dict[str, float]:
     import pandas as pd
 
-    from pipeline.train.local import steps_csv_path
+    from pipeline.train.step_metrics import steps_csv_path
 
     path = steps_csv_path(params)
     if not path.is_file():
@@ -284,7 +284,7 @@ def model_card(params: Params, report: MergeReport) -> str:
 
 def run_merge(params: Params) -> MergeReport:
     """Merge the newest checkpoint into `paths.model_dir` (see module docstring); returns the report."""
-    from pipeline.train.local import DTYPES
+    from pipeline.train.models import DTYPES
 
     dtype = DTYPES[params.agent.dtype]
     root = params.path(params.paths.checkpoint_dir)

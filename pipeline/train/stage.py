@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 def run_train(params: Params) -> None:
     """Train the agent (see module docstring)."""
     if params.train.backend == "local":
-        from pipeline.train import local
+        from pipeline.train.resume import training_complete
 
-        if local.training_complete(params) and (params.path(params.paths.reports_dir) / tracking.RUN_FILE).is_file():
+        if training_complete(params) and (params.path(params.paths.reports_dir) / tracking.RUN_FILE).is_file():
             log.info("train: already complete at %d steps (checkpoints in %s); nothing to do",
                      params.train.steps, params.paths.checkpoint_dir)
             return
@@ -44,13 +44,15 @@ def run_train(params: Params) -> None:
 
             train_verl(params, run)
             return
-        from pipeline.train import local
+        from pipeline.train.local import train_local
+        from pipeline.train.resume import training_complete
+        from pipeline.train.step_metrics import steps_csv_path
 
-        if local.training_complete(params):
+        if training_complete(params):
             _relog_curve(params)
             return
-        final = local.train_local(params, run)
-        csv = local.steps_csv_path(params)
+        final = train_local(params, run)
+        csv = steps_csv_path(params)
         if csv.is_file():
             mlflow.log_artifact(str(csv), artifact_path="train")
         summary = {f"final/{k}": v for k, v in final.items()
@@ -64,7 +66,7 @@ def _relog_curve(params: Params) -> None:
     import mlflow
     import pandas as pd
 
-    from pipeline.train.local import steps_csv_path
+    from pipeline.train.step_metrics import steps_csv_path
 
     frame = pd.read_csv(steps_csv_path(params))
     for row in frame.to_dict("records"):

@@ -250,6 +250,9 @@ class PromptR1AgentLoop(AgentLoopBase):
             "prompt_r1_stop_reason": stop_reason,
             "prompt_r1_env_calls": usage.calls + usage.cache_hits,
             "prompt_r1_env_errors": usage.errors,
+            "prompt_r1_env_retries": usage.retries,
+            "prompt_r1_env_truncated": usage.truncated,
+            "prompt_r1_env_empty_after_length": usage.empty_after_length,
             "prompt_r1_env_cost_usd": usage.cost_usd,
             **reward_parts(breakdown, prefix="prompt_r1_reward/"),
         }

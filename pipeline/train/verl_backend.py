@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipeline.config import Params
+from pipeline.config import EnvironmentConfig, Params
 from pipeline.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,8 @@ REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
 REWARD_FUNCTION_NAME = "compute_score"
 LOG_TAIL_LINES = 60
 
-_ENVIRONMENT_FIELDS_FOR_WORKERS = (
-    "backend", "model", "served_name", "host", "port", "base_url", "api_key_env", "system_prompt",
-    "temperature", "max_tokens", "timeout_s", "max_retries", "backoff_base_s", "concurrency", "cache",
-    "price_per_million_prompt", "price_per_million_completion", "budget_usd",
-)
-"""What the agent-loop workers need to build an `EnvironmentClient` (the `server` launch block is not)."""
+_ENVIRONMENT_FIELDS_FOR_WORKERS = tuple(name for name in EnvironmentConfig.model_fields if name != "server")
+"""What the agent-loop workers need to build an `EnvironmentClient`: every field but the `server` launch block."""
 
 
 # ------------------------------------------------------------------------------------------- overrides
@@ -139,7 +135,8 @@ def eval_files(params: Params) -> list[Path]:
     return [eval_dir / f"{name}.parquet" for name in params.eval_datasets]
 
 
-def build_overrides(params: Params, *, val_files: list[Path] | None = None) -> list[str]:
+def build_overrides(params: Params, *, val_files: list[Path] | None = None,
+                    environment_url: str | None = None) -> list[str]:
     """verl Hydra overrides for `ppo_trainer.yaml` from our typed params, then `train.verl.extra_overrides`.
 
     `val_files` defaults to every evaluation set named by params (`train_verl` passes the existing ones).
@@ -211,7 +208,7 @@ def build_overrides(params: Params, *, val_files: list[Path] | None = None) -> l
         _kv("trainer.project_name", params.mlflow.experiment),
         _kv("trainer.experiment_name", f"prompt-r1-{params.profile}"),
         *_lora_overrides(params),
-        *agent_loop_overrides(params),
+        *agent_loop_overrides(params, environment_url),
     ]
     return [*overrides, *v.extra_overrides]
 
@@ -228,9 +225,15 @@ def reward_kwargs_overrides(params: Params) -> list[str]:
     return out
 
 
-def agent_loop_overrides(params: Params) -> list[str]:
-    """The `+prompt_r1.*` block the agent-loop workers read (see verl_agent_loop.LoopSettings)."""
+def agent_loop_overrides(params: Params, environment_url: str | None = None) -> list[str]:
+    """The `+prompt_r1.*` block the agent-loop workers read (see verl_agent_loop.LoopSettings).
+
+    `environment_url` is the endpoint the stage started or health-checked; workers get exactly that one as
+    `base_url`, so they never guess a host (on several nodes it must not be loopback: `promptr1 check`).
+    """
     env = params.environment
+    if environment_url:
+        env = env.model_copy(update={"base_url": environment_url})
     out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
     out += [
         _kv("+prompt_r1.agent.max_turns", params.agent.max_turns),
@@ -283,11 +286,21 @@ def _preflight(params: Params) -> list[Path]:
 def train_verl(params: Params, run: Any) -> None:
     """Run verl's PPO trainer (GRPO) with our agent loop and reward; `run` is the active MLflow child run.
 
+    The environment's lifecycle belongs to this stage, as in the local backend: started (or reused once it
+    serves the configured model) and health-checked before verl starts, stopped however verl ends.
     Raises UserError (with the log tail) when verl exits non-zero.
     """
-    from pipeline.tracking import tracking_uri
+    from pipeline.environment.servers import environment_server
 
     val_files = _preflight(params)
+    with environment_server(params) as url:  # started/reused and health-checked here, stopped on any exit
+        _launch(params, run, val_files, url)
+
+
+def _launch(params: Params, run: Any, val_files: list[Path], environment_url: str) -> None:
+    """Start verl's trainer against the running environment at `environment_url` and wait for it."""
+    from pipeline.tracking import tracking_uri
+
     run_id = run.info.run_id
     uri = tracking_uri(params)
     parts = urlsplit(uri)
@@ -295,7 +308,8 @@ def train_verl(params: Params, run: Any) -> None:
         # verl prints and saves its whole config, and the overrides go to reports/ and MLflow.
         raise UserError("the MLflow tracking URI carries credentials; set MLFLOW_TRACKING_USERNAME / "
                         "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) on every node instead")
-    overrides = build_overrides(params, val_files=val_files) + _mlflow_runtime_env_overrides(uri, run_id)
+    overrides = (build_overrides(params, val_files=val_files, environment_url=environment_url)
+                 + _mlflow_runtime_env_overrides(uri, run_id))
 
     reports = params.path(params.paths.reports_dir) / "train"
     reports.mkdir(parents=True, exist_ok=True)
@@ -319,6 +333,9 @@ def train_verl(params: Params, run: Any) -> None:
         hint = ""
         if "Could not find any running Ray instance" in tail:
             hint = " (no Ray cluster: run `ray start --head` first, or set train.verl.ray_address='')"
+        elif "EnvironmentUnhealthy" in tail:
+            hint = (" (the environment failed too often: see environment.max_failure_rate; the last checkpoint"
+                    f" in {params.paths.checkpoint_dir} is kept and `promptr1 train` resumes from it)")
         raise UserError(f"verl training failed with exit code {rc}{hint}; see {reports / 'verl.log'}. "
                         f"Last lines:\n{tail}")
     rows = export_steps_csv(run_id, reports / "steps.csv")

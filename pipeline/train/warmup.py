@@ -27,7 +27,7 @@ Design decisions:
   order. `demonstrations` distinct demos are built and cycled through (each costs `interaction_turns`
   environment calls; 0 = one fresh demo per slot).
 - **Loss**: mean negative log-likelihood over the agent tokens (mask 1) of the step's demos (token-mean, like
-  the GRPO loss), log-probs from the same padded forward the GRPO update uses (`local.response_log_probs`,
+  the GRPO loss), log-probs from the same padded forward the GRPO update uses (`batch.response_log_probs`,
   temperature 1). Environment and template tokens (mask 0) are context only.
 - **Own optimizer**: an AdamW with `warmup.lr`, dropped afterwards; GRPO's optimizer starts fresh (its
   moments should not carry the supervised gradients' scale).
@@ -66,6 +66,7 @@ from pipeline.agent.protocol import (
 )
 from pipeline.config import Params
 from pipeline.errors import DataError
+from pipeline.train.batch import collate, response_log_probs
 from pipeline.types import PromptItem, Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -228,8 +229,6 @@ def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, en
 def warmup_loss(model: torch.nn.Module, demos: list[Trajectory], pad_id: int, micro_batch_size: int,
                 device: torch.device) -> tuple[float, int]:
     """Backward the mean NLL over the demos' agent tokens (micro-batched); returns (loss, agent tokens)."""
-    from pipeline.train.local import collate, response_log_probs
-
     total_tokens = sum(sum(d.response_mask) for d in demos)
     loss_sum = 0.0
     ordered = sorted(demos, key=lambda d: len(d.prompt_ids) + len(d.response_ids))

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from flows.demo_project import free_port
+from demo_project import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,9 @@
 """A tiny real DVC project with the pipeline's stage names, for testing and timing the flow machinery.
 
+Test scaffolding, not part of the package: tests import it as `demo_project` (tests/ is on pytest's path,
+like fault_server.py), benchmarks put tests/ on sys.path first. It also holds the tests' process helpers
+`free_port()` and `pid_alive()`.
+
 The real stages take minutes and need the models; the flow's own behaviour (stage tasks, DVC skipping,
 experiments, environment lifecycle, locking, failure handling) does not. `make_demo_project()` writes a
 git + DVC project whose five stages (build → train → merge → evaluate → register) are one-line Python
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from flows.dvc_steps import subprocess_env
 from pipeline.config import Params
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -124,8 +129,6 @@ _GIT = ["git", "-c", "user.name=promptr1-demo", "-c", "user.email=demo@example.i
 
 
 def _run(cmd: list[str], cwd: Path) -> None:
-    from flows.dvc_steps import subprocess_env
-
     subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True, env=subprocess_env(), timeout=120)
 
 

@@ -1,0 +1,231 @@
+"""The evaluation report: metrics.json's content turned into files and MLflow records.
+
+Outputs, all under `reports/eval/`:
+- `metrics.json`: the content `scores.aggregate` builds plus environment usage and wall time (DVC metrics);
+- `plot_data.csv`: F1, the one metric every dataset reports, per dataset × system with CI bounds (the DVC
+  bar plot);
+- `plots/<dataset>.png`: bars with CI error bars for every metric the dataset reports;
+- `predictions.parquet`: one row per question per system: inputs, prediction, per-metric scores in both
+  modes, the trajectory as JSON, environment usage;
+- `summary.md`: the averages, deltas, per-dataset means and environment usage, in tables.
+
+Design decisions:
+- **Atomic writes** (temporary file + rename): a killed stage never leaves a half-written output.
+- **MLflow** gets the same numbers under flat keys (`flat_metrics`), the evaluation rows as dataset inputs,
+  the predictions as a table, and the files above as artifacts of the evaluate run.
+- Plots are drawn with matplotlib's Agg backend (no display), imported only when plotting.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from pipeline import metrics as M
+from pipeline.data.schema import write_json_atomic, write_parquet_atomic, write_text_atomic
+from pipeline.evaluation.scores import SPLITS, Scores, other_mode
+from pipeline.evaluation.systems import SYSTEM_LABELS, Answer
+from pipeline.types import EvalRow
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
+
+PLOT_METRIC = "f1"
+SUMMARY_METRICS = ("em", "f1", "ssim", "sm")
+"""The columns of summary.md's averages and deltas tables."""
+
+
+def predictions_frame(all_answers: dict[str, dict[str, list[Answer]]], all_scores: dict[str, Scores],
+                      rows_by_ds: dict[str, list[EvalRow]]) -> pd.DataFrame:
+    """One row per (system, question): inputs, prediction, per-metric scores (both modes), trajectory, usage."""
+    records = []
+    for system, answers in all_answers.items():
+        for name, rows in rows_by_ds.items():
+            for i, (row, ans) in enumerate(zip(rows, answers[name], strict=True)):
+                rec: dict[str, Any] = {
+                    "system": system, "dataset": name, "split": row.split, "row": row.index, "uid": row.id,
+                    "question": row.question, "gold": list(row.answers), "prediction": ans.prediction,
+                }
+                for metric in M.ALL_METRICS:
+                    rec[metric] = all_scores[system]["ours"][name].get(metric, [np.nan] * len(rows))[i]
+                    rec[f"ref_{metric}"] = all_scores[system]["reference"][name].get(metric, [np.nan] * len(rows))[i]
+                rec.update({
+                    "turns": ans.turns, "stop_reason": ans.stop_reason,
+                    "trajectory": json.dumps(ans.trajectory, ensure_ascii=False, default=str),
+                    "env_calls": ans.usage.calls, "env_cache_hits": ans.usage.cache_hits,
+                    "env_prompt_tokens": ans.usage.prompt_tokens,
+                    "env_completion_tokens": ans.usage.completion_tokens,
+                    "env_errors": ans.usage.errors, "env_cost_usd": ans.usage.cost_usd, "seconds": ans.seconds,
+                })
+                records.append(rec)
+    return pd.DataFrame.from_records(records)
+
+
+def plot_rows(summary: dict[str, Any]) -> pd.DataFrame:
+    """plot_data.csv: F1 (the one metric every dataset reports) per dataset × system, with CI bounds."""
+    rows = []
+    for d, per_system in summary["per_dataset"].items():
+        for system, entry in per_system.items():
+            ci = entry[PLOT_METRIC]
+            rows.append({"dataset_system": f"{d} | {system}", "dataset": d, "system": system,
+                         "metric": PLOT_METRIC, "score": ci["mean"], "low": ci["low"], "high": ci["high"]})
+    return pd.DataFrame(rows)
+
+
+def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
+    """One PNG per dataset: grouped bars (metric × system) with CI error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    systems = summary["systems"]
+    width = 0.8 / max(1, len(systems))
+    for d, per_system in summary["per_dataset"].items():
+        metrics_ = M.reported_metrics(d)
+        fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(metrics_), 3.2))
+        x = np.arange(len(metrics_))
+        for k, system in enumerate(systems):
+            cis = [per_system[system][m] for m in metrics_]
+            means = np.array([c["mean"] for c in cis])
+            err = np.array([[c["mean"] - c["low"] for c in cis], [c["high"] - c["mean"] for c in cis]])
+            ax.bar(x + (k - (len(systems) - 1) / 2) * width, means, width, yerr=err, capsize=3, label=system)
+        ax.set_xticks(x, [m.upper() for m in metrics_])
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("score (points)")
+        ax.set_title(f"{d} ({summary['mode']} mode, {int(summary['confidence'] * 100)}% bootstrap CI)", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
+        fig.tight_layout()
+        path = out_dir / f"{d}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def format_ci(ci: dict[str, float] | None) -> str:
+    """`mean [low, high]` in points, or a dash when the metric is not reported."""
+    return "–" if ci is None else f"{ci['mean']:.2f} [{ci['low']:.2f}, {ci['high']:.2f}]"
+
+
+def summary_markdown(summary: dict[str, Any], params: Params) -> str:
+    """A short human-readable report of metrics.json."""
+    mode = summary["mode"]
+    systems = summary["systems"]
+    lines = [
+        "# Evaluation summary",
+        "",
+        (f"{summary['rows_per_dataset']} rows per dataset; scores in points; metrics mode `{mode}` "
+        f"(the `{other_mode(mode)}` numbers are in metrics.json); {int(summary['confidence'] * 100)}% bootstrap CIs "
+        f"in brackets."),
+        "",
+        "Systems: " + "; ".join(f"`{s}` = {SYSTEM_LABELS.get(s, s)}" for s in systems) + ".",
+        f"env_only prompt: the question, a blank line, then: \"{params.evaluate.env_only_instruction}\"",
+        "",
+        "## Averages",
+        "",
+        "| system | split | EM | F1 | SSim | SM |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in systems:
+        for split in SPLITS:
+            av = summary["averages"][s][split]
+            lines.append(f"| {s} | {split} | " + " | ".join(format_ci(av.get(m)) for m in SUMMARY_METRICS) + " |")
+    if summary["deltas"]:
+        lines += ["", "## Deltas of prompt_r1 (paired bootstrap)", "", "| vs | split | EM | F1 | SSim | SM |",
+                  "|---|---|---|---|---|---|"]
+        for vs, per_split in summary["deltas"].items():
+            for split in SPLITS:
+                cells = []
+                for m in SUMMARY_METRICS:
+                    c = per_split[split].get(m)
+                    cells.append("–" if c is None else f"{c['delta']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]")
+                lines.append(f"| {vs.removeprefix('vs_')} | {split} | " + " | ".join(cells) + " |")
+    lines += ["", "## Per dataset (mean)", "", "| dataset | metric | " + " | ".join(systems) + " |",
+              "|---|---|" + "---|" * len(systems)]
+    for d, per_system in summary["per_dataset"].items():
+        for m in M.reported_metrics(d):
+            lines.append(f"| {d} | {m.upper()} | " + " | ".join(f"{per_system[s][m]['mean']:.2f}" for s in systems)
+                         + " |")
+    lines += ["", "## Environment usage", "", ("| system | calls | cache hits | prompt tok | completion tok | errors |"
+              " cost USD |"), "|---|---|---|---|---|---|---|"]
+    for s, u in summary["env_usage"].items():
+        lines.append(f"| {s} | {u['calls']} | {u['cache_hits']} | {u['prompt_tokens']} | {u['completion_tokens']} |"
+                     f" {u['errors']} | {u['cost_usd']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def flat_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """MLflow metric keys: `<system>/<dataset>/<metric>`, `<system>/<split>/<metric>[_low|_high]`, deltas."""
+    out: dict[str, float] = {}
+    for d, per_system in summary["per_dataset"].items():
+        for s, entry in per_system.items():
+            for m, ci in entry.items():
+                out[f"{s}/{d}/{m}"] = ci["mean"]
+    for s, per_split in summary["averages"].items():
+        for split, entry in per_split.items():
+            for m, ci in entry.items():
+                out[f"{s}/{split}/{m}"] = ci["mean"]
+                out[f"{s}/{split}/{m}_low"] = ci["low"]
+                out[f"{s}/{split}/{m}_high"] = ci["high"]
+    for vs, per_split in summary["deltas"].items():
+        for split, entry in per_split.items():
+            for m, c in entry.items():
+                out[f"delta_{vs}/{split}/{m}"] = c["delta"]
+    other = other_mode(summary["mode"])
+    for s, per_split in summary[other]["averages"].items():
+        for split, entry in per_split.items():
+            for m, ci in entry.items():
+                out[f"{other}/{s}/{split}/{m}"] = ci["mean"]
+    for s, u in summary["env_usage"].items():
+        for k, v in u.items():
+            out[f"env/{s}/{k}"] = float(v)
+    return out
+
+
+def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, params: Params, out_dir: Path) -> list[Path]:
+    """Every file of the report under `out_dir`, each written atomically; returns the plots' paths."""
+    write_parquet_atomic(pa.Table.from_pandas(predictions, preserve_index=False), out_dir / "predictions.parquet")
+    write_json_atomic(summary, out_dir / "metrics.json")
+    write_text_atomic(plot_rows(summary).to_csv(index=False), out_dir / "plot_data.csv")
+    plots = write_plots(summary, out_dir / "plots")
+    write_text_atomic(summary_markdown(summary, params), out_dir / "summary.md")
+    return plots
+
+
+def _input_frame(rows: list[EvalRow]) -> pd.DataFrame:
+    return pd.DataFrame({
+        "uid": [r.id for r in rows],
+        "question": [r.question for r in rows],
+        "gold_answers": [json.dumps(r.answers, ensure_ascii=False) for r in rows],
+    })
+
+
+def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: dict[str, list[EvalRow]],
+               params: Params, out_dir: Path, plots: list[Path]) -> None:
+    """Params, flat metrics, dataset inputs, the predictions table and the report files, to the active run."""
+    import mlflow
+
+    from pipeline.tracking import log_dataset_inputs
+
+    mlflow.log_params({"evaluate.rows_per_dataset": params.evaluate.rows_per_dataset,
+                       "evaluate.systems": ",".join(summary["systems"]),
+                       "evaluate.metrics_mode": params.evaluate.metrics_mode})
+    mlflow.log_metrics(flat_metrics(summary))
+    eval_dir = params.path(params.paths.rl_dir) / "eval"
+    log_dataset_inputs({f"eval/{d}": (_input_frame(rows), eval_dir / f"{d}.parquet")
+                        for d, rows in rows_by_ds.items()}, context="evaluation")
+    mlflow.log_table(predictions.assign(gold=predictions["gold"].map(lambda g: json.dumps(list(g)))),
+                     artifact_file="eval/predictions.json")
+    for name in ("metrics.json", "summary.md", "plot_data.csv"):
+        mlflow.log_artifact(str(out_dir / name), artifact_path="eval")
+    for path in plots:
+        mlflow.log_artifact(str(path), artifact_path="eval/plots")
+    mlflow.set_tags({"eval.mode": summary["mode"], "eval.systems": ",".join(summary["systems"])})

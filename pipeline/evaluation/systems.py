@@ -1,0 +1,163 @@
+"""The systems the evaluate stage compares, run over the evaluation rows by one harness.
+
+Design decisions:
+- **Systems.** All systems answer the same rows and are scored by the same code:
+  - `prompt_r1`: the merged agent (`paths.model_dir`) with the environment, through the same
+    `rollout()` training uses, greedy (temperature 0), up to `agent.max_turns` turns;
+  - `env_only` ("w/o agent"): the environment answers the question directly: the question followed
+    by `evaluate.env_only_instruction` (answer or complete the task; for short-answer questions reply
+    with only the answer), one call, empty history, the method's system message;
+  - `agent_only` ("w/o environment"): the merged agent answers alone in a single turn: the question
+    followed by `evaluate.agent_only_instruction` (think, then `<answer>`), no interaction;
+  - `base_agent` ("w/o RL"): the untrained `agent.model` with the environment, like `prompt_r1`.
+  A prediction is the text inside the final `<answer>` tags for agents ('' when there is none, as the
+  reward reads it) and the whole reply for the environment alone.
+- **One harness** (`run_system`). A system is an `AnswerBatch`: an async function from a batch of rows to
+  their answers, in row order. The harness walks each dataset in batches of `evaluate.batch_size` (one
+  batch at a time: a batch is what the agent generates together, and the environment client's semaphore
+  bounds the calls inside it), with one event loop and one progress bar (in questions) per dataset.
+  The agent's synchronous `generate` runs in a worker thread, as in `rollout()`.
+- Loading models and starting the environment is the stage's job (`pipeline.evaluate`): the functions
+  here take a ready policy and environment client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from pipeline.agent.protocol import ANSWER_CLOSE, THINK_OPENER, ConversationBuilder, parse_turn
+from pipeline.agent.rollout import rollout, trajectory_record
+from pipeline.types import EvalRow, PromptItem, Trajectory, UsageStats
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
+
+TRAINED = "prompt_r1"
+BASELINES = ("env_only", "agent_only", "base_agent")
+"""Every baseline `evaluate.baselines` may name, in the order reports list them (after `prompt_r1`)."""
+SYSTEM_LABELS = {
+    TRAINED: "Prompt-R1 (trained agent + environment)",
+    "env_only": "environment alone (w/o agent)",
+    "agent_only": "agent alone (w/o environment)",
+    "base_agent": "untrained agent + environment (w/o RL)",
+}
+
+
+@dataclass
+class Answer:
+    """One system's answer to one row, with what it cost."""
+
+    prediction: str
+    turns: int = 1
+    stop_reason: str = ""
+    trajectory: list[dict[str, Any]] = field(default_factory=list)
+    usage: UsageStats = field(default_factory=UsageStats)
+    seconds: float = 0.0
+
+
+AnswerBatch = Callable[[Sequence[EvalRow]], Awaitable[list[Answer]]]
+"""A system: the answers to a batch of rows, in row order."""
+
+
+def run_system(system: str, answer_batch: AnswerBatch, rows_by_ds: dict[str, list[EvalRow]],
+               batch_size: int) -> dict[str, list[Answer]]:
+    """Every dataset's rows through `answer_batch`, `batch_size` at a time, a progress bar per dataset."""
+
+    async def one_dataset(rows: list[EvalRow], bar: tqdm) -> list[Answer]:
+        answers: list[Answer] = []
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            answers.extend(await answer_batch(chunk))
+            bar.update(len(chunk))
+        return answers
+
+    out: dict[str, list[Answer]] = {}
+    for name, rows in rows_by_ds.items():
+        with tqdm(total=len(rows), desc=f"{system} · {name}", unit="q") as bar:
+            out[name] = asyncio.run(one_dataset(rows, bar))
+    return out
+
+
+def _answer_from(traj: Trajectory) -> Answer:
+    return Answer(prediction=traj.answer, turns=traj.num_turns, stop_reason=traj.stop_reason,
+                  trajectory=trajectory_record(traj), usage=traj.usage,
+                  seconds=traj.generation_s + traj.environment_s)
+
+
+def _prompt_items(rows: Sequence[EvalRow]) -> list[PromptItem]:
+    return [PromptItem(uid=r.id, messages=r.messages, gold_answers=r.answers, data_source=r.dataset,
+                       question=r.question) for r in rows]
+
+
+def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
+                               system: str) -> dict[str, list[Answer]]:
+    """`rollout()` (greedy) on every dataset: the trained agent (`prompt_r1`) or the untrained one."""
+
+    async def answer_batch(chunk: Sequence[EvalRow]) -> list[Answer]:
+        trajs = await rollout(
+            policy, env, _prompt_items(chunk), group_size=1, max_turns=params.agent.max_turns,
+            max_turn_tokens=params.evaluate.agent_max_turn_tokens,
+            max_response_tokens=params.agent.max_response_tokens,
+            env_reply_max_chars=params.agent.env_reply_max_chars, temperature=0.0, top_p=1.0,
+            return_logprobs=False, reward_fn=None, progress=False,
+            max_prompt_tokens=params.agent.max_prompt_tokens,
+        )
+        return [_answer_from(t) for t in trajs]
+
+    return run_system(system, answer_batch, rows_by_ds, params.evaluate.batch_size)
+
+
+def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params) -> dict[str, list[Answer]]:
+    """The agent answers alone in one turn (no environment): greedy, stops at `</answer>`."""
+    builder = ConversationBuilder(policy.tokenizer)
+    instruction = params.evaluate.agent_only_instruction
+
+    async def answer_batch(chunk: Sequence[EvalRow]) -> list[Answer]:
+        prompts = [builder.start([{"role": "user", "content": f"Question: {r.question}\n{instruction}"}])
+                   for r in chunk]
+        start = time.perf_counter()
+        gens = await asyncio.to_thread(policy.generate, prompts,
+                                       max_new_tokens=params.evaluate.agent_max_turn_tokens, temperature=0.0,
+                                       top_p=1.0, stop=[ANSWER_CLOSE], return_logprobs=False)
+        per_row = (time.perf_counter() - start) / max(1, len(chunk))
+        answers = []
+        for gen in gens:
+            text = THINK_OPENER + gen.text  # the builder opened the turn, as the rollout parses it
+            parsed = parse_turn(text)
+            answers.append(Answer(
+                prediction=parsed.answer or "", turns=1,
+                stop_reason="answer" if parsed.answer is not None else "no_answer",
+                trajectory=[{"text": text, "think": parsed.think, "answer": parsed.answer,
+                             "complete_final": parsed.complete_final, "issues": parsed.issues,
+                             "agent_tokens": len(gen.token_ids)}],
+                seconds=per_row,
+            ))
+        return answers
+
+    return run_system("agent_only", answer_batch, rows_by_ds, params.evaluate.batch_size)
+
+
+def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params) -> dict[str, list[Answer]]:
+    """The environment answers each question directly (one call, no agent); a batch's calls run together."""
+    instruction = params.evaluate.env_only_instruction
+
+    async def one(row: EvalRow) -> Answer:
+        prompt = f"{row.question}\n\n{instruction}"
+        reply = await env.reply([], prompt)
+        usage = UsageStats()
+        usage.add(reply)
+        prediction = "" if reply.error else reply.text.strip()
+        return Answer(prediction=prediction, turns=1, stop_reason="error" if reply.error else "answer",
+                      trajectory=[{"prompt": prompt, "environment": asdict(reply)}], usage=usage,
+                      seconds=reply.latency_s)
+
+    async def answer_batch(chunk: Sequence[EvalRow]) -> list[Answer]:
+        return list(await asyncio.gather(*(one(r) for r in chunk)))
+
+    return run_system("env_only", answer_batch, rows_by_ds, params.evaluate.batch_size)

@@ -1,0 +1,71 @@
+"""Process settings every entry point applies first: telemetry off, logging to stderr, SIGTERM as Ctrl-C.
+
+The entry points (`promptr1` in pipeline/cli.py, `python -m flows.retrain`, the flow's DVC subprocesses)
+all need the same process-wide setup; it lives here, below every stage module, so that no entry point
+imports another for it. Design decisions:
+
+- **Telemetry is off unless the user said otherwise.** `TELEMETRY_OFF` is set with `setdefault`: a value
+  already in the environment (a user opting in, a test harness) wins. The same table is handed to every
+  subprocess the flow starts (flows/dvc_steps.py), so a stage run by DVC is as quiet as one run by hand.
+- **Logs go to stderr**, stdout stays for results a user or a script reads; the HTTP and lock libraries'
+  per-request INFO lines are raised to WARNING, since every stage talks HTTP to its environment server.
+- **SIGTERM unwinds like Ctrl-C** (`terminate_as_interrupt`): a process manager, `timeout` or `kill` then
+  runs the `finally` blocks that stop servers and child process groups instead of orphaning them. Only the
+  main thread can own signal handlers; elsewhere the context manager does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+TELEMETRY_OFF: dict[str, str] = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "GX_ANALYTICS_ENABLED": "false",
+    "DVC_NO_ANALYTICS": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""Environment variables that switch off the usage reporting of the libraries the pipeline runs."""
+
+NOISY_LOGGERS = ("httpx", "urllib3", "filelock", "alembic", "openai._base_client")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def quiet_telemetry() -> None:
+    """Set every `TELEMETRY_OFF` variable this process has not set already."""
+    for key, value in TELEMETRY_OFF.items():
+        os.environ.setdefault(key, value)
+
+
+def configure_logging(verbose: bool = False) -> None:
+    """Root logging to stderr (DEBUG with `verbose`, else INFO), per-request library chatter at WARNING."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    for noisy in NOISY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt (main thread only); the old handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,257 @@
+"""One GRPO step of the local backend (`LocalTrainer.step`): transformers + PyTorch on CPU or one GPU.
+
+A step reads top to bottom:
+1. draw `batch_size` questions (`pipeline.train.questions`: seeded shuffle per epoch, position checkpointed);
+2. roll out G trajectories per question with the core rollout (`pipeline.agent.rollout`, the same code
+   evaluation and `promptr1 ask` use) against the environment, scored by `pipeline.reward`;
+3. GRPO update (`pipeline.train.grpo`: verl's advantage, clipped loss, low-var KL, token-mean), over
+   PPO mini-batches of `mini_batch_size` questions, in micro-batches of `micro_batch_size` trajectories;
+4. its metrics under verl's names (`pipeline.train.step_metrics`); the caller logs and checkpoints them.
+
+Design decisions:
+- **old_log_prob is recomputed by the training forward, not taken from the sampler.** The sampler's
+  log-probs come from a different code path (KV-cache decoding, temperature/top-p processing), so their
+  ratio to the training forward is not exactly 1 even before any update, and PPO clipping would act on
+  numerical noise. verl recomputes them for the same reason. The recompute is free in the common
+  on-policy case: for the first mini-batch of the first PPO epoch no parameter has changed since
+  sampling, so `old_log_prob = log_prob.detach()` is exact. Only later mini-batches/epochs need an extra
+  no-grad forward, done before the first optimizer step. The sampler's log-probs are still requested
+  and their gap to the recomputed ones is logged (`training/rollout_logprob_diff_*`) as a sanity check.
+- **Layout and log-probs as verl's** (`pipeline.train.batch`): left-padded prompts, right-padded responses,
+  logits on response positions only, at temperature `agent.temperature`.
+- **Micro-batches are sorted by length** within a mini-batch to cut padding; the loss is normalised by
+  the mini-batch's agent-token count, so the split does not change the gradient.
+- Timing: the rollout alternates batched generation rounds with rounds of concurrent environment calls,
+  so its wall time splits cleanly: `timing_s/gen` = generation wall time, `timing_s/env` = the rest of
+  the rollout (environment rounds), `timing_s/rollout` = both (what verl calls `timing_s/gen`, which
+  includes the agent loop's tool/environment calls). `timing_s/update` covers the reference forward, any
+  old-log-prob recompute and all forward/backward/optimizer work; `timing_s/step` everything.
+- Sampling is seeded per step (`seed`, step number): a resumed run draws the same questions and samples
+  with the same generator state as the killed run would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import pandas as pd
+import torch
+
+from pipeline.config import Params
+from pipeline.train.batch import RolloutBatch, collate, response_log_probs
+from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
+from pipeline.train.models import PolicyModels
+from pipeline.train.questions import QuestionSampler, prompt_item_from_row
+from pipeline.train.step_metrics import rollout_metrics
+from pipeline.types import PromptItem, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UpdateResult:
+    metrics: dict[str, float]
+    tokens: int
+    """Non-padding tokens through the policy forward+backward (all PPO epochs)."""
+    policy_s: float
+    """Wall time of the policy forward/backward/optimizer work alone (for throughput)."""
+
+
+class LocalTrainer:
+    """Holds the policy, optimizer and data position; `step()` runs one GRPO iteration."""
+
+    def __init__(self, params: Params, models: PolicyModels, frame: pd.DataFrame, device: torch.device,
+                 sampler: QuestionSampler) -> None:
+        self.params = params
+        self.cfg = params.train
+        self.models = models
+        self.frame = frame
+        self.device = device
+        self.sampler = sampler
+        self.objective = GRPOObjective.from_config(self.cfg)
+        self.optimizer = torch.optim.AdamW(models.trainable_parameters(), lr=self.cfg.lr,
+                                           weight_decay=self.cfg.weight_decay)
+        self.temperature = params.agent.temperature if params.agent.temperature > 0 else 1.0
+        self._policy = None
+
+    # -- rollout -----------------------------------------------------------------------------------
+    def policy(self):
+        if self._policy is None:
+            from pipeline.agent.policy import TransformersPolicy
+
+            self._policy = TransformersPolicy(self.models.model, self.models.tokenizer, self.device)
+        return self._policy
+
+    def draw_items(self) -> list[PromptItem]:
+        rows = self.sampler.next_batch(self.cfg.batch_size)
+        records = self.frame.iloc[rows].to_dict("records")
+        return [prompt_item_from_row(r, i) for r, i in zip(records, rows, strict=True)]
+
+    def rollout(self, env, items: list[PromptItem], step: int) -> list[Trajectory]:
+        from pipeline.agent.rollout import run_rollout
+        from pipeline.reward import reward_for_trajectory
+
+        a = self.params.agent
+        policy = self.policy()
+        # Sampling depends on (seed, step) only, so a resumed run samples what the killed one would have.
+        policy.generator.manual_seed(self.params.seed * 1_000_003 + step)
+        self.models.model.eval()
+        with torch.no_grad():
+            trajectories = run_rollout(
+                policy, env, items, group_size=self.cfg.group_size, max_turns=a.max_turns,
+                max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
+                env_reply_max_chars=a.env_reply_max_chars, temperature=a.temperature, top_p=a.top_p,
+                return_logprobs=True, reward_fn=partial(reward_for_trajectory, cfg=self.params.reward),
+                progress=False, max_prompt_tokens=a.max_prompt_tokens,
+            )
+        if len(trajectories) != len(items) * self.cfg.group_size:
+            raise RuntimeError(f"rollout returned {len(trajectories)} trajectories for {len(items)} questions "
+                               f"x G={self.cfg.group_size}")
+        for t in trajectories:
+            if t.reward is None:
+                t.reward = reward_for_trajectory(t, self.params.reward)
+        return trajectories
+
+    # -- update ------------------------------------------------------------------------------------
+    def micro_batches(self, trajectories: Sequence[Trajectory], indices: Sequence[int]) -> list[list[int]]:
+        """Split a mini-batch into micro-batches of similar length (less padding)."""
+        ordered = sorted(indices, key=lambda i: len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids))
+        size = self.cfg.micro_batch_size
+        return [ordered[k : k + size] for k in range(0, len(ordered), size)]
+
+    def update(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> UpdateResult:
+        """GRPO update over PPO epochs × mini-batches; returns the averaged actor metrics."""
+        g = self.cfg.group_size
+        pad_id = self.models.tokenizer.pad_token_id
+        n_items = len(trajectories) // g
+        per_mini = self.cfg.mini_batch_size
+        mini_batches = [list(range(q * g, min(q + per_mini, n_items) * g)) for q in range(0, n_items, per_mini)]
+        plan = [self.micro_batches(trajectories, mb) for mb in mini_batches]
+        batches: dict[tuple[int, int], RolloutBatch] = {}
+        ref_lp: dict[tuple[int, int], torch.Tensor] = {}
+        old_lp: dict[tuple[int, int], torch.Tensor] = {}
+        need_old = {m for m in range(len(plan)) if m > 0 or self.cfg.ppo_epochs > 1}
+        timings = {"timing_s/ref": 0.0, "timing_s/old_log_prob": 0.0}
+        diffs: list[float] = []
+
+        self.models.model.eval()
+        for m, micros in enumerate(plan):
+            for k, idx in enumerate(micros):
+                batch = collate([trajectories[i] for i in idx], pad_id).to(self.device)
+                batches[(m, k)] = batch
+                with torch.no_grad():
+                    if self.cfg.use_kl_loss:
+                        t0 = time.perf_counter()
+                        with self.models.reference_context():
+                            ref_lp[(m, k)] = response_log_probs(self.models.reference_model, batch,
+                                                                self.temperature)
+                        timings["timing_s/ref"] += time.perf_counter() - t0
+                    if m in need_old:
+                        t0 = time.perf_counter()
+                        old_lp[(m, k)] = response_log_probs(self.models.model, batch, self.temperature)
+                        timings["timing_s/old_log_prob"] += time.perf_counter() - t0
+
+        self.models.model.train()
+        agg: dict[str, list[float]] = {}
+        tokens = 0
+        t_policy = time.perf_counter()
+        for _epoch in range(self.cfg.ppo_epochs):
+            for m, micros in enumerate(plan):
+                mb_tokens = sum(batches[(m, k)].response_mask.sum() for k in range(len(micros)))
+                mb_tokens = int(mb_tokens)
+                mb_size = sum(len(idx) for idx in micros)
+                if mb_tokens == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                sums: dict[str, float] = {}
+                for k, idx in enumerate(micros):
+                    batch = batches[(m, k)]
+                    log_prob = response_log_probs(self.models.model, batch, self.temperature)
+                    old = old_lp[(m, k)] if (m, k) in old_lp else log_prob.detach()
+                    adv = torch.zeros_like(log_prob)
+                    width = min(adv.shape[1], advantages.shape[1])
+                    adv[:, :width] = advantages[idx, :width].to(adv)
+                    loss, parts = grpo_loss(log_prob, old, adv, batch.response_mask, self.objective,
+                                            ref_log_prob=ref_lp.get((m, k)), batch_num_tokens=mb_tokens,
+                                            global_batch_size=mb_size)
+                    loss.backward()
+                    tokens += batch.num_tokens
+                    share = float(batch.response_mask.sum()) / mb_tokens
+                    for key, value in parts.items():
+                        # losses are already this micro-batch's share; ratios/fractions are weighted here
+                        sums[key] = sums.get(key, 0.0) + (value if key in ("actor/pg_loss", "actor/kl_loss")
+                                                          else value * share)
+                    if _epoch == 0 and batch.sampling_log_probs is not None:
+                        gap = (old - batch.sampling_log_probs).abs()[batch.response_mask.bool()]
+                        if gap.numel():
+                            diffs.extend(gap.tolist())
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.models.trainable_parameters(), self.cfg.grad_clip)
+                if not torch.isfinite(grad_norm):
+                    log.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm)
+                    self.optimizer.zero_grad(set_to_none=True)
+                else:
+                    self.optimizer.step()
+                sums["actor/grad_norm"] = float(grad_norm)
+                for key, value in sums.items():
+                    agg.setdefault(key, []).append(value)
+        policy_s = time.perf_counter() - t_policy
+        metrics = {k: statistics.fmean(v) for k, v in agg.items()}
+        metrics.setdefault("actor/pg_loss", 0.0)
+        metrics.setdefault("actor/kl_loss", 0.0)
+        metrics.setdefault("actor/grad_norm", 0.0)
+        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
+        metrics["actor/num_optimizer_steps"] = float(len(agg.get("actor/grad_norm", [])))
+        if diffs:
+            metrics["training/rollout_logprob_diff_mean"] = statistics.fmean(diffs)
+            metrics["training/rollout_logprob_diff_max"] = max(diffs)
+        metrics.update(timings)
+        self.models.model.eval()
+        return UpdateResult(metrics=metrics, tokens=tokens, policy_s=policy_s)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self, env, step: int) -> dict[str, float]:
+        t_step = time.perf_counter()
+        items = self.draw_items()
+        t0 = time.perf_counter()
+        trajectories = self.rollout(env, items, step)
+        t_rollout = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        scores = torch.tensor([t.reward.total for t in trajectories], dtype=torch.float32)  # type: ignore[union-attr]
+        r_max = max(1, max(len(t.response_ids) for t in trajectories))
+        mask = torch.zeros((len(trajectories), r_max))
+        for i, t in enumerate(trajectories):
+            mask[i, : len(t.response_mask)] = torch.tensor(t.response_mask, dtype=torch.float32)
+        group_ids = [f"q{i // self.cfg.group_size}" for i in range(len(trajectories))]
+        advantages = grpo_advantages(scores, mask, group_ids)
+        update = self.update(trajectories, advantages)
+        t_update = time.perf_counter() - t0
+
+        metrics = rollout_metrics(trajectories, scores, advantages, mask)
+        metrics.update(update.metrics)
+        metrics.update(self.sampler_metrics())
+        # The rollout alternates batched generation rounds and environment rounds; the trajectory that
+        # lives longest took part in every generation round, so its generation_s is the generation wall.
+        gen_wall = max((t.generation_s for t in trajectories), default=0.0)
+        metrics["timing_s/rollout"] = t_rollout
+        metrics["timing_s/gen"] = gen_wall
+        metrics["timing_s/env"] = max(0.0, t_rollout - gen_wall)
+        metrics["timing_s/update"] = t_update
+        metrics["perf/update_tokens"] = float(update.tokens)
+        metrics["perf/update_tokens_per_s"] = update.tokens / update.policy_s if update.policy_s > 0 else 0.0
+        metrics["perf/update_policy_s"] = update.policy_s
+        metrics["perf/num_params"] = float(self.models.num_parameters())
+        metrics["perf/total_num_tokens"] = float(sum(len(t.prompt_ids) + len(t.response_ids)
+                                                     for t in trajectories))
+        metrics["timing_s/step"] = time.perf_counter() - t_step
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / metrics["timing_s/step"]
+        return metrics
+
+    def sampler_metrics(self) -> dict[str, float]:
+        return {"training/epoch": float(self.sampler.epoch), "training/data_position": float(self.sampler.position)}

@@ -1,0 +1,136 @@
+"""Weights before GPU time: fetch and verify every model the merged params need, before anything starts.
+
+A GPT-OSS-20B environment is ~13 GB and a Qwen3-4B agent ~8 GB; downloading them inside vLLM's startup
+timeout, while 16 GPUs wait, is the wrong place. `promptr1 weights` (and the flow's task before training)
+puts every model into the Hugging Face cache first, with progress, and verifies what it got;
+`promptr1 weights --check` only reports what is missing (exit 2), so a scheduler can gate a GPU job on it.
+Servers and trainers then start with `HF_HUB_OFFLINE=1`.
+
+Decisions:
+- **Which models** follow from the active components only: the agent (`agent.model`), the environment
+  (`environment.model`) when the pipeline serves it itself (llamacpp, vllm; a paid API needs nothing), and
+  the SSim embedding model (`evaluate.ssim_model`). Each is reported under the params key that names it.
+- **Verification** is structural, not a load: a model directory needs `config.json` and its weights (every
+  shard an `*.index.json` lists, or at least one `*.safetensors`/`*.bin`); a GGUF must be a non-empty file
+  starting with the `GGUF` magic. A load would cost minutes and GPU memory; a missing shard is what breaks.
+- **Local forms** (`pkg://…`, a path) are verified where they are; only Hub ids are fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pipeline.config import Params
+from pipeline.errors import UserError
+from pipeline.modelref import ModelRefError, resolve_model
+
+log = logging.getLogger(__name__)
+
+State = Literal["present", "fetched", "missing", "invalid"]
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*"]
+"""Files fetched from a Hub repository: config, tokenizer, safetensors weights (no *.bin / *.pth copies)."""
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """What one model the params need looks like on this machine."""
+
+    key: str
+    """The params key that names it (e.g. `environment.model`)."""
+    ref: str
+    """The reference as written in params."""
+    state: State
+    detail: str
+    """Where it is, or what is wrong / missing."""
+
+    @property
+    def ok(self) -> bool:
+        return self.state in ("present", "fetched")
+
+
+def required_models(params: Params) -> dict[str, str]:
+    """Params key → model reference, for the models the active components load."""
+    needed = {"agent.model": params.agent.model}
+    if params.environment.backend in ("llamacpp", "vllm"):
+        needed["environment.model"] = params.environment.model
+    needed["evaluate.ssim_model"] = params.evaluate.ssim_model
+    return needed
+
+
+def verify_local(location: Path) -> str | None:
+    """None when `location` holds a complete model (see module docstring), else what is wrong."""
+    if location.is_file():
+        if location.suffix != ".gguf":
+            return f"{location.name} is a file but not a .gguf model"
+        with open(location, "rb") as handle:
+            return None if handle.read(4) == b"GGUF" else f"{location.name} does not start with the GGUF magic"
+    if not location.is_dir():
+        return f"{location} does not exist"
+    if not (location / "config.json").is_file() and not (location / "modules.json").is_file():
+        return f"{location} has no config.json"
+    for index in location.glob("*.index.json"):
+        shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+        missing = sorted(s for s in shards if not (location / s).is_file())
+        if missing:
+            return f"{index.name} lists shards that are missing: {missing}"
+        return None
+    if any(location.rglob("*.safetensors")) or any(location.rglob("*.bin")):
+        return None
+    return f"{location} has no weights (*.safetensors or *.bin)"
+
+
+def _hub_snapshot(repo_id: str, *, fetch: bool) -> Path | None:
+    """The local snapshot folder of a Hub model; downloaded (with tqdm progress) when `fetch`, else cache only."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=not fetch))
+    except LocalEntryNotFoundError:
+        if fetch:
+            raise
+        return None
+
+
+def model_status(key: str, ref: str, params: Params, *, fetch: bool) -> ModelStatus:
+    """Resolve, (fetch,) and verify one model."""
+    try:
+        resolved = resolve_model(ref, params.root)
+    except ModelRefError as exc:
+        return ModelStatus(key, ref, "missing", str(exc))
+    if resolved.is_local:
+        problem = verify_local(Path(resolved.location))
+        return ModelStatus(key, ref, "invalid" if problem else "present", problem or resolved.location)
+    snapshot = _hub_snapshot(resolved.location, fetch=False)
+    state: State = "present"
+    if snapshot is None and fetch:
+        log.info("fetching %s (%s) from the Hugging Face Hub", ref, key)
+        try:
+            snapshot = _hub_snapshot(resolved.location, fetch=True)
+        except (OSError, ValueError) as exc:  # offline, network, auth, unknown repo: reported per model
+            return ModelStatus(key, ref, "missing", f"download failed: {type(exc).__name__}: {exc}")
+        state = "fetched"
+    if snapshot is None:
+        return ModelStatus(key, ref, "missing", "not in the Hugging Face cache (run `promptr1 weights`)")
+    problem = verify_local(snapshot)
+    return ModelStatus(key, ref, "invalid" if problem else state, problem or str(snapshot))
+
+
+def ensure_weights(params: Params, *, fetch: bool = True) -> list[ModelStatus]:
+    """Every model the params need: present, fetched, missing or invalid (never raises for one model)."""
+    return [model_status(key, ref, params, fetch=fetch) for key, ref in required_models(params).items()]
+
+
+def run_weights(params: Params, *, check_only: bool = False) -> list[ModelStatus]:
+    """`promptr1 weights [--check]`: log one line per model; raise UserError naming every model not ready."""
+    statuses = ensure_weights(params, fetch=not check_only)
+    for status in statuses:
+        log.info("weights: %-20s %-8s %s (%s)", status.key, status.state, status.ref, status.detail)
+    bad = [s for s in statuses if not s.ok]
+    if bad:
+        raise UserError("; ".join(f"{s.key}={s.ref!r} is {s.state}: {s.detail}" for s in bad))
+    return statuses

@@ -1,0 +1,176 @@
+"""dvc.yaml is complete: every module a stage's command imports is one of that stage's deps.
+
+DVC reruns a stage only when a listed dep changes, so a module missing from the list makes `dvc repro` say
+"up to date" for a result that would change. The truth is computed here, not written by hand: for each stage
+`promptr1 <verb>`, the module that implements the verb is the one `pipeline/cli.py` imports lazily inside the
+verb's command function; its import closure *inside this repository* (every `import`/`from … import`, also
+those inside functions, plus the package `__init__.py` files Python runs on the way) must be covered by the
+stage's deps, where a listed folder covers everything below it. A listed code dep that no longer exists fails too.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE_PACKAGES = ("pipeline", "flows")
+
+
+def module_file(name: str) -> Path | None:
+    """The file of a dotted module name inside the repo (package → its __init__.py), or None if outside."""
+    if name.split(".")[0] not in CODE_PACKAGES:
+        return None
+    base = ROOT.joinpath(*name.split("."))
+    if base.with_suffix(".py").is_file():
+        return base.with_suffix(".py")
+    if (base / "__init__.py").is_file():
+        return base / "__init__.py"
+    return None
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Dotted names a file imports, at any depth of its body (lazy imports included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    else:
+        package = package.removesuffix(".__init__")
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = parts[: len(parts) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    return names
+
+
+def with_parents(name: str) -> list[str]:
+    """`a.b.c` → `a`, `a.b`, `a.b.c`: importing a module runs every parent package's __init__ first."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def import_closure(module: str) -> set[Path]:
+    """Repo files executed when `module` is imported and its functions run (lazy imports followed)."""
+    seen: set[Path] = set()
+    todo = [module]
+    while todo:
+        for name in with_parents(todo.pop()):
+            path = module_file(name)
+            if path is None or path in seen:
+                continue
+            seen.add(path)
+            todo.extend(imported_modules(path))
+    return seen
+
+
+def verb_modules() -> dict[str, set[str]]:
+    """`promptr1` stage verb → the repo modules that implement it.
+
+    `pipeline.cli.STAGE_COMMANDS` maps each verb to a command that either names its `module:function`
+    (`command.target`) or, for commands with arguments of their own, imports its module lazily in its body.
+    """
+    import inspect
+    import textwrap
+
+    from pipeline.cli import STAGE_COMMANDS
+
+    verbs: dict[str, set[str]] = {}
+    for verb, command in STAGE_COMMANDS.items():
+        target = getattr(command, "target", None)
+        if target:
+            verbs[verb] = {target.split(":")[0]}
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(command)))
+        verbs[verb] = {n.module for n in ast.walk(body)
+                       if isinstance(n, ast.ImportFrom) and n.module and module_file(n.module)}
+    return verbs
+
+
+def render(text: str, params: dict, item: str | None) -> str:
+    """DVC's `${paths.x}` / `${item}` templating, enough for dvc.yaml's use of it."""
+    def lookup(match: re.Match) -> str:
+        key = match.group(1)
+        if key == "item":
+            return item or ""
+        value = params
+        for part in key.split("."):
+            value = value[part]
+        return str(value)
+
+    return re.sub(r"\$\{([^}]+)\}", lookup, text)
+
+
+def stages() -> list[tuple[str, str, list[str]]]:
+    """(stage name, verb, rendered deps) for every stage of dvc.yaml (a foreach stage: its first item)."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))
+    out = []
+    for name, stage in dvc["stages"].items():
+        item = None
+        if "foreach" in stage:
+            items = render(stage["foreach"], params, None) if isinstance(stage["foreach"], str) else stage["foreach"]
+            item = yaml.safe_load(items)[0] if isinstance(items, str) else items[0]
+            stage = stage["do"]
+        deps = [render(next(iter(d)) if isinstance(d, dict) else d, params, item) for d in stage.get("deps", [])]
+        verb = render(stage["cmd"], params, item).split()[1]
+        out.append((name, verb, deps))
+    return out
+
+
+def covered(path: Path, deps: list[str]) -> bool:
+    rel = path.relative_to(ROOT)
+    return any(rel == Path(d) or Path(d) in rel.parents for d in deps)
+
+
+STAGES = stages()
+
+
+@pytest.mark.parametrize(("stage", "verb", "deps"), STAGES, ids=[s[0] for s in STAGES])
+def test_stage_deps_cover_the_import_closure_of_its_verb(stage: str, verb: str, deps: list[str]) -> None:
+    modules = verb_modules()
+    assert verb in modules, f"dvc.yaml stage {stage!r} runs `promptr1 {verb}`, which pipeline/cli.py does not define"
+    assert modules[verb], f"`promptr1 {verb}` imports no pipeline module lazily: cannot tell its implementation"
+    closure = set().union(*(import_closure(m) for m in modules[verb]))
+    missing = sorted(str(p.relative_to(ROOT)) for p in closure if not covered(p, deps))
+    assert not missing, f"dvc.yaml stage {stage!r} misses deps its code imports: {missing}"
+
+
+@pytest.mark.parametrize(("stage", "verb", "deps"), STAGES, ids=[s[0] for s in STAGES])
+def test_stage_code_deps_exist(stage: str, verb: str, deps: list[str]) -> None:
+    code = [d for d in deps if d.split("/")[0] in (*CODE_PACKAGES, "profiles")]
+    gone = [d for d in code if not (ROOT / d).exists()]
+    assert not gone, f"dvc.yaml stage {stage!r} lists deps that no longer exist: {gone}"
+
+
+def test_closure_follows_lazy_imports_and_parent_packages(tmp_path: Path) -> None:
+    """The checker itself: a lazy import inside a function and the package __init__ are both in the closure."""
+    closure = {str(p.relative_to(ROOT)) for p in import_closure("pipeline.cli")}
+    assert "pipeline/__init__.py" in closure
+    assert "pipeline/config.py" in closure          # top-level import of cli
+    assert "pipeline/agent/ask.py" in closure        # imported only inside `ask()`
+    assert verb_modules()["sample"] == {"pipeline.data.sample"}  # a written-out command's lazy import
+    assert verb_modules()["register"] == {"pipeline.register"}   # a `module:function` row
+
+
+def test_a_missing_dep_is_reported() -> None:
+    """The check can fail: drop one module from the train stage's deps and it is named."""
+    _, verb, _ = next(s for s in STAGES if s[0] == "train")
+    closure = set().union(*(import_closure(m) for m in verb_modules()[verb]))
+    # Replace folder deps by their files, then drop the reward module: coverage must break exactly there.
+    files = [str(p.relative_to(ROOT)) for p in closure]
+    without = [f for f in files if f != "pipeline/reward.py"]
+    missing = [str(p.relative_to(ROOT)) for p in closure if not covered(p, without)]
+    assert missing == ["pipeline/reward.py"]
