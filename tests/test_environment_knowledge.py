@@ -10,8 +10,8 @@ import sys
 import httpx
 import pandas as pd
 import pytest
+from demo_project import free_port, pid_alive
 
-from flows.demo_project import free_port, pid_alive
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.knowledge import (
     REPLY_TEMPLATES,
