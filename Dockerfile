@@ -1,12 +1,13 @@
 # syntax=docker/dockerfile:1
 # Prompt-R1 pipeline images (one Dockerfile, two targets):
 #   docker build -t promptr1:gpu .               GPU nodes (default target): CUDA 13 base, Python 3.12,
-#                                                the `gpu` extra (vLLM + verl), llama.cpp server for CPU use
+#                                                scripts/install-gpu.sh (verl 0.9.1's vLLM set, flash-attn)
 #   docker build --target cpu -t promptr1:cpu .  CPU: the default profile, `dvc repro`
 #   docker run --rm -v "$PWD/../shared:/shared:ro" promptr1:cpu       (params' mirror ../shared/datasets)
 #   docker run --rm --gpus all --ipc=host -e PREFECT_API_URL promptr1:gpu flow run --profile paper
-# Every version pin below is pyproject.toml's (tests/test_dockerfile.py keeps them equal). torch 2.13.0's
-# PyPI wheels are built for CUDA 13.0, hence the CUDA 13 base; the CUDA libraries themselves come as wheels.
+# Version pins live in constraints/cpu.txt and constraints/gpu.txt (tests/test_dockerfile.py checks them
+# against pyproject.toml and verl's own metadata). torch 2.11.0's PyPI wheels are built for CUDA 13.0,
+# hence the CUDA 13 base; the CUDA libraries themselves come as wheels. The devel image compiles flash-attn.
 
 ARG PYTHON_VERSION=3.11
 ARG CUDA_VERSION=13.0.2
@@ -36,7 +37,7 @@ WORKDIR /app
 # The CPU wheel first: from PyPI torch would pull gigabytes of CUDA libraries.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
 COPY --chown=promptr1:promptr1 . .
-RUN pip install -e . \
+RUN pip install -c constraints/cpu.txt -e . \
  && git init -q . \
  && if [ ! -d .dvc ]; then dvc init -q; fi \
  && chown -R promptr1:promptr1 /app
@@ -59,17 +60,12 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
-# The stack that resolves together (platform.md): vllm 0.31.0 + verl 0.9.1 + torch 2.13.0 + transformers 5.10.4.
-# Its own layer, so a code change does not reinstall it.
-RUN pip install --upgrade pip setuptools wheel \
- && pip install "torch==2.13.0" "transformers==5.10.4" "verl==0.9.1" "vllm==0.31.0"
-# flash-attn compiles against the torch installed above: no build isolation.
-RUN pip install --no-build-isolation flash-attn
-
 WORKDIR /app
 COPY . .
-# llama-cpp-python[server] (a main dependency) builds for CPU: the environment server for CPU use.
-RUN CMAKE_ARGS="-DGGML_CUDA=off" pip install -e ".[gpu]" \
+# The one GPU install route (docs/gpu.md uses it too): verl's declared set, then flash-attn without build
+# isolation. FLASH_ATTN_WHEEL (build arg) may name a prebuilt flash-attn 2.8.3 wheel to skip its compile.
+ARG FLASH_ATTN_WHEEL=""
+RUN FLASH_ATTN_WHEEL="${FLASH_ATTN_WHEEL}" PYTHON=python scripts/install-gpu.sh \
  && git init -q . \
  && if [ ! -d .dvc ]; then dvc init -q; fi
 

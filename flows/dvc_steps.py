@@ -16,6 +16,18 @@ Design decisions:
   params files), so `-S train.steps=2` means the same thing to the flow and to DVC. The touched files are
   restored byte for byte after the run (`restore_files`), which is what `dvc exp run` gives you too: the
   workspace's params stay yours, the experiment's params live in the experiment.
+- **Overrides are crash-safe through a journal, not a temporary workspace.** Before any params file is
+  touched, `apply_overrides` writes the originals (and, once applied, the applied content's hash) to
+  `.dvc/tmp/promptr1-overrides.json`, atomically (temporary file, fsync, rename). `restore_files` puts the
+  originals back atomically and removes the journal last, so a kill at any moment leaves either the
+  originals or a journal; the next flow run calls `recover_overrides` under the workspace lock (a live
+  run holds that lock, so a journal found while holding it belongs to a dead run) and restores byte for
+  byte before it applies its own. A file edited by hand since the dead run applied its overrides is not
+  overwritten: the run stops and says so. A temporary copy of the workspace was the alternative, but the
+  flow exists to update *this* workspace's outputs, dvc.lock and experiments: a copy would have to link
+  gigabytes of data and checkpoints in and copy the results back, a second place to lose state in.
+  `apply_overrides` refuses to run while a journal exists, so no run can stack its overrides on a dead
+  run's.
 - **An experiment per run that changed something.** After the stages, `save_experiment()` runs
   `dvc exp save -n <name>`: a git ref holding params.yaml, dvc.lock and metrics as they were for this run, so
   `dvc exp show` lists every scheduled retraining and `dvc exp apply <name>` brings one back. That needs
@@ -28,11 +40,16 @@ Design decisions:
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -43,6 +60,7 @@ from pipeline.runtime import TELEMETRY_OFF
 log = logging.getLogger(__name__)
 
 OUTPUT_TAIL_LINES = 40
+OVERRIDE_JOURNAL = Path(".dvc") / "tmp" / "promptr1-overrides.json"
 STOP_GRACE_S = 30.0
 # DVC's git hints after every stage: noise in a flow that records experiments itself.
 _HINTS = ("To track the changes with git", "git add ", "To enable auto staging", "dvc config core.autostage",
@@ -202,7 +220,9 @@ def apply_overrides(root: Path, overrides: Iterable[str]) -> dict[Path, bytes]:
     """Apply `dvc exp run -S` style overrides in place; return the original bytes of each touched file.
 
     `key.sub=value` edits params.yaml; `path/file.yaml:key=value` edits that file. Raises UserError for a
-    malformed override or an unknown key (Hydra's struct mode: use `+key=value` to add a new key).
+    malformed override or an unknown key (Hydra's struct mode: use `+key=value` to add a new key), and
+    while a dead run's journal is still there (`recover_overrides` first). The originals are journaled
+    before the first file is touched; `restore_files` undoes both.
     """
     from dvc.exceptions import InvalidArgumentError
     from dvc.utils.cli_parse import to_path_overrides
@@ -211,30 +231,107 @@ def apply_overrides(root: Path, overrides: Iterable[str]) -> dict[Path, bytes]:
     items = [o for o in overrides if o.strip()]
     if not items:
         return {}
+    journal = root / OVERRIDE_JOURNAL
+    if journal.exists():
+        raise UserError(f"{OVERRIDE_JOURNAL} holds the params of a run that did not finish: restore them "
+                        "first (the next flow run does, or flows.dvc_steps.recover_overrides)")
     originals: dict[Path, bytes] = {}
     try:
+        targets: dict[Path, list[str]] = {}
         for rel_path, path_overrides in to_path_overrides(items).items():
             path = (root / rel_path).resolve()
             if root.resolve() not in path.parents:
                 raise UserError(f"override file {rel_path!r} is outside the project")
             if not path.is_file():
                 raise UserError(f"override file {rel_path!r} does not exist in {root}")
-            originals.setdefault(path, path.read_bytes())
+            targets.setdefault(path, []).extend(path_overrides)
+        snapshot = {path: path.read_bytes() for path in targets}
+        _write_journal(root, snapshot, items, applied=False)
+        originals = snapshot
+        for path, path_overrides in targets.items():
             dvc_apply_overrides(str(path), path_overrides)
+        _write_journal(root, originals, items, applied=True)
     except InvalidArgumentError as exc:
-        restore_files(originals)
+        restore_files(root, originals)
         cause = f": {exc.__cause__}" if exc.__cause__ else ""
         raise UserError(f"invalid override in {items}{cause}") from exc
-    except Exception:
-        restore_files(originals)
+    except BaseException:
+        restore_files(root, originals)
         raise
     return originals
 
 
-def restore_files(originals: dict[Path, bytes]) -> None:
-    """Write back files saved by apply_overrides (byte for byte)."""
+def restore_files(root: Path, originals: dict[Path, bytes]) -> None:
+    """Write back files saved by apply_overrides (byte for byte, atomically), then drop the journal."""
     for path, content in originals.items():
-        path.write_bytes(content)
+        _write_atomic(path, content)
+    (root / OVERRIDE_JOURNAL).unlink(missing_ok=True)
+
+
+def recover_overrides(root: Path) -> list[Path]:
+    """Restore the params files a killed run left overridden (from its journal); return those restored.
+
+    Call it only while holding the workspace lock (flows/run_lock.py): a live run's journal is not a dead
+    one's. A file that is neither the original nor what the dead run wrote was edited since: it is left
+    as it is and UserError says so, with the journal kept for a person to decide.
+    """
+    journal = root / OVERRIDE_JOURNAL
+    for leftover in journal.parent.glob(f".{journal.name}.*.tmp"):  # a journal write the kill interrupted
+        leftover.unlink(missing_ok=True)
+    if not journal.is_file():
+        return []
+    entry = json.loads(journal.read_text(encoding="utf-8"))
+    restore: dict[Path, bytes] = {}
+    for rel, saved in entry["files"].items():
+        path = root / rel
+        original = base64.b64decode(saved["original"])
+        current = path.read_bytes() if path.is_file() else None
+        if current == original:
+            continue
+        applied = saved.get("applied_sha256")
+        if applied and current is not None and hashlib.sha256(current).hexdigest() != applied:
+            raise UserError(f"{rel} was edited after a flow run with overrides {entry['overrides']} was killed; "
+                            f"its original is in {OVERRIDE_JOURNAL}: restore or keep your edit, then delete "
+                            "the journal")
+        restore[path] = original
+    restore_files(root, restore)
+    for rel in entry["files"]:  # temporary files of an atomic write the kill interrupted
+        for leftover in (root / rel).parent.glob(f".{Path(rel).name}.*.tmp"):
+            leftover.unlink(missing_ok=True)
+    if restore:
+        log.warning("restored %s: a flow run killed with overrides %s applied left them there",
+                    ", ".join(str(p.relative_to(root)) for p in restore), entry["overrides"])
+    return list(restore)
+
+
+def _write_journal(root: Path, originals: dict[Path, bytes], overrides: list[str], *, applied: bool) -> None:
+    files = {
+        str(path.relative_to(root.resolve())): {
+            "original": base64.b64encode(content).decode("ascii"),
+            "applied_sha256": hashlib.sha256(path.read_bytes()).hexdigest() if applied else None,
+        }
+        for path, content in originals.items()
+    }
+    entry = {"pid": os.getpid(), "overrides": overrides, "files": files}
+    _write_atomic(root / OVERRIDE_JOURNAL, json.dumps(entry, indent=1).encode("utf-8"))
+
+
+def _write_atomic(path: Path, content: bytes) -> None:
+    """Write `content` to a temporary file beside `path`, fsync it, rename it over `path` (mode kept)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if path.exists():
+            shutil.copymode(path, tmp)
+        else:
+            os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def git_head(root: Path) -> str | None:

@@ -24,7 +24,9 @@ MLflow records *what happened*. Design decisions:
   (same grammar: `train.steps=8`, `profiles/paper.yaml:train.lr=2e-6`), runs the stage tasks, then
   `dvc exp save -n retrain-<time>-<flow run>`: the experiment holds params, dvc.lock and metrics of exactly
   this run (`dvc exp show`, `dvc exp apply <name>`). Afterwards the touched params files are restored byte
-  for byte, so an override never leaks into the next (scheduled) run; dvc.lock keeps recording what the
+  for byte, so an override never leaks into the next (scheduled) run, not even from a run killed with
+  SIGKILL: the originals are journaled first and the next run restores them under the workspace lock
+  (flows/dvc_steps.py says why a journal and not a temporary workspace); dvc.lock keeps recording what the
   outputs were built with, and the next run without overrides rebuilds what differs. `profile` and
   `environment` are overrides too (`profile=paper`, `environment.backend=vllm`; `local` means llamacpp).
   An experiment is saved only when something ran or was overridden, and only once the project has a git
@@ -85,6 +87,7 @@ from flows.report import RunReport, mlflow_line, mlflow_run_info, promotion_line
 from flows.run_lock import run_lock
 from pipeline.config import PARAMS_FILE, Params, find_root, load_params
 from pipeline.errors import UserError
+from pipeline.layout import assert_runnable
 from pipeline.runtime import configure_logging, quiet_telemetry, terminate_as_interrupt
 
 log = logging.getLogger(__name__)
@@ -248,12 +251,14 @@ def retrain(
     timeout = base.flow.lock_timeout_s if lock_timeout_s is None else lock_timeout_s
     with run_lock(root, timeout, _flow_run_name()) as held:
         logger.info("holding the %s for %s", held, root)
+        dvc_steps.recover_overrides(root)  # a run killed mid-way (SIGKILL) left its overrides: undo them
         originals = apply_run_overrides(str(root), items)
         try:
             params = load_params(root / PARAMS_FILE)
+            assert_runnable(params)  # the layout check (`promptr1 check`) before any stage or server starts
             return _run_stages(root, params, items, force)
         finally:
-            dvc_steps.restore_files(originals)
+            dvc_steps.restore_files(root, originals)
             if originals:
                 logger.info("params files restored: %s", ", ".join(p.name for p in originals))
 

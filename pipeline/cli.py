@@ -41,6 +41,15 @@ def _load(params_file: str | None, sets: list[str] | None) -> Params:
     return load_params(params_file, overrides or None)
 
 
+def _load_runnable(params_file: str | None, sets: list[str] | None) -> Params:
+    """`_load`, then the layout check (`promptr1 check`): a stage never starts on a layout that cannot run."""
+    from pipeline.layout import assert_runnable
+
+    params = _load(params_file, sets)
+    assert_runnable(params)
+    return params
+
+
 def _run(call: Callable[[], object]) -> None:
     """Load params and call a stage; turn expected failures (bad params included) into one clear line, exit 1."""
     try:
@@ -65,7 +74,7 @@ def _params_command(target: str, help_: str) -> Callable[..., None]:
 
     def command(params: ParamsOption = None, set_: SetOption = None) -> None:
         call = getattr(importlib.import_module(module), function)
-        _run(lambda: call(_load(params, set_)))
+        _run(lambda: call(_load_runnable(params, set_)))
 
     command.__doc__ = help_
     command.target = target  # what the command runs, for readers and the dvc.yaml deps test
@@ -76,7 +85,7 @@ def sample(dataset: str, params: ParamsOption = None, set_: SetOption = None) ->
     """Stage 1: normalise, de-leak and sample one training dataset → data/sampled/<dataset>.parquet."""
     from pipeline.data.sample import run_sample
 
-    _run(lambda: run_sample(_load(params, set_), dataset))
+    _run(lambda: run_sample(_load_runnable(params, set_), dataset))
 
 
 # The stage commands dvc.yaml calls, in pipeline order (`promptr1 --help` lists them so).
@@ -124,6 +133,27 @@ def weights(
 
 
 @app.command()
+def check(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Check that the merged params describe a runnable layout (params only: no network, no GPU).
+
+    Exit 0 with a one-line summary; exit 2 with one line per problem, each naming the param keys.
+    """
+    from pipeline.layout import describe, layout_problems
+
+    try:
+        merged = _load(params, set_)
+    except ConfigError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    problems = layout_problems(merged)
+    for problem in problems:
+        typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
+    if problems:
+        raise typer.Exit(2)
+    typer.echo(f"layout ok: {describe(merged)}")
+
+
+@app.command()
 def ask(
     question: str,
     model: Annotated[str | None, typer.Option(help="Agent model (default: models/agent if merged, else params).")] = None,
@@ -133,7 +163,7 @@ def ask(
     """Ask one question: the agent prompts the environment for up to max_turns turns, then answers."""
     from pipeline.agent.ask import run_ask
 
-    _run(lambda: run_ask(_load(params, set_), question, model))
+    _run(lambda: run_ask(_load_runnable(params, set_), question, model))
 
 
 @flow_app.command("run")

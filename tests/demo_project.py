@@ -217,3 +217,33 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True
     return status != "Z"
+
+
+# --- a copy of the real project, for tests that run the real `dvc repro` in a temporary folder ---------
+
+COPY_EXCLUDE = {".venv", ".git", "data", "models", "reports", "checkpoints", "mlflow.db", "mlartifacts",
+                "mlruns", ".cache", ".pytest_cache", ".ruff_cache", "__pycache__", "benchmarks"}
+
+
+def copy_project(src: Path, dst: Path) -> None:
+    """The project's code, params and DVC config (no data, outputs, caches or git history) into `dst`."""
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        top = Path(folder) == src
+        ignored = {n for n in names if (top and n in COPY_EXCLUDE) or n == "__pycache__" or n.endswith(".egg-info")}
+        if Path(folder).name == ".dvc":
+            ignored |= {"cache", "tmp"}
+        return ignored
+
+    shutil.copytree(src, dst, ignore=ignore)
+    (dst / "models").mkdir(exist_ok=True)
+
+
+def project_env() -> dict[str, str]:
+    """The environment for `git` and `dvc repro` subprocesses: this venv first, no inherited MLflow URI."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("MLFLOW_TRACKING_URI", None)
+    for key, value in (("GIT_AUTHOR_NAME", "test"), ("GIT_AUTHOR_EMAIL", "test@localhost"),
+                       ("GIT_COMMITTER_NAME", "test"), ("GIT_COMMITTER_EMAIL", "test@localhost")):
+        env.setdefault(key, value)
+    return env

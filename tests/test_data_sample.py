@@ -143,39 +143,29 @@ def test_bad_rows_are_dropped_and_counted_per_reason(data_params, shared_dataset
     assert metrics["dropped_by_reason"]["empty_answers"] == 2 and metrics["rows_written"] == 11
 
 
-def test_wrong_value_types_are_bad_rows(data_params, shared_datasets, tmp_path):
+def test_wrong_value_types_stop_naming_file_column_and_row(data_params, shared_datasets, tmp_path):
+    """A wrong type is a broken column: the stage stops naming it, it does not drop the column row by row."""
     mirror = _mirror(tmp_path, shared_datasets)
-    _write_raw(
-        mirror,
-        {
-            "id": ["a", "b"],
-            "question": [1, 2],
-            "answers": [["1"], ["2"]],
-            "context": ["", ""],
-            "source_split": ["train", "train"],
-        },
-    )
-    report = run_sample(data_params(mirror), "gsm8k")
-    assert report.dropped_by_reason["question_not_text"] == 2 and report.rows_written == 0
+    base = _columns(_good(4))
+    for column, values, message in (
+        ("question", [None, None, 3, 4], r"column 'question' holds int at row 2 .*expected text"),
+        ("answers", [[None], [2], [3], [4]], r"column 'answers' holds a list holding int at row 1"),
+        ("id", [None, 1.5, 2.5, 3.5], r"column 'id' holds float at row 1"),
+    ):
+        _write_raw(mirror, {**base, column: values})
+        with pytest.raises(DataError, match=r"raw/gsm8k/train\.parquet: " + message):
+            run_sample(data_params(mirror), "gsm8k")
+    assert not (tmp_path / "data" / "sampled").exists()
 
-    _write_raw(
-        mirror,
-        {
-            "id": ["a", "b"],
-            "question": ["q1?", "q2?"],
-            "answers": ["1", "2"],
-            "context": ["", ""],
-            "source_split": ["train", "train"],
-        },
-    )
-    report = run_sample(data_params(mirror), "gsm8k")
-    assert report.dropped_by_reason["answers_not_list"] == 2
 
-    _write_raw(
-        mirror, {"id": ["a"], "question": ["q1?"], "answers": [[1]], "context": [""], "source_split": ["x"]}
-    )
-    report = run_sample(data_params(mirror), "gsm8k")
-    assert report.dropped_by_reason["answer_not_text"] == 1
+def test_text_answers_are_one_gold_answer(data_params, shared_datasets, tmp_path):
+    mirror = _mirror(tmp_path, shared_datasets)
+    _write_raw(mirror, {**_columns(_good(2)), "answers": [" 1 ", "2"]})
+    params = data_params(mirror)
+    report = run_sample(params, "gsm8k")
+    assert report.rows_written == 2 and not any(report.dropped_by_reason.values())
+    table = pq.read_table(params.path(params.paths.sampled_dir) / "gsm8k.parquet")
+    assert table.column("answers").to_pylist() == [["1"], ["2"]]
 
 
 def test_wrong_columns_name_the_file_and_column(data_params, shared_datasets, tmp_path):

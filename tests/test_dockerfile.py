@@ -1,8 +1,11 @@
-"""The Dockerfile, parsed with Docker's own parser (the `dockerfile` package): no Docker engine needed.
+"""The Dockerfile and the install route, parsed with Docker's own parser (the `dockerfile` package): no
+Docker engine needed.
 
 Checks what a broken image would get wrong silently: base images and Python version, a non-root user,
-the entrypoint, and that every version pin in its `pip install` steps is pyproject.toml's, and that the
-project is installed the way the README says.
+the entrypoint, that every version pin in its `pip install` steps is its constraints file's, that the GPU
+image installs through scripts/install-gpu.sh (docs/gpu.md's route) with the set verl 0.9.1 declares in its
+own package metadata, that pyproject.toml's ranges admit both the CPU and the GPU set, and that the project
+is installed the way the README says.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import re
 import shlex
 import tomllib
 from dataclasses import dataclass, field
+from importlib.metadata import requires, version
 from pathlib import Path
 
 import dockerfile
@@ -22,6 +26,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT_REF = re.compile(r"^\.(\[(?P<extras>[\w,\s-]+)\])?$")
+SCRIPTS = REPO / "scripts"
 FLAGS_WITH_VALUE = {"--index-url", "-i", "--extra-index-url", "-r", "--requirement", "-c", "--constraint",
                     "-f", "--find-links", "--target", "-t"}
 
@@ -32,6 +37,10 @@ class PipInstall:
     project_extras: list[set[str]] = field(default_factory=list)
     """One entry per install of the project itself (`.`, `-e .`, `".[gpu]"`)."""
     index_urls: list[str] = field(default_factory=list)
+    constraints: list[str] = field(default_factory=list)
+    """Constraint files (`-c`, `--constraint`), in order."""
+    no_build_isolation: list[str] = field(default_factory=list)
+    """Requirements installed with `--no-build-isolation`."""
 
 
 @dataclass
@@ -59,12 +68,15 @@ def parse_pip(shell: str, out: PipInstall) -> PipInstall:
         if "pip" not in tokens or "install" not in tokens:
             continue
         args = tokens[tokens.index("install", tokens.index("pip")) + 1:]
+        isolated = "--no-build-isolation" not in args
         i = 0
         while i < len(args):
             arg = args[i]
             if arg in FLAGS_WITH_VALUE:
                 if arg in ("--index-url", "-i", "--extra-index-url"):
                     out.index_urls.append(args[i + 1])
+                if arg in ("-c", "--constraint"):
+                    out.constraints.append(args[i + 1])
                 i += 2
                 continue
             if arg in ("-e", "--editable"):
@@ -79,8 +91,35 @@ def parse_pip(shell: str, out: PipInstall) -> PipInstall:
                 out.project_extras.append({e.strip() for e in extras.split(",") if e.strip()})
             else:
                 out.requirements.append(Requirement(arg))
+                if not isolated:
+                    out.no_build_isolation.append(canonicalize_name(out.requirements[-1].name))
             i += 1
     return out
+
+
+def install_script() -> PipInstall:
+    """The `pip install` steps of scripts/install-gpu.sh (its `pip_install` helper adds the constraints)."""
+    text = (SCRIPTS / "install-gpu.sh").read_text()
+    (constraints,) = re.findall(r"^CONSTRAINTS=(\S+)$", text, flags=re.MULTILINE)
+    out = PipInstall()
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith(("#", "pip_install()")) or "$FLASH_ATTN_WHEEL" in line:
+            continue
+        parse_pip(re.sub(r"\bpip_install\b", f"pip install --constraint {constraints}", line), out)
+    return out
+
+
+def constraint_pins(name: str) -> dict[str, Requirement]:
+    lines = (REPO / "constraints" / name).read_text().splitlines()
+    reqs = [Requirement(text) for line in lines if (text := line.split("#")[0].strip())]
+    return {canonicalize_name(r.name): r for r in reqs}
+
+
+def exact(req: Requirement) -> str:
+    (spec,) = req.specifier
+    assert spec.operator == "==", f"{req} is not an exact pin"
+    return spec.version
 
 
 def stages() -> list[Stage]:
@@ -148,28 +187,109 @@ def test_gpu_entrypoint_is_the_cli_and_cpu_runs_the_default_profile():
     assert cpu.last("CMD").json and list(cpu.last("CMD").value) == ["dvc", "repro"]
 
 
-def test_every_pin_in_the_dockerfile_is_pyprojects():
-    declared = pyproject_requirements()
-    for target in stages():
-        for req in target.pip_installs().requirements:
-            name = canonicalize_name(req.name)
-            if name in declared:
-                assert req.specifier == declared[name].specifier, f"{target.name}: {req} vs pyproject {declared[name]}"
+@pytest.mark.parametrize(("name", "constraints"), [("cpu", "cpu.txt"), ("gpu-build", "gpu.txt")])
+def test_every_pin_in_the_dockerfile_is_its_constraints_files(name, constraints):
+    installs = stage(name).pip_installs()
+    if name == "gpu-build":
+        installs = install_script()
+    pinned = constraint_pins(constraints)
+    assert installs.project_extras and installs.constraints
+    assert set(installs.constraints) == {f"constraints/{constraints}"}
+    for req in installs.requirements:
+        name_ = canonicalize_name(req.name)
+        if name_ in pinned and req.specifier:  # unpinned: the constraints file decides
+            assert req.specifier == pinned[name_].specifier, f"{name}: {req} vs constraints {pinned[name_]}"
+    if name == "cpu":  # the CPU wheel, installed first from the CPU index, is the pinned torch
+        (torch,) = [r for r in installs.requirements if canonicalize_name(r.name) == "torch"]
+        assert torch.specifier == pinned["torch"].specifier
+        assert any(url.rstrip("/").endswith("/cpu") for url in installs.index_urls)
 
 
-def test_gpu_stack_pins_are_installed_explicitly():
+def test_gpu_image_installs_through_the_script_in_two_steps():
+    build = stage("gpu-build")
+    assert any(c.cmd == "RUN" and "scripts/install-gpu.sh" in " ".join(c.value) for c in build.commands)
+    assert not build.pip_installs().requirements  # no second, diverging route in the Dockerfile
+    script = install_script()
+    assert {"gpu"} in script.project_extras
+    assert script.no_build_isolation == ["flash-attn"]  # step 2, after torch is installed by step 1
+    text = (SCRIPTS / "install-gpu.sh").read_text()
+    assert text.index('-e ".[gpu]"') < text.index("--no-build-isolation flash-attn") < text.index("check_pins.py")
+    assert "gpu.txt" in text and "scripts/install-gpu.sh" in (REPO / "docs" / "gpu.md").read_text()
+
+
+def verl_extra_pins(extra: str) -> dict[str, str]:
+    """Exact pins verl's installed package metadata declares for one of its extras."""
+    pins = {}
+    for text in requires("verl") or []:
+        req = Requirement(text)
+        if req.marker and req.marker.evaluate({"extra": extra}) and str(req.specifier).startswith("=="):
+            pins[canonicalize_name(req.name)] = exact(req)
+    return pins
+
+
+def test_gpu_constraints_are_the_set_verl_declares():
+    gpu = {name: exact(req) for name, req in constraint_pins("gpu.txt").items()}
+    declared = verl_extra_pins("vllm")
+    assert {"torch", "transformers", "vllm"} <= set(declared)
+    for name, pinned in declared.items():
+        assert gpu.get(name) == pinned, f"verl[vllm] pins {name}=={pinned}; constraints/gpu.txt {gpu.get(name)}"
+    (flash_extra,) = [e for e in _verl_extras() if e.startswith("flash-attn-")]
+    assert gpu["flash-attn"] == verl_extra_pins(flash_extra)["flash-attn"]
+    assert f"torch{declared['torch'].replace('.', '')[:3]}" in flash_extra  # the wheel's torch is ours
+
+
+def _verl_extras() -> set[str]:
+    from importlib.metadata import metadata
+
+    return set(metadata("verl").get_all("Provides-Extra") or [])
+
+
+def test_cpu_ci_runs_the_verl_the_gpu_nodes_get():
+    cpu, gpu = constraint_pins("cpu.txt"), constraint_pins("gpu.txt")
     declared = pyproject_requirements()
-    pinned = {canonicalize_name(r.name): r for r in stage("gpu-build").pip_installs().requirements}
-    for name in ("torch", "transformers", "verl", "vllm"):
-        assert str(declared[name].specifier).startswith("=="), f"pyproject must pin {name}"
-        assert pinned[name].specifier == declared[name].specifier
-    cpu_pins = {canonicalize_name(r.name): r for r in stage("cpu").pip_installs().requirements}
-    assert cpu_pins["torch"].specifier == declared["torch"].specifier
+    assert exact(cpu["verl"]) == exact(gpu["verl"]) == version("verl") == exact(declared["verl"])
+    assert exact(cpu["torch"]) == "2.13.0"  # the CPU wheel at hand; any other torch pulls CUDA packages
+
+
+@pytest.mark.parametrize("constraints", ["cpu.txt", "gpu.txt"])
+def test_pyproject_admits_each_pinned_set(constraints):
+    """The base dependencies must not make either set uninstallable (they used to pin torch 2.13.0)."""
+    project = pyproject()["project"]
+    base = {canonicalize_name(r.name): r for r in map(Requirement, project["dependencies"])}
+    if constraints == "gpu.txt":
+        base.update({canonicalize_name(r.name): r for r in map(Requirement, project["optional-dependencies"]["gpu"])})
+    for name, pin in constraint_pins(constraints).items():
+        if name in base:
+            assert base[name].specifier.contains(exact(pin)), f"pyproject {base[name]} excludes {pin}"
+
+
+def test_this_environment_is_one_pinned_set():
+    """What CI (or a GPU node) installed is constraints/cpu.txt's set or constraints/gpu.txt's, exactly."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_pins", SCRIPTS / "check_pins.py")
+    check_pins = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_pins)
+    results = {name: check_pins.mismatches(str(REPO / "constraints" / name)) for name in ("cpu.txt", "gpu.txt")}
+    assert [] in results.values(), results
+
+
+def test_check_pins_fails_on_a_wrong_or_missing_package(tmp_path):
+    import subprocess
+    import sys
+
+    wrong = tmp_path / "wrong.txt"
+    wrong.write_text(f"torch=={version('torch')}  # right\npytest==0.0.1\nno-such-package-xyz==1.0\n")
+    result = subprocess.run([sys.executable, str(SCRIPTS / "check_pins.py"), str(wrong)], capture_output=True,
+                            text=True, check=False, timeout=60)
+    assert result.returncode == 1
+    assert "pytest " in result.stderr and "no-such-package-xyz not installed" in result.stderr
+    assert "torch" not in result.stderr
 
 
 def test_project_installed_with_declared_extras():
     extras = set(pyproject()["project"]["optional-dependencies"])
-    gpu_installs = stage("gpu-build").pip_installs().project_extras
+    gpu_installs = install_script().project_extras
     assert any("gpu" in e for e in gpu_installs)
     cpu_installs = stage("cpu").pip_installs().project_extras
     assert cpu_installs and all(e <= extras for e in [*gpu_installs, *cpu_installs])
@@ -208,10 +328,15 @@ def test_install_matches_the_readme():
         return
     readme_extras = set().union(*readme.project_extras)
     assert readme_extras <= extras, f"README installs undeclared extras {readme_extras - extras}"
+    cpu_pins = constraint_pins("cpu.txt")
     for req in readme.requirements:
         name = canonicalize_name(req.name)
-        if name in declared:
+        if name in cpu_pins:
+            assert req.specifier == cpu_pins[name].specifier, f"README pins {req}, constraints {cpu_pins[name]}"
+        elif name in declared:
             assert req.specifier == declared[name].specifier, f"README pins {req}, pyproject {declared[name]}"
+    for constraints in readme.constraints:  # the README's set-up is the CPU one
+        assert constraints == "constraints/cpu.txt"
     # The image installs the project as the README does, minus extras for development/GPU nodes.
     for image_extras in cpu.project_extras:
         assert image_extras <= readme_extras | {"gpu"}
@@ -237,10 +362,13 @@ def test_dockerignore_keeps_sources_and_drops_state():
 
 def test_parse_pip_reads_flags_extras_and_pins():
     parsed = parse_pip('pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" && '
-                       'CMAKE_ARGS=x pip install -e ".[gpu,dev]" vllm==0.31.0', PipInstall())
-    assert [str(r) for r in parsed.requirements] == ["torch==2.13.0", "vllm==0.31.0"]
+                       'CMAKE_ARGS=x pip install -c constraints/gpu.txt -e ".[gpu,dev]" vllm==0.24.0 && '
+                       'pip install --no-build-isolation flash-attn', PipInstall())
+    assert [str(r) for r in parsed.requirements] == ["torch==2.13.0", "vllm==0.24.0", "flash-attn"]
     assert parsed.project_extras == [{"gpu", "dev"}]
     assert parsed.index_urls == ["https://download.pytorch.org/whl/cpu"]
+    assert parsed.constraints == ["constraints/gpu.txt"]
+    assert parsed.no_build_isolation == ["flash-attn"]
 
 
 def test_readme_install_commands_are_found():

@@ -203,3 +203,18 @@ def test_cli_stop_never_kills_a_recycled_pid(local_params, capsys):
     finally:
         os.killpg(sleeper.pid, signal.SIGKILL)
         sleeper.wait()
+
+
+def test_vllm_server_gets_only_its_gpus_and_starts_offline(local_params, tiny_llama_dir):
+    """Placement: vLLM sees only environment.server.gpus; its weights are verified, then it runs offline."""
+    from pipeline.environment.servers import server_env
+
+    env_cfg = local_params.environment
+    env_cfg.backend, env_cfg.model = "vllm", str(tiny_llama_dir)
+    env_cfg.server.gpus, env_cfg.server.tensor_parallel_size = [6, 7], 2
+    env = server_env(local_params)
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["HF_HUB_OFFLINE"] == "1"
+
+    env_cfg.model = "some-org/not-downloaded-model"
+    with pytest.raises(EnvironmentUnavailable, match=r"run `promptr1 weights` before starting vLLM"):
+        server_env(local_params)

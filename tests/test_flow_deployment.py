@@ -146,7 +146,7 @@ def test_overrides_apply_like_dvc_exp_run_and_restore(tmp_path):
     assert "# Every knob of the pipeline" in text  # comments survive, as with `dvc exp run -S`
     params = load_params(root / "params.yaml")
     assert params.profile == "paper" and params.train.steps == 2 and params.train.lr == pytest.approx(2e-6)
-    dvc_steps.restore_files(originals)
+    dvc_steps.restore_files(root, originals)
     assert all(p.read_bytes() == content for p, content in before.items())
 
 

@@ -263,13 +263,17 @@ def test_changed_training_params_start_afresh_instead_of_reusing_the_old_model(t
     # DVC reruns train when e.g. train.lr or reward.preset change; the persisted checkpoint of the old
     # params must not count as "already complete" nor be resumed.
     from pipeline.train.local import train_local
-    from pipeline.train.resume import training_complete
+    from pipeline.train.resume import stale_folders, training_complete
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1))
     train_local(params)
     assert training_complete(params)
     old = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent"))
+
+    old_files = {p.relative_to(tmp_path / "checkpoints/agent"): p.read_bytes()
+                 for p in (tmp_path / "checkpoints/agent").rglob("*") if p.is_file()}
+    old_steps = (tmp_path / "reports/train/steps.csv").read_bytes()
 
     changed = load_params(REPO_ROOT / "params.yaml",
                           tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1, lr=3e-4))
@@ -280,6 +284,15 @@ def test_changed_training_params_start_afresh_instead_of_reusing_the_old_model(t
     assert old.config["train"]["lr"] != new.config["train"]["lr"]
     assert _metrics_rows(tmp_path / "reports/train/steps.csv")["step"].tolist() == [1]
     assert training_complete(changed) and not training_complete(params)
+
+    # The old run was set aside beside the DVC output, not deleted: every file byte for byte, its steps.csv too.
+    (aside,) = stale_folders(tmp_path / "checkpoints/agent")
+    assert aside.parent == tmp_path / "checkpoints" and aside.name.startswith("agent.stale-")
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()
+            and p.name not in {".gitignore", "steps.csv"}} == old_files
+    assert (aside / "steps.csv").read_bytes() == old_steps
+    assert ckpt.TrainerState.read(ckpt.latest_checkpoint(aside)).config == old.config
+    assert (aside / ".gitignore").read_text() == "*\n"
 
 
 # ------------------------------------------------------------------------------------------------ slow

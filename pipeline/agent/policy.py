@@ -100,7 +100,32 @@ def _eos_ids(tokenizer: Any, model_eos: int | Sequence[int] | None) -> list[int]
     return ids
 
 
-class TransformersPolicy:
+class PolicyBackend:
+    """The shared front of the policy backends: argument normalisation, then one call per backend."""
+
+    tokenizer: Any
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        return_logprobs: bool = False,
+    ) -> list[Generation]:
+        """One generation per prompt, in order (see `Policy.generate`)."""
+        limits = _limits(max_new_tokens, len(prompts))
+        if not prompts:
+            return []
+        return self._generate_all(prompts, limits, temperature, top_p, list(stop or []), return_logprobs)
+
+    def _generate_all(self, prompts: list[list[int]], limits: list[int], temperature: float, top_p: float,
+                      stop: list[str], return_logprobs: bool) -> list[Generation]:
+        raise NotImplementedError
+
+
+class TransformersPolicy(PolicyBackend):
     """An in-process transformers causal LM (see module docstring)."""
 
     def __init__(
@@ -155,16 +180,8 @@ class TransformersPolicy:
                     sum(p.numel() for p in model.parameters()) / 1e6)
         return cls(model, tokenizer, device, **kwargs)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int | Sequence[int],
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop: list[str] | None = None,
-        return_logprobs: bool = False,
-    ) -> list[Generation]:
-        limits = _limits(max_new_tokens, len(prompts))
+    def _generate_all(self, prompts: list[list[int]], limits: list[int], temperature: float, top_p: float,
+                      stop: list[str], return_logprobs: bool) -> list[Generation]:
         out: list[Generation | None] = [None] * len(prompts)
         # Similar lengths together: less padding per micro-batch.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -174,7 +191,7 @@ class TransformersPolicy:
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start:start + self.max_batch_size]
                 gens = self._generate_batch([prompts[i] for i in chunk], [limits[i] for i in chunk],
-                                            temperature, top_p, list(stop or []), return_logprobs)
+                                            temperature, top_p, stop, return_logprobs)
                 for i, g in zip(chunk, gens, strict=True):
                     out[i] = g
         finally:
@@ -281,7 +298,7 @@ class TransformersPolicy:
         return chosen, logp_all.gather(-1, chosen[:, None])[:, 0]
 
 
-class OpenAICompletionsPolicy:
+class OpenAICompletionsPolicy(PolicyBackend):
     """An agent behind an OpenAI-compatible `/v1/completions` endpoint (see module docstring)."""
 
     def __init__(
@@ -315,19 +332,8 @@ class OpenAICompletionsPolicy:
     def close(self) -> None:
         self._client.close()
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int | Sequence[int],
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop: list[str] | None = None,
-        return_logprobs: bool = False,
-    ) -> list[Generation]:
-        limits = _limits(max_new_tokens, len(prompts))
-        stop = list(stop or [])
-        if not prompts:
-            return []
+    def _generate_all(self, prompts: list[list[int]], limits: list[int], temperature: float, top_p: float,
+                      stop: list[str], return_logprobs: bool) -> list[Generation]:
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
             return list(pool.map(lambda args: self._one(*args, temperature, top_p, stop, return_logprobs),
                                  zip(prompts, limits, strict=True)))

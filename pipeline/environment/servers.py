@@ -52,7 +52,9 @@ from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
 from pipeline.environment.knowledge import knowledge_command
 from pipeline.errors import EnvironmentUnavailable
+from pipeline.layout import cuda_visible_devices, environment_gpus
 from pipeline.modelref import ModelRefError, resolve_model
+from pipeline.weights import model_status
 
 if TYPE_CHECKING:
     from pipeline.config import EnvironmentConfig, Params
@@ -225,6 +227,26 @@ def _check_startable(params: Params) -> None:
         )
 
 
+def server_env(params: Params) -> dict[str, str]:
+    """The server's environment: its GPUs only (`environment.server.gpus`), and offline Hub access for vLLM.
+
+    vLLM is given only the devices the layout assigns it, so it cannot land on verl's GPUs. Its weights
+    must already be in the Hugging Face cache (`promptr1 weights`), so it starts with `HF_HUB_OFFLINE=1`
+    instead of downloading ~13 GB inside its startup timeout while the GPUs wait.
+    """
+    env = dict(os.environ)
+    gpus = environment_gpus(params)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
+    if params.environment.backend == "vllm":
+        status = model_status("environment.model", params.environment.model, params, fetch=False)
+        if not status.ok:
+            raise EnvironmentUnavailable(f"environment.model={params.environment.model!r} is {status.state} on this "
+                                         f"machine ({status.detail}): run `promptr1 weights` before starting vLLM")
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
 def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
     """Start the local server for `params.environment` and wait until it is healthy.
 
@@ -246,7 +268,7 @@ def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
         try:
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, cwd=params.root,
+                start_new_session=True, cwd=params.root, env=server_env(params),
             )
         except FileNotFoundError as exc:
             raise EnvironmentUnavailable(f"cannot start the environment server: {exc}") from exc

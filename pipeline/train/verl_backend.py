@@ -68,13 +68,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import yaml
+
 from pipeline.config import EnvironmentConfig, Params
 from pipeline.errors import DataError, UserError
+from pipeline.layout import cuda_visible_devices, training_gpus
 
 log = logging.getLogger(__name__)
 
 AGENT_NAME = "prompt_r1"
 AGENT_LOOP_CONFIG = Path(__file__).with_name("agent_loop.yaml")
+OVERRIDE_TABLE = Path(__file__).with_name("verl_overrides.yaml")
 REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
 REWARD_FUNCTION_NAME = "compute_score"
 LOG_TAIL_LINES = 60
@@ -141,76 +145,42 @@ def build_overrides(params: Params, *, val_files: list[Path] | None = None,
 
     `val_files` defaults to every evaluation set named by params (`train_verl` passes the existing ones).
     """
-    t, v, a = params.train, params.train.verl, params.agent
     val = [str(p) for p in (val_files if val_files is not None else eval_files(params))]
-    checkpoint_dir = params.path(params.paths.checkpoint_dir).resolve()
+    computed = {
+        "data.train_files": str(train_file(params)),
+        "data.val_files": val,
+        "actor_rollout_ref.model.path": model_location(params),
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(AGENT_LOOP_CONFIG),
+        "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_NAME,
+        "reward.custom_reward_function.path": str(REWARD_FUNCTION_FILE),
+        "reward.custom_reward_function.name": REWARD_FUNCTION_NAME,
+        "trainer.default_local_dir": str(params.path(params.paths.checkpoint_dir).resolve()),
+        "trainer.project_name": params.mlflow.experiment,
+        "trainer.experiment_name": f"prompt-r1-{params.profile}",
+    }
     overrides = [
-        # GRPO (method.md): group-normalised outcome advantage, KL to the reference as a loss term
-        _kv("algorithm.adv_estimator", "grpo"),
-        _kv("algorithm.norm_adv_by_std_in_grpo", True),
-        _kv("algorithm.use_kl_in_reward", False),
-        # data
-        _kv("data.train_files", str(train_file(params))),
-        _kv("data.val_files", val),
-        _kv("data.train_batch_size", t.batch_size),
-        _kv("data.max_prompt_length", a.max_prompt_tokens),
-        _kv("data.max_response_length", a.max_response_tokens),
-        _kv("data.filter_overlong_prompts", True),
-        _kv("data.truncation", "error"),
-        _kv("data.return_raw_chat", True),
-        _kv("data.seed", params.seed),
-        # policy model and optimiser
-        _kv("actor_rollout_ref.model.path", model_location(params)),
-        _kv("actor_rollout_ref.model.enable_gradient_checkpointing", t.gradient_checkpointing),
-        _kv("actor_rollout_ref.model.use_remove_padding", True),
-        _kv("actor_rollout_ref.actor.optim.lr", t.lr),
-        _kv("actor_rollout_ref.actor.optim.weight_decay", t.weight_decay),
-        _kv("actor_rollout_ref.actor.optim.clip_grad", t.grad_clip),
-        _kv("actor_rollout_ref.actor.ppo_mini_batch_size", t.mini_batch_size),
-        _kv("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", t.micro_batch_size),
-        _kv("actor_rollout_ref.actor.ppo_epochs", t.ppo_epochs),
-        _kv("actor_rollout_ref.actor.clip_ratio_low", t.clip_ratio_low),
-        _kv("actor_rollout_ref.actor.clip_ratio_high", t.clip_ratio_high),
-        _kv("actor_rollout_ref.actor.loss_agg_mode", t.loss_agg_mode),
-        _kv("actor_rollout_ref.actor.use_kl_loss", t.use_kl_loss),
-        _kv("actor_rollout_ref.actor.kl_loss_coef", t.kl_loss_coef),
-        _kv("actor_rollout_ref.actor.kl_loss_type", t.kl_loss_type),
-        _kv("actor_rollout_ref.actor.entropy_coeff", 0),
-        _kv("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", t.micro_batch_size),
-        # rollout: vLLM (or sglang) server mode, G samples per question, our multi-turn agent loop
-        _kv("actor_rollout_ref.rollout.name", v.rollout_name),
-        _kv("actor_rollout_ref.rollout.mode", "async"),
-        _kv("actor_rollout_ref.rollout.n", t.group_size),
-        _kv("actor_rollout_ref.rollout.temperature", a.temperature),
-        _kv("actor_rollout_ref.rollout.top_p", a.top_p),
-        _kv("actor_rollout_ref.rollout.tensor_model_parallel_size", v.rollout_tp),
-        _kv("actor_rollout_ref.rollout.gpu_memory_utilization", v.rollout_gpu_memory_utilization),
-        _kv("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", t.micro_batch_size),
-        _kv("actor_rollout_ref.rollout.multi_turn.enable", True),
-        _kv("actor_rollout_ref.rollout.multi_turn.max_assistant_turns", a.max_turns),
-        _kv("actor_rollout_ref.rollout.agent.agent_loop_config_path", str(AGENT_LOOP_CONFIG)),
-        _kv("actor_rollout_ref.rollout.agent.default_agent_loop", AGENT_NAME),
-        # reward: our double-constrained reward, preset and coefficients from params.reward
-        _kv("reward.custom_reward_function.path", str(REWARD_FUNCTION_FILE)),
-        _kv("reward.custom_reward_function.name", REWARD_FUNCTION_NAME),
+        *(_kv(key, param_value(params, value)) for key, value in _override_table().items()),
+        *(_kv(key, value) for key, value in computed.items()),
         *reward_kwargs_overrides(params),
-        # trainer
-        _kv("trainer.use_v1", v.use_v1),
-        _kv("trainer.n_gpus_per_node", v.n_gpus_per_node),
-        _kv("trainer.nnodes", v.nnodes),
-        _kv("trainer.total_epochs", t.total_epochs),
-        _kv("trainer.save_freq", v.save_freq),
-        _kv("trainer.test_freq", v.test_freq),
-        _kv("trainer.val_before_train", v.val_before_train),
-        _kv("trainer.default_local_dir", str(checkpoint_dir)),
-        _kv("trainer.resume_mode", "auto"),
-        _kv("trainer.logger", ["console", "mlflow"]),
-        _kv("trainer.project_name", params.mlflow.experiment),
-        _kv("trainer.experiment_name", f"prompt-r1-{params.profile}"),
         *_lora_overrides(params),
         *agent_loop_overrides(params, environment_url),
     ]
-    return [*overrides, *v.extra_overrides]
+    return [*overrides, *params.train.verl.extra_overrides]
+
+
+def _override_table() -> dict[str, Any]:
+    """verl key → "$our.param" or a fixed value (pipeline/train/verl_overrides.yaml)."""
+    return yaml.safe_load(OVERRIDE_TABLE.read_text(encoding="utf-8"))
+
+
+def param_value(params: Params, value: Any) -> Any:
+    """`"$a.b"` → the value of param `a.b`; anything else unchanged."""
+    if not (isinstance(value, str) and value.startswith("$")):
+        return value
+    node: Any = params
+    for part in value[1:].split("."):
+        node = getattr(node, part)
+    return node
 
 
 def reward_kwargs_overrides(params: Params) -> list[str]:
@@ -322,8 +292,11 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
                 "RAY_USAGE_STATS_ENABLED": env.get("RAY_USAGE_STATS_ENABLED", "0")})
     if params.train.verl.ray_address:
         env["RAY_ADDRESS"] = params.train.verl.ray_address
-    else:
+    else:  # a private Ray started by verl here: it sees only the training GPUs the layout assigns
         env.pop("RAY_ADDRESS", None)
+        gpus = training_gpus(params)
+        if gpus and params.train.verl.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
 
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),

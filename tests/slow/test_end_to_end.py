@@ -11,32 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from demo_project import free_port
+from demo_project import copy_project, free_port, project_env
 
 pytestmark = pytest.mark.slow
-
-COPY_EXCLUDE = {".venv", ".git", "data", "models", "reports", "checkpoints", "mlflow.db", "mlartifacts",
-                "mlruns", ".cache", ".pytest_cache", ".ruff_cache", "__pycache__", "benchmarks"}
-
-
-def _copy_project(src: Path, dst: Path) -> None:
-    def ignore(folder: str, names: list[str]) -> set[str]:
-        top = Path(folder) == src
-        ignored = {n for n in names if (top and n in COPY_EXCLUDE) or n == "__pycache__" or n.endswith(".egg-info")}
-        if Path(folder).name == ".dvc":
-            ignored |= {"cache", "tmp"}
-        return ignored
-
-    shutil.copytree(src, dst, ignore=ignore)
-    (dst / "models").mkdir(exist_ok=True)
 
 
 def smallest_params(raw: dict, mirror: Path, port: int) -> dict:
@@ -60,18 +43,12 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subp
 
 def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: Path) -> None:
     project = tmp_path / "project"
-    _copy_project(repo_root, project)
+    copy_project(repo_root, project)
     params_file = project / "params.yaml"
     raw = yaml.safe_load(params_file.read_text())
     params_file.write_text(yaml.safe_dump(smallest_params(raw, shared_datasets, free_port()), sort_keys=False))
 
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.pop("MLFLOW_TRACKING_URI", None)
-    env.setdefault("GIT_AUTHOR_NAME", "test")
-    env.setdefault("GIT_AUTHOR_EMAIL", "test@localhost")
-    env.setdefault("GIT_COMMITTER_NAME", "test")
-    env.setdefault("GIT_COMMITTER_EMAIL", "test@localhost")
+    env = project_env()
     _run(["git", "init", "-q"], project, env, 30)
     _run(["git", "add", "-A"], project, env, 30)
     _run(["git", "commit", "-qm", "snapshot"], project, env, 30)

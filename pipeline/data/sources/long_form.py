@@ -62,39 +62,18 @@ def xsum_mirror_reverse(rec: RawRecord, row: Mapping[str, Any]) -> RawRecord:
     return rec
 
 
-register(
-    "booksum",
-    "long_form",
-    trains=True,
-    hub=HubSource(
-        "kmfoda/booksum", split="train", question="book_id", answers="summary_text", convert=booksum_hub_title
-    ),
-    mirror="booksum/chapter_train.parquet",
-    eval_file="BookSum.parquet",
-    eval_tag="w-book-6600-256-test",
-    task_format=title_task,
-    note="title = '<book> — <section>' (the authors used LLM-written titles and shortened summaries)",
-)
-register(
-    "writingprompts",
-    "long_form",
-    trains=True,
-    hub=HubSource("euclaise/writingprompts", split="train", question="prompt", answers="story"),
-    mirror="writingprompts/train_subset.parquet",
-    eval_file="WritingPrompts.parquet",
-    eval_tag="wp-6600-256-test",
-    task_format=writing_prompt_task,
-    note="mirror: a 600-row subset of the train split",
-)
-register(
-    "xsum",
-    "long_form",
-    trains=False,
-    hub=HubSource("EdinburghNLP/xsum", split="test", id="id", question="summary", answers="document"),
-    mirror="xsum/test.parquet",
-    mirror_convert=xsum_mirror_reverse,
-    eval_file="Xsum_ood.parquet",
-    eval_tag="xum-128-eval_ood",
-    task_format=article_task,
-    note="reversed, as in the authors' rows: summary → article",
-)
+register("booksum", "long_form", trains=True,
+         hub=HubSource("kmfoda/booksum", split="train", question="book_id", answers="summary_text", convert=booksum_hub_title),
+         mirror="booksum/chapter_train.parquet", eval_file="BookSum.parquet", eval_tag="w-book-6600-256-test",
+         task_format=title_task,
+         note="title = '<book> — <section>' (the authors used LLM-written titles and shortened summaries)")
+register("writingprompts", "long_form", trains=True,
+         hub=HubSource("euclaise/writingprompts", split="train", question="prompt", answers="story"),
+         mirror="writingprompts/train_subset.parquet", eval_file="WritingPrompts.parquet",
+         eval_tag="wp-6600-256-test", task_format=writing_prompt_task,
+         note="mirror: a 600-row subset of the train split")
+register("xsum", "long_form", trains=False,
+         hub=HubSource("EdinburghNLP/xsum", split="test", id="id", question="summary", answers="document"),
+         mirror="xsum/test.parquet", mirror_convert=xsum_mirror_reverse, eval_file="Xsum_ood.parquet",
+         eval_tag="xum-128-eval_ood", task_format=article_task,
+         note="reversed, as in the authors' rows: summary → article")

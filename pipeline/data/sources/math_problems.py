@@ -49,48 +49,13 @@ def mathqa_option_value(rec: RawRecord, row: Mapping[str, Any]) -> RawRecord:
     return rec
 
 
-register(
-    "gsm8k",
-    "math",
-    trains=True,
-    hub=HubSource(
-        "openai/gsm8k",
-        config="main",
-        split="train",
-        question="question",
-        answers="answer",
-        convert=gsm8k_final_answer,
-    ),
-    mirror="gsm8k/train.parquet",
-    eval_file="gsm8k.parquet",
-    eval_tag="gsm8k-256-test",
-)
-register(
-    "dapo_math",
-    "math",
-    trains=True,
-    hub=HubSource(
-        "open-r1/DAPO-Math-17k-Processed",
-        config="all",
-        split="train",
-        id="extra_info.index",
-        question="prompt",
-        answers="solution",
-        convert=dapo_unwrap,
-    ),
-    mirror="dapo_math_17k/train.parquet",
-    eval_file="DAPO-Math.parquet",
-    eval_tag="dapo-math-256-test",
-)
-register(
-    "mathqa",
-    "math",
-    trains=False,
-    hub=HubSource(
-        "allenai/math_qa", split="test", question="Problem", answers="correct", convert=mathqa_option_value
-    ),
-    mirror="mathqa/test.parquet",
-    eval_file="MathQA_ood.parquet",
-    eval_tag="MathQA-128-eval_ood",
-    note="mirror: the MathQA-Gain subset (numeric answers, as in the authors' rows)",
-)
+register("gsm8k", "math", trains=True,
+         hub=HubSource("openai/gsm8k", config="main", split="train", question="question", answers="answer", convert=gsm8k_final_answer),
+         mirror="gsm8k/train.parquet", eval_file="gsm8k.parquet", eval_tag="gsm8k-256-test")
+register("dapo_math", "math", trains=True,
+         hub=HubSource("open-r1/DAPO-Math-17k-Processed", config="all", split="train", id="extra_info.index", question="prompt", answers="solution", convert=dapo_unwrap),
+         mirror="dapo_math_17k/train.parquet", eval_file="DAPO-Math.parquet", eval_tag="dapo-math-256-test")
+register("mathqa", "math", trains=False,
+         hub=HubSource("allenai/math_qa", split="test", question="Problem", answers="correct", convert=mathqa_option_value),
+         mirror="mathqa/test.parquet", eval_file="MathQA_ood.parquet", eval_tag="MathQA-128-eval_ood",
+         note="mirror: the MathQA-Gain subset (numeric answers, as in the authors' rows)")

@@ -9,32 +9,12 @@ from __future__ import annotations
 
 from pipeline.data.sources.registry import flashrag, register
 
-register(
-    "2wikimultihopqa",
-    "multi_hop_qa",
-    trains=True,
-    hub=flashrag("2wikimultihopqa", "train"),
-    mirror="2wikimultihopqa/dev.parquet",
-    eval_file="2WikiMultihopQA.parquet",
-    eval_tag="2WikiMultihopQA-256-test",
-    note="mirror: dev split only (no train); the authors' eval rows are removed by the leakage filter",
-)
-register(
-    "hotpotqa",
-    "multi_hop_qa",
-    trains=True,
-    hub=flashrag("hotpotqa", "train"),
-    mirror="hotpotqa/dev.parquet",
-    eval_file="hotpot.parquet",
-    eval_tag="hotpot-256-test",
-    note="mirror: distractor dev split only (no train)",
-)
-register(
-    "musique",
-    "multi_hop_qa",
-    trains=True,
-    hub=flashrag("musique", "train"),
-    mirror="musique/train.parquet",
-    eval_file="MusiQue.parquet",
-    eval_tag="MusiQue-256-test",
-)
+register("2wikimultihopqa", "multi_hop_qa", trains=True, hub=flashrag("2wikimultihopqa", "train"),
+         mirror="2wikimultihopqa/dev.parquet", eval_file="2WikiMultihopQA.parquet",
+         eval_tag="2WikiMultihopQA-256-test",
+         note="mirror: dev split only (no train); the authors' eval rows are removed by the leakage filter")
+register("hotpotqa", "multi_hop_qa", trains=True, hub=flashrag("hotpotqa", "train"),
+         mirror="hotpotqa/dev.parquet", eval_file="hotpot.parquet", eval_tag="hotpot-256-test",
+         note="mirror: distractor dev split only (no train)")
+register("musique", "multi_hop_qa", trains=True, hub=flashrag("musique", "train"),
+         mirror="musique/train.parquet", eval_file="MusiQue.parquet", eval_tag="MusiQue-256-test")

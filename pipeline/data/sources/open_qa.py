@@ -9,38 +9,12 @@ from __future__ import annotations
 
 from pipeline.data.sources.registry import HubSource, flashrag, register
 
-register(
-    "popqa",
-    "open_qa",
-    trains=True,
-    hub=flashrag("popqa", "test"),
-    mirror="popqa/test.parquet",
-    eval_file="PopQA.parquet",
-    eval_tag="PopQA-256-test",
-    note="one split only; the authors' eval rows are removed by the leakage filter",
-)
-register(
-    "squad_v2",
-    "open_qa",
-    trains=False,
-    hub=HubSource(
-        "rajpurkar/squad_v2",
-        split="validation",
-        id="id",
-        question="question",
-        answers="answers.text",
-        context="context",
-    ),
-    mirror="squad_v2/dev.parquet",
-    eval_file="squad_v2_ood.parquet",
-    eval_tag="squad_v2-128-eval_ood",
-)
-register(
-    "triviaqa",
-    "open_qa",
-    trains=False,
-    hub=flashrag("triviaqa", "test"),
-    mirror="triviaqa/test_subsample1000.parquet",
-    eval_file="triviaqa_ood.parquet",
-    eval_tag="triviaqa_train-128-eval_ood",
-)
+register("popqa", "open_qa", trains=True, hub=flashrag("popqa", "test"), mirror="popqa/test.parquet",
+         eval_file="PopQA.parquet", eval_tag="PopQA-256-test",
+         note="one split only; the authors' eval rows are removed by the leakage filter")
+register("squad_v2", "open_qa", trains=False,
+         hub=HubSource("rajpurkar/squad_v2", split="validation", id="id", question="question", answers="answers.text", context="context"),
+         mirror="squad_v2/dev.parquet", eval_file="squad_v2_ood.parquet", eval_tag="squad_v2-128-eval_ood")
+register("triviaqa", "open_qa", trains=False, hub=flashrag("triviaqa", "test"),
+         mirror="triviaqa/test_subsample1000.parquet", eval_file="triviaqa_ood.parquet",
+         eval_tag="triviaqa_train-128-eval_ood")

@@ -11,6 +11,15 @@
 Both paths end in the same raw record (id, question, answers, context, source_split), then the side's
 `convert` (a registered source quirk) fixes it. A converter's `BadRow` is not raised here: it marks the
 record (`_bad`) so that the sample stage counts it under that drop reason with every other bad row.
+
+Column types are checked here, once, for both paths (`check_record_types`, after the converter): a value
+of the wrong type (a numeric question, answers that are a number or a list of numbers, a nested struct)
+is not a bad row but a bad column, so the read stops with a `DataError` naming the source, the column,
+the first bad row and its value, instead of the sample stage dropping the column row by row. Missing
+values (None) are left to the sample stage's drop counts. Answers may be a list of text or one text (one
+gold answer, as the Hub's scalar answer fields are). Every mirror column is also validated by Arrow in
+full before it is converted, so invalid UTF-8 or corrupt pages stop the read naming the column instead
+of escaping as a decoding traceback.
 """
 
 from __future__ import annotations
@@ -29,6 +38,15 @@ from pipeline.data.sources.registry import BadRow, Converter, DatasetSpec, RawRe
 from pipeline.errors import DataError
 
 MIRROR_COLUMNS = ("id", "question", "answers", "context", "source_split")
+
+COLUMN_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "id": ((str, int), "text or an integer"),
+    "question": ((str,), "text"),
+    "answers": ((list, tuple, str), "a list of text, or text"),
+    "context": ((str,), "text"),
+    "source_split": ((str,), "text"),
+}
+"""Raw record column → (accepted Python types, what the error says is expected). None is always accepted."""
 
 
 @dataclass
@@ -52,6 +70,36 @@ def _dig(row: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
+def _kind(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        inner = sorted({type(v).__name__ for v in value if not isinstance(v, str)})
+        return f"a list holding {'/'.join(inner)}"
+    return type(value).__name__
+
+
+def _wrong_type(column: str, value: Any) -> bool:
+    types, _ = COLUMN_TYPES[column]
+    if isinstance(value, bool) or not isinstance(value, types):
+        return True
+    return column == "answers" and not isinstance(value, str) and any(
+        a is not None and not isinstance(a, str) for a in value
+    )
+
+
+def check_record_types(rec: RawRecord, row: int, source: str) -> RawRecord:
+    """`rec` unchanged, or a DataError naming `source`, the column, `row` and the value of the wrong type."""
+    if rec.get("_bad"):
+        return rec
+    for column, (_, expected) in COLUMN_TYPES.items():
+        value = rec.get(column)
+        if value is not None and _wrong_type(column, value):
+            raise DataError(
+                f"{source}: column {column!r} holds {_kind(value)} at row {row} (first bad row, counting "
+                f"from 0; expected {expected}): {value!r:.80}"
+            )
+    return rec
+
+
 def _apply(convert: Converter | None, rec: RawRecord, row: Mapping[str, Any]) -> RawRecord:
     if convert is None:
         return rec
@@ -62,27 +110,38 @@ def _apply(convert: Converter | None, rec: RawRecord, row: Mapping[str, Any]) ->
         return rec
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
 def read_mirror_file(
     path: Path, root: Path, columns: tuple[str, ...] = MIRROR_COLUMNS
 ) -> list[dict[str, Any]]:
     """Rows of one mirror Parquet file; DataError naming the file (and column) when unusable."""
     shown = display_path(path, root)
     if not path.is_file():
-        raise DataError(f"{shown}: source file not found")
+        others = sorted(p.name for p in path.parent.glob(f"{path.stem}.*") if p != path)
+        hint = f" (found instead: {', '.join(others)}; the mirror's files are Parquet, named as registered)"
+        raise DataError(f"{shown}: source file not found{hint if others else ''}")
     try:
         schema = pq.read_schema(path)
     except (OSError, pa.ArrowException) as exc:
-        raise DataError(f"{shown}: cannot read as Parquet ({exc})") from None
+        raise DataError(f"{shown}: cannot read as Parquet ({_one_line(exc)})") from None
     missing = [c for c in columns if c not in schema.names]
     if missing:
         raise DataError(
             f"{shown}: missing column(s) {', '.join(repr(c) for c in missing)} "
             f"(has: {', '.join(schema.names)}; expected: {', '.join(columns)})"
         )
-    try:
-        return pq.read_table(path, columns=list(columns)).to_pylist()
-    except (OSError, pa.ArrowException) as exc:
-        raise DataError(f"{shown}: cannot read columns {list(columns)} ({exc})") from None
+    values = []
+    for name in columns:  # one column at a time, so a corrupt page or bad text names its column
+        try:
+            column = pq.read_table(path, columns=[name]).column(name)
+            column.validate(full=True)
+            values.append(column.to_pylist())
+        except (OSError, pa.ArrowException, ValueError) as exc:  # ValueError: text that is not UTF-8
+            raise DataError(f"{shown}: column {name!r} is unreadable ({_one_line(exc)})") from None
+    return [dict(zip(columns, row, strict=True)) for row in zip(*values, strict=True)]
 
 
 def _load_mirror(spec: DatasetSpec, mirror: Path, root: Path) -> RawSource:
@@ -92,9 +151,10 @@ def _load_mirror(spec: DatasetSpec, mirror: Path, root: Path) -> RawSource:
         rows = read_mirror_file(path, root)
         out.origin.append(f"mirror:raw/{rel}")
         out.rows_read += len(rows)
-        for row in rows:
+        shown = display_path(path, root)
+        for i, row in enumerate(rows):
             rec = {c: row[c] for c in MIRROR_COLUMNS}
-            out.records.append(_apply(spec.mirror.convert, rec, row))
+            out.records.append(check_record_types(_apply(spec.mirror.convert, rec, row), i, shown))
     return out
 
 
@@ -127,7 +187,7 @@ def _load_hub(spec: DatasetSpec, cache_dir: Path) -> RawSource:
             "context": _dig(row, hub.context) if hub.context else "",
             "source_split": hub.split,
         }
-        out.records.append(_apply(hub.convert, rec, row))
+        out.records.append(check_record_types(_apply(hub.convert, rec, row), i, hub.describe()))
     return out
 
 
