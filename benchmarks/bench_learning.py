@@ -305,7 +305,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--env", choices=["knowledge", "llamacpp"], default="knowledge")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the learn profile's)")
-    parser.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N GRPO steps")
+    parser.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every N GRPO steps")
     parser.add_argument("--keep", action="store_true", help="resume in the existing work folder")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -212,6 +212,10 @@ class WarmupConfig(_Section):
     interaction_turns: int = Field(
         2, ge=0, description="Interaction turns per demonstration before the answer turn (the paper preset "
         "only counts the answer after >= 2 valid interaction turns).")
+    replies: Literal["environment", "withheld"] = Field(
+        "environment", description="environment: the demonstrations carry the live environment's replies; "
+        "withheld: a fixed placeholder instead, so the warm-up teaches the protocol but not how to use a reply "
+        "(the learn profile, where the replies hold the answers and using them is the skill under test).")
 
 
 class TrainConfig(_Section):
