@@ -118,6 +118,8 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
             if len(out["examples"]) < 3:
                 out["examples"].append({"question": row.question, "golds": row.answers,
                                         "turns": [t["text"] for t in answer.trajectory],
+                                        "replies": [t["environment"]["text"] for t in answer.trajectory
+                                                    if t.get("environment")],
                                         "prediction": answer.prediction})
         out["f1"][name], out["em"][name], out["format"][name] = f1s, ems, fmts
     for key in ("f1", "em", "format"):
@@ -212,7 +214,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from pipeline.environment.client import EnvironmentClient
     from pipeline.environment.servers import environment_server
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.local import WARMUP_DIR, load_tokenizer, steps_csv_path, train_local
+    from pipeline.train.local import WARMUP_DIR, train_local
+    from pipeline.train.models import load_tokenizer
+    from pipeline.train.step_metrics import steps_csv_path
 
     t_all = time.perf_counter()
     workdir = ROOT / ".cache" / f"bench_learning_{args.env}"
@@ -241,6 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result = evaluate_agent(model_dir, tokenizer, env, rows_by_ds, eval_params, f"step {step}")
             timings["eval_s"] += time.perf_counter() - t
             evals[step] = result
+            (workdir / f"heldout_step{step}.json").write_text(json.dumps(result), encoding="utf-8")
             point = {"step": step, "f1": 100 * result["f1_mean"], "em": 100 * result["em_mean"],
                      "format_rate": result["format_mean"], "env_calls": result["env_calls"]}
             curve.append(point)
