@@ -8,7 +8,7 @@ play the same first turn and differ only in their final answer:
     env      <|im_end|>\\n<|im_start|>user\\n<interaction_response>\\n{reply}\\n</interaction_response>
              <|im_end|>\\n<|im_start|>assistant\\n<think>\\n                                            mask 0
     turn 2   It says so.</think>\\n<answer>William Shakespeare</answer>   (trajectory 0)             mask 1
-             It says so.</think>\\n<answer>Hamlet</answer>                (trajectory 1)
+             It says so.</think>\\n<answer>Bob</answer>                (trajectory 1)
 
 The environment is the real knowledgeable server (in a thread, real HTTP) asked by the real EnvironmentClient;
 the agent is a scripted policy that returns those texts as SmolLM2 token ids, so every number is known.
@@ -17,7 +17,8 @@ By hand, reward preset `released` (0.4 per valid intermediate turn, 0.25 answer 
 0.1 complete final, cap k = 1.0):
     R_fmt = 0.4·1 + 0.25 + 0.25 + 0.1 = 1.0 = k  → gated in, R = -k + R_fmt + F1
     trajectory 0: F1("William Shakespeare", gold) = 1  → R0 = 1.0
-    trajectory 1: F1("Hamlet", gold) = 0                → R1 = 0.0
+    trajectory 1: F1("Bob", gold) = 0                   → R1 = 0.0
+The reward sits on each trajectory's last agent token (the final `</answer>`), nowhere else.
 GRPO advantage: mean 0.5, unbiased std sqrt((0.5² + 0.5²) / 1) = 0.70711 → A0 = +0.70711, A1 = -0.70711 on
 every agent token, 0 on environment tokens and padding.
 Loss (token-mean over the N agent tokens of the batch, on-policy so ratio = 1, no clipping; the low-var-KL
@@ -42,13 +43,13 @@ from pipeline.config import EnvironmentConfig, RewardConfig
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.knowledge import KnowledgeBase, make_server
 from pipeline.reward import reward_for_trajectory
-from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
-from pipeline.train.local import collate, response_log_probs
+from pipeline.train.batch import collate, response_log_probs
+from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss, outcome_token_rewards
 from pipeline.types import PromptItem
 
 QUESTION, GOLD = "Who wrote the play Hamlet?", "William Shakespeare"
 TURN1 = f"I will ask.</think>\n<interaction_prompt>{QUESTION}</interaction_prompt>"
-FINALS = ["It says so.</think>\n<answer>William Shakespeare</answer>", "It says so.</think>\n<answer>Hamlet</answer>"]
+FINALS = ["It says so.</think>\n<answer>William Shakespeare</answer>", "It says so.</think>\n<answer>Bob</answer>"]
 A = 0.5 / math.sqrt(0.5)  # 0.70711: (R - mean) / unbiased std of [1, 0]
 
 
@@ -117,10 +118,18 @@ def test_two_turn_trajectory_by_hand(tiny_llama_dir, knowledge_url):
     assert (r0.answer, r0.total) == (1.0, 1.0)
     assert (r1.answer, r1.total) == (0.0, 0.0)
 
-    # --- advantage: +A / -A on agent tokens, 0 on environment tokens and padding -------------------------
+    # --- the token carrying the reward: the last agent token (the final turn's `</answer>`) ----------------
     batch = collate(trajs, pad_id=tokenizer.pad_token_id or 0)
     mask = batch.response_mask
     scores = torch.tensor([r0.total, r1.total])
+    assert len(trajs[1].response_ids) < len(trajs[0].response_ids)  # trajectory 1 ends before the padding
+    token_rewards = outcome_token_rewards(torch.tensor([1.0, 2.0]), mask)  # non-zero on both rows
+    for i, traj in enumerate(trajs):
+        last = len(traj.response_ids) - 1
+        assert tokenizer.decode(traj.response_ids[last - 1 : last + 1]).endswith("answer>")
+        assert token_rewards[i, last] == i + 1.0 and float(token_rewards[i].abs().sum()) == i + 1.0
+
+    # --- advantage: +A / -A on agent tokens, 0 on environment tokens and padding -------------------------
     adv = grpo_advantages(scores, mask, ["q0", "q0"])
     env_cols = slice(len(turn1), len(turn1) + len(env_ids))
     for i, sign in ((0, 1.0), (1, -1.0)):

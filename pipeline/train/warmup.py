@@ -191,7 +191,8 @@ async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan], 
                                    agent_token_ids=list(agent_ids), env_reply=reply, env_token_ids=env_ids))
             traj.response_ids += [*agent_ids, *env_ids]
             traj.response_mask += [1] * len(agent_ids) + [0] * len(env_ids)
-            traj.usage.add(reply)
+            if not withheld:
+                traj.usage.add(reply)
             hist += [{"role": "user", "content": p.texts.prompts[t]}, {"role": "assistant", "content": reply.text}]
     for p, traj in zip(plans, trajs, strict=True):
         final = p.turn_ids[-1]
