@@ -241,11 +241,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env = EnvironmentClient(eval_params.environment)
 
         def evaluate_at(step: int, model_dir: Path) -> None:
-            t = time.perf_counter()
-            result = evaluate_agent(model_dir, tokenizer, env, rows_by_ds, eval_params, f"step {step}")
-            timings["eval_s"] += time.perf_counter() - t
+            saved = workdir / f"heldout_step{step}.json"
+            if args.keep and saved.is_file():  # a resumed run: this checkpoint was evaluated already
+                result = json.loads(saved.read_text(encoding="utf-8"))
+            else:
+                t = time.perf_counter()
+                result = evaluate_agent(model_dir, tokenizer, env, rows_by_ds, eval_params, f"step {step}")
+                timings["eval_s"] += time.perf_counter() - t
+                saved.write_text(json.dumps(result), encoding="utf-8")
             evals[step] = result
-            (workdir / f"heldout_step{step}.json").write_text(json.dumps(result), encoding="utf-8")
             point = {"step": step, "f1": 100 * result["f1_mean"], "em": 100 * result["em_mean"],
                      "format_rate": result["format_mean"], "env_calls": result["env_calls"]}
             curve.append(point)
@@ -256,10 +260,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         try:
             t = time.perf_counter()
-            train_local(params, max_steps=0)  # the format warm-up only
+            train_local(params, max_steps=0)  # the format warm-up only (skipped when resuming)
             timings["warmup_s"] = time.perf_counter() - t
             evaluate_at(0, ckpt_root / WARMUP_DIR / "model")
-            done = 0
+            done = ckpt.TrainerState.read(ckpt.latest_checkpoint(ckpt_root)).step
+            for saved in sorted(workdir.glob("heldout_step*.json"), key=lambda f: int(f.stem[12:])):
+                if 0 < int(saved.stem[12:]) <= done:
+                    evaluate_at(int(saved.stem[12:]), ckpt_root)  # reloads what a resumed run measured
             while done < params.train.steps:
                 chunk = min(args.eval_every, params.train.steps - done)
                 t = time.perf_counter()
@@ -311,7 +318,8 @@ def main() -> None:
     parser.add_argument("--env", choices=["knowledge", "llamacpp"], default="knowledge")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the learn profile's)")
     parser.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every N GRPO steps")
-    parser.add_argument("--keep", action="store_true", help="resume in the existing work folder")
+    parser.add_argument("--keep", action="store_true",
+                        help="resume in the existing work folder (checkpoints and held-out results are reused)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     result = run(args)
