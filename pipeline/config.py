@@ -102,8 +102,18 @@ class ServerConfig(_Section):
         return args
 
 
+class KnowledgeConfig(_Section):
+    """The knowledgeable environment (backend `knowledge`, `pipeline.environment.knowledge`)."""
+
+    sources: list[str] = Field(
+        default_factory=lambda: ["data/rl/train.parquet", "data/rl/eval"],
+        description="Parquet/JSONL files or folders of questions with gold answers the environment knows.")
+    min_overlap: float = Field(
+        0.6, gt=0, le=1, description="Share of a stored question's content words the request must contain.")
+
+
 class EnvironmentConfig(_Section):
-    backend: Literal["llamacpp", "vllm", "api"] = "llamacpp"
+    backend: Literal["llamacpp", "vllm", "api", "knowledge"] = "llamacpp"
     model: str
     served_name: str
     host: str = "127.0.0.1"
@@ -129,6 +139,7 @@ class EnvironmentConfig(_Section):
         0.05, ge=0, le=1, description="Stop once more than this share of the last `failure_window` calls failed.")
     failure_window: int = Field(50, ge=1, description="Sent calls over which the failure rate is judged.")
     server: ServerConfig = Field(default_factory=ServerConfig)
+    knowledge: KnowledgeConfig = Field(default_factory=KnowledgeConfig)
 
     @model_validator(mode="after")
     def _api_needs_an_endpoint(self) -> EnvironmentConfig:
@@ -202,6 +213,10 @@ class WarmupConfig(_Section):
     interaction_turns: int = Field(
         2, ge=0, description="Interaction turns per demonstration before the answer turn (the paper preset "
         "only counts the answer after >= 2 valid interaction turns).")
+    replies: Literal["environment", "withheld"] = Field(
+        "environment", description="environment: the demonstrations carry the live environment's replies; "
+        "withheld: a fixed placeholder instead, so the warm-up teaches the protocol but not how to use a reply "
+        "(the learn profile, where the replies hold the answers and using them is the skill under test).")
 
 
 class TrainConfig(_Section):

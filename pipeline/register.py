@@ -33,6 +33,10 @@ Fail closed (the alias is what serving trusts, so doubt keeps the champion):
 - The alias moves under a file lock (`<cache_dir>/register-<model>.lock`) after re-reading the champion, so
   two registers at once cannot both move it on a stale comparison.
 
+Experiment profiles never touch production: for a profile in `EXPERIMENT_PROFILES` (`learn`, the learning
+experiment) the stage refuses to run when `register.alias` is the production `champion`, before anything is
+logged; those profiles register under their own model name and alias (profiles/learn.yaml).
+
 Where the decision goes: `reports/promotion.json`, tags `promotion.*` on the new version (and the
 candidate's averages as `eval.*` tags, which is where the next run reads the champion's numbers from), the
 register run's tags/metrics, and one printed line.
@@ -66,6 +70,17 @@ log = logging.getLogger(__name__)
 
 PROMOTION_FILE = "promotion.json"
 TAG_PREFIX = "eval."
+PRODUCTION_ALIAS = "champion"
+EXPERIMENT_PROFILES = frozenset({"learn"})
+"""Profiles whose models are experiments: they may never move the production alias."""
+
+
+def check_production_alias(params: Params) -> None:
+    """Raise UserError when an experiment profile would move the production `champion` alias."""
+    if params.profile in EXPERIMENT_PROFILES and params.register.alias == PRODUCTION_ALIAS:
+        raise UserError(f"profile {params.profile!r} is an experiment: it may not move the production alias "
+                        f"{PRODUCTION_ALIAS!r} (set register.alias to another name, as profiles/{params.profile}.yaml "
+                        "does)")
 
 
 # --- the rule ----------------------------------------------------------------------------------------
@@ -297,6 +312,7 @@ def run_register(params: Params) -> dict[str, Any]:
     from pipeline.tracking import stage_run
 
     cfg = params.register
+    check_production_alias(params)
     model_dir = params.path(params.paths.model_dir)
     if not model_dir.exists():
         raise UserError(f"no merged agent at {model_dir}: run `promptr1 merge` (dvc repro merge) first")

@@ -5,7 +5,12 @@ Backends (`environment.backend`):
   default), served under `served_name` on `host:port`. The CPU default; starts in about a second.
 - `vllm`: `vllm serve <model>` with the tensor-parallel size, GPU memory fraction and max model length
   from `environment.server` (GPT-OSS-20B in the paper profile). Built here, runs on GPU nodes only.
+- `knowledge`: `python -m pipeline.environment.knowledge` on `environment.knowledge.sources`, an environment
+  that knows the questions' gold answers (the `learn` profile; see that module). Starts in about a second.
 - `api`: a paid endpoint; nothing is started, but the key variable must be set (fails fast otherwise).
+
+Launchers are a registry (`SERVER_LAUNCHERS`, `register_launcher`): a backend that runs a local server is
+one function from params to its command line.
 
 Design decisions:
 - **Reuse before start.** If something already answers `GET <url>/models` with 200, it is used as is and
@@ -34,7 +39,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,6 +50,7 @@ import typer
 
 from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
+from pipeline.environment.knowledge import knowledge_command
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.layout import cuda_visible_devices, environment_gpus
 from pipeline.modelref import ModelRefError, resolve_model
@@ -79,14 +85,42 @@ _STARTED: dict[str, ServerProcess] = {}
 # -- commands -------------------------------------------------------------------------------------------
 
 
+ServerLauncher = Callable[["Params"], list[str]]
+SERVER_LAUNCHERS: dict[str, ServerLauncher] = {}
+"""Backends that run a local server: backend name → the command line serving params.environment."""
+
+
+def register_launcher(backend: str) -> Callable[[ServerLauncher], ServerLauncher]:
+    """Decorator: `fn(params) -> command` starts the local server of `backend`."""
+
+    def add(fn: ServerLauncher) -> ServerLauncher:
+        SERVER_LAUNCHERS[backend] = fn
+        return fn
+
+    return add
+
+
 def server_command(params: Params) -> list[str]:
-    """The command line that serves `params.environment` locally (backends llamacpp and vllm)."""
-    cfg = params.environment
-    if cfg.backend == "llamacpp":
-        return llamacpp_command(cfg, _model_location(params))
-    if cfg.backend == "vllm":
-        return vllm_command(cfg, _model_location(params))
-    raise EnvironmentUnavailable(f"environment backend {cfg.backend!r} has no local server to start")
+    """The command line that serves `params.environment` locally (the backend's registered launcher)."""
+    backend = params.environment.backend
+    if backend not in SERVER_LAUNCHERS:
+        raise EnvironmentUnavailable(f"environment backend {backend!r} has no local server to start")
+    return SERVER_LAUNCHERS[backend](params)
+
+
+@register_launcher("llamacpp")
+def _llamacpp_launcher(params: Params) -> list[str]:
+    return llamacpp_command(params.environment, _model_location(params))
+
+
+@register_launcher("vllm")
+def _vllm_launcher(params: Params) -> list[str]:
+    return vllm_command(params.environment, _model_location(params))
+
+
+@register_launcher("knowledge")
+def _knowledge_launcher(params: Params) -> list[str]:
+    return knowledge_command(params.environment, params.root)
 
 
 def llamacpp_command(cfg: EnvironmentConfig, model_path: str) -> list[str]:

@@ -80,6 +80,17 @@ class GRPOObjective:
         )
 
 
+def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) token-level rewards: each trajectory's scalar reward on its last agent token (the end of its
+    final turn, where verl's agent loop puts it), 0 elsewhere. verl's GRPO sums them over the response, so
+    the position does not change the advantage; it says which action earned the reward."""
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+    positions = torch.arange(response_mask.shape[1]).expand(response_mask.shape)
+    last = torch.where(response_mask > 0, positions, -1).max(dim=1).values.clamp(min=0)
+    rewards[torch.arange(response_mask.shape[0]), last] = scores.to(torch.float32)
+    return rewards
+
+
 def grpo_advantages(
     scores: torch.Tensor, response_mask: torch.Tensor, group_ids: Sequence[str], epsilon: float = 1e-6
 ) -> torch.Tensor:
@@ -88,11 +99,8 @@ def grpo_advantages(
     if scores.ndim != 1 or scores.shape[0] != response_mask.shape[0] or len(group_ids) != scores.shape[0]:
         raise ValueError(f"shapes disagree: scores {tuple(scores.shape)}, mask {tuple(response_mask.shape)}, "
                          f"{len(group_ids)} group ids")
-    # verl sums token-level rewards over the response; an outcome reward sits on one token.
-    token_level_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
-    token_level_rewards[:, -1] = scores.to(torch.float32)
     advantages, _ = compute_grpo_outcome_advantage(
-        token_level_rewards=token_level_rewards,
+        token_level_rewards=outcome_token_rewards(scores, response_mask),
         response_mask=response_mask.to(torch.float32),
         index=np.asarray(list(group_ids), dtype=object),
         epsilon=epsilon,

@@ -19,6 +19,11 @@ structure rather than one string. The environment is the live one (`EnvironmentC
 to 0 so replies are deterministic and cached), asked with its own history exactly as the rollout asks it.
 Agent turns are encoded separately and appended (the builder is append-only, like the rollout), so training
 sees the same token layout as sampling: no train/rollout drift.
+With `train.warmup.replies: withheld` every environment turn is `WITHHELD_REPLY` instead (no call): the demos
+then teach the protocol (tags, turn order, asking with the question, a short answer) but not how to use a
+reply. The learn profile needs that: its environment's replies hold the answers, so demos with live replies
+would already teach the very skill whose learning by GRPO the experiment measures (measured: with live
+replies the warm-up-only agent scored held-out F1 98.6 on 24 questions, leaving GRPO nothing to show).
 
 Design decisions:
 - **Which rows**: rows whose gold answer fits `max_answer_tokens`, whose every agent turn fits
@@ -67,11 +72,13 @@ from pipeline.agent.protocol import (
 from pipeline.config import Params
 from pipeline.errors import DataError
 from pipeline.train.batch import collate, response_log_probs
-from pipeline.types import PromptItem, Trajectory, Turn
+from pipeline.types import EnvironmentReply, PromptItem, Trajectory, Turn
 
 log = logging.getLogger(__name__)
 
 WARMUP_CSV = "train/warmup.csv"
+WITHHELD_REPLY = "(The reply is withheld in this demonstration.)"
+"""The environment turn of a demonstration built with `train.warmup.replies: withheld`."""
 
 FIRST_THINK = [
     "I will explain the question briefly and give it to the large language model.",
@@ -164,14 +171,19 @@ def _plan(builder: ConversationBuilder, item: PromptItem, params: Params, rng: r
     return _Plan(item, texts, prompt_ids, turn_ids)
 
 
-async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan]) -> list[Trajectory]:
-    """Ask the environment turn by turn (all demos of a round concurrently) and append ids as the rollout."""
+async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan], withheld: bool = False
+                    ) -> list[Trajectory]:
+    """Ask the environment turn by turn (all demos of a round concurrently) and append ids as the rollout.
+    `withheld`: every reply is `WITHHELD_REPLY` and the environment is not asked."""
     trajs = [Trajectory(item=p.item, prompt_ids=list(p.prompt_ids)) for p in plans]
     histories: list[list[dict[str, str]]] = [[] for _ in plans]
     rounds = len(plans[0].texts.prompts) if plans else 0
     for t in range(rounds):
-        replies = await asyncio.gather(*(env.reply(list(h), p.texts.prompts[t]) for p, h in zip(plans, histories,
-                                                                                                strict=True)))
+        if withheld:
+            replies = [EnvironmentReply(text=WITHHELD_REPLY) for _ in plans]
+        else:
+            replies = await asyncio.gather(*(env.reply(list(h), p.texts.prompts[t])
+                                             for p, h in zip(plans, histories, strict=True)))
         for p, traj, hist, reply in zip(plans, trajs, histories, replies, strict=True):
             agent_ids = p.turn_ids[t]
             env_ids = builder.env_turn_ids(reply.text, agent_ids)
@@ -179,7 +191,8 @@ async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan]) 
                                    agent_token_ids=list(agent_ids), env_reply=reply, env_token_ids=env_ids))
             traj.response_ids += [*agent_ids, *env_ids]
             traj.response_mask += [1] * len(agent_ids) + [0] * len(env_ids)
-            traj.usage.add(reply)
+            if not withheld:
+                traj.usage.add(reply)
             hist += [{"role": "user", "content": p.texts.prompts[t]}, {"role": "assistant", "content": reply.text}]
     for p, traj in zip(plans, trajs, strict=True):
         final = p.turn_ids[-1]
@@ -213,7 +226,7 @@ def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, en
                 plans.append(plan)
         if not plans:
             break
-        for traj in asyncio.run(_assemble(builder, env, plans)):
+        for traj in asyncio.run(_assemble(builder, env, plans, params.train.warmup.replies == "withheld")):
             failed = any(t.env_reply is not None and t.env_reply.error for t in traj.turns)
             if failed or len(traj.response_ids) > params.agent.max_response_tokens:
                 continue

@@ -1,0 +1,80 @@
+"""The `learn` profile (profiles/learn.yaml): what the learning experiment promises, held by its params, and the
+guards that keep it honest: it never moves the production `champion`, and its format warm-up does not teach
+the skill the experiment measures (demonstrations with withheld environment replies)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipeline.config import load_params
+from pipeline.errors import UserError
+from pipeline.register import PRODUCTION_ALIAS, check_production_alias, run_register
+from pipeline.train.warmup import WITHHELD_REPLY, build_demonstrations
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def learn():
+    return load_params(REPO_ROOT / "params.yaml", {"profile": "learn"})
+
+
+def test_learn_profile_is_the_experiment_the_issue_asks_for(learn):
+    assert learn.environment.backend == "knowledge"
+    assert learn.environment.port != load_params(REPO_ROOT / "params.yaml").environment.port  # never reuse llama.cpp
+    assert learn.reward.preset == "released"
+    assert learn.train.backend == "local" and learn.train.steps >= 40
+    assert learn.agent.model == load_params(REPO_ROOT / "params.yaml").agent.model  # the real SmolLM2 agent
+    assert learn.train.warmup.replies == "withheld"
+    # held-out = the authors' evaluation rows of the trained datasets; the knowledge server knows both
+    assert set(learn.data.id_eval_datasets) <= set(learn.data.train_datasets)
+    assert {"data/rl/train.parquet", "data/rl/eval"} <= set(learn.environment.knowledge.sources)
+    assert learn.register.alias != PRODUCTION_ALIAS
+    assert learn.register.model_name != load_params(REPO_ROOT / "params.yaml").register.model_name
+
+
+def test_register_refuses_to_move_champion_for_the_learn_profile(learn, tmp_path):
+    learn.register.alias = PRODUCTION_ALIAS
+    learn.paths.model_dir = str(tmp_path / "missing-model")  # refused before this is even looked at
+    with pytest.raises(UserError, match="may not move the production alias"):
+        run_register(learn)
+    check_production_alias(load_params(REPO_ROOT / "params.yaml"))  # the default profile may
+
+
+class _CountingEnvironment:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def reply(self, history, prompt):
+        from pipeline.types import EnvironmentReply
+
+        self.calls += 1
+        return EnvironmentReply(text="the answer is Paris, as my notes say")
+
+
+@pytest.mark.parametrize("replies", ["environment", "withheld"])
+def test_warmup_demonstrations_with_withheld_replies_never_show_the_answer(learn, tiny_llama_dir, replies):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    frame = pd.DataFrame([{
+        "data_source": "hotpotqa", "prompt": [{"role": "user", "content": "Question: What is the capital of France?"}],
+        "reward_model": {"ground_truth": ["Paris"], "style": "rule"},
+        "extra_info": {"id": "q0", "question": "What is the capital of France?"},
+    }])
+    learn.train.warmup.replies = replies
+    env = _CountingEnvironment()
+    from pipeline.train.questions import prompt_item_from_row
+
+    demos = build_demonstrations(learn, frame, tokenizer, env, 1, prompt_item_from_row)
+    (demo,) = demos
+    env_text = tokenizer.decode([t for t, m in zip(demo.response_ids, demo.response_mask, strict=True) if m == 0])
+    agent_text = tokenizer.decode([t for t, m in zip(demo.response_ids, demo.response_mask, strict=True) if m == 1])
+    assert agent_text.endswith("<answer>Paris</answer>")
+    if replies == "withheld":
+        assert env.calls == 0 and WITHHELD_REPLY in env_text and "Paris" not in env_text
+    else:
+        assert env.calls == 1 and "the answer is Paris" in env_text
