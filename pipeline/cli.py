@@ -109,11 +109,11 @@ STAGE_COMMANDS: dict[str, Callable[..., None]] = {
                                 "move the champion alias if the rule holds."),
 }
 ENV_COMMANDS: dict[str, Callable[..., None]] = {
-    "start": _params_command("pipeline.environment.servers:cli_start",
+    "start": _params_command("pipeline.environment.manual:cli_start",
                              "Start (or reuse) the configured environment server and leave it running."),
-    "stop": _params_command("pipeline.environment.servers:cli_stop",
+    "stop": _params_command("pipeline.environment.manual:cli_stop",
                             "Stop the environment server started by `promptr1 env start`."),
-    "status": _params_command("pipeline.environment.servers:cli_status",
+    "status": _params_command("pipeline.environment.manual:cli_status",
                               "Health-check the configured environment endpoint."),
 }
 for _name, _command in STAGE_COMMANDS.items():
