@@ -22,9 +22,7 @@ Design decisions:
 - **Startup failures are explained**: the server's stdout/stderr go to a log file under `paths.cache_dir`;
   if the process dies or does not become healthy within `server.startup_timeout_s`, EnvironmentUnavailable
   carries the log's tail.
-
-  command in `<cache_dir>/environment_server.json`; `env stop` reads that file and stops only that process
-  (after checking the PID still runs the recorded command, so a recycled PID is never killed).
+- Servers started by hand and left running (`promptr1 env start|stop|status`) are pipeline/environment/manual.py's.
 """
 
 from __future__ import annotations
