@@ -54,7 +54,7 @@ TAUGHT_TURNS = [
     "Both replies agree.</think>\n<answer>Paris</answer>",
 ]
 
-pytestmark = pytest.mark.slow  # trains a tiny model, runs verl's worker and our rollout (~1 min on CPU)
+pytestmark = pytest.mark.slow  # teaches a tiny model, runs verl's worker and our rollout (~2 min on a busy 2-core CPU)
 
 
 def user_message(question: str) -> list[dict[str, str]]:
