@@ -47,7 +47,9 @@ def run_train(params: Params) -> None:
             from pipeline.train.step_metrics import steps_csv_path
             from pipeline.train.trajectory_log import TRAJECTORIES_FILE
 
-            steps_csv_path(params).with_name(TRAJECTORIES_FILE).touch()
+            empty_log = steps_csv_path(params).with_name(TRAJECTORIES_FILE)
+            empty_log.parent.mkdir(parents=True, exist_ok=True)
+            empty_log.touch()
             return
         from pipeline.train.local import train_local
         from pipeline.train.resume import training_complete

@@ -84,8 +84,9 @@ REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
 REWARD_FUNCTION_NAME = "compute_score"
 LOG_TAIL_LINES = 60
 
-_ENVIRONMENT_FIELDS_FOR_WORKERS = tuple(name for name in EnvironmentConfig.model_fields if name != "server")
-"""What the agent-loop workers need to build an `EnvironmentClient`: every field but the `server` launch block."""
+_ENVIRONMENT_FIELDS_FOR_WORKERS = tuple(name for name in EnvironmentConfig.model_fields
+                                        if name not in ("server", "knowledge"))
+"""What the agent-loop workers need to build an `EnvironmentClient`: every field but the server launch blocks."""
 
 
 # ------------------------------------------------------------------------------------------- overrides
