@@ -34,6 +34,8 @@ def micro_params(raw: dict, mirror: Path, agent_dir: Path, url: str) -> dict:
     raw["train"].update(steps=1, batch_size=1, group_size=2, mini_batch_size=1, micro_batch_size=2, save_every=1)
     raw["train"]["warmup"].update(steps=1, batch_size=1, demonstrations=1)
     raw["evaluate"].update(rows_per_dataset=1, agent_max_turn_tokens=8, bootstrap_samples=20)
+    raw["gepa"].update(max_metric_calls=10, train_size=3, val_size=2, holdout_size=2, minibatch_size=2,
+                       reflection_max_tokens=64)
     return raw
 
 
