@@ -43,9 +43,10 @@ from pipeline.environment.servers import environment_server
 pytestmark = pytest.mark.slow
 _ROOT = Path(__file__).resolve().parents[1]
 
-WARMUP_STEPS = 30
-WARMUP_LR = 3e-3
-WARMUP_BATCH = 4
+WARMUP_STEPS = 120
+WARMUP_LR = 1e-2
+WARMUP_BATCH = 8
+TEMPERATURE = 0.5
 WARMUP_DEMOS = 2
 STEPS = 20
 WINDOW = 5
@@ -77,7 +78,7 @@ def _params(folder, model_dir, url, **train):
     overrides = {
         "paths": {"rl_dir": str(folder / "data/rl"), "checkpoint_dir": str(folder / "checkpoints"),
                   "reports_dir": str(folder / "reports"), "cache_dir": str(folder / "cache")},
-        "agent": {"model": str(model_dir), "max_turns": 2, "max_turn_tokens": 48, "max_response_tokens": 160,
+        "agent": {"model": str(model_dir), "temperature": TEMPERATURE, "max_turns": 2, "max_turn_tokens": 48, "max_response_tokens": 160,
                   "max_prompt_tokens": 256},
         "environment": {"backend": "knowledge", "model": "knowledge", "served_name": "knowledge", "base_url": url,
                         "cache": False, "max_retries": 0, "timeout_s": 10.0, "max_tokens": 64},
