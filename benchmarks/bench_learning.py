@@ -332,7 +332,7 @@ def summarise(params, args, evals: dict[int, dict[str, Any]], curve: list[dict[s
         "target_met": bool(f1 and f1["gain"] >= TARGET_GAIN_POINTS and f1["gain_ci"][0] > 0),
         "heldout": {"datasets": list(rows_by_ds), "questions": sum(len(r) for r in rows_by_ds.values()),
                     "source": "the authors' evaluation rows (data/rl/eval), first evaluate.rows_per_dataset"},
-        "notes": NOTES,
+        "notes": [*NOTES, *(getattr(args, "note", None) or [])],
         "heldout_curve": sorted(curve, key=lambda p: p["step"]),
         "steps": steps,
         "examples": {"warmup": evals[0]["examples"], "grpo": evals[last]["examples"] if last > 0 else []},
@@ -369,6 +369,7 @@ def main() -> None:
                         help="resume in the existing work folder (checkpoints and held-out results are reused)")
     parser.add_argument("--report-only", action="store_true",
                         help="write the results from the work folder as it is (e.g. after an interrupted run)")
+    parser.add_argument("--note", action="append", help="a line added to the results' notes (repeatable)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     result = report_only(args) if args.report_only else run(args)
