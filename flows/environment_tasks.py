@@ -15,6 +15,9 @@ Design decisions:
   hook: it stops every session still open in this process.
 - **Retries only where they are safe:** starting and health-checking are idempotent, so both retry with
   growing delays; stopping does not retry (it must not wait on a server that is gone).
+- **Weights before GPU time.** `fetch-weights` runs once, before the first stage that needs the environment:
+  every model the params need is fetched into the Hugging Face cache and verified
+  (`pipeline.weights`), so a vLLM server or verl never downloads while GPUs wait. It retries like start.
 - The launcher (Params → context manager yielding the base URL) is a parameter, so tests and benchmarks can
   run the flow against a stand-in server; deployments always use `default_launcher`.
 """
@@ -116,3 +119,15 @@ def stop_environment(session: EnvironmentSession) -> None:
     """Stop the server the flow started (a reused one is left running)."""
     session.stop()
     get_run_logger().info("environment released")
+
+
+@task(name="fetch-weights", retries=ENVIRONMENT_RETRIES, retry_delay_seconds=ENVIRONMENT_RETRY_DELAYS_S,
+      cache_policy=NO_CACHE)
+def fetch_weights(params: Params) -> list[str]:
+    """Fetch and verify every model the params need (`promptr1 weights`); one line per model."""
+    from pipeline.weights import run_weights
+
+    lines = [f"{s.key}: {s.state} ({s.ref})" for s in run_weights(params)]
+    for line in lines:
+        get_run_logger().info("weights %s", line)
+    return lines

@@ -79,6 +79,7 @@ from flows.environment_tasks import (
     Launcher,
     check_environment,
     default_launcher,
+    fetch_weights,
     start_environment,
     stop_environment,
     stop_live_environments,
@@ -115,6 +116,8 @@ STAGE_POLICIES: dict[str, StagePolicy] = {
     "sample": StagePolicy(),
     "validate": StagePolicy(),
     "build": StagePolicy(),
+    # Idempotent: the same seed, slices and cached environment replies give the same prompt.
+    "gepa": StagePolicy(retries=1, retry_delays_s=(30.0,), needs_environment=True),
     # Safe to retry only because it resumes from the last checkpoint (persist: true output); see docstring.
     "train": StagePolicy(retries=1, retry_delays_s=(60.0,), needs_environment=True),
     "merge": StagePolicy(),
@@ -285,6 +288,7 @@ def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> di
             skip = index < first_stale
             wants_environment = not skip and policy.needs_environment and session.url is None
             if wants_environment and (force or dvc_steps.stale_stages(root, [stage])):
+                fetch_weights(params)
                 report.environment_url = start_environment(session)
                 check_environment(report.environment_url, params.environment.api_key_env)
             task_ = run_stage.with_options(name=f"dvc-{stage}", retries=policy.retries,

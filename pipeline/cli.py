@@ -101,17 +101,19 @@ STAGE_COMMANDS: dict[str, Callable[..., None]] = {
                              "Stage 4: GRPO training of the agent (backend local or verl), resumable."),
     "merge": _params_command("pipeline.train.merge:run_merge",
                              "Stage 5: checkpoints → one Hugging Face model directory in models/agent."),
+    "gepa": _params_command("pipeline.gepa_prompt:run_gepa", "GEPA optimises the environment's instruction on a "
+                            "training slice (the rival system `gepa`) → data/gepa/prompt.json."),
     "evaluate": _params_command("pipeline.evaluate:run_evaluate",
                                 "Stage 6: the merged agent + environment on the ID and OOD sets, with baselines."),
     "register": _params_command("pipeline.register:run_register", "Stage 7: log the model to the MLflow registry; "
                                 "move the champion alias if the rule holds."),
 }
 ENV_COMMANDS: dict[str, Callable[..., None]] = {
-    "start": _params_command("pipeline.environment.servers:cli_start",
+    "start": _params_command("pipeline.environment.manual:cli_start",
                              "Start (or reuse) the configured environment server and leave it running."),
-    "stop": _params_command("pipeline.environment.servers:cli_stop",
+    "stop": _params_command("pipeline.environment.manual:cli_stop",
                             "Stop the environment server started by `promptr1 env start`."),
-    "status": _params_command("pipeline.environment.servers:cli_status",
+    "status": _params_command("pipeline.environment.manual:cli_status",
                               "Health-check the configured environment endpoint."),
 }
 for _name, _command in STAGE_COMMANDS.items():

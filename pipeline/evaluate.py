@@ -19,6 +19,9 @@ Design decisions:
   run; cache hits send nothing and are counted in the usage figures instead.
 - **One model in memory at a time.** The trained agent answers with the environment and alone, then is
   released before the untrained `agent.model` loads for `base_agent`.
+- **Cost and the paper.** metrics.json also holds every system's cost (`evaluation.costs`: per question
+  and one-off, GEPA's from `data/gepa/prompt.json`, GRPO's from `reports/train/steps.csv`) and the paper's
+  published numbers beside ours (`evaluation.paper`).
 - **Order.** Systems run in the order that keeps one model loaded, and are reported `prompt_r1` first,
   then the configured baselines in `BASELINES` order, whatever order `evaluate.baselines` lists them in.
 """
@@ -35,6 +38,8 @@ import pandas as pd
 
 from pipeline import metrics as M
 from pipeline.errors import DataError, UserError
+from pipeline.evaluation.costs import inference_costs, one_off_costs, read_gepa_prompt
+from pipeline.evaluation.paper import paper_comparison
 from pipeline.evaluation.report import format_ci, log_mlflow, predictions_frame, write_reports
 from pipeline.evaluation.scores import aggregate, score_system, usage_by_system
 from pipeline.evaluation.systems import (
@@ -125,6 +130,7 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
     if not model_dir.exists():
         raise UserError(f"no merged agent at {model_dir}: run `promptr1 merge` (dvc repro merge) first")
     baselines = list(dict.fromkeys(params.evaluate.baselines))
+    gepa_instruction = read_gepa_prompt(params)["optimised"]["instruction"] if "gepa" in baselines else None
     answers: dict[str, dict[str, list[Answer]]] = {}
     with environment_server(ep):
         env = EnvironmentClient.from_params(ep, trace=params.evaluate.trace_environment)
@@ -137,6 +143,8 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
             _release_memory()
             if "env_only" in baselines:
                 answers["env_only"] = run_env_only(env, rows_by_ds, ep)
+            if gepa_instruction is not None:
+                answers["gepa"] = run_env_only(env, rows_by_ds, ep, instruction=gepa_instruction, system="gepa")
             if "base_agent" in baselines:
                 base = _load_policy(params.agent.model, params)
                 answers["base_agent"] = run_agent_with_environment(base, env, rows_by_ds, ep, "base_agent")
@@ -164,6 +172,13 @@ def run_evaluate(params: Params) -> dict[str, Any]:
         summary = aggregate(all_scores, rows_by_ds, params)
         summary["env_usage"] = usage_by_system(all_answers)
         summary["wall_s"] = round(time.perf_counter() - started, 1)
+        summary["cost"] = {
+            "prices": {"usd_per_million_prompt": params.environment.price_per_million_prompt,
+                       "usd_per_million_completion": params.environment.price_per_million_completion},
+            "inference": inference_costs(all_answers, params),
+            "one_off": one_off_costs(params, summary["systems"]),
+        }
+        summary["paper"] = paper_comparison(summary, params)
 
         predictions = predictions_frame(all_answers, all_scores, rows_by_ds)
         plots = write_reports(summary, predictions, params, out_dir)

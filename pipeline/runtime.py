@@ -37,7 +37,10 @@ TELEMETRY_OFF: dict[str, str] = {
 }
 """Environment variables that switch off the usage reporting of the libraries the pipeline runs."""
 
-NOISY_LOGGERS = ("httpx", "urllib3", "filelock", "alembic", "openai._base_client")
+NOISY_LOGGERS = ("httpx", "httpx2", "httpcore", "urllib3", "filelock", "alembic", "openai._base_client",
+                 "great_expectations", "mlflow.store.db.utils", "mlflow.tracking.fluent", "prefect.events",
+                 "sentence_transformers", "huggingface_hub")
+"""Third-party loggers whose INFO lines are per-request or set-up chatter: WARNING unless `-v`."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -48,10 +51,10 @@ def quiet_telemetry() -> None:
 
 
 def configure_logging(verbose: bool = False) -> None:
-    """Root logging to stderr (DEBUG with `verbose`, else INFO), per-request library chatter at WARNING."""
+    """Root logging to stderr: INFO, third-party chatter at WARNING; `verbose`: DEBUG and everything back."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     for noisy in NOISY_LOGGERS:
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
 
 
 @contextmanager

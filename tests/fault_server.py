@@ -8,8 +8,9 @@ non-JSON body, a dropped connection, empty content, no choices. It records every
 headers) and the highest number of requests in flight at once, so tests can assert on retries, the
 semaphore and the cache (requests that never reached the server).
 
-The reply text echoes the last user message (`echo: …`) unless a behaviour names one; token counts are
-whitespace word counts, so tests can compute costs by hand.
+The reply text echoes the last user message (`echo: …`) unless a behaviour names one or a `responder`
+(messages → text) is given, which answers by content; token counts are whitespace word counts, so tests can
+compute costs by hand.
 
 Run standalone (the latency benchmark does, so the server has its own process and GIL):
     python tests/fault_server.py --delay 0.2 [--port 0]     # prints the port on stdout, serves forever
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Self
@@ -69,8 +71,11 @@ def _words(text: str) -> int:
 class FaultServer:
     """A scripted OpenAI-compatible chat server in a background thread; use as a context manager."""
 
-    def __init__(self, default: Behaviour | None = None, *, model: str = "fault-model", port: int = 0) -> None:
+    def __init__(self, default: Behaviour | None = None, *, model: str = "fault-model", port: int = 0,
+                 responder: Callable[[list[dict[str, Any]]], str] | None = None) -> None:
         self.default = default or Behaviour()
+        self.responder = responder
+        """Reply text from the request's messages, for `ok` behaviours that name no text (default: echo)."""
         self.model = model
         self._queue: deque[Behaviour] = deque()
         self._lock = threading.Lock()
@@ -209,7 +214,12 @@ class FaultServer:
                 messages = body.get("messages") or []
                 prompt_text = " ".join(str(m.get("content", "")) for m in messages)
                 last_user = next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
-                text = "" if kind == "empty" else (behaviour.text if behaviour.text is not None else f"echo: {last_user}")
+                if kind == "empty":
+                    text = ""
+                elif behaviour.text is not None:
+                    text = behaviour.text
+                else:
+                    text = server.responder(messages) if server.responder else f"echo: {last_user}"
                 choices = [] if kind == "no_choices" else [
                     {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": behaviour.finish_reason}
                 ]

@@ -344,14 +344,15 @@ def test_trace_flag_records_mlflow_span(server, tmp_path, monkeypatch):
     b'{"choices": []}', b'{"choices": "x"}', b'{"choices": [1]}', b'{"choices": [{"message": {"content": 5}}]}',
 ])
 def test_parse_completion_rejects_malformed_bodies(body):
-    from pipeline.environment.client import _Malformed, _parse_completion
+    from pipeline.environment.wire import MalformedReply as _Malformed
+    from pipeline.environment.wire import parse_completion as _parse_completion
 
     with pytest.raises(_Malformed):
         _parse_completion(body)
 
 
 def test_parse_completion_tolerates_missing_usage_and_content():
-    from pipeline.environment.client import _parse_completion
+    from pipeline.environment.wire import parse_completion as _parse_completion
 
     assert _parse_completion(b'{"choices": [{"message": {"content": "hi"}}]}') == ("hi", 0, 0, None)
     assert _parse_completion(b'{"choices": [{"message": {}}], "usage": {"prompt_tokens": "x"}}') == ("", 0, 0, None)

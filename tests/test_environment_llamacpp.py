@@ -16,10 +16,8 @@ import pytest
 from demo_project import free_port, pid_alive
 
 from pipeline.environment.client import EnvironmentClient
+from pipeline.environment.manual import STATE_FILE, cli_start, cli_stop
 from pipeline.environment.servers import (
-    STATE_FILE,
-    cli_start,
-    cli_stop,
     environment_server,
     is_healthy,
     served_models,

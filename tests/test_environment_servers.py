@@ -20,11 +20,8 @@ from fault_server import FaultServer
 
 from pipeline.config import load_params
 from pipeline.environment import servers
+from pipeline.environment.manual import STATE_FILE, cli_start, cli_status, cli_stop
 from pipeline.environment.servers import (
-    STATE_FILE,
-    cli_start,
-    cli_status,
-    cli_stop,
     environment_server,
     is_healthy,
     server_command,

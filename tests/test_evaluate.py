@@ -10,12 +10,16 @@ import pandas as pd
 import pytest
 
 from pipeline import evaluate as E
+from pipeline.errors import UserError
+from pipeline.evaluation.costs import grpo_one_off, inference_costs, one_off_costs
+from pipeline.evaluation.paper import load_paper_results, paper_comparison, paper_markdown
 from pipeline.evaluation.report import (
     flat_metrics,
     plot_rows,
     predictions_frame,
     summary_markdown,
     write_plots,
+    write_reports,
 )
 from pipeline.evaluation.scores import aggregate, score_system, usage_by_system
 from pipeline.evaluation.systems import TRAINED, Answer, run_system
@@ -172,6 +176,7 @@ def test_run_evaluate_small_real_run(tmp_path, repo_root, shared_datasets, llama
     import mlflow
 
     project = make_project(tmp_path, repo_root, shared_datasets, {"hotpotqa": "id", "booksum": "id", "xsum": "ood"})
+    shutil.copytree(FIXTURES / "gepa", project / "data" / "gepa")  # a recorded gepa stage output
     params = _params(project, {
         "paths": {"model_dir": str(tiny_llama_dir)},
         "data": {"id_eval_datasets": ["hotpotqa", "booksum"], "ood_eval_datasets": ["xsum"]},
@@ -184,13 +189,21 @@ def test_run_evaluate_small_real_run(tmp_path, repo_root, shared_datasets, llama
     out = project / "reports" / "eval"
     for name in ("metrics.json", "predictions.parquet", "plot_data.csv", "summary.md"):
         assert (out / name).is_file(), name
-    assert sorted(p.name for p in (out / "plots").glob("*.png")) == ["booksum.png", "hotpotqa.png", "xsum.png"]
+    assert sorted(p.name for p in (out / "plots").glob("*.png")) == ["booksum.png", "hotpotqa.png",
+                                                                      "quality_vs_cost.png", "xsum.png"]
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["systems"] == ["prompt_r1", "env_only", "agent_only", "base_agent"]
+    assert metrics["systems"] == ["prompt_r1", "env_only", "agent_only", "base_agent", "gepa"]
+    assert set(metrics["cost"]["inference"]) == set(metrics["systems"])
+    assert metrics["cost"]["one_off"]["gepa"]["what"].startswith("GEPA:")
+    assert not metrics["paper"]["comparable"]
+    assert (out / "quality_cost.csv").is_file() and (out / "plots" / "quality_vs_cost.png").is_file()
     assert set(metrics["averages"]["prompt_r1"]["id"]) == {"em", "f1", "ssim", "sm"}
     assert "reference" in metrics and "vs_base_agent" in metrics["deltas"]
     preds = pd.read_parquet(out / "predictions.parquet")
-    assert len(preds) == 4 * 3 * 2
+    assert len(preds) == 5 * 3 * 2
+    optimised = json.loads((FIXTURES / "gepa" / "prompt.json").read_text())["optimised"]["instruction"]
+    gepa_prompts = [json.loads(t)[0]["prompt"] for t in preds[preds.system == "gepa"].trajectory]
+    assert all(p.endswith("\n\n" + optimised) for p in gepa_prompts)
     env_only = preds[preds.system == "env_only"]
     assert (env_only.prediction.str.len() > 0).all()  # the real environment answered every question
     assert summary["env_usage"]["env_only"]["calls"] + summary["env_usage"]["env_only"]["cache_hits"] == 6
@@ -212,3 +225,162 @@ def test_run_evaluate_small_real_run(tmp_path, repo_root, shared_datasets, llama
     assert summary["env_usage"]["env_only"]["calls"] > 0
     traces = mlflow.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, return_type="list")
     assert traces, "environment calls were made but not traced"
+
+
+# --- cost beside quality, the fifth system, the paper's table (issue 14) ---------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _with_env(pred: str, *replies: tuple[int, int, bool]) -> Answer:
+    """An answer whose trajectory used environment replies of (prompt tokens, completion tokens, cached)."""
+    steps = [{"environment": {"prompt_tokens": p, "completion_tokens": c, "cached": cached}} for p, c, cached in replies]
+    return Answer(prediction=pred, trajectory=[{"text": "agent turn without a reply"}, *steps])
+
+
+def _write_steps(path: Path, frame: pd.DataFrame) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False)
+    return path
+
+
+def test_inference_cost_counts_every_reply_used_cached_or_not_at_the_configured_prices(params):
+    params.environment.price_per_million_prompt = 0.15
+    params.environment.price_per_million_completion = 0.60
+    answers = {
+        "env_only": {"hotpotqa": [_with_env("a", (1000, 100, True)), _with_env("b", (3000, 300, False))]},
+        TRAINED: {"hotpotqa": [_with_env("a", (500, 50, False), (700, 70, False)), _with_env("b")]},
+    }
+    cost = inference_costs(answers, params)
+    # env_only: 4000 prompt + 400 completion tokens -> (4000 * 0.15 + 400 * 0.60) / 1e6 = 840e-6 USD
+    assert cost["env_only"] == {"questions": 2, "env_requests": 2, "prompt_tokens": 4000, "completion_tokens": 400,
+                                "usd": 0.00084, "env_requests_per_question": 1.0,
+                                "env_tokens_per_question": 2200.0, "usd_per_question": 0.00042}
+    # prompt_r1: two replies on the first question, none on the second: 1200 + 120 tokens
+    assert cost[TRAINED]["env_requests"] == 2 and cost[TRAINED]["env_tokens_per_question"] == 660.0
+    assert cost[TRAINED]["usd"] == pytest.approx((1200 * 0.15 + 120 * 0.60) / 1e6)
+
+
+def test_one_off_costs_from_the_training_steps_and_the_gepa_record(tmp_path, params):
+    params.paths.reports_dir = str(tmp_path / "reports")
+    params.paths.gepa_dir = str(tmp_path / "gepa")
+    steps = tmp_path / "reports" / "train" / "steps.csv"
+    _write_steps(steps, pd.DataFrame({"step": [1, 2], "env/calls": [10, 12], "env/cache_hits": [1, 0],
+                                      "env/prompt_tokens": [1000, 2000], "env/completion_tokens": [100, 200],
+                                      "env/cost_usd": [0.01, 0.02], "timing_s/step": [1800.0, 1800.0]}))
+    assert grpo_one_off(steps) == {"what": "GRPO: 2 steps", "env_requests": 23, "prompt_tokens": 3000,
+                                   "completion_tokens": 300, "usd": 0.03, "hours": 1.0}
+    # a record without the environment columns says so instead of reporting a silent zero as complete
+    partial = grpo_one_off(_write_steps(tmp_path / "partial.csv", pd.DataFrame({"step": [1], "timing_s/step": [36.0]})))
+    assert partial["what"].startswith("GRPO: 1 steps (steps.csv lacks env/calls") and partial["hours"] == 0.01
+    assert grpo_one_off(tmp_path / "absent.csv") is None
+
+    with pytest.raises(UserError, match="promptr1 gepa"):
+        one_off_costs(params, ["gepa"])
+    shutil.copytree(FIXTURES / "gepa", tmp_path / "gepa")
+    recorded = json.loads((FIXTURES / "gepa" / "prompt.json").read_text())
+    out = one_off_costs(params, [TRAINED, "env_only", "gepa"])
+    assert out["env_only"] is None and out[TRAINED]["env_requests"] == 23
+    task, refl = recorded["cost"]["task"], recorded["cost"]["reflection"]
+    assert out["gepa"]["env_requests"] == task["calls"] + task["cache_hits"] + refl["calls"] + refl["cache_hits"]
+    assert out["gepa"]["prompt_tokens"] == task["prompt_tokens"] + refl["prompt_tokens"]
+    assert out["gepa"]["what"].startswith(f"GEPA: {recorded['cost']['metric_calls']} metric calls")
+
+
+def _fixture_summary(params) -> dict:
+    """metrics.json's content for hand-made answers of prompt_r1, env_only and gepa (SSim not needed)."""
+    rows = {d: r for d, r in _rows().items() if d != "xsum"}
+    answers = {
+        TRAINED: {"hotpotqa": [_with_env("Paris", (100, 10, False)), _with_env("Obama", (100, 10, False))],
+                  "triviaqa": [_with_env("the blue whale", (100, 10, False)), _with_env("", (100, 10, False))]},
+        "env_only": {"hotpotqa": [_with_env("London", (40, 20, False)), _with_env("Obama", (40, 20, False))],
+                     "triviaqa": [_with_env("", (40, 20, False)), _with_env("1969", (40, 20, False))]},
+        "gepa": {"hotpotqa": [_with_env("Paris", (30, 2, False)), _with_env("Barack Obama", (30, 2, False))],
+                 "triviaqa": [_with_env("whale", (30, 2, False)), _with_env("1969", (30, 2, False))]},
+    }
+    params.data.id_eval_datasets = ["hotpotqa"]
+    params.data.ood_eval_datasets = ["triviaqa"]
+    summary = aggregate({s: score_system(a, rows, None) for s, a in answers.items()}, rows, params)
+    summary["env_usage"] = usage_by_system(answers)
+    summary["cost"] = {"prices": {"usd_per_million_prompt": 0.15, "usd_per_million_completion": 0.6},
+                       "inference": inference_costs(answers, params),
+                       "one_off": one_off_costs(params, summary["systems"])}
+    return summary
+
+
+def test_paper_numbers_beside_ours_only_compared_on_the_papers_setup(tmp_path, params):
+    params.paths.gepa_dir = str(FIXTURES / "gepa")
+    params.paths.reports_dir = str(tmp_path / "reports")
+    summary = _fixture_summary(params)
+    cmp_ = paper_comparison(summary, params)
+    assert not cmp_["comparable"]
+    assert cmp_["reasons"] == ["agent is smollm2-135m-instruct.q4_1, not Qwen3-4B",
+                               "environment is smollm2-135m-instruct, not gpt-4o-mini", "4 rows per set, not 128"]
+    assert all(r["delta"] is None for r in cmp_["rows"])
+    hot = next(r for r in cmp_["rows"] if (r["system"], r["scope"], r["metric"]) == (TRAINED, "hotpotqa", "em"))
+    assert (hot["paper"], hot["ours"]) == (44.53, 50.0)  # ours: EM [1, 0] in reference mode
+    md = "\n".join(paper_markdown(cmp_))
+    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | not comparable (agent, environment, rows) |" in md
+    assert "Not comparable (agent is smollm2-135m-instruct.q4_1, not Qwen3-4B; environment is" in md
+    assert "| prompt_r1 | gsm8k | EM | 97.66 | – | no score of ours |" in md
+
+    # the paper's setup (the api profile with the paper's agent, full sets): the difference is given
+    params.agent.model = "Qwen/Qwen3-4B"
+    params.environment.model = params.environment.served_name = "gpt-4o-mini"
+    params.evaluate.rows_per_dataset = 128
+    summary = _fixture_summary(params)
+    cmp_ = paper_comparison(summary, params)
+    assert cmp_["comparable"] and cmp_["reasons"] == []
+    by_key = {(r["system"], r["scope"], r["metric"]): r for r in cmp_["rows"]}
+    assert by_key[(TRAINED, "hotpotqa", "em")]["delta"] == pytest.approx(50.0 - 44.53)
+    # env_only's paper row is the average only: ours ID EM = hotpotqa [0, 0] -> 0
+    assert by_key[("env_only", "id", "em")]["delta"] == pytest.approx(0.0 - 34.89)
+    assert ("gepa", "id", "em") not in by_key  # the paper has no GEPA row
+    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | +5.47 |" in "\n".join(paper_markdown(cmp_))
+
+
+def test_paper_results_file_holds_the_numbers_of_method_md(shared_datasets):
+    """The data file is the paper's table as method.md states it: every number appears there."""
+    method = " ".join((shared_datasets.parent / "spec" / "method.md").read_text(encoding="utf-8").split())
+    paper = load_paper_results()
+    numbers = [v for s in paper["systems"].values() for table in s.values() for entry in table.values()
+               for v in entry.values()]
+    assert len(numbers) == 12 * 2 + 2 * 2 * 3
+    missing = [v for v in numbers if f"{v:.2f}" not in method]
+    assert missing == []
+    # the averages in method.md's order (EM / F1 / SSim), Prompt-R1's then the environment alone's
+    for split, label, alone_label in (("id", "In-distribution", "GPT-4o-mini alone"),
+                                      ("ood", "Out-of-distribution", "alone")):
+        ours, alone = (paper["systems"][s]["averages"][split] for s in ("prompt_r1", "env_only"))
+        assert (f"{label} averages: EM {ours['em']:.2f}, F1 {ours['f1']:.2f}, SSim {ours['ssim']:.2f} "
+                f"({alone_label}: {alone['em']:.2f} / {alone['f1']:.2f} / {alone['ssim']:.2f})") in method
+
+
+def test_report_shows_five_systems_cost_beside_quality_and_the_chart(tmp_path, params):
+    params.paths.gepa_dir = str(FIXTURES / "gepa")
+    params.paths.reports_dir = str(tmp_path / "reports")
+    summary = _fixture_summary(params)
+    summary["paper"] = paper_comparison(summary, params)
+    summary["wall_s"] = 1.0
+    rows = {d: r for d, r in _rows().items() if d != "xsum"}
+    answers = {s: {d: [Answer(prediction="x")] * len(r) for d, r in rows.items()} for s in summary["systems"]}
+    scores = {s: score_system(a, rows, None) for s, a in answers.items()}
+    out = tmp_path / "eval"
+    plots = write_reports(summary, predictions_frame(answers, scores, rows), params, out)
+
+    points = pd.read_csv(out / "quality_cost.csv")
+    assert sorted(points["point"]) == sorted(f"{s} ({sp})" for s in (TRAINED, "env_only", "gepa")
+                                             for sp in ("ID", "OOD"))
+    gepa_id = points[points["point"] == "gepa (ID)"].iloc[0]
+    # gepa: 32 tokens per question; ID F1 hotpotqa [1, 1] = 100
+    assert (gepa_id["env_tokens_per_question"], gepa_id["f1"]) == (32.0, 100.0)
+    assert gepa_id["one_off_usd"] == summary["cost"]["one_off"]["gepa"]["usd"]
+    assert (out / "plots" / "quality_vs_cost.png") in plots and (out / "plots" / "quality_vs_cost.png").stat().st_size > 1000
+    md = (out / "summary.md").read_text()
+    assert "## Cost beside quality" in md and "## The paper's numbers beside ours" in md
+    assert "| gepa | 100.00 [" in md and "GEPA:" in md
+    assert "| env_only |" in md.split("## Cost beside quality")[1].split("##")[0]
+    flat = flat_metrics(summary)
+    assert flat["cost/gepa/env_tokens_per_question"] == 32.0
+    assert flat["one_off/gepa/usd"] == summary["cost"]["one_off"]["gepa"]["usd"]
+    assert not any(k.startswith("vs_paper/") for k in flat)  # not comparable: no differences logged

@@ -106,7 +106,7 @@ def test_flow_runs_each_stage_as_a_task_and_records_the_experiment(demo):
     runs = _task_runs(state, expected=len(DEMO_STAGES) + 6)
     for name in [*DEMO_STAGES]:
         assert runs[name].state.is_completed(), name
-    for prefix in ("start-environment", "check-environment", "stop-environment", "record-experiment",
+    for prefix in ("fetch-weights", "start-environment", "check-environment", "stop-environment", "record-experiment",
                    "publish-report", "plan"):
         assert any(n.startswith(prefix) and r.state.is_completed() for n, r in runs.items()), prefix
     assert env.starts == 1 and not any(pid_alive(p) for p in env.pids)

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 from test_rollout import ScriptedPolicy, item
 
-from pipeline.agent.policy import OpenAICompletionsPolicy, TransformersPolicy
+from pipeline.agent.completions_policy import OpenAICompletionsPolicy
+from pipeline.agent.policy import TransformersPolicy
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
 from pipeline.agent.rollout import rollout
 from pipeline.config import load_params

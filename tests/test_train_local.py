@@ -186,6 +186,10 @@ def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_ll
     assert steps["actor/num_optimizer_steps"].eq(2).all()
     state = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent"))
     assert state.step == 2 and state.position == 4
+    # what the agent wrote: one JSON line per trajectory (batch 2 x group 2 per step), with turns and reward
+    lines = [json.loads(x) for x in (tmp_path / "reports/train/trajectories.jsonl").read_text().splitlines()]
+    assert [rec["step"] for rec in lines] == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert all(rec["turns"] and rec["reward"]["total"] == -1.5 and rec["gold_answers"] for rec in lines)
     assert (tmp_path / "checkpoints/agent/step_2/model").is_dir()
     assert (tmp_path / "checkpoints/agent/step_2/optimizer.pt").is_file()
 
@@ -207,6 +211,8 @@ def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_ll
     run_train(more)
     steps = _metrics_rows(tmp_path / "reports/train/steps.csv")
     assert steps["step"].tolist() == [1, 2, 3]
+    lines = (tmp_path / "reports/train/trajectories.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1] * 4 + [2] * 4 + [3] * 4
     assert ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent")).position == 6
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fault_server import FaultServer
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
@@ -159,7 +160,9 @@ def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path)
     p.train.verl.ray_address = ""
     p.train.verl.extra_overrides = ["+ray_kwargs.ray_init.promptr1_stop_here=1"]
     run = SimpleNamespace(info=SimpleNamespace(run_id="0" * 32))
-    with pytest.raises(UserError) as excinfo:
+    # The stage owns the environment: a server already serving the configured model at the URL is reused.
+    with FaultServer(model=p.environment.served_name) as environment, pytest.raises(UserError) as excinfo:
+        p.environment.base_url = environment.url
         verl_backend.train_verl(p, run)
     message = str(excinfo.value)
     assert "exit code 1" in message and "promptr1_stop_here" in message  # the tail names the cause

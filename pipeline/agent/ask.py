@@ -88,6 +88,10 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
     console = console or Console()
     wall = time.perf_counter()
     ref = agent_model_ref(params, model_ref)
+    if model_ref is None and ref == params.agent.model:
+        console.print(f"[yellow]No trained agent yet: {params.paths.model_dir} holds no merged model, so the "
+                      f"untrained base model {ref} answers (it may not follow the Prompt-R1 tags). Train one "
+                      "with `dvc repro` (or `promptr1 train && promptr1 merge`), or pass --model.[/yellow]")
     item = PromptItem(
         uid="ask",
         messages=[{"role": "user", "content": render_user_message(question, ASK_DATASET)}],

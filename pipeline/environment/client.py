@@ -58,16 +58,11 @@ server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisi
 from __future__ import annotations
 
 import asyncio
-import email.utils
-import hashlib
-import json
 import logging
 import os
 import random
 import sqlite3
-import threading
 import time
-from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +72,9 @@ from urllib.parse import urlsplit
 import openai
 from openai import AsyncOpenAI
 
+from pipeline.environment.cache import CachedResponse, ResponseCache
+from pipeline.environment.health import FailureWindow
+from pipeline.environment.wire import MalformedReply, parse_completion, retry_after_seconds, shorten
 from pipeline.errors import BudgetExceeded, EnvironmentUnavailable, EnvironmentUnhealthy
 from pipeline.types import EnvironmentReply, UsageStats
 
@@ -88,8 +86,6 @@ logger = logging.getLogger(__name__)
 CACHE_FILE = "environment_cache.sqlite"
 LOCAL_PLACEHOLDER_KEY = "sk-local-no-key"
 """Sent to local servers (llama.cpp, vLLM) when no key variable is set: they do not check it."""
-MAX_BODY_BYTES = 4 * 1024 * 1024
-"""Largest chat-completion body accepted (4 MiB; a 2,048-token reply is ~10 KB)."""
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 120.0
@@ -119,98 +115,6 @@ def resolve_api_key(cfg: EnvironmentConfig) -> str:
             f"{cfg.api_key_env}, which is unset or empty: export {cfg.api_key_env}=... and retry"
         )
     return key
-
-
-@dataclass(frozen=True)
-class CachedResponse:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class ResponseCache:
-    """A persistent key → response table in SQLite, safe for concurrent asyncio tasks and processes.
-
-    Reads and writes are single-row statements on a local file (microseconds), so they run inline on the
-    event loop under a thread lock; WAL mode and a busy timeout let several processes share the file.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = None
-        with self._lock:
-            self._connection()
-
-    def _connection(self) -> sqlite3.Connection:
-        """The open connection (reopened after `close()`, so a closed client can be used again)."""
-        if self._conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, model TEXT NOT NULL,"
-                " text TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,"
-                " created REAL NOT NULL)"
-            )
-            self._conn = conn
-        return self._conn
-
-    @staticmethod
-    def key(model: str, messages: list[dict[str, str]], sampling: dict[str, Any]) -> str:
-        payload = json.dumps({"model": model, "messages": messages, "sampling": sampling},
-                             sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-        return hashlib.sha256(payload.encode("utf-8")).hexdigest()
-
-    def get(self, key: str) -> CachedResponse | None:
-        with self._lock:
-            row = self._connection().execute(
-                "SELECT text, prompt_tokens, completion_tokens FROM responses WHERE key = ?", (key,)
-            ).fetchone()
-        return CachedResponse(*row) if row else None
-
-    def put(self, key: str, model: str, response: CachedResponse) -> None:
-        with self._lock:
-            self._connection().execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
-                (key, model, response.text, response.prompt_tokens, response.completion_tokens, time.time()),
-            )
-
-    def __len__(self) -> int:
-        with self._lock:
-            return int(self._connection().execute("SELECT COUNT(*) FROM responses").fetchone()[0])
-
-    def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-
-class FailureWindow:
-    """The outcomes of the last `size` sent calls; `unhealthy()` once it is full and fails above `max_rate`."""
-
-    def __init__(self, size: int, max_rate: float) -> None:
-        self.size, self.max_rate = size, max_rate
-        self._outcomes: deque[bool] = deque(maxlen=size)
-        self.last_error: str | None = None
-
-    def record(self, failed: bool, error: str | None = None) -> None:
-        self._outcomes.append(failed)
-        if failed:
-            self.last_error = error
-
-    @property
-    def rate(self) -> float:
-        return sum(self._outcomes) / len(self._outcomes) if self._outcomes else 0.0
-
-    def unhealthy(self) -> bool:
-        return len(self._outcomes) == self.size and self.rate > self.max_rate
-
-
-class _Malformed(Exception):
-    """The endpoint answered 200 with a body that is not a chat completion."""
 
 
 @dataclass
@@ -401,7 +305,7 @@ class EnvironmentClient:
                     prompt_tokens, completion_tokens = prompt_tokens + more_prompt, completion_tokens + more_completion
             except openai.APIStatusError as exc:
                 status = exc.status_code
-                error = f"HTTP {status}: {_short(exc.message)}"
+                error = f"HTTP {status}: {shorten(exc.message)}"
                 if status in (401, 403):
                     raise EnvironmentUnavailable(
                         f"environment endpoint {self.cfg.url} rejected the API key from ${self.cfg.api_key_env} "
@@ -409,13 +313,13 @@ class EnvironmentClient:
                     ) from None
                 if status not in RETRYABLE_STATUS and status < 500:
                     return self._failed(error, start, retries)
-                delay = _retry_after(exc.response)
+                delay = retry_after_seconds(exc.response)
             except (openai.APITimeoutError, TimeoutError):
                 error = f"timeout after {self.cfg.timeout_s:g}s"
             except openai.APIConnectionError as exc:
-                error = f"connection error: {_short(str(exc.__cause__ or exc))}"
-            except (_Malformed, openai.APIResponseValidationError) as exc:
-                error = f"malformed response: {_short(str(exc))}"
+                error = f"connection error: {shorten(str(exc.__cause__ or exc))}"
+            except (MalformedReply, openai.APIResponseValidationError) as exc:
+                error = f"malformed response: {shorten(str(exc))}"
             else:
                 if not text.strip():
                     reason = "empty reply after finish_reason=length twice" if empty_after_length else "empty reply"
@@ -449,7 +353,7 @@ class EnvironmentClient:
                     body={"model": self.model, "messages": messages, **sampling},
                     options={"timeout": self.cfg.timeout_s},
                 )
-            text, prompt_tokens, completion_tokens, finish = _parse_completion(body)
+            text, prompt_tokens, completion_tokens, finish = parse_completion(body)
             if span is not None:
                 span.set_outputs({"text": text, "prompt_tokens": prompt_tokens,
                                   "completion_tokens": completion_tokens, "finish_reason": finish})
@@ -491,60 +395,6 @@ class _SpanInputs:
 
     def __exit__(self, *exc: object) -> Any:
         return self._cm.__exit__(*exc)
-
-
-def _parse_completion(body: bytes) -> tuple[str, int, int, str | None]:
-    """(text, prompt tokens, completion tokens, finish_reason) of a chat completion; _Malformed if not one."""
-    if len(body) > MAX_BODY_BYTES:
-        raise _Malformed(f"body of {len(body):,} bytes exceeds the {MAX_BODY_BYTES:,}-byte limit")
-    try:
-        data = json.loads(body)
-    except ValueError as exc:  # truncated JSON, HTML from a proxy, …
-        raise _Malformed(f"body is not JSON ({exc}): {_short(body.decode('utf-8', 'replace'), 80)}") from None
-    if not isinstance(data, dict):
-        raise _Malformed(f"body is JSON {type(data).__name__}, not an object")
-    choices = data.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise _Malformed("no choices in the completion")
-    message = choices[0].get("message")
-    content = message.get("content") if isinstance(message, dict) else None
-    if content is not None and not isinstance(content, str):
-        raise _Malformed(f"message content is {type(content).__name__}, not text")
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-    try:
-        prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        completion_tokens = int(usage.get("completion_tokens") or 0)
-    except (TypeError, ValueError):
-        prompt_tokens = completion_tokens = 0
-    finish = choices[0].get("finish_reason")
-    return content or "", prompt_tokens, completion_tokens, finish if isinstance(finish, str) else None
-
-
-def _retry_after(response: Any) -> float | None:
-    """Seconds from a `Retry-After` (or `retry-after-ms`) header: delta-seconds or an HTTP date."""
-    headers = getattr(response, "headers", None) or {}
-    if ms := headers.get("retry-after-ms"):
-        try:
-            return max(0.0, float(ms) / 1000)
-        except ValueError:
-            pass
-    value = headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-def _short(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 __all__ = ["CACHE_FILE", "EnvironmentClient", "FailureWindow", "ResponseCache", "resolve_api_key"]

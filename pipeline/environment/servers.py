@@ -22,15 +22,12 @@ Design decisions:
 - **Startup failures are explained**: the server's stdout/stderr go to a log file under `paths.cache_dir`;
   if the process dies or does not become healthy within `server.startup_timeout_s`, EnvironmentUnavailable
   carries the log's tail.
-- `promptr1 env start` leaves the server running detached and records its PID, process group, URL and
-  command in `<cache_dir>/environment_server.json`; `env stop` reads that file and stops only that process
-  (after checking the PID still runs the recorded command, so a recycled PID is never killed).
+- Servers started by hand and left running (`promptr1 env start|stop|status`) are pipeline/environment/manual.py's.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import shlex
@@ -41,12 +38,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
-import typer
 
 from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
@@ -61,7 +57,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "environment_server.json"
 STOP_GRACE_S = 10.0
 LOG_TAIL_CHARS = 3000
 
@@ -203,7 +198,7 @@ def check_serves_configured_model(cfg: EnvironmentConfig, models: list[str]) -> 
 # -- start / stop ---------------------------------------------------------------------------------------
 
 
-def _cache_dir(params: Params) -> Path:
+def cache_dir(params: Params) -> Path:
     path = params.path(params.paths.cache_dir)
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -262,7 +257,7 @@ def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
                                      f"(environment.backend={cfg.backend})")
     if not detached:  # stopped even if this process is SIGKILLed (pipeline.environment.guard)
         command = guarded(command)
-    log_path = _cache_dir(params) / f"environment_server_{cfg.backend}_{cfg.port}.log"
+    log_path = cache_dir(params) / f"environment_server_{cfg.backend}_{cfg.port}.log"
     logger.info("starting the environment server: %s (log: %s)", shlex.join(command), log_path)
     with open(log_path, "wb") as log:
         try:
@@ -308,7 +303,8 @@ def _wait_healthy(server: ServerProcess, process: subprocess.Popen, timeout_s: f
         delay = min(1.0, delay * 1.5)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (a reaped zombie child of ours counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -331,9 +327,9 @@ def stop_server(server: ServerProcess, grace_s: float = STOP_GRACE_S) -> None:
         except ProcessLookupError:
             break
         deadline = time.monotonic() + wait_s
-        while _alive(server.pid) and time.monotonic() < deadline:
+        while process_alive(server.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not _alive(server.pid):
+        if not process_alive(server.pid):
             break
         logger.warning("environment server pid %d ignored %s", server.pid, sig.name)
     logger.info("environment server pid %d stopped", server.pid)
@@ -373,85 +369,3 @@ def environment_server(params: Params) -> Iterator[str]:
         yield server.url
     finally:
         stop_server(server)
-
-
-# -- `promptr1 env start|stop|status` -------------------------------------------------------------------
-
-
-def _state_path(params: Params) -> Path:
-    return _cache_dir(params) / STATE_FILE
-
-
-def _read_state(params: Params) -> ServerProcess | None:
-    path = _state_path(params)
-    try:
-        return ServerProcess(**json.loads(path.read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError) as exc:
-        logger.warning("ignoring unreadable %s: %s", path, exc)
-        return None
-
-
-def _runs_command(server: ServerProcess) -> bool:
-    """The recorded PID is alive and (where /proc exists) still runs the recorded command."""
-    if not _alive(server.pid):
-        return False
-    cmdline = Path(f"/proc/{server.pid}/cmdline")
-    if not cmdline.exists():
-        return True
-    try:
-        args = [a.decode(errors="replace") for a in cmdline.read_bytes().split(b"\0")]
-    except OSError:
-        return False
-    # The recorded arguments after the executable appear in order (`vllm` runs as `python …/vllm serve …`).
-    tail = server.command[1:]
-    return any(args[i : i + len(tail)] == tail for i in range(len(args) - len(tail) + 1))
-
-
-def cli_start(params: Params) -> None:
-    """`promptr1 env start`: start (or reuse) the server and leave it running; record its PID."""
-    cfg = params.environment
-    if cfg.backend == "api":
-        resolve_api_key(cfg)
-        typer.echo(f"backend api: nothing to start; requests go to {cfg.url} (key from ${cfg.api_key_env})")
-        return
-    models = served_models(cfg.url)
-    if models is not None:
-        check_serves_configured_model(cfg, models)
-        typer.echo(f"an environment server already answers at {cfg.url} (models: {', '.join(models)}); reusing it")
-        return
-    server = start_server(params, detached=True)
-    _state_path(params).write_text(json.dumps(asdict(server), indent=2), encoding="utf-8")
-    typer.echo(f"environment server started at {server.url} (pid {server.pid}, log {server.log_path}); "
-               "stop it with `promptr1 env stop`")
-
-
-def cli_stop(params: Params) -> None:
-    """`promptr1 env stop`: stop the server `env start` recorded; never touches servers it did not start."""
-    state = _read_state(params)
-    path = _state_path(params)
-    if state is None:
-        note = " (a server does answer there, but env start did not start it)" if is_healthy(
-            params.environment.url) else ""
-        typer.echo(f"no environment server recorded in {path}{note}; nothing to stop")
-        return
-    if _runs_command(state):
-        stop_server(state)
-        typer.echo(f"environment server at {state.url} (pid {state.pid}) stopped")
-    else:
-        typer.echo(f"environment server pid {state.pid} is no longer running")
-    path.unlink(missing_ok=True)
-
-
-def cli_status(params: Params) -> None:
-    """`promptr1 env status`: health-check the configured endpoint; exit 1 when nothing healthy answers."""
-    cfg = params.environment
-    api_key = resolve_api_key(cfg) if cfg.backend == "api" else None
-    models = served_models(cfg.url, api_key=api_key, timeout_s=5.0)
-    state = _read_state(params)
-    owner = f" (started by env start: pid {state.pid}, log {state.log_path})" if state and _runs_command(state) else ""
-    if models is None:
-        raise EnvironmentUnavailable(f"environment backend {cfg.backend}: nothing healthy answers at {cfg.url}"
-                                     f"/models; start it with `promptr1 env start`")
-    typer.echo(f"environment backend {cfg.backend}: healthy at {cfg.url}{owner}; models: {', '.join(models)}")

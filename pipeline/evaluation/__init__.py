@@ -4,8 +4,12 @@
   evaluation rows, through one harness, into `Answer`s.
 - `scores`: score every answer in both metrics modes and aggregate: per-dataset metrics, ID/OOD averages,
   bootstrap CIs, paired deltas (the content of metrics.json).
+- `costs`: what each system costs per question (environment requests, tokens, USD) and once to make
+  (GRPO training, GEPA search); where the gepa stage's optimised prompt lives.
+- `paper`: the paper's published numbers (`paper_results.yaml`, data) beside ours, with the difference when
+  the run is comparable.
 - `report`: turn that content into files (metrics.json, predictions, plot data, PNG plots, summary.md)
   and MLflow records.
 
-Imports point one way inside the package: `report` → `scores` → `systems`.
+Imports point one way inside the package: `report` → `costs`, `paper`, `scores` → `systems`.
 """

@@ -7,7 +7,10 @@ Outputs, all under `reports/eval/`:
 - `plots/<dataset>.png`: bars with CI error bars for every metric the dataset reports;
 - `predictions.parquet`: one row per question per system: inputs, prediction, per-metric scores in both
   modes, the trajectory as JSON, environment usage;
-- `summary.md`: the averages, deltas, per-dataset means and environment usage, in tables.
+- `quality_cost.csv` and `plots/quality_vs_cost.png`: one point per system and split, F1 against the
+  environment tokens per question (the DVC scatter plot and its labelled PNG);
+- `summary.md`: the averages, deltas, per-dataset means, cost beside quality (per question and one-off),
+  environment usage, and the paper's numbers beside ours (`paper`), in tables.
 
 Design decisions:
 - **Atomic writes** (temporary file + rename): a killed stage never leaves a half-written output.
@@ -28,6 +31,8 @@ import pyarrow as pa
 
 from pipeline import metrics as M
 from pipeline.data.schema import write_json_atomic, write_parquet_atomic, write_text_atomic
+from pipeline.evaluation.costs import quality_cost_rows
+from pipeline.evaluation.paper import paper_markdown
 from pipeline.evaluation.scores import SPLITS, Scores, other_mode
 from pipeline.evaluation.systems import SYSTEM_LABELS, Answer
 from pipeline.types import EvalRow
@@ -110,6 +115,59 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+def write_quality_cost_plot(points: pd.DataFrame, path: Path) -> Path:
+    """F1 against environment tokens per question: one labelled marker per system and split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for split, marker in (("id", "o"), ("ood", "s")):
+        sel = points[points["split"] == split]
+        ax.scatter(sel["env_tokens_per_question"], sel[PLOT_METRIC], marker=marker, label=split.upper())
+        for _, r in sel.iterrows():
+            ax.annotate(r["system"], (r["env_tokens_per_question"], r[PLOT_METRIC]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("environment tokens per question")
+    ax.set_ylabel(f"{PLOT_METRIC.upper()} (points)")
+    ax.set_title("Quality against cost (one point per system and split)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def cost_markdown(summary: dict[str, Any]) -> list[str]:
+    """summary.md's cost section: per-question cost beside the average F1, then the one-off costs."""
+    prices = summary["cost"]["prices"]
+    lines = ["## Cost beside quality", "",
+             (f"Environment cost of answering, counted over every reply a system used (cached or not), at "
+              f"{prices['usd_per_million_prompt']} / {prices['usd_per_million_completion']} USD per million "
+              "prompt / completion tokens. One-off: what it cost to make the system (GRPO training, GEPA search)."),
+             "", ("| system | ID F1 | OOD F1 | env requests / q | env tokens / q | USD / q | USD (this eval) |"
+                  " one-off | one-off env requests | one-off env tokens | one-off USD | one-off hours |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary["systems"]:
+        inf = summary["cost"]["inference"][s]
+        av = summary["averages"][s]
+        f1 = [format_ci(av[split].get(PLOT_METRIC)) for split in SPLITS]
+        once = summary["cost"]["one_off"].get(s)
+        if once is None:
+            once_cells = ["none" if s in ("env_only", "agent_only", "base_agent") else "not recorded", "–", "–",
+                          "–", "–"]
+        else:
+            once_cells = [once["what"], str(once["env_requests"]),
+                          str(once["prompt_tokens"] + once["completion_tokens"]), f"{once['usd']:.4f}",
+                          f"{once['hours']:.4f}"]
+        lines.append(f"| {s} | {f1[0]} | {f1[1]} | {inf['env_requests_per_question']:.2f} | "
+                     f"{inf['env_tokens_per_question']:.1f} | {inf['usd_per_question']:.6f} | {inf['usd']:.4f} | "
+                     + " | ".join(once_cells) + " |")
+    return lines
+
+
 def format_ci(ci: dict[str, float] | None) -> str:
     """`mean [low, high]` in points, or a dash when the metric is not reported."""
     return "–" if ci is None else f"{ci['mean']:.2f} [{ci['low']:.2f}, {ci['high']:.2f}]"
@@ -154,11 +212,15 @@ def summary_markdown(summary: dict[str, Any], params: Params) -> str:
         for m in M.reported_metrics(d):
             lines.append(f"| {d} | {m.upper()} | " + " | ".join(f"{per_system[s][m]['mean']:.2f}" for s in systems)
                          + " |")
-    lines += ["", "## Environment usage", "", ("| system | calls | cache hits | prompt tok | completion tok | errors |"
+    if "cost" in summary:
+        lines += ["", *cost_markdown(summary)]
+    lines += ["", "## Environment usage (calls this run sent)", "", ("| system | calls | cache hits | prompt tok | completion tok | errors |"
               " cost USD |"), "|---|---|---|---|---|---|---|"]
     for s, u in summary["env_usage"].items():
         lines.append(f"| {s} | {u['calls']} | {u['cache_hits']} | {u['prompt_tokens']} | {u['completion_tokens']} |"
                      f" {u['errors']} | {u['cost_usd']:.4f} |")
+    if "paper" in summary:
+        lines += ["", *paper_markdown(summary["paper"])]
     return "\n".join(lines) + "\n"
 
 
@@ -187,6 +249,16 @@ def flat_metrics(summary: dict[str, Any]) -> dict[str, float]:
     for s, u in summary["env_usage"].items():
         for k, v in u.items():
             out[f"env/{s}/{k}"] = float(v)
+    for s, c in summary.get("cost", {}).get("inference", {}).items():
+        for k, v in c.items():
+            out[f"cost/{s}/{k}"] = float(v)
+    for s, c in summary.get("cost", {}).get("one_off", {}).items():
+        for k, v in (c or {}).items():
+            if k != "what":
+                out[f"one_off/{s}/{k}"] = float(v)
+    for r in summary.get("paper", {}).get("rows", []):
+        if r["delta"] is not None:
+            out[f"vs_paper/{r['system']}/{r['scope']}/{r['metric']}"] = r["delta"]
     return out
 
 
@@ -196,6 +268,10 @@ def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, params: Pa
     write_json_atomic(summary, out_dir / "metrics.json")
     write_text_atomic(plot_rows(summary).to_csv(index=False), out_dir / "plot_data.csv")
     plots = write_plots(summary, out_dir / "plots")
+    if "cost" in summary:
+        points = quality_cost_rows(summary, PLOT_METRIC)
+        write_text_atomic(points.to_csv(index=False), out_dir / "quality_cost.csv")
+        plots.append(write_quality_cost_plot(points, out_dir / "plots" / "quality_vs_cost.png"))
     write_text_atomic(summary_markdown(summary, params), out_dir / "summary.md")
     return plots
 
@@ -224,8 +300,9 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
                         for d, rows in rows_by_ds.items()}, context="evaluation")
     mlflow.log_table(predictions.assign(gold=predictions["gold"].map(lambda g: json.dumps(list(g)))),
                      artifact_file="eval/predictions.json")
-    for name in ("metrics.json", "summary.md", "plot_data.csv"):
-        mlflow.log_artifact(str(out_dir / name), artifact_path="eval")
+    for name in ("metrics.json", "summary.md", "plot_data.csv", "quality_cost.csv"):
+        if (out_dir / name).is_file():
+            mlflow.log_artifact(str(out_dir / name), artifact_path="eval")
     for path in plots:
         mlflow.log_artifact(str(path), artifact_path="eval/plots")
     mlflow.set_tags({"eval.mode": summary["mode"], "eval.systems": ",".join(summary["systems"])})

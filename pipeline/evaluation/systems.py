@@ -9,7 +9,9 @@ Design decisions:
     with only the answer), one call, empty history, the method's system message;
   - `agent_only` ("w/o environment"): the merged agent answers alone in a single turn: the question
     followed by `evaluate.agent_only_instruction` (think, then `<answer>`), no interaction;
-  - `base_agent` ("w/o RL"): the untrained `agent.model` with the environment, like `prompt_r1`.
+  - `base_agent` ("w/o RL"): the untrained `agent.model` with the environment, like `prompt_r1`;
+  - `gepa`: the environment alone, as `env_only`, with the instruction the gepa stage optimised
+    (`data/gepa/prompt.json`) in place of `evaluate.env_only_instruction`: the rival that needs no GPU.
   A prediction is the text inside the final `<answer>` tags for agents ('' when there is none, as the
   reward reads it) and the whole reply for the environment alone.
 - **One harness** (`run_system`). A system is an `AnswerBatch`: an async function from a batch of rows to
@@ -39,13 +41,14 @@ if TYPE_CHECKING:
     from pipeline.config import Params
 
 TRAINED = "prompt_r1"
-BASELINES = ("env_only", "agent_only", "base_agent")
+BASELINES = ("env_only", "agent_only", "base_agent", "gepa")
 """Every baseline `evaluate.baselines` may name, in the order reports list them (after `prompt_r1`)."""
 SYSTEM_LABELS = {
     TRAINED: "Prompt-R1 (trained agent + environment)",
     "env_only": "environment alone (w/o agent)",
     "agent_only": "agent alone (w/o environment)",
     "base_agent": "untrained agent + environment (w/o RL)",
+    "gepa": "environment alone with the GEPA-optimised instruction",
 }
 
 
@@ -143,12 +146,25 @@ def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Pa
     return run_system("agent_only", answer_batch, rows_by_ds, params.evaluate.batch_size)
 
 
-def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params) -> dict[str, list[Answer]]:
-    """The environment answers each question directly (one call, no agent); a batch's calls run together."""
-    instruction = params.evaluate.env_only_instruction
+def env_only_prompt(question: str, instruction: str) -> str:
+    """The user message when the environment answers alone: the question, a blank line, the instruction.
+
+    The `env_only` baseline appends `evaluate.env_only_instruction`; `gepa` appends the instruction the gepa
+    stage optimised, through this same function, so the two differ in the instruction only.
+    """
+    return f"{question}\n\n{instruction}"
+
+
+def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params, instruction: str | None = None,
+                 system: str = "env_only") -> dict[str, list[Answer]]:
+    """The environment answers each question directly (one call, no agent); a batch's calls run together.
+
+    `instruction` defaults to `evaluate.env_only_instruction`; the `gepa` system passes the optimised one.
+    """
+    instruction = params.evaluate.env_only_instruction if instruction is None else instruction
 
     async def one(row: EvalRow) -> Answer:
-        prompt = f"{row.question}\n\n{instruction}"
+        prompt = env_only_prompt(row.question, instruction)
         reply = await env.reply([], prompt)
         usage = UsageStats()
         usage.add(reply)
@@ -160,4 +176,4 @@ def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params)
     async def answer_batch(chunk: Sequence[EvalRow]) -> list[Answer]:
         return list(await asyncio.gather(*(one(r) for r in chunk)))
 
-    return run_system("env_only", answer_batch, rows_by_ds, params.evaluate.batch_size)
+    return run_system(system, answer_batch, rows_by_ds, params.evaluate.batch_size)

@@ -51,6 +51,7 @@ from pipeline.train.questions import QuestionSampler, load_training_set, prompt_
 from pipeline.train.resume import discard_stale_checkpoints, training_config
 from pipeline.train.step_metrics import StepsLog, log_mlflow_metrics, steps_csv_path
 from pipeline.train.trainer import LocalTrainer
+from pipeline.train.trajectory_log import TRAJECTORIES_FILE, TrajectoryLog
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     # A run resumed from a GRPO step never warms up (it either did, or ran without warm-up).
     need_warmup = cfg.warmup.steps > 0 and state is None
     steps_log = StepsLog(steps_csv_path(params), keep_upto=start)
+    trajectory_log = TrajectoryLog(steps_csv_path(params).with_name(TRAJECTORIES_FILE), keep_upto=start)
     if start >= cfg.steps:
         log.info("training already complete: checkpoint at step %d >= train.steps %d", start, cfg.steps)
         return dict(state.metrics) if state else {}
@@ -133,6 +135,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
                     save(step, metrics)
                 metrics["timing_s/save"] = time.perf_counter() - t0
                 steps_log.append(step, metrics)
+                trajectory_log.append(step, trainer.last_trajectories)
                 log_mlflow_metrics(metrics, step)
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
                                 step_s=f"{metrics['timing_s/step']:.1f}")

@@ -43,18 +43,27 @@ def run_train(params: Params) -> None:
                 log.warning("train.warmup is a local-backend feature: ignored with backend verl")
 
             train_verl(params, run)
+            # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.
+            from pipeline.train.step_metrics import steps_csv_path
+            from pipeline.train.trajectory_log import TRAJECTORIES_FILE
+
+            empty_log = steps_csv_path(params).with_name(TRAJECTORIES_FILE)
+            empty_log.parent.mkdir(parents=True, exist_ok=True)
+            empty_log.touch()
             return
         from pipeline.train.local import train_local
         from pipeline.train.resume import training_complete
         from pipeline.train.step_metrics import steps_csv_path
+        from pipeline.train.trajectory_log import TRAJECTORIES_FILE
 
         if training_complete(params):
             _relog_curve(params)
             return
         final = train_local(params, run)
         csv = steps_csv_path(params)
-        if csv.is_file():
-            mlflow.log_artifact(str(csv), artifact_path="train")
+        for produced in (csv, csv.with_name(TRAJECTORIES_FILE)):
+            if produced.is_file():
+                mlflow.log_artifact(str(produced), artifact_path="train")
         summary = {f"final/{k}": v for k, v in final.items()
                    if k.startswith(("critic/score", "reward/", "actor/")) and math.isfinite(v)}
         if summary:

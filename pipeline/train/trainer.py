@@ -69,6 +69,7 @@ class LocalTrainer:
                  sampler: QuestionSampler) -> None:
         self.params = params
         self.cfg = params.train
+        self.last_trajectories: list[Trajectory] = []
         self.models = models
         self.frame = frame
         self.device = device
@@ -220,6 +221,7 @@ class LocalTrainer:
         items = self.draw_items()
         t0 = time.perf_counter()
         trajectories = self.rollout(env, items, step)
+        self.last_trajectories = trajectories  # for the trajectory log (pipeline.train.trajectory_log)
         t_rollout = time.perf_counter() - t0
 
         t0 = time.perf_counter()

@@ -71,6 +71,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from pipeline.config import EnvironmentConfig, Params
+from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, UserError
 from pipeline.layout import cuda_visible_devices, training_gpus
 
@@ -83,8 +84,9 @@ REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
 REWARD_FUNCTION_NAME = "compute_score"
 LOG_TAIL_LINES = 60
 
-_ENVIRONMENT_FIELDS_FOR_WORKERS = tuple(name for name in EnvironmentConfig.model_fields if name != "server")
-"""What the agent-loop workers need to build an `EnvironmentClient`: every field but the `server` launch block."""
+_ENVIRONMENT_FIELDS_FOR_WORKERS = tuple(name for name in EnvironmentConfig.model_fields
+                                        if name not in ("server", "knowledge"))
+"""What the agent-loop workers need to build an `EnvironmentClient`: every field but the server launch blocks."""
 
 
 # ------------------------------------------------------------------------------------------- overrides
@@ -263,8 +265,19 @@ def train_verl(params: Params, run: Any) -> None:
     from pipeline.environment.servers import environment_server
 
     val_files = _preflight(params)
+    _refuse_credentials_in_tracking_uri(params)
     with environment_server(params) as url:  # started/reused and health-checked here, stopped on any exit
         _launch(params, run, val_files, url)
+
+
+def _refuse_credentials_in_tracking_uri(params: Params) -> None:
+    """verl prints and saves its whole config, and the overrides go to reports/ and MLflow: no secrets in it."""
+    from pipeline.tracking import tracking_uri
+
+    parts = urlsplit(tracking_uri(params))
+    if parts.username or parts.password or "token=" in parts.query.lower():
+        raise UserError("the MLflow tracking URI carries credentials; set MLFLOW_TRACKING_USERNAME / "
+                        "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) on every node instead")
 
 
 def _launch(params: Params, run: Any, val_files: list[Path], environment_url: str) -> None:
@@ -273,11 +286,6 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
 
     run_id = run.info.run_id
     uri = tracking_uri(params)
-    parts = urlsplit(uri)
-    if parts.username or parts.password or "token=" in parts.query.lower():
-        # verl prints and saves its whole config, and the overrides go to reports/ and MLflow.
-        raise UserError("the MLflow tracking URI carries credentials; set MLFLOW_TRACKING_USERNAME / "
-                        "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) on every node instead")
     overrides = (build_overrides(params, val_files=val_files, environment_url=environment_url)
                  + _mlflow_runtime_env_overrides(uri, run_id))
 
@@ -298,7 +306,8 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
         if gpus and params.train.verl.gpus:
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
 
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    # Under the owner guard: verl and its process group stop even if this process is SIGKILLed.
+    command = guarded([sys.executable, "-m", "verl.trainer.main_ppo", *overrides])
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
              reports / "verl_overrides.txt", params.train.verl.ray_address or "local")
     rc, tail = _stream(command, env=env, cwd=params.root, log_file=reports / "verl.log")

@@ -1,31 +1,20 @@
-"""Typed parameters: `params.yaml` (+ an optional profile) → pydantic models, loaded once.
+"""The typed sections of the params: what each key means, its bounds and its default.
 
-Design decisions:
-- `params.yaml` is the default profile and the file DVC tracks. A profile (`profiles/<name>.yaml`) holds
-  only the keys it changes and is deep-merged on top when `profile:` names it, so
-  `dvc exp run -S profile=paper` switches the whole setup without editing code.
-- Every section is a model with `extra="forbid"`: a misspelt key fails loudly with its dotted path
-  instead of being silently ignored.
-- Relative paths are resolved against the project root (the folder holding `params.yaml`), so stages
-  behave the same whatever the working directory of the caller.
-- Secrets never live here: the environment section names the *variable* holding an API key.
+Every section forbids unknown keys (a misspelt key fails with its dotted path). Defaults equal
+`params.yaml`'s values (tests/test_config_defaults.py), which is the default profile and the file DVC
+tracks; bounds make a value that would hang, leak or destroy (a concurrency of 0, a credential in a URL,
+`--host` in extra_args) fail at load time with the key named.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-PARAMS_FILE = "params.yaml"
-PROFILES_DIR = "profiles"
-
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The values verl 0.9.1's core_algos accept (kl_penalty; agg_loss); a "+" suffix means straight-through k2.
 KlLossType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
@@ -47,6 +36,7 @@ class PathsConfig(_Section):
     checkpoint_dir: str = "checkpoints/agent"
     model_dir: str = "models/agent"
     cache_dir: str = ".cache"
+    gepa_dir: str = Field("data/gepa", description="The gepa stage's optimised prompt (prompt.json).")
 
 
 class DataConfig(_Section):
@@ -249,8 +239,8 @@ class TrainConfig(_Section):
 class EvaluateConfig(_Section):
     rows_per_dataset: int = Field(4, gt=0)
     metrics_mode: Literal["ours", "reference"] = "ours"
-    baselines: list[Literal["env_only", "agent_only", "base_agent"]] = Field(
-        default_factory=lambda: ["env_only", "agent_only", "base_agent"])
+    baselines: list[Literal["env_only", "agent_only", "base_agent", "gepa"]] = Field(
+        default_factory=lambda: ["env_only", "agent_only", "base_agent", "gepa"])
     bootstrap_samples: int = Field(1000, ge=10, le=1_000_000)
     confidence: float = Field(0.95, gt=0, lt=1)
     agent_max_turn_tokens: int = Field(96, ge=1)
@@ -269,6 +259,34 @@ class EvaluateConfig(_Section):
         " only the final answer inside <answer> </answer>.",
         description="Appended to the question for the agent_only baseline (one turn, no environment).",
     )
+
+
+class GepaConfig(_Section):
+    """The gepa stage: GEPA optimises the environment's instruction (seed: `evaluate.env_only_instruction`)."""
+
+    max_metric_calls: int = Field(40, ge=1, le=100_000, description="GEPA's budget: task rollouts scored.")
+    train_size: int = Field(8, ge=1, le=100_000, description="Training rows GEPA reflects on (minibatches).")
+    val_size: int = Field(6, ge=1, le=100_000, description="Rows GEPA scores candidates on (its Pareto set).")
+    holdout_size: int = Field(12, ge=1, le=100_000,
+                              description="Rows the optimiser never sees: seed vs optimised prompt, reported.")
+    minibatch_size: int = Field(3, ge=1, le=1000, description="Rows per reflection step.")
+    seed: int = Field(0, description="GEPA's and the slices' random seed.")
+    reflection_served_name: str = Field(
+        "", description="Model that writes new instructions; empty = the environment's served_name.")
+    reflection_base_url: str = Field(
+        "", description="Its OpenAI-compatible endpoint; empty = the environment's (key from api_key_env).")
+    reflection_max_tokens: int = Field(256, ge=16, le=131_072, description="Reply budget of a reflection call.")
+    reflection_temperature: float = Field(0.0, ge=0, le=2)
+    max_instruction_chars: int = Field(
+        1200, ge=50, le=100_000, description="A proposed instruction is cut to this length (small models ramble).")
+
+    @field_validator("reflection_base_url")
+    @classmethod
+    def _no_credentials_in_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.username or parts.password:
+            raise ValueError("gepa.reflection_base_url carries credentials: use environment.api_key_env")
+        return url
 
 
 class RegisterConfig(_Section):
@@ -315,6 +333,7 @@ class Params(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    gepa: GepaConfig = Field(default_factory=GepaConfig)
     register: RegisterConfig = Field(default_factory=RegisterConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     flow: FlowConfig = Field(default_factory=FlowConfig)
@@ -335,135 +354,3 @@ class Params(_Section):
     @property
     def eval_datasets(self) -> list[str]:
         return [*self.data.id_eval_datasets, *self.data.ood_eval_datasets]
-
-
-class ConfigError(ValueError):
-    """params.yaml or a profile is missing, malformed, or fails validation."""
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Return `base` with `override` merged in; nested dicts merge, everything else replaces."""
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{path}: file not found") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
-def find_root(start: Path | None = None) -> Path:
-    """The nearest folder at or above `start` (default: cwd) holding params.yaml."""
-    here = (start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        if (folder / PARAMS_FILE).is_file():
-            return folder
-    raise ConfigError(f"no {PARAMS_FILE} found in {here} or any parent folder")
-
-
-def load_params(
-    params_file: str | os.PathLike[str] | None = None,
-    overrides: dict[str, Any] | None = None,
-) -> Params:
-    """Load params.yaml, merge the profile it names, then `overrides`; validate.
-
-    Raises ConfigError naming the file and the dotted key of every invalid field.
-    """
-    path = Path(params_file) if params_file else find_root() / PARAMS_FILE
-    path = path.resolve()
-    raw = _read_yaml(path)
-    profile = (overrides or {}).get("profile", raw.get("profile", "default"))
-    if profile and profile != "default":
-        profile_file = path.parent / PROFILES_DIR / f"{profile}.yaml"
-        if not profile_file.is_file():
-            raise ConfigError(f"{path}: profile {profile!r} has no file {profile_file}")
-        raw = deep_merge(raw, _read_yaml(profile_file))
-    if overrides:
-        raw = deep_merge(raw, overrides)
-    try:
-        params = Params.model_validate(raw)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"{path} (profile {profile!r}): {problems}") from exc
-    params.root = path.parent
-    problems = output_path_problems(params)
-    if problems:
-        raise ConfigError(f"{path} (profile {profile!r}): " + "; ".join(problems))
-    return params
-
-
-OUTPUT_PATH_KEYS = ("sampled_dir", "rl_dir", "reports_dir", "checkpoint_dir", "model_dir", "cache_dir")
-"""`paths.*` the pipeline writes, replaces and deletes: each must be a folder of the project's own."""
-PROTECTED_FOLDERS = frozenset({".git", ".dvc", "pipeline", "flows", "tests", "profiles", "benchmarks", "docs",
-                               ".ci", "scripts", "constraints"})
-"""Top-level folders of the project that hold code or history, never outputs."""
-
-
-def output_path_problems(params: Params) -> list[str]:
-    """Why each output path param is unsafe (empty = all safe).
-
-    An output swap replaces and removes its folder, so an output path must never be the project root or a
-    parent of it, one of the project's code folders, a relative path that climbs out of the project, or a
-    top-level system folder (`/`, `/tmp`, `/home`, the home directory). An absolute path elsewhere is an
-    explicit choice (tests write into temporary folders) and is allowed.
-    """
-    root = params.root.resolve()
-    home = Path.home().resolve()
-    problems = []
-    for key in OUTPUT_PATH_KEYS:
-        value = getattr(params.paths, key)
-        target = (root / value).resolve()
-        where = f"paths.{key}={value!r} resolves to {target}"
-        if target == root or target in root.parents:
-            problems.append(f"{where}, the project folder or a parent of it (outputs are replaced and removed)")
-        elif root in target.parents and target.relative_to(root).parts[0] in PROTECTED_FOLDERS:
-            problems.append(f"{where}, inside the project's {target.relative_to(root).parts[0]}/ folder, "
-                            "which holds code, not outputs")
-        elif root not in target.parents and not Path(value).is_absolute():
-            problems.append(f"{where}: a relative output path must stay inside the project folder")
-        elif len(target.parts) < 3 or target == home:
-            problems.append(f"{where}, a top-level system folder (outputs are replaced and removed)")
-    return problems
-
-
-def parse_override(text: str) -> dict[str, Any]:
-    """Turn `a.b.c=value` (value parsed as YAML) into a nested dict, as `dvc exp run -S` does."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key=value")
-    key, value = text.split("=", 1)
-    node: Any = yaml.safe_load(value) if value != "" else ""
-    for part in reversed(key.strip().split(".")):
-        node = {part: node}
-    return node
-
-
-def flatten_dict(data: dict[str, Any]) -> dict[str, Any]:
-    """Nested dict → {"a.b.c": value}."""
-    out: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else k, v)
-        else:
-            out[prefix] = value
-
-    walk("", data)
-    return out
-
-
-def flatten(params: Params) -> dict[str, Any]:
-    """Dotted-key view of the params (for MLflow), secrets excluded by construction."""
-    return flatten_dict(params.model_dump(mode="json"))

@@ -1,0 +1,135 @@
+"""`OpenAICompletionsPolicy`: the agent served behind an OpenAI-compatible `/v1/completions` endpoint.
+
+Used at evaluation time when the agent runs on a server (vLLM on GPU nodes; llama.cpp's server here); the
+design decisions (token-id vs text prompts, stop strings put back, re-encoded ids) are in
+pipeline/agent/policy.py's module docstring, beside the in-process backend they mirror.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pipeline.agent.policy import FinishReason, Generation, PolicyBackend
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAICompletionsPolicy(PolicyBackend):
+    """An agent behind an OpenAI-compatible `/v1/completions` endpoint (see module docstring)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        tokenizer: Any,
+        *,
+        api_key: str = "sk-local-no-key",
+        timeout_s: float = 300.0,
+        concurrency: int = 8,
+        token_prompts: bool | None = None,
+    ):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.concurrency = concurrency
+        self.token_prompts = token_prompts
+        """True: send id lists; False: send text; None: try ids once, fall back to text on a 4xx."""
+        self._client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
+        self._lock = threading.Lock()
+        try:
+            from pipeline.agent.protocol import ConversationBuilder
+
+            self.end_of_turn_id = ConversationBuilder(tokenizer).end_of_turn_id
+        except (ValueError, TypeError, AttributeError):
+            self.end_of_turn_id = getattr(tokenizer, "eos_token_id", None)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _generate_all(self, prompts: list[list[int]], limits: list[int], temperature: float, top_p: float,
+                      stop: list[str], return_logprobs: bool) -> list[Generation]:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
+            return list(pool.map(lambda args: self._one(*args, temperature, top_p, stop, return_logprobs),
+                                 zip(prompts, limits, strict=True)))
+
+    def _request(self, prompt: list[int], body: dict[str, Any]) -> dict[str, Any]:
+        import httpx
+
+        url = f"{self.base_url}/completions"
+        if self.token_prompts is not False:
+            response = self._client.post(url, json={**body, "prompt": prompt})
+            if response.status_code < 400:
+                with self._lock:
+                    self.token_prompts = True
+                return response.json()
+            if self.token_prompts is True:
+                response.raise_for_status()
+            # Unknown support: llama.cpp's server answers an id list with 500 (its schema takes strings
+            # only), vLLM would accept it. Try text; only its success settles the question.
+            logger.info("%s refused a token-id prompt (HTTP %d): trying text", url, response.status_code)
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        response = self._client.post(url, json={**body, "prompt": text})
+        try:
+            response.raise_for_status()
+        except httpx.HTTPStatusError as exc:
+            raise RuntimeError(f"agent server {url}: HTTP {response.status_code}: {response.text[:300]}") from exc
+        if self.token_prompts is None:
+            with self._lock:
+                self.token_prompts = False
+        return response.json()
+
+    def _one(
+        self, prompt: list[int], limit: int, temperature: float, top_p: float, stop: list[str],
+        return_logprobs: bool,
+    ) -> Generation:
+        if limit <= 0:
+            return Generation([], [] if return_logprobs else None, "", "length")
+        body: dict[str, Any] = {"model": self.model, "max_tokens": limit, "temperature": temperature,
+                                "top_p": top_p, "stop": stop or None}
+        if return_logprobs:
+            body["logprobs"] = 1
+        choice = self._request(prompt, body)["choices"][0]
+        text: str = choice.get("text") or ""
+        finish = choice.get("finish_reason") or "length"
+        reason: FinishReason = "length"
+        if finish == "stop":
+            said = choice.get("stop_reason")  # vLLM names the matched stop string; llama.cpp does not
+            matched = said if isinstance(said, str) and said in stop else _restore_stop(text, stop)
+            if matched is not None:
+                text, reason = text + matched, "stop"
+            else:
+                reason = "eos"
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if reason == "eos" and self.end_of_turn_id is not None:
+            ids.append(int(self.end_of_turn_id))
+        logprobs = None
+        if return_logprobs:
+            server = ((choice.get("logprobs") or {}).get("token_logprobs")) or []
+            server = [0.0 if (x is None or not math.isfinite(x)) else float(x) for x in server]
+            if reason == "eos" and self.end_of_turn_id is not None:
+                server.append(0.0)  # the end-of-turn id is ours: the server reports no log-prob for it
+            if len(server) == len(ids):
+                logprobs = server
+            else:
+                logger.warning("server returned %d log-probs for %d re-encoded tokens; log-probs dropped",
+                               len(server), len(ids))
+        return Generation(token_ids=ids, logprobs=logprobs, text=text, finish_reason=reason)
+
+
+def _restore_stop(text: str, stop: list[str]) -> str | None:
+    """Which stop string the server cut off: the closing tag whose opener is left unclosed at the end."""
+    best: tuple[int, str] | None = None
+    for s in stop:
+        if not s.startswith("</"):
+            continue
+        opener = "<" + s[2:]
+        at = text.rfind(opener)
+        if at >= 0 and s not in text[at:] and (best is None or at > best[0]):
+            best = (at, s)
+    return best[1] if best else None

@@ -1,0 +1,354 @@
+"""Stage `gepa`: GEPA (reflective prompt evolution) optimises the environment's instruction — the rival to
+training an agent, in the same harness.
+
+The straight path (`run_gepa`): draw three disjoint slices of `data/rl/train.parquet` (`load_slices`) →
+make the environment reachable and build the task and reflection clients → `gepa.optimize` with our adapter
+(`EnvironmentInstructionAdapter`) from the seed instruction `evaluate.env_only_instruction` → score the seed
+and the optimised instruction on the held-out slice → write `data/gepa/prompt.json`,
+`reports/gepa/{metrics.json,history.csv}` and the MLflow `gepa` run.
+
+Design decisions:
+- **The `gepa` package, not DSPy.** `gepa` 0.1.4 installs with no dependencies at all (litellm, mlflow,
+  wandb are optional extras we do not need), and its `GEPAAdapter` protocol (`evaluate` +
+  `make_reflective_dataset`) hands us the rollout: every request is built by our `EnvironmentClient`, so the
+  chat messages are exactly those of the `env_only` baseline (`systems.env_only_prompt`: the environment's
+  system message, then the question, a blank line and the instruction), with our retries, cache, budget,
+  token counts and prices. DSPy would wrap the prompt in its own signature format and route every call
+  through litellm (a large dependency tree), so the optimised text could not be dropped unchanged into
+  the `env_only` harness. GEPA's reflection prompt is kept; its call goes through a second client (`ReflectionProposer`).
+- **The metric is the answer reward's token F1** (`pipeline.metrics.token_f1`, max over gold answers):
+  GEPA optimises the number the reward and the evaluation use. The reflection feedback names the score and
+  the gold answers, which is what GEPA's reflection needs to propose a better instruction.
+- **Three disjoint slices**, drawn with `gepa.seed`: `train_size` rows GEPA reflects on (minibatches of
+  `minibatch_size`), `val_size` rows it scores candidates on (its Pareto set), and `holdout_size` rows it
+  never sees, on which the seed and the optimised instruction are both scored for the report.
+- **Budget** is `gepa.max_metric_calls` task rollouts (GEPA's own stop condition); the one-off cost (metric
+  calls, task and reflection tokens and USD, wall time) is written beside the result, and the evaluation
+  reports it with the other systems' costs.
+- **Same sampling as the evaluation**: temperature `evaluate.env_temperature` and cache `evaluate.env_cache`,
+  so the optimised instruction is selected under the conditions it is evaluated in, and a rerun with
+  unchanged inputs costs no calls.
+- **GEPA's log lines go to `logging`** (no prints); its progress is recorded by `HistoryRecorder` (one row
+  per proposal and per candidate scored on the val slice), which becomes the score history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from pipeline.errors import DataError
+from pipeline.evaluation.costs import gepa_prompt_path
+from pipeline.evaluation.systems import env_only_prompt
+from pipeline.metrics import token_f1
+from pipeline.types import UsageStats
+
+if TYPE_CHECKING:
+    from pipeline.config import EnvironmentConfig, Params
+    from pipeline.environment.client import EnvironmentClient
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "instruction"
+"""The one text component GEPA evolves: what the env_only prompt appends to the question."""
+
+
+@dataclass(frozen=True)
+class TaskExample:
+    """One training row as GEPA sees it (its `DataInst`)."""
+
+    uid: str
+    dataset: str
+    question: str
+    answers: tuple[str, ...]
+
+
+@dataclass
+class Slices:
+    """Three disjoint slices of the training set."""
+
+    train: list[TaskExample]
+    """GEPA reflects on minibatches of these."""
+    val: list[TaskExample]
+    """GEPA scores every accepted candidate on these (its Pareto set) and picks the best by them."""
+    holdout: list[TaskExample]
+    """Never shown to GEPA: the seed and the optimised instruction are compared on these."""
+
+
+def load_slices(params: Params) -> Slices:
+    """Three disjoint random slices of the RL training set (seeded by `gepa.seed`)."""
+    cfg = params.gepa
+    path = params.path(params.paths.rl_dir) / "train.parquet"
+    if not path.is_file():
+        raise DataError(f"training set {path} is missing: run `promptr1 build` (dvc repro build)")
+    frame = pd.read_parquet(path, columns=["data_source", "reward_model", "extra_info"])
+    need = cfg.train_size + cfg.val_size + cfg.holdout_size
+    if len(frame) < need:
+        raise DataError(f"{path} has {len(frame)} rows; gepa needs {need} (train_size + val_size + holdout_size)")
+    drawn = frame.sample(n=need, random_state=cfg.seed)
+    examples = [
+        TaskExample(uid=str(r.extra_info.get("id", i)), dataset=str(r.data_source),
+                    question=str(r.extra_info["question"]),
+                    answers=tuple(str(g) for g in r.reward_model["ground_truth"]))
+        for i, r in enumerate(drawn.itertuples(index=False))
+    ]
+    a, b = cfg.train_size, cfg.train_size + cfg.val_size
+    return Slices(train=examples[:a], val=examples[a:b], holdout=examples[b:])
+
+
+class EnvironmentInstructionAdapter:
+    """GEPA's adapter: a candidate instruction → the environment answers each row as in `env_only`."""
+
+    propose_new_texts = None
+    """Part of GEPA's adapter protocol: None = proposals come from the optimiser's proposer."""
+
+    def __init__(self, env: EnvironmentClient) -> None:
+        self.env = env
+
+    async def _answers(self, batch: list[TaskExample], instruction: str) -> list[str]:
+        replies = await asyncio.gather(*(self.env.reply([], env_only_prompt(ex.question, instruction))
+                                         for ex in batch))
+        return ["" if r.error else r.text.strip() for r in replies]
+
+    def evaluate(self, batch: list[TaskExample], candidate: dict[str, str], capture_traces: bool = False) -> Any:
+        from gepa import EvaluationBatch
+
+        predictions = asyncio.run(self._answers(batch, candidate[COMPONENT]))
+        scores = [token_f1(p, list(ex.answers)) for p, ex in zip(predictions, batch, strict=True)]
+        traces = None
+        if capture_traces:
+            traces = [{"question": ex.question, "dataset": ex.dataset, "prediction": p, "gold": list(ex.answers),
+                       "score": s} for ex, p, s in zip(batch, predictions, scores, strict=True)]
+        return EvaluationBatch(outputs=predictions, scores=scores, trajectories=traces)
+
+    def make_reflective_dataset(self, candidate: dict[str, str], eval_batch: Any,
+                                components_to_update: list[str]) -> dict[str, list[dict[str, Any]]]:
+        records = [{
+            "Inputs": {"question": t["question"]},
+            "Generated Outputs": t["prediction"] or "(empty reply)",
+            "Feedback": (f"Token F1 against the gold answer {t['score']:.2f} (1.0 is perfect). Gold answer(s): "
+                         + " | ".join(t["gold"]) + ". Short answers that match the gold's words score best."),
+        } for t in eval_batch.trajectories]
+        return {name: records for name in components_to_update}
+
+
+class ReflectionProposer:
+    """GEPA's proposal step with its own reflection prompt (`InstructionProposalSignature`), sent through an
+    `EnvironmentClient`; the new instruction is cut to `gepa.max_instruction_chars` (small models ramble)."""
+
+    def __init__(self, client: EnvironmentClient, max_chars: int) -> None:
+        self.client = client
+        self.max_chars = max_chars
+
+    def _complete(self, prompt: str | list[dict[str, Any]]) -> str:
+        text = prompt if isinstance(prompt, str) else "\n\n".join(str(m.get("content", "")) for m in prompt)
+        reply = asyncio.run(self.client.reply([], text))
+        return "" if reply.error else reply.text
+
+    def __call__(self, candidate: dict[str, str], reflective_dataset: Any,
+                 components_to_update: list[str]) -> dict[str, str]:
+        from gepa.strategies.instruction_proposal import InstructionProposalSignature
+
+        out = {}
+        for name in components_to_update:
+            proposed = InstructionProposalSignature.run(self._complete, {
+                "current_instruction_doc": candidate[name],
+                "dataset_with_feedback": list(reflective_dataset[name]), "prompt_template": None,
+            })["new_instruction"].strip()[: self.max_chars]
+            if proposed:  # an empty proposal is no proposal (GEPA then skips the iteration)
+                out[name] = proposed
+        return out
+
+
+@dataclass
+class HistoryRecorder:
+    """GEPA callback: every proposal (accepted or not) and every candidate scored on the val slice."""
+
+    proposals: list[dict[str, Any]] = field(default_factory=list)
+    val_scores: list[dict[str, Any]] = field(default_factory=list)
+    metric_calls: int = 0
+
+    def on_budget_updated(self, event: dict[str, Any]) -> None:
+        self.metric_calls = int(event["metric_calls_used"])
+
+    def on_proposal_end(self, event: dict[str, Any]) -> None:
+        self.proposals.append({"iteration": event["iteration"],
+                               "instruction": event["new_instructions"].get(COMPONENT, ""), "accepted": False})
+
+    def on_candidate_accepted(self, event: dict[str, Any]) -> None:
+        self._close_proposal(event["iteration"], accepted=True, new_score=event["new_score"])
+
+    def on_candidate_rejected(self, event: dict[str, Any]) -> None:
+        self._close_proposal(event["iteration"], accepted=False, new_score=event["new_score"],
+                             old_score=event["old_score"], reason=event["reason"])
+
+    def on_valset_evaluated(self, event: dict[str, Any]) -> None:
+        # GEPA attaches its budget hook after scoring the seed, so the seed's calls are its val rows.
+        calls = self.metric_calls if event["iteration"] else int(event["num_examples_evaluated"])
+        self.val_scores.append({"iteration": event["iteration"], "candidate": event["candidate_idx"],
+                                "val_score": round(float(event["average_score"]), 4), "metric_calls": calls})
+
+    def _close_proposal(self, iteration: int, **outcome: Any) -> None:
+        for p in reversed(self.proposals):
+            if p["iteration"] == iteration:
+                p.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in outcome.items()})
+                return
+
+
+class _LoggingLogger:
+    """GEPA's logger protocol onto `logging` (GEPA would print to stdout)."""
+
+    def log(self, message: str) -> None:
+        log.info("GEPA: %s", message)
+
+
+def reflection_config(params: Params) -> EnvironmentConfig:
+    """The environment section with the reflection model's endpoint, name and sampling."""
+    cfg = params.gepa
+    out = params.environment.model_copy(deep=True)
+    out.served_name = cfg.reflection_served_name or out.served_name
+    out.base_url = cfg.reflection_base_url or out.base_url
+    out.max_tokens = cfg.reflection_max_tokens
+    out.temperature = cfg.reflection_temperature
+    return out
+
+
+def _task_params(params: Params) -> Params:
+    """A copy of params with the evaluation's environment sampling (the conditions `gepa` is evaluated in)."""
+    p = params.model_copy(deep=True)
+    p.root = params.root
+    p.environment.temperature = params.evaluate.env_temperature
+    p.environment.cache = params.evaluate.env_cache
+    return p
+
+
+def _mean(xs: list[float]) -> float:
+    return round(sum(xs) / len(xs), 4) if xs else 0.0
+
+
+def _usage(u: UsageStats) -> dict[str, Any]:
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(u).items()}
+
+
+def optimise(params: Params, slices: Slices, task: EnvironmentClient,
+             reflection: EnvironmentClient) -> dict[str, Any]:
+    """GEPA from the seed instruction, then both instructions on the held-out slice: prompt.json's content."""
+    from gepa import optimize
+
+    cfg = params.gepa
+    seed_instruction = params.evaluate.env_only_instruction
+    adapter = EnvironmentInstructionAdapter(task)
+    recorder = HistoryRecorder()
+    started = time.perf_counter()
+    result = optimize(
+        seed_candidate={COMPONENT: seed_instruction}, trainset=slices.train, valset=slices.val, adapter=adapter,
+        custom_candidate_proposer=ReflectionProposer(reflection, cfg.max_instruction_chars),
+        candidate_selection_strategy="pareto",
+        reflection_minibatch_size=cfg.minibatch_size, max_metric_calls=cfg.max_metric_calls,
+        logger=_LoggingLogger(), callbacks=[recorder], seed=cfg.seed, raise_on_exception=True,
+        display_progress_bar=False,
+    )
+    optimise_s = time.perf_counter() - started
+    task_usage, reflection_usage = task.take_usage(), reflection.take_usage()
+    best = result.candidates[result.best_idx][COMPONENT]
+    seed_holdout = adapter.evaluate(slices.holdout, {COMPONENT: seed_instruction}).scores
+    best_holdout = adapter.evaluate(slices.holdout, {COMPONENT: best}).scores
+    holdout_usage = task.take_usage()
+    accepted = sum(p["accepted"] for p in recorder.proposals)
+    if not recorder.proposals:
+        # GEPA logs a failing proposal step and goes on; a run that proposed nothing must not look like one
+        # whose proposals were all worse.
+        log.warning("GEPA made no proposal in %d metric calls: see the GEPA log lines above",
+                    result.total_metric_calls or 0)
+    return {
+        "component": COMPONENT,
+        "seed": {"instruction": seed_instruction, "val_score": round(result.val_aggregate_scores[0], 4),
+                 "holdout_f1": _mean(seed_holdout)},
+        "optimised": {"instruction": best, "candidate": result.best_idx,
+                      "val_score": round(result.val_aggregate_scores[result.best_idx], 4),
+                      "holdout_f1": _mean(best_holdout)},
+        "holdout": {"rows": len(slices.holdout), "uids": [e.uid for e in slices.holdout],
+                    "seed_scores": [round(s, 4) for s in seed_holdout],
+                    "optimised_scores": [round(s, 4) for s in best_holdout]},
+        "slices": {"train": [e.uid for e in slices.train], "val": [e.uid for e in slices.val]},
+        "candidates": [{"instruction": c[COMPONENT], "parents": [p for p in result.parents[i] if p is not None],
+                        "val_score": round(result.val_aggregate_scores[i], 4)}
+                       for i, c in enumerate(result.candidates)],
+        "proposals": recorder.proposals,
+        "val_history": recorder.val_scores,
+        "cost": {
+            "metric_calls": int(result.total_metric_calls or recorder.metric_calls),
+            "proposals": len(recorder.proposals), "accepted": accepted,
+            "task": _usage(task_usage), "reflection": _usage(reflection_usage),
+            "holdout": _usage(holdout_usage), "optimise_s": round(optimise_s, 1),
+        },
+        "models": {"task": params.environment.served_name, "reflection": reflection.cfg.served_name},
+        "budget": cfg.model_dump(),
+    }
+
+
+def report_metrics(content: dict[str, Any]) -> dict[str, float]:
+    """reports/gepa/metrics.json: the headline numbers (F1 in points)."""
+    cost = content["cost"]
+    tokens = {f"{part}_{k}": cost[part][k] for part in ("task", "reflection")
+              for k in ("calls", "prompt_tokens", "completion_tokens", "cost_usd")}
+    return {
+        "holdout_f1_seed": round(100 * content["seed"]["holdout_f1"], 2),
+        "holdout_f1_optimised": round(100 * content["optimised"]["holdout_f1"], 2),
+        "holdout_f1_delta": round(100 * (content["optimised"]["holdout_f1"] - content["seed"]["holdout_f1"]), 2),
+        "val_score_seed": content["seed"]["val_score"], "val_score_optimised": content["optimised"]["val_score"],
+        "metric_calls": cost["metric_calls"], "proposals": cost["proposals"], "accepted": cost["accepted"],
+        "candidates": len(content["candidates"]), "optimise_s": cost["optimise_s"], **tokens,
+    }
+
+
+def history_frame(content: dict[str, Any]) -> pd.DataFrame:
+    """reports/gepa/history.csv: the best val score so far after each candidate scored (the DVC plot)."""
+    rows, best = [], float("-inf")
+    for h in content["val_history"]:
+        best = max(best, h["val_score"])
+        rows.append({**h, "best_val_score": best})
+    return pd.DataFrame(rows, columns=["iteration", "candidate", "val_score", "metric_calls", "best_val_score"])
+
+
+def run_gepa(params: Params) -> dict[str, Any]:
+    """Stage `gepa`: optimise, write prompt.json and reports/gepa/*, log the gepa MLflow run."""
+    import mlflow
+
+    from pipeline.data.schema import write_json_atomic, write_text_atomic
+    from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+    from pipeline.environment.servers import environment_server
+    from pipeline.tracking import stage_run
+
+    slices = load_slices(params)
+    tp = _task_params(params)
+    cache = params.path(params.paths.cache_dir) / CACHE_FILE
+    started = time.perf_counter()
+    with environment_server(tp):
+        task = EnvironmentClient.from_params(tp)
+        reflection = EnvironmentClient(reflection_config(tp), cache if tp.environment.cache else None)
+        try:
+            content = optimise(params, slices, task, reflection)
+        finally:
+            asyncio.run(task.aclose())
+            asyncio.run(reflection.aclose())
+    content["cost"]["wall_s"] = round(time.perf_counter() - started, 1)
+    out_dir = params.path(params.paths.reports_dir) / "gepa"
+    metrics = report_metrics(content)
+    write_json_atomic(content, gepa_prompt_path(params))
+    write_json_atomic(metrics, out_dir / "metrics.json")
+    write_text_atomic(history_frame(content).to_csv(index=False), out_dir / "history.csv")
+    with stage_run(params, "gepa"):
+        mlflow.log_params({f"gepa.{k}": v for k, v in params.gepa.model_dump().items()})
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        mlflow.log_text(content["optimised"]["instruction"], "gepa/optimised_instruction.txt")
+        mlflow.log_artifact(str(gepa_prompt_path(params)), artifact_path="gepa")
+    log.info("GEPA: %d proposals, %d accepted; held-out F1 seed %.2f → optimised %.2f (%d metric calls)",
+             metrics["proposals"], metrics["accepted"], metrics["holdout_f1_seed"], metrics["holdout_f1_optimised"],
+             metrics["metric_calls"])
+    return content

@@ -1,0 +1,47 @@
+"""What the agent wrote, step by step: `reports/train/trajectories.jsonl`, one line per sampled trajectory.
+
+The curve in steps.csv says *whether* the reward moves; this log says *what* the agent learnt to ask the
+environment and answer. Each line: step, question id, gold answers, the turns (think, interaction prompt,
+the environment's reply, answer, format flags), stop reason and the reward with its parts (`format`,
+`answer`, `total`) — enough to rescore the same trajectories under another reward preset
+(benchmarks/bench_reward_presets.py). Like the steps log, a resumed run first drops the lines of steps after
+its checkpoint, so a step killed mid-way is never counted twice. Written with one `write` per step and
+flushed, so a kill leaves whole lines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline.agent.rollout import trajectory_record
+from pipeline.types import Trajectory
+
+TRAJECTORIES_FILE = "trajectories.jsonl"
+
+
+class TrajectoryLog:
+    """Append-only JSONL of the trajectories of each step (see module docstring)."""
+
+    def __init__(self, path: Path, keep_upto: int) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_file():
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= keep_upto]
+            path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+
+    def append(self, step: int, trajectories: Sequence[Trajectory]) -> None:
+        lines = []
+        for traj in trajectories:
+            reward = asdict(traj.reward) if traj.reward is not None else None
+            lines.append(json.dumps({
+                "step": step, "uid": traj.item.uid, "data_source": traj.item.data_source,
+                "gold_answers": list(traj.item.gold_answers), "stop_reason": traj.stop_reason,
+                "turns": trajectory_record(traj), "reward": reward,
+            }, ensure_ascii=False, default=str))
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write("".join(f"{line}\n" for line in lines))
+            handle.flush()

@@ -1,0 +1,199 @@
+"""Stage `gepa`: the real GEPA engine against a real OpenAI-compatible server on 127.0.0.1.
+
+The server (tests/fault_server.py with a `responder`) plays both models by content, so the outcome is known:
+- as the reflection model (GEPA's reflection prompt) it proposes `SHORT`;
+- as the task model it answers a question with its bare gold answer when the instruction is `SHORT`, and
+  with a hedged sentence around it otherwise (token F1 well below 1).
+So GEPA must accept the proposal, and the held-out slice must score the optimised instruction above the seed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from fault_server import FaultServer
+
+from pipeline import metrics as M
+from pipeline.gepa_prompt import COMPONENT, EnvironmentInstructionAdapter, TaskExample, load_slices, run_gepa
+
+SHORT = "Reply with the bare answer only: a few words, no sentence."
+HEDGE = "I believe the answer to this could well be {gold}, although I am honestly not completely sure."
+CITIES = ["Paris", "Berlin", "Madrid", "Rome", "Vienna", "Lisbon", "Warsaw", "Prague", "Dublin", "Oslo",
+          "Athens", "Helsinki", "Budapest", "Bern", "Sofia", "Riga"]
+QUESTIONS = {f"Which city is the capital of country number {i}?": city for i, city in enumerate(CITIES)}
+GEPA_REFLECTION_OPENING = "I provided an assistant with the following instructions"
+
+
+def respond(messages: list[dict]) -> str:
+    user = messages[-1]["content"]
+    if user.startswith(GEPA_REFLECTION_OPENING):
+        return f"Here is a better instruction:\n```\n{SHORT}\n```"
+    question, _, instruction = user.partition("\n\n")
+    gold = QUESTIONS[question]
+    return gold if instruction == SHORT else HEDGE.format(gold=gold)
+
+
+def write_train_set(path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame({
+        "data_source": ["hotpotqa"] * len(QUESTIONS),
+        "reward_model": [{"ground_truth": [g], "style": "rule"} for g in QUESTIONS.values()],
+        "extra_info": [{"id": f"hotpotqa-{i}", "question": q} for i, q in enumerate(QUESTIONS)],
+    }).to_parquet(path, index=False)
+
+
+@pytest.fixture()
+def gepa_params(tmp_path, repo_root):
+    from pipeline.config import load_params
+
+    def make(server_url: str, **gepa):
+        write_train_set(tmp_path / "data" / "rl" / "train.parquet")
+        return load_params(repo_root / "params.yaml", {
+            "paths": {"rl_dir": str(tmp_path / "data" / "rl"), "gepa_dir": str(tmp_path / "data" / "gepa"),
+                      "reports_dir": str(tmp_path / "reports"), "cache_dir": str(tmp_path / ".cache")},
+            "environment": {"base_url": server_url, "served_name": "fault-model", "max_retries": 0},
+            "gepa": {"train_size": 4, "val_size": 3, "holdout_size": 5, "minibatch_size": 2, "max_metric_calls": 14,
+                     **gepa},
+            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                       "artifact_root": str(tmp_path / "mlartifacts")},
+        })
+
+    return make
+
+
+def test_slices_are_disjoint_seeded_and_read_the_training_rows(gepa_params):
+    params = gepa_params("http://127.0.0.1:9/v1")
+    slices = load_slices(params)
+    uids = [e.uid for part in (slices.train, slices.val, slices.holdout) for e in part]
+    assert (len(slices.train), len(slices.val), len(slices.holdout)) == (4, 3, 5)
+    assert len(set(uids)) == 12  # disjoint: the held-out rows are never seen by the optimiser
+    assert [e.uid for e in load_slices(params).holdout] == [e.uid for e in slices.holdout]  # seeded
+    params.gepa.seed = 1
+    assert [e.uid for e in load_slices(params).train] != [e.uid for e in slices.train]
+    ex = slices.train[0]
+    assert ex.answers == (QUESTIONS[ex.question],)
+
+
+def test_adapter_sends_the_env_only_messages_and_scores_with_the_reward_f1(gepa_params):
+    """The exact chat messages of the env_only baseline; the score is the answer reward's token F1."""
+    import asyncio
+
+    from pipeline.environment.client import EnvironmentClient
+
+    with FaultServer(responder=respond) as server:
+        params = gepa_params(server.url)
+        env = EnvironmentClient(params.environment)
+        example = TaskExample("u0", "hotpotqa", "Which city is the capital of country number 0?", ("Paris",))
+        try:
+            batch = EnvironmentInstructionAdapter(env).evaluate([example], {COMPONENT: "Be careful."},
+                                                                capture_traces=True)
+        finally:
+            asyncio.run(env.aclose())
+        sent = server.chat_requests[0].body["messages"]
+    assert sent == [{"role": "system", "content": params.environment.system_prompt},
+                    {"role": "user", "content": f"{example.question}\n\nBe careful."}]
+    hedge = HEDGE.format(gold="Paris")
+    # F1 by hand: the normalised hedge has 16 tokens ("the" dropped), one of them "paris": P = 1/16, R = 1,
+    # F1 = 2PR / (P + R) = 2/17
+    assert len(M.normalize_answer(hedge).split()) == 16
+    assert batch.scores == [pytest.approx(2 / 17)]
+    assert batch.trajectories[0]["gold"] == ["Paris"] and batch.trajectories[0]["prediction"] == hedge
+
+
+def test_gepa_stage_accepts_a_proposal_and_reports_held_out_scores(gepa_params):
+    import mlflow
+
+    with FaultServer(responder=respond) as server:
+        params = gepa_params(server.url)
+        content = run_gepa(params)
+        requests = len(server.chat_requests)
+
+    saved = json.loads((params.path(params.paths.gepa_dir) / "prompt.json").read_text())
+    assert saved == json.loads(json.dumps(content))
+    assert saved["seed"]["instruction"] == params.evaluate.env_only_instruction
+    assert saved["optimised"]["instruction"] == SHORT
+    accepted = [p for p in saved["proposals"] if p["accepted"]]
+    assert accepted and accepted[0]["instruction"] == SHORT
+    # held-out slice: the seed gets the hedged sentence on every row, the optimised instruction the gold
+    assert saved["holdout"]["rows"] == 5 and not set(saved["holdout"]["uids"]) & set(saved["slices"]["train"])
+    assert saved["optimised"]["holdout_f1"] == 1.0
+    assert 0 < saved["seed"]["holdout_f1"] < 0.2
+    assert saved["val_history"][0] == {"iteration": 0, "candidate": 0, "metric_calls": 3,
+                                       "val_score": saved["seed"]["val_score"]}
+    assert saved["val_history"][-1]["val_score"] == 1.0 and saved["val_history"][-1]["metric_calls"] > 3
+    cost = saved["cost"]
+    assert cost["metric_calls"] <= params.gepa.max_metric_calls + params.gepa.val_size  # GEPA stops after a step
+    assert cost["reflection"]["calls"] == cost["proposals"] >= 1
+    # every request the server saw is accounted for: task, reflection, then the held-out scoring
+    assert cost["task"]["calls"] + cost["reflection"]["calls"] + cost["holdout"]["calls"] == requests
+    assert cost["holdout"]["calls"] == 2 * 5
+
+    metrics = json.loads((params.path(params.paths.reports_dir) / "gepa" / "metrics.json").read_text())
+    assert metrics["holdout_f1_optimised"] == 100.0 and metrics["accepted"] >= 1
+    assert metrics["holdout_f1_delta"] == pytest.approx(100.0 - metrics["holdout_f1_seed"])
+    history = pd.read_csv(params.path(params.paths.reports_dir) / "gepa" / "history.csv")
+    assert history["best_val_score"].is_monotonic_increasing and history["best_val_score"].iloc[-1] == 1.0
+
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name(params.mlflow.experiment).experiment_id],
+                              filter_string="tags.stage = 'gepa'")
+    assert len(runs) == 1 and runs[0].data.metrics["holdout_f1_optimised"] == 100.0
+
+
+def test_a_proposal_that_does_not_help_is_rejected(gepa_params):
+    """The check can fail: a reflection model that proposes nothing better leaves the seed as the result."""
+
+    def stubborn(messages: list[dict]) -> str:
+        user = messages[-1]["content"]
+        if user.startswith(GEPA_REFLECTION_OPENING):
+            return "```\nPlease answer the question.\n```"
+        question = user.partition("\n\n")[0]
+        return HEDGE.format(gold=QUESTIONS[question])
+
+    with FaultServer(responder=stubborn) as server:
+        content = run_gepa(gepa_params(server.url, max_metric_calls=8))
+    assert content["proposals"] and not any(p["accepted"] for p in content["proposals"])
+    assert content["optimised"]["instruction"] == content["seed"]["instruction"]
+    assert content["optimised"]["holdout_f1"] == content["seed"]["holdout_f1"]
+
+
+@pytest.mark.slow
+def test_gepa_stage_on_the_bundled_model(built_data, llama_server, tmp_path):
+    """The real stage on the real training set with SmolLM2 behind llama.cpp as task and reflection model."""
+    params = built_data.model_copy(deep=True)
+    params.root = built_data.root
+    params.paths.gepa_dir = str(tmp_path / "gepa")
+    params.paths.reports_dir = str(tmp_path / "reports")
+    params.environment.base_url = llama_server
+    params.mlflow.tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    params.mlflow.artifact_root = str(tmp_path / "mlartifacts")
+    params.gepa = params.gepa.model_copy(update={"train_size": 4, "val_size": 3, "holdout_size": 4,
+                                                 "minibatch_size": 2, "max_metric_calls": 12})
+    content = run_gepa(params)
+    assert content["cost"]["proposals"] >= 1 and content["cost"]["reflection"]["calls"] >= 1
+    assert content["cost"]["metric_calls"] <= 12 + 3
+    assert content["holdout"]["rows"] == 4 and len(content["holdout"]["optimised_scores"]) == 4
+    for side in ("seed", "optimised"):
+        assert 0.0 <= content[side]["holdout_f1"] <= 1.0
+    best = max(c["val_score"] for c in content["candidates"])
+    assert content["optimised"]["val_score"] == best >= content["seed"]["val_score"]
+    assert (tmp_path / "reports" / "gepa" / "history.csv").is_file()
+
+
+def test_the_reflection_model_is_configurable(gepa_params):
+    """`gepa.reflection_*` sends GEPA's reflection prompts to another endpoint and model; tasks stay put."""
+    with FaultServer(responder=respond) as task_server, \
+            FaultServer(responder=respond, model="reflector") as reflection_server:
+        params = gepa_params(task_server.url, reflection_base_url=reflection_server.url,
+                             reflection_served_name="reflector", reflection_max_tokens=64)
+        content = run_gepa(params)
+        task_bodies = [r.body for r in task_server.chat_requests]
+        reflection_bodies = [r.body for r in reflection_server.chat_requests]
+    assert content["models"] == {"task": "fault-model", "reflection": "reflector"}
+    assert len(reflection_bodies) == content["cost"]["reflection"]["calls"] >= 1
+    assert all(b["model"] == "reflector" and b["max_tokens"] == 64 for b in reflection_bodies)
+    assert all(b["messages"][-1]["content"].startswith(GEPA_REFLECTION_OPENING) for b in reflection_bodies)
+    assert not any(b["messages"][-1]["content"].startswith(GEPA_REFLECTION_OPENING) for b in task_bodies)
+    assert content["optimised"]["instruction"] == SHORT
