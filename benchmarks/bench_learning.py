@@ -187,12 +187,14 @@ def write_outputs(result: dict[str, Any], stem: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     held = {p["step"]: p for p in result["heldout_curve"]}
-    csv = pd.DataFrame([{
+    columns = ["step", "reward_mean", "reward_low", "reward_high", "format_rate", "env_calls", "answer_f1",
+               "heldout_f1"]
+    csv = pd.DataFrame(columns=columns, data=[{
         "step": s["step"], "reward_mean": s["reward_mean"], "reward_low": s["reward_ci95"][0],
         "reward_high": s["reward_ci95"][1], "format_rate": s["format_rate"], "env_calls": s["env_calls"],
         "answer_f1": s["reward_parts"].get("answer", float("nan")),
         "heldout_f1": held[s["step"]]["f1"] if s["step"] in held else float("nan"),
-    } for s in result["steps"]])
+    } for s in result["steps"]] or None)
     csv.to_csv(RESULTS / f"{stem}_steps.csv", index=False)
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
@@ -207,9 +209,10 @@ def write_outputs(result: dict[str, Any], stem: str) -> None:
     bottom.set_xlabel("GRPO step (0 = warm-up only)")
     bottom.set_ylabel("points")
     bottom.legend(loc="lower right")
-    fig.suptitle(f"GRPO learning, {result['environment']} environment: held-out F1 gain "
-                 f"{result['heldout_f1_gain']:+.1f} [{result['heldout_f1_gain_ci'][0]:+.1f}, "
-                 f"{result['heldout_f1_gain_ci'][1]:+.1f}]")
+    gain_text = ("no held-out evaluation after GRPO" if result["heldout_f1_gain"] is None else
+                 f"held-out F1 gain {result['heldout_f1_gain']:+.1f} [{result['heldout_f1_gain_ci'][0]:+.1f}, "
+                 f"{result['heldout_f1_gain_ci'][1]:+.1f}] after {result['grpo_steps_evaluated']} steps")
+    fig.suptitle(f"GRPO learning, {result['environment']} environment: {gain_text}")
     fig.tight_layout()
     fig.savefig(RESULTS / f"{stem}.png", dpi=110)
     plt.close(fig)
@@ -285,43 +288,76 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 done += chunk
                 folder = ckpt.latest_checkpoint(ckpt_root)
                 evaluate_at(done, folder / "model")
+            if done not in evals:  # resumed with --steps at or below the checkpoint's step
+                evaluate_at(done, ckpt.latest_checkpoint(ckpt_root) / "model")
         finally:
             asyncio.run(env.aclose())
 
-        steps = step_rows(steps_csv_path(params))
-        f1 = gain(evals[done]["f1"], evals[0]["f1"], params)
-        em = gain(evals[done]["em"], evals[0]["em"], params)
-        result = {
-            "what": "learning experiment (issue 12): warm-up-only vs GRPO-trained agent on a fixed held-out set",
-            "command": "python benchmarks/bench_learning.py" + (" --env llamacpp" if args.env != "knowledge" else ""),
-            "environment": args.env,
-            "heldout_f1_warmup": f1["before"], "heldout_f1_grpo": f1["after"],
-            "heldout_f1_gain": f1["gain"], "heldout_f1_gain_ci": f1["gain_ci"],
-            "heldout_f1_warmup_ci": f1["before_ci"], "heldout_f1_grpo_ci": f1["after_ci"],
-            "heldout_em_warmup": em["before"], "heldout_em_grpo": em["after"],
-            "heldout_em_gain": em["gain"], "heldout_em_gain_ci": em["gain_ci"],
-            "heldout_format_rate_warmup": evals[0]["format_mean"], "heldout_format_rate_grpo": evals[done]["format_mean"],
-            "target": f"gain >= {TARGET_GAIN_POINTS} F1 points with the paired 95% CI's lower bound > 0",
-            "target_met": f1["gain"] >= TARGET_GAIN_POINTS and f1["gain_ci"][0] > 0,
-            "heldout": {"datasets": list(rows_by_ds), "questions": sum(len(r) for r in rows_by_ds.values()),
-                        "source": "the authors' evaluation rows (data/rl/eval), first evaluate.rows_per_dataset"},
-            "notes": NOTES,
-            "heldout_curve": curve,
-            "steps": steps,
-            "examples": {"warmup": evals[0]["examples"], "grpo": evals[done]["examples"]},
-            "timing_s": {**{k: round(v, 1) for k, v in timings.items()},
-                         "mean_grpo_step_s": round(sum(s["step_s"] for s in steps) / max(1, len(steps)), 1),
-                         "total_s": round(time.perf_counter() - t_all, 1)},
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "params": {"agent": params.agent.model_dump(mode="json"), "reward": params.reward.model_dump(),
-                       "train": params.train.model_dump(mode="json", exclude={"verl"}),
-                       "environment": {"backend": params.environment.backend,
-                                       "knowledge": params.environment.knowledge.model_dump()},
-                       "evaluate.rows_per_dataset": params.evaluate.rows_per_dataset},
-        }
-        mlflow.log_metrics({"heldout/f1_gain": f1["gain"], "heldout/f1_gain_low": f1["gain_ci"][0],
-                            "heldout/f1_gain_high": f1["gain_ci"][1]})
+        result = summarise(params, args, evals, curve, steps_csv_path(params), rows_by_ds, timings,
+                           time.perf_counter() - t_all)
+        if result["heldout_f1_gain_ci"] is not None:
+            mlflow.log_metrics({"heldout/f1_gain": result["heldout_f1_gain"],
+                                "heldout/f1_gain_low": result["heldout_f1_gain_ci"][0],
+                                "heldout/f1_gain_high": result["heldout_f1_gain_ci"][1]})
     return result
+
+
+def summarise(params, args, evals: dict[int, dict[str, Any]], curve: list[dict[str, Any]], steps_csv: Path,
+              rows_by_ds, timings: dict[str, float], total_s: float) -> dict[str, Any]:
+    """learning.json's content. The GRPO side is the last evaluated step; with no evaluation after the
+    warm-up (an interrupted run) the GRPO figures are null and `complete` is false."""
+    from pipeline.config import load_params
+
+    profile_steps = load_params(ROOT / "params.yaml", {"profile": "learn"}).train.steps
+    steps = step_rows(steps_csv) if steps_csv.is_file() else []
+    last = max(evals)
+    f1 = gain(evals[last]["f1"], evals[0]["f1"], params) if last > 0 else None
+    em = gain(evals[last]["em"], evals[0]["em"], params) if last > 0 else None
+    warm = gain(evals[0]["f1"], evals[0]["f1"], params)
+    warm_em = gain(evals[0]["em"], evals[0]["em"], params)
+    return {
+        "what": "learning experiment (issue 12): warm-up-only vs GRPO-trained agent on a fixed held-out set",
+        "command": "python benchmarks/bench_learning.py" + (" --env llamacpp" if args.env != "knowledge" else ""),
+        "environment": args.env,
+        "complete": last >= profile_steps,
+        "profile_steps": profile_steps,
+        "grpo_steps_evaluated": last,
+        "heldout_f1_warmup": warm["before"], "heldout_f1_grpo": f1["after"] if f1 else None,
+        "heldout_f1_gain": f1["gain"] if f1 else None, "heldout_f1_gain_ci": f1["gain_ci"] if f1 else None,
+        "heldout_f1_warmup_ci": warm["before_ci"], "heldout_f1_grpo_ci": f1["after_ci"] if f1 else None,
+        "heldout_em_warmup": warm_em["before"], "heldout_em_grpo": em["after"] if em else None,
+        "heldout_em_gain": em["gain"] if em else None, "heldout_em_gain_ci": em["gain_ci"] if em else None,
+        "heldout_format_rate_warmup": evals[0]["format_mean"], "heldout_format_rate_grpo": evals[last]["format_mean"],
+        "target": f"gain >= {TARGET_GAIN_POINTS} F1 points with the paired 95% CI's lower bound > 0",
+        "target_met": bool(f1 and f1["gain"] >= TARGET_GAIN_POINTS and f1["gain_ci"][0] > 0),
+        "heldout": {"datasets": list(rows_by_ds), "questions": sum(len(r) for r in rows_by_ds.values()),
+                    "source": "the authors' evaluation rows (data/rl/eval), first evaluate.rows_per_dataset"},
+        "notes": [*NOTES, *(getattr(args, "note", None) or [])],
+        "heldout_curve": sorted(curve, key=lambda p: p["step"]),
+        "steps": steps,
+        "examples": {"warmup": evals[0]["examples"], "grpo": evals[last]["examples"] if last > 0 else []},
+        "timing_s": {**{k: round(v, 1) for k, v in timings.items()},
+                     "mean_grpo_step_s": round(sum(s["step_s"] for s in steps) / max(1, len(steps)), 1),
+                     "total_s": round(total_s, 1)},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "params": {"agent": params.agent.model_dump(mode="json"), "reward": params.reward.model_dump(),
+                   "train": params.train.model_dump(mode="json", exclude={"verl"}),
+                   "environment": {"backend": params.environment.backend,
+                                   "knowledge": params.environment.knowledge.model_dump()},
+                   "evaluate.rows_per_dataset": params.evaluate.rows_per_dataset},
+    }
+
+
+def report_only(args: argparse.Namespace) -> dict[str, Any]:
+    """learning.json from what the work folder holds (held-out results, steps.csv), without running anything."""
+    workdir = ROOT / ".cache" / f"bench_learning_{args.env}"
+    params = learn_params(workdir, args.env, args.steps, free_port())
+    evals = {int(f.stem[12:]): json.loads(f.read_text(encoding="utf-8")) for f in workdir.glob("heldout_step*.json")}
+    curve = [{"step": k, "f1": 100 * v["f1_mean"], "em": 100 * v["em_mean"], "format_rate": v["format_mean"],
+              "env_calls": v["env_calls"]} for k, v in evals.items()]
+    rows_by_ds = heldout_rows(params)
+    steps_csv = workdir / "reports" / "train" / "steps.csv"
+    return summarise(params, args, evals, curve, steps_csv, rows_by_ds, {}, 0.0)
 
 
 def main() -> None:
@@ -331,13 +367,16 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every N GRPO steps")
     parser.add_argument("--keep", action="store_true",
                         help="resume in the existing work folder (checkpoints and held-out results are reused)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the results from the work folder as it is (e.g. after an interrupted run)")
+    parser.add_argument("--note", action="append", help="a line added to the results' notes (repeatable)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    result = run(args)
+    result = report_only(args) if args.report_only else run(args)
     write_outputs(result, "learning" if args.env == "knowledge" else f"learning_{args.env}")
-    log.info("held-out F1: warm-up %.1f → GRPO %.1f, gain %+.1f [%+.1f, %+.1f] (target met: %s)",
-             result["heldout_f1_warmup"], result["heldout_f1_grpo"], result["heldout_f1_gain"],
-             *result["heldout_f1_gain_ci"], result["target_met"])
+    log.info("held-out F1: warm-up %s → GRPO %s after %d steps, gain %s %s (target met: %s)",
+             result["heldout_f1_warmup"], result["heldout_f1_grpo"], result["grpo_steps_evaluated"],
+             result["heldout_f1_gain"], result["heldout_f1_gain_ci"], result["target_met"])
 
 
 if __name__ == "__main__":
