@@ -203,6 +203,8 @@ BROKEN = ["advantage_sign", "logprob_shift", "mask_shift"]
 """Informative only once test_grpo_learns passes: until then "does not learn" holds for the intact loop too."""
 
 
+@pytest.mark.skip(reason="vacuous until test_grpo_learns passes: the intact loop does not learn yet either, so "
+                         "a broken variant failing to learn would prove nothing (kept to run once it does)")
 @pytest.mark.parametrize("variant", BROKEN)
 def test_broken_update_does_not_learn(format_aware_model, knowledge_url, tmp_path, monkeypatch, variant):
     from pipeline.train import trainer
