@@ -46,6 +46,7 @@ from pipeline.evaluation.systems import (
     BASELINES,
     TRAINED,
     Answer,
+    evaluation_params,
     run_agent_only,
     run_agent_with_environment,
     run_env_only,
@@ -92,14 +93,6 @@ def load_eval_rows(params: Params) -> dict[str, list[EvalRow]]:
     return out
 
 
-def _eval_params(params: Params) -> Params:
-    """A copy of params with the evaluation's environment sampling (greedy, cached)."""
-    p = params.model_copy(deep=True)
-    p.root = params.root
-    p.environment.temperature = params.evaluate.env_temperature
-    p.environment.cache = params.evaluate.env_cache
-    return p
-
 
 def _load_policy(ref: str, params: Params) -> Any:
     from pipeline.agent.policy import TransformersPolicy
@@ -125,7 +118,7 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
     from pipeline.environment.client import EnvironmentClient
     from pipeline.environment.servers import environment_server
 
-    ep = _eval_params(params)
+    ep = evaluation_params(params)
     model_dir = params.path(params.paths.model_dir)
     if not model_dir.exists():
         raise UserError(f"no merged agent at {model_dir}: run `promptr1 merge` (dvc repro merge) first")

@@ -44,7 +44,7 @@ import pandas as pd
 
 from pipeline.errors import DataError
 from pipeline.evaluation.costs import gepa_prompt_path
-from pipeline.evaluation.systems import env_only_prompt
+from pipeline.evaluation.systems import env_only_prompt, evaluation_params
 from pipeline.metrics import token_f1
 from pipeline.types import UsageStats
 
@@ -218,14 +218,6 @@ def reflection_config(params: Params) -> EnvironmentConfig:
     return out
 
 
-def _task_params(params: Params) -> Params:
-    """A copy of params with the evaluation's environment sampling (the conditions `gepa` is evaluated in)."""
-    p = params.model_copy(deep=True)
-    p.root = params.root
-    p.environment.temperature = params.evaluate.env_temperature
-    p.environment.cache = params.evaluate.env_cache
-    return p
-
 
 def _mean(xs: list[float]) -> float:
     return round(sum(xs) / len(xs), 4) if xs else 0.0
@@ -326,7 +318,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
     from pipeline.tracking import stage_run
 
     slices = load_slices(params)
-    tp = _task_params(params)
+    tp = evaluation_params(params)
     cache = params.path(params.paths.cache_dir) / CACHE_FILE
     started = time.perf_counter()
     with environment_server(tp):

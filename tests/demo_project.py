@@ -247,3 +247,12 @@ def project_env() -> dict[str, str]:
                        ("GIT_COMMITTER_NAME", "test"), ("GIT_COMMITTER_EMAIL", "test@localhost")):
         env.setdefault(key, value)
     return env
+
+
+def tmp_mirror(tmp_path: Path, shared_datasets: Path) -> Path:
+    """A tmp datasets mirror: the test's own raw files, the authors' real evaluation files (leakage keys)."""
+    mirror = tmp_path / "mirror"
+    (mirror / "raw" / "gsm8k").mkdir(parents=True)
+    (mirror / "prompt-r1").mkdir()
+    (mirror / "prompt-r1" / "eval").symlink_to(shared_datasets / "prompt-r1" / "eval")
+    return mirror

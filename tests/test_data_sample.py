@@ -8,20 +8,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from demo_project import tmp_mirror
 
 from pipeline.data.sample import run_sample
 from pipeline.data.schema import SAMPLED_SCHEMA, question_key
 from pipeline.data.sources import REGISTRY, load_authors_eval
 from pipeline.errors import DataError
-
-
-def _mirror(tmp_path: Path, shared_datasets: Path) -> Path:
-    """A tmp mirror: our own raw files, the authors' real evaluation files (for the leakage keys)."""
-    mirror = tmp_path / "mirror"
-    (mirror / "raw" / "gsm8k").mkdir(parents=True)
-    (mirror / "prompt-r1").mkdir()
-    (mirror / "prompt-r1" / "eval").symlink_to(shared_datasets / "prompt-r1" / "eval")
-    return mirror
 
 
 def _write_raw(mirror: Path, columns: dict[str, pa.Array | list]) -> Path:
@@ -48,7 +40,7 @@ def _columns(rows: list[dict]) -> dict[str, list]:
 
 
 def test_bad_rows_are_dropped_and_counted_per_reason(data_params, shared_datasets, tmp_path):
-    mirror = _mirror(tmp_path, shared_datasets)
+    mirror = tmp_mirror(tmp_path, shared_datasets)
     leaked_q = load_authors_eval(data_params(), REGISTRY["gsm8k"])[0].question
     rows = _good(10) + [
         {"id": "b1", "question": None, "answers": ["1"], "context": "", "source_split": "train"},
@@ -145,7 +137,7 @@ def test_bad_rows_are_dropped_and_counted_per_reason(data_params, shared_dataset
 
 def test_wrong_value_types_stop_naming_file_column_and_row(data_params, shared_datasets, tmp_path):
     """A wrong type is a broken column: the stage stops naming it, it does not drop the column row by row."""
-    mirror = _mirror(tmp_path, shared_datasets)
+    mirror = tmp_mirror(tmp_path, shared_datasets)
     base = _columns(_good(4))
     for column, values, message in (
         ("question", [None, None, 3, 4], r"column 'question' holds int at row 2 .*expected text"),
@@ -159,7 +151,7 @@ def test_wrong_value_types_stop_naming_file_column_and_row(data_params, shared_d
 
 
 def test_text_answers_are_one_gold_answer(data_params, shared_datasets, tmp_path):
-    mirror = _mirror(tmp_path, shared_datasets)
+    mirror = tmp_mirror(tmp_path, shared_datasets)
     _write_raw(mirror, {**_columns(_good(2)), "answers": [" 1 ", "2"]})
     params = data_params(mirror)
     report = run_sample(params, "gsm8k")
@@ -169,7 +161,7 @@ def test_text_answers_are_one_gold_answer(data_params, shared_datasets, tmp_path
 
 
 def test_wrong_columns_name_the_file_and_column(data_params, shared_datasets, tmp_path):
-    mirror = _mirror(tmp_path, shared_datasets)
+    mirror = tmp_mirror(tmp_path, shared_datasets)
     cols = _columns(_good(3))
     cols["query"] = cols.pop("question")
     _write_raw(mirror, cols)
@@ -178,7 +170,7 @@ def test_wrong_columns_name_the_file_and_column(data_params, shared_datasets, tm
 
 
 def test_unreadable_or_missing_source_names_the_file(data_params, shared_datasets, tmp_path):
-    mirror = _mirror(tmp_path, shared_datasets)
+    mirror = tmp_mirror(tmp_path, shared_datasets)
     with pytest.raises(DataError, match=r"raw/gsm8k/train\.parquet: source file not found"):
         run_sample(data_params(mirror), "gsm8k")
     (mirror / "raw" / "gsm8k" / "train.parquet").write_text("id,question\n1,what?\n")
@@ -187,7 +179,7 @@ def test_unreadable_or_missing_source_names_the_file(data_params, shared_dataset
 
 
 def test_unreadable_source_may_be_skipped_only_when_allowed(data_params, shared_datasets, tmp_path):
-    mirror = _mirror(tmp_path, shared_datasets)
+    mirror = tmp_mirror(tmp_path, shared_datasets)
     report = run_sample(data_params(mirror, data={"allow_skip": ["gsm8k"]}), "gsm8k")
     assert report.skipped and "source file not found" in report.skip_reason
 

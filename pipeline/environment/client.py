@@ -76,6 +76,7 @@ from pipeline.environment.cache import CachedResponse, ResponseCache
 from pipeline.environment.health import FailureWindow
 from pipeline.environment.wire import MalformedReply, parse_completion, retry_after_seconds, shorten
 from pipeline.errors import BudgetExceeded, EnvironmentUnavailable, EnvironmentUnhealthy
+from pipeline.layout import is_loopback
 from pipeline.types import EnvironmentReply, UsageStats
 
 if TYPE_CHECKING:
@@ -86,7 +87,6 @@ logger = logging.getLogger(__name__)
 CACHE_FILE = "environment_cache.sqlite"
 LOCAL_PLACEHOLDER_KEY = "sk-local-no-key"
 """Sent to local servers (llama.cpp, vLLM) when no key variable is set: they do not check it."""
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 120.0
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
@@ -103,7 +103,7 @@ def resolve_api_key(cfg: EnvironmentConfig) -> str:
     if cfg.backend != "api":
         return LOCAL_PLACEHOLDER_KEY
     url = urlsplit(cfg.url)
-    if url.scheme != "https" and not (url.scheme == "http" and url.hostname in LOOPBACK_HOSTS):
+    if url.scheme != "https" and not (url.scheme == "http" and url.hostname and is_loopback(url.hostname)):
         raise EnvironmentUnavailable(
             f"environment.base_url={cfg.url!r}: the API key from ${cfg.api_key_env} is sent only over https "
             "(or http to a loopback address)"

@@ -177,3 +177,13 @@ def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
         return list(await asyncio.gather(*(one(r) for r in chunk)))
 
     return run_system(system, answer_batch, rows_by_ds, params.evaluate.batch_size)
+
+
+def evaluation_params(params: Params) -> Params:
+    """A copy of params with the evaluation's environment sampling (`evaluate.env_temperature`, `env_cache`):
+    the conditions every evaluated system, and GEPA's task model, answer under."""
+    p = params.model_copy(deep=True)
+    p.root = params.root
+    p.environment.temperature = params.evaluate.env_temperature
+    p.environment.cache = params.evaluate.env_cache
+    return p

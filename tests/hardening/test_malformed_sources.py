@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from demo_project import tmp_mirror
 
 from pipeline.config import Params
 from pipeline.data.sample import run_sample
@@ -120,13 +121,6 @@ CASES: list[tuple[str, Writer, str]] = [
 ]
 
 
-def _mirror(tmp_path: Path, shared_datasets: Path) -> Path:
-    mirror = tmp_path / "mirror"
-    (mirror / "raw" / "gsm8k").mkdir(parents=True)
-    (mirror / "prompt-r1").mkdir()
-    (mirror / "prompt-r1" / "eval").symlink_to(shared_datasets / "prompt-r1" / "eval")
-    return mirror
-
 
 def _written(tmp_path: Path) -> list[Path]:
     return [p for folder in ("data", "reports") for p in (tmp_path / "out" / folder).rglob("*") if p.is_file()]
@@ -136,7 +130,7 @@ def _written(tmp_path: Path) -> list[Path]:
 def test_malformed_source_stops_naming_file_and_column(name, write, pattern, data_params, shared_datasets,
                                                        tmp_path):
     assert len(CASES) >= 10
-    mirror = _mirror(tmp_path, shared_datasets)
+    mirror = tmp_mirror(tmp_path, shared_datasets)
     params = data_params(mirror, paths={"sampled_dir": str(tmp_path / "out" / "data" / "sampled"),
                                         "reports_dir": str(tmp_path / "out" / "reports")})
     write(mirror / SOURCE, params)
@@ -154,7 +148,7 @@ def test_malformed_source_stops_naming_file_and_column(name, write, pattern, dat
 @pytest.mark.parametrize(("good", "empty", "passes"), [(10, 10, True), (9, 11, False)])
 def test_threshold_boundary(good, empty, passes, data_params, shared_datasets, tmp_path):
     """Half the rows usable passes the default 0.5; one row fewer stops, writing nothing."""
-    mirror = _mirror(tmp_path, shared_datasets)
+    mirror = tmp_mirror(tmp_path, shared_datasets)
     pq.write_table(pa.table(_rows(good + empty, question=_rows(good)["question"] + [""] * empty)), mirror / SOURCE)
     params = data_params(mirror, paths={"sampled_dir": str(tmp_path / "out" / "data" / "sampled"),
                                         "reports_dir": str(tmp_path / "out" / "reports")})
@@ -170,7 +164,7 @@ def test_threshold_boundary(good, empty, passes, data_params, shared_datasets, t
 
 
 def test_cli_prints_one_line_exits_1_and_writes_nothing(shared_datasets, tmp_path):
-    mirror = _mirror(tmp_path, shared_datasets)
+    mirror = tmp_mirror(tmp_path, shared_datasets)
     pq.write_table(pa.table(_rows(4, question=[None, 7, 8, 9])), mirror / SOURCE)
     out = tmp_path / "out"
     sets = [f"paths.mirror={mirror}", f"paths.sampled_dir={out / 'data' / 'sampled'}",
