@@ -216,9 +216,10 @@ def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_ll
     assert ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent")).position == 6
 
 
-def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, params):
+@pytest.mark.parametrize("autocast", [None, "bfloat16"], ids=["float32", "bf16-autocast"])
+def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, params, autocast):
     """GRPO on a hand-made group: the rewarded response gains log-prob, the other loses it; env tokens
-    (mask 0) between them do not enter the loss."""
+    (mask 0) between them do not enter the loss. Also under `train.autocast: bfloat16` (weights stay float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.train.grpo import grpo_advantages
@@ -232,6 +233,7 @@ def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, p
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     models = PolicyModels(model=model, reference=reference, tokenizer=tokenizer, lora=False)
     params.train.lr, params.train.mini_batch_size, params.train.group_size = 1e-2, 1, 2
+    params.train.autocast = autocast
     trainer = LocalTrainer(params, models, pd.DataFrame(), torch.device("cpu"), QuestionSampler(1, 0))
     good = make_traj([5, 6, 7], [100, 101, 900, 901, 102], [1, 1, 0, 0, 1])
     bad = make_traj([5, 6, 7], [200, 201, 202], [1, 1, 1])
@@ -248,6 +250,7 @@ def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, p
     assert gain[0] > 0 > gain[1]
     assert result.metrics["actor/grad_norm"] > 0 and result.metrics["actor/kl_loss"] > 0
     assert result.tokens == (3 + 5) + (3 + 3)  # non-padding tokens of one pass
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_lora_training_keeps_base_frozen(tmp_path, tiny_llama_dir, env_server):

@@ -228,7 +228,10 @@ class TransformersPolicy(PolicyBackend):
         rows = list(range(n))  # batch row -> prompt index, shrinks as rows finish
 
         with torch.no_grad():
-            result = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            # Only the last position's logits are needed: the full (n, width, vocab) tensor costs ~2 s and
+            # ~0.6 GB per 8 prompts of 384 tokens with a 49k vocabulary.
+            result = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                logits_to_keep=1)
             cache = result.past_key_values
             logits = result.logits[:, -1, :].float()
             next_pos = positions[:, -1:] + 1

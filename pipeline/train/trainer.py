@@ -80,6 +80,12 @@ class LocalTrainer:
         self.temperature = params.agent.temperature if params.agent.temperature > 0 else 1.0
         self._policy = None
 
+    def autocast(self):
+        """`train.autocast`: the update's forwards (and so their backward) under torch.autocast; a no-op when
+        null. Log-probs are taken in float32 from the autocast logits (`batch.response_log_probs`)."""
+        dtype = self.cfg.autocast
+        return torch.autocast(self.device.type, dtype=getattr(torch, dtype or "bfloat16"), enabled=dtype is not None)
+
     # -- rollout -----------------------------------------------------------------------------------
     def policy(self):
         if self._policy is None:
@@ -148,13 +154,14 @@ class LocalTrainer:
                 with torch.no_grad():
                     if self.cfg.use_kl_loss:
                         t0 = time.perf_counter()
-                        with self.models.reference_context():
+                        with self.models.reference_context(), self.autocast():
                             ref_lp[(m, k)] = response_log_probs(self.models.reference_model, batch,
                                                                 self.temperature)
                         timings["timing_s/ref"] += time.perf_counter() - t0
                     if m in need_old:
                         t0 = time.perf_counter()
-                        old_lp[(m, k)] = response_log_probs(self.models.model, batch, self.temperature)
+                        with self.autocast():
+                            old_lp[(m, k)] = response_log_probs(self.models.model, batch, self.temperature)
                         timings["timing_s/old_log_prob"] += time.perf_counter() - t0
 
         self.models.model.train()
@@ -172,7 +179,8 @@ class LocalTrainer:
                 sums: dict[str, float] = {}
                 for k, idx in enumerate(micros):
                     batch = batches[(m, k)]
-                    log_prob = response_log_probs(self.models.model, batch, self.temperature)
+                    with self.autocast():
+                        log_prob = response_log_probs(self.models.model, batch, self.temperature)
                     old = old_lp[(m, k)] if (m, k) in old_lp else log_prob.detach()
                     adv = torch.zeros_like(log_prob)
                     width = min(adv.shape[1], advantages.shape[1])
