@@ -14,9 +14,13 @@ Design decisions:
   authors' files are already random draws of 128, so "the first N" is a random sample that stays the
   same across seeds and profiles, and two runs with the same N score the same questions.
 - **Environment.** Temperature `evaluate.env_temperature` (0) with the response cache
-  (`evaluate.env_cache`), so a repeated evaluation costs no calls. With `evaluate.trace_environment`
-  every request the client sends is an MLflow span (inputs, reply, token counts) inside the evaluate
-  run; cache hits send nothing and are counted in the usage figures instead.
+  (`evaluate.env_cache`), so a repeated evaluation costs no calls; cache hits send nothing and are counted
+  in the usage figures instead.
+- **What MLflow shows** (`pipeline.evaluation.traces`): with `mlflow.trace_evaluation` every evaluated
+  trajectory, of every system, is one trace of the evaluate run (a span per turn: the agent's prompt to the
+  environment, the reply, tokens, latency, cost; the answer and its scores on the root), and the
+  predictions table names each row's trace. Traces are made once the answers are scored, then written in
+  the background while the report is drawn.
 - **One model in memory at a time.** The trained agent answers with the environment and alone, then is
   released before the untrained `agent.model` loads for `base_agent`.
 - **Cost and the paper.** metrics.json also holds every system's cost (`evaluation.costs`: per question
@@ -40,7 +44,13 @@ from pipeline import metrics as M
 from pipeline.errors import DataError, UserError
 from pipeline.evaluation.costs import inference_costs, one_off_costs, read_gepa_prompt
 from pipeline.evaluation.paper import paper_comparison
-from pipeline.evaluation.report import format_ci, log_mlflow, predictions_frame, write_reports
+from pipeline.evaluation.report import (
+    describe_evaluation,
+    format_ci,
+    log_mlflow,
+    predictions_frame,
+    write_reports,
+)
 from pipeline.evaluation.scores import aggregate, score_system, usage_by_system
 from pipeline.evaluation.systems import (
     BASELINES,
@@ -51,6 +61,8 @@ from pipeline.evaluation.systems import (
     run_agent_with_environment,
     run_env_only,
 )
+from pipeline.evaluation.traces import log_traces
+from pipeline.traces import flush_traces
 from pipeline.types import EvalRow
 
 if TYPE_CHECKING:
@@ -126,7 +138,7 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
     gepa_instruction = read_gepa_prompt(params)["optimised"]["instruction"] if "gepa" in baselines else None
     answers: dict[str, dict[str, list[Answer]]] = {}
     with environment_server(ep):
-        env = EnvironmentClient.from_params(ep, trace=params.evaluate.trace_environment)
+        env = EnvironmentClient.from_params(ep)
         try:
             policy = _load_policy(str(model_dir), params)
             answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, ep, TRAINED)
@@ -151,7 +163,7 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
 
 def run_evaluate(params: Params) -> dict[str, Any]:
     """Stage 6: evaluate, write reports/eval/*, log the evaluate child run. Returns metrics.json's content."""
-    from pipeline.tracking import stage_run
+    from pipeline.tracking import describe_stage, stage_run
 
     out_dir = params.path(params.paths.reports_dir) / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -173,9 +185,13 @@ def run_evaluate(params: Params) -> dict[str, Any]:
         }
         summary["paper"] = paper_comparison(summary, params)
 
+        trace_ids = (log_traces(all_answers, all_scores, rows_by_ds, params.evaluate.metrics_mode)
+                     if params.mlflow.trace_evaluation else {})
         predictions = predictions_frame(all_answers, all_scores, rows_by_ds)
         plots = write_reports(summary, predictions, params, out_dir)
-        log_mlflow(summary, predictions, rows_by_ds, params, out_dir, plots)
+        log_mlflow(summary, predictions, rows_by_ds, params, out_dir, plots, trace_ids)
+        flush_traces()
+        describe_stage("evaluate", describe_evaluation(summary))
     for s in summary["systems"]:
         av = summary["averages"][s]
         log.info("%s: ID F1 %s, OOD F1 %s", s, format_ci(av["id"].get("f1")), format_ci(av["ood"].get("f1")))

@@ -309,7 +309,7 @@ def run_register(params: Params) -> dict[str, Any]:
 
     import mlflow
 
-    from pipeline.tracking import stage_run
+    from pipeline.tracking import describe_stage, stage_run
 
     cfg = params.register
     check_production_alias(params)
@@ -346,6 +346,8 @@ def run_register(params: Params) -> dict[str, Any]:
         mlflow.set_tags({"promotion.decision": verdict, "registered_model": cfg.model_name,
                          "registered_version": version})
         mlflow.log_metric("promoted", float(decision.promote))
+        describe_stage("register", f"Registered {cfg.model_name} v{version}: {verdict} by the {cfg.ci_rule} rule "
+                                   f"on ID {cfg.metric} ({cfg.alias} → v{after}).")
 
         result = {
             "model_name": cfg.model_name, "version": version, "alias": cfg.alias, "promoted": decision.promote,

@@ -9,6 +9,11 @@ Design decisions:
 - Tracking store: SQLite file plus a local artifact folder in the project (both ignored by git);
   `MLFLOW_TRACKING_URI` overrides params. Telemetry is off.
 - The parent is tagged with the git commit, the profile and the DVC hashes of the data it used.
+- **Descriptions.** Each stage ends by saying in one sentence what it did and what came out
+  (`describe_stage`): the sentence becomes the stage run's description and a `summary.<stage>` tag of the
+  parent, and the parent's description (`mlflow.note.content`, shown on its run page) is rewritten from
+  every stage's sentence so far, in pipeline order. Stages run in separate processes, so the parent's tags,
+  not memory, hold what the earlier stages said.
 """
 
 from __future__ import annotations
@@ -159,6 +164,37 @@ def stage_run(params: Params, stage: str, new_parent: bool = False) -> Iterator[
         mlflow.start_run(run_name=stage, nested=True, tags={"stage": stage}) as child,
     ):
         yield child
+
+
+DESCRIBED_STAGES = ("train", "gepa", "evaluate", "register")
+"""The stages whose sentences make up the parent run's description, in this order."""
+NOTE_TAG = "mlflow.note.content"
+"""The tag MLflow's UI shows (and edits) as a run's description."""
+
+
+def describe_stage(stage: str, sentence: str) -> str | None:
+    """Describe the active stage run with `sentence` and rewrite its parent's description (module docstring).
+
+    Returns the parent's new description, or None when the active run has no parent.
+    """
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    child = mlflow.active_run()
+    if child is None:
+        return None
+    client.set_tag(child.info.run_id, NOTE_TAG, sentence)
+    parent = client.get_run(child.info.run_id).data.tags.get("mlflow.parentRunId")
+    if parent is None:
+        return None
+    client.set_tag(parent, f"summary.{stage}", sentence)
+    tags = client.get_run(parent).data.tags
+    header = (f"Prompt-R1 pipeline run, profile `{tags.get('profile', '?')}`, "
+              f"commit {tags.get('git_commit', 'unknown')[:12]}.")
+    said = [tags[f"summary.{s}"] for s in DESCRIBED_STAGES if f"summary.{s}" in tags]
+    note = " ".join([header, *said])
+    client.set_tag(parent, NOTE_TAG, note)
+    return note
 
 
 # --- helpers added by the eval stage (additive; stage_run's behaviour is unchanged) ----------------------

@@ -119,6 +119,8 @@ class Turn:
     env_reply: EnvironmentReply | None = None
     env_token_ids: list[int] = field(default_factory=list)
     """Template + environment reply tokens appended after this turn (mask 0)."""
+    generation_s: float = 0.0
+    """Wall time of the policy batch that generated this turn (shared by the batch's trajectories)."""
 
 
 @dataclass

@@ -324,21 +324,6 @@ def test_from_params_puts_cache_under_cache_dir(params, tmp_path):
     assert EnvironmentClient.from_params(params).cache is None
 
 
-@pytest.mark.slow  # creates a real MLflow SQLite store (several seconds)
-def test_trace_flag_records_mlflow_span(server, tmp_path, monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
-    monkeypatch.setenv("PROMPTR1_TEST_ENV_KEY", "sk-do-not-log")
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    mlflow.set_experiment("env-trace")
-    client = EnvironmentClient(make_cfg(server, cache=False), trace=True)
-    run(_reply(client, [], "traced"))
-    mlflow.flush_trace_async_logging()
-    trace = mlflow.get_trace(mlflow.get_last_active_trace_id())
-    (span,) = trace.data.spans
-    assert span.name == "environment.reply" and span.outputs["text"] == "echo: traced"
-    assert "sk-do-not-log" not in trace.to_json()
-
-
 @pytest.mark.parametrize("body", [
     b"", b"not json", b'{"choices": [{"message": {"content": "trunc', b"[]", b'"text"', b"{}",
     b'{"choices": []}', b'{"choices": "x"}', b'{"choices": [1]}', b'{"choices": [{"message": {"content": 5}}]}',

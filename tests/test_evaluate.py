@@ -224,7 +224,8 @@ def test_run_evaluate_small_real_run(tmp_path, repo_root, shared_datasets, llama
     # a fresh project has an empty response cache, so env_only's distinct questions are real calls
     assert summary["env_usage"]["env_only"]["calls"] > 0
     traces = mlflow.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, return_type="list")
-    assert traces, "environment calls were made but not traced"
+    assert len(traces) == len(preds)  # one trace per evaluated trajectory (tests/test_mlflow_traces.py)
+    assert {t.info.tags["system"] for t in traces} == set(metrics["systems"])
 
 
 # --- cost beside quality, the fifth system, the paper's table (issue 14) ---------------------------------

@@ -153,6 +153,9 @@ def test_register_rule_both_ways_in_a_real_sqlite_registry(tmp_path, repo_root, 
     # both flavors logged in the register run; the environment config bundles the key variable's name only
     run = client.get_run(fourth["run_id"])
     assert run.data.tags["stage"] == "register" and run.data.tags.get("mlflow.parentRunId")
+    parent = client.get_run(run.data.tags["mlflow.parentRunId"])  # the description says the last decision
+    assert f"Registered {name} v4: promoted" in parent.data.tags["mlflow.note.content"]
+    assert run.data.tags["mlflow.note.content"] == parent.data.tags["summary.register"]
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@champion"))
     env = json.loads(next(local.rglob("environment.json")).read_text())
     assert env["api_key_env"] == params.environment.api_key_env and "api_key" not in env

@@ -132,7 +132,8 @@ async def rollout(
                 traj = live.traj
                 traj.generation_s += elapsed
                 parsed = parse_turn(builder.think_opener + gen.text)
-                turn = Turn(parsed=parsed, agent_token_ids=list(gen.token_ids), agent_logprobs=gen.logprobs)
+                turn = Turn(parsed=parsed, agent_token_ids=list(gen.token_ids), agent_logprobs=gen.logprobs,
+                            generation_s=elapsed)
                 traj.turns.append(turn)
                 _append(traj, gen.token_ids, 1, gen.logprobs)
                 prompt = environment_prompt_for(parsed)
@@ -206,7 +207,7 @@ def trajectory_record(traj: Trajectory) -> list[dict[str, Any]]:
         rec: dict[str, Any] = {
             "text": p.text, "think": p.think, "interaction_prompt": p.interaction_prompt, "answer": p.answer,
             "valid_intermediate": p.valid_intermediate, "complete_final": p.complete_final, "issues": p.issues,
-            "agent_tokens": len(turn.agent_token_ids),
+            "agent_tokens": len(turn.agent_token_ids), "generation_s": round(turn.generation_s, 4),
         }
         if turn.env_reply is not None:
             rec["environment"] = asdict(turn.env_reply)

@@ -253,7 +253,6 @@ class EvaluateConfig(_Section):
     batch_size: int = Field(8, gt=0, description="Questions rolled out together (one progress-bar step).")
     env_temperature: float = Field(0.0, ge=0, description="Environment temperature during evaluation.")
     env_cache: bool = Field(True, description="Use the environment response cache during evaluation.")
-    trace_environment: bool = Field(True, description="Record every environment call as an MLflow span.")
     env_only_instruction: str = Field(
         "Answer the question or complete the task above. If it asks for a short answer (a name, a date, a"
         " number, a few words), reply with only that answer and no explanation.",
@@ -311,6 +310,11 @@ class MlflowConfig(_Section):
     tracking_uri: str = "sqlite:///mlflow.db"
     artifact_root: str = "mlartifacts"
     experiment: str = "prompt-r1"
+    trace_evaluation: bool = Field(
+        True, description="Every evaluated trajectory (every system) becomes one MLflow trace of the evaluate run.")
+    trace_train_samples: int = Field(
+        2, ge=0, le=1000, description="Trajectories of each training step (the first N) logged as MLflow traces "
+        "of the train run (local backend); 0 = none.")
 
 
 class FlowConfig(_Section):

@@ -43,8 +43,9 @@ server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisi
 - **Budget.** Cost is computed from the price table in params (USD per million prompt/completion tokens).
   Once the running cost reaches `budget_usd`, the next call raises `BudgetExceeded` before sending
   anything, so the run stops cleanly with a clear message; calls already in flight still complete.
-- **Tracing** (optional, off by default): with `trace=True` and MLflow installed, each request is recorded
-  as an MLflow span (messages in, text and token counts out; never headers or keys).
+- **No tracing here.** A single call knows nothing of the trajectory, question or system it serves, so the
+  evaluate and train stages trace whole trajectories instead (`pipeline.traces`), from what `reply()`
+  returns (text, tokens, latency, cost).
 - The API key is read from the variable *named* by `environment.api_key_env`; its value is never logged or
   put into an error message. It is sent only to the paid backend (`api`), only over https or to a loopback
   address over http; servers the pipeline starts itself (llama.cpp, vLLM) always get a placeholder, so a key
@@ -63,7 +64,6 @@ import os
 import random
 import sqlite3
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,23 +130,22 @@ class _LoopState:
 class EnvironmentClient:
     """Async OpenAI-compatible chat client for the environment, with retries, cache, usage and budget."""
 
-    def __init__(self, cfg: EnvironmentConfig, cache_path: Path | None = None, *, trace: bool = False) -> None:
+    def __init__(self, cfg: EnvironmentConfig, cache_path: Path | None = None) -> None:
         self.cfg = cfg
         self.model = cfg.served_name
         self._api_key = resolve_api_key(cfg)
         self.usage = UsageStats()
         self.spent_usd = 0.0  # cost of every call this client made; never reset (the budget reads it)
         self.cache = ResponseCache(cache_path) if (cache_path is not None and cfg.cache) else None
-        self.trace = trace
         self._state: _LoopState | None = None
         self._stale_sdks: list[AsyncOpenAI] = []
         self.health = FailureWindow(cfg.failure_window, cfg.max_failure_rate)
 
     @classmethod
-    def from_params(cls, params: Params, *, trace: bool = False) -> EnvironmentClient:
+    def from_params(cls, params: Params) -> EnvironmentClient:
         """The client the params describe, caching to `<paths.cache_dir>/environment_cache.sqlite`."""
         cache_path = params.path(params.paths.cache_dir) / CACHE_FILE
-        return cls(params.environment, cache_path if params.environment.cache else None, trace=trace)
+        return cls(params.environment, cache_path if params.environment.cache else None)
 
     # -- public API -------------------------------------------------------------------------------------
 
@@ -345,27 +344,13 @@ class EnvironmentClient:
                             max_tokens: int | None = None) -> tuple[str, int, int, str | None]:
         """One request: (text, prompt tokens, completion tokens, finish_reason)."""
         sampling = {**self.sampling, **({"max_tokens": max_tokens} if max_tokens else {})}
-        span_cm = self._span(messages) if self.trace else nullcontext(None)
-        with span_cm as span:
-            async with asyncio.timeout(self.cfg.timeout_s):
-                body = await sdk.post(
-                    "/chat/completions", cast_to=bytes,
-                    body={"model": self.model, "messages": messages, **sampling},
-                    options={"timeout": self.cfg.timeout_s},
-                )
-            text, prompt_tokens, completion_tokens, finish = parse_completion(body)
-            if span is not None:
-                span.set_outputs({"text": text, "prompt_tokens": prompt_tokens,
-                                  "completion_tokens": completion_tokens, "finish_reason": finish})
-        return text, prompt_tokens, completion_tokens, finish
-
-    def _span(self, messages: list[dict[str, str]]):
-        try:
-            import mlflow
-        except ImportError:
-            return nullcontext(None)
-        span = mlflow.start_span(name="environment.reply", span_type="CHAT_MODEL")
-        return _SpanInputs(span, {"model": self.model, "messages": messages, **self.sampling})
+        async with asyncio.timeout(self.cfg.timeout_s):
+            body = await sdk.post(
+                "/chat/completions", cast_to=bytes,
+                body={"model": self.model, "messages": messages, **sampling},
+                options={"timeout": self.cfg.timeout_s},
+            )
+        return parse_completion(body)
 
     def _failed(self, error: str, start: float, retries: int, prompt_tokens: int = 0,
                 completion_tokens: int = 0) -> EnvironmentReply:
@@ -380,21 +365,6 @@ def _forget(in_flight: dict[str, asyncio.Future[EnvironmentReply]], key: str,
             future: asyncio.Future[EnvironmentReply]) -> None:
     if in_flight.get(key) is future:
         del in_flight[key]
-
-
-class _SpanInputs:
-    """Enter an MLflow span context and record the request as its inputs."""
-
-    def __init__(self, span_cm: Any, inputs: dict[str, Any]) -> None:
-        self._cm, self._inputs = span_cm, inputs
-
-    def __enter__(self) -> Any:
-        span = self._cm.__enter__()
-        span.set_inputs(self._inputs)
-        return span
-
-    def __exit__(self, *exc: object) -> Any:
-        return self._cm.__exit__(*exc)
 
 
 __all__ = ["CACHE_FILE", "EnvironmentClient", "FailureWindow", "ResponseCache", "resolve_api_key"]

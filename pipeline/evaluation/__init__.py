@@ -8,8 +8,10 @@
   (GRPO training, GEPA search); where the gepa stage's optimised prompt lives.
 - `paper`: the paper's published numbers (`paper_results.yaml`, data) beside ours, with the difference when
   the run is comparable.
+- `traces`: what MLflow shows of the answers: one trace per evaluated trajectory (spans per turn, scores on
+  the root) and the predictions table.
 - `report`: turn that content into files (metrics.json, predictions, plot data, PNG plots, summary.md)
   and MLflow records.
 
-Imports point one way inside the package: `report` → `costs`, `paper`, `scores` → `systems`.
+Imports point one way inside the package: `report` → `costs`, `paper`, `traces` → `scores` → `systems`.
 """

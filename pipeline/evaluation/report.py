@@ -14,8 +14,10 @@ Outputs, all under `reports/eval/`:
 
 Design decisions:
 - **Atomic writes** (temporary file + rename): a killed stage never leaves a half-written output.
-- **MLflow** gets the same numbers under flat keys (`flat_metrics`), the evaluation rows as dataset inputs,
-  the predictions as a table, and the files above as artifacts of the evaluate run.
+- **MLflow** gets one sentence for the run's description (`describe_evaluation`: systems, rows, F1 per
+  system and split), the same numbers under flat keys (`flat_metrics`), the evaluation rows as dataset inputs,
+  the predictions as a table (`evaluation.traces.evaluation_table`, each row naming its trace), and the
+  files above as artifacts of the evaluate run.
 - Plots are drawn with matplotlib's Agg backend (no display), imported only when plotting.
 """
 
@@ -35,6 +37,7 @@ from pipeline.evaluation.costs import quality_cost_rows
 from pipeline.evaluation.paper import paper_markdown
 from pipeline.evaluation.scores import SPLITS, Scores, other_mode
 from pipeline.evaluation.systems import SYSTEM_LABELS, Answer
+from pipeline.evaluation.traces import TraceIds, evaluation_table
 from pipeline.types import EvalRow
 
 if TYPE_CHECKING:
@@ -173,6 +176,18 @@ def format_ci(ci: dict[str, float] | None) -> str:
     return "–" if ci is None else f"{ci['mean']:.2f} [{ci['low']:.2f}, {ci['high']:.2f}]"
 
 
+def describe_evaluation(summary: dict[str, Any]) -> str:
+    """One sentence for the run's description: what was evaluated and each system's average F1 (ID / OOD)."""
+    scores = []
+    for s in summary["systems"]:
+        av = summary["averages"][s]
+        cells = [f"{av[split][PLOT_METRIC]['mean']:.1f}" if av[split].get(PLOT_METRIC) else "–" for split in SPLITS]
+        scores.append(f"{s} {cells[0]} / {cells[1]}")
+    return (f"Evaluated {len(summary['systems'])} systems on {len(summary['per_dataset'])} datasets × "
+            f"{summary['rows_per_dataset']} rows in {summary.get('wall_s', 0):.0f} s ({summary['mode']} metrics); "
+            f"{PLOT_METRIC.upper()} ID / OOD in points: " + "; ".join(scores) + ".")
+
+
 def summary_markdown(summary: dict[str, Any], params: Params) -> str:
     """A short human-readable report of metrics.json."""
     mode = summary["mode"]
@@ -285,8 +300,9 @@ def _input_frame(rows: list[EvalRow]) -> pd.DataFrame:
 
 
 def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: dict[str, list[EvalRow]],
-               params: Params, out_dir: Path, plots: list[Path]) -> None:
-    """Params, flat metrics, dataset inputs, the predictions table and the report files, to the active run."""
+               params: Params, out_dir: Path, plots: list[Path], trace_ids: TraceIds | None = None) -> None:
+    """Params, flat metrics, dataset inputs, the predictions table (each row with its trace id, when traced)
+    and the report files, to the active run."""
     import mlflow
 
     from pipeline.tracking import log_dataset_inputs
@@ -298,8 +314,7 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
     eval_dir = params.path(params.paths.rl_dir) / "eval"
     log_dataset_inputs({f"eval/{d}": (_input_frame(rows), eval_dir / f"{d}.parquet")
                         for d, rows in rows_by_ds.items()}, context="evaluation")
-    mlflow.log_table(predictions.assign(gold=predictions["gold"].map(lambda g: json.dumps(list(g)))),
-                     artifact_file="eval/predictions.json")
+    mlflow.log_table(evaluation_table(predictions, trace_ids or {}), artifact_file="eval/predictions.json")
     for name in ("metrics.json", "summary.md", "plot_data.csv", "quality_cost.csv"):
         if (out_dir / name).is_file():
             mlflow.log_artifact(str(out_dir / name), artifact_path="eval")

@@ -138,7 +138,7 @@ def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Pa
                 stop_reason="answer" if parsed.answer is not None else "no_answer",
                 trajectory=[{"text": text, "think": parsed.think, "answer": parsed.answer,
                              "complete_final": parsed.complete_final, "issues": parsed.issues,
-                             "agent_tokens": len(gen.token_ids)}],
+                             "agent_tokens": len(gen.token_ids), "generation_s": round(per_row, 4)}],
                 seconds=per_row,
             ))
         return answers

@@ -7,7 +7,9 @@
    optimizer, RNG state and data position from the checkpoint;
 3. with the environment server up: the format warm-up if asked and not yet done (`pipeline.train.warmup`);
 4. GRPO steps (`pipeline.train.trainer.LocalTrainer.step`), each logged to `reports/train/steps.csv` and
-   MLflow (`pipeline.train.step_metrics`), checkpointed every `save_every` (`pipeline.train.checkpoint`).
+   MLflow (`pipeline.train.step_metrics`), its trajectories to `reports/train/trajectories.jsonl` and a
+   sample of them as MLflow traces (`pipeline.train.trajectory_log`), checkpointed every `save_every`
+   (`pipeline.train.checkpoint`).
 
 Design decisions:
 - **Reference policy** (`pipeline.train.models`): a frozen base copy for a full fine-tune, overwritten with
@@ -51,7 +53,7 @@ from pipeline.train.questions import QuestionSampler, load_training_set, prompt_
 from pipeline.train.resume import discard_stale_checkpoints, training_config
 from pipeline.train.step_metrics import StepsLog, log_mlflow_metrics, steps_csv_path
 from pipeline.train.trainer import LocalTrainer
-from pipeline.train.trajectory_log import TRAJECTORIES_FILE, TrajectoryLog
+from pipeline.train.trajectory_log import TRAJECTORIES_FILE, TrajectoryLog, log_step_traces
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
                 metrics["timing_s/save"] = time.perf_counter() - t0
                 steps_log.append(step, metrics)
                 trajectory_log.append(step, trainer.last_trajectories)
+                log_step_traces(step, trainer.last_trajectories[: params.mlflow.trace_train_samples])
                 log_mlflow_metrics(metrics, step)
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
                                 step_s=f"{metrics['timing_s/step']:.1f}")

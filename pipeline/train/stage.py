@@ -6,6 +6,8 @@
 Both run inside `tracking.stage_run(params, "train", new_parent=True)`: a trained model starts a new
 pipeline execution (parent run), recorded in `reports/mlflow_run.json` for the later stages.
 
+The stage ends by describing itself (`tracking.describe_stage`): model, backend, steps, last reward.
+
 Rerunning is safe: the local backend resumes from its last checkpoint. When training is already complete
 (checkpoint at `train.steps`, `reports/train/steps.csv` and `reports/mlflow_run.json` present) the stage
 does nothing, so a forced `dvc repro` does not open an empty MLflow run; if the run file is missing it
@@ -43,6 +45,7 @@ def run_train(params: Params) -> None:
                 log.warning("train.warmup is a local-backend feature: ignored with backend verl")
 
             train_verl(params, run)
+            tracking.describe_stage("train", describe_training(params, {}))
             # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.
             from pipeline.train.step_metrics import steps_csv_path
             from pipeline.train.trajectory_log import TRAJECTORIES_FILE
@@ -60,6 +63,7 @@ def run_train(params: Params) -> None:
             _relog_curve(params)
             return
         final = train_local(params, run)
+        tracking.describe_stage("train", describe_training(params, final))
         csv = steps_csv_path(params)
         for produced in (csv, csv.with_name(TRAJECTORIES_FILE)):
             if produced.is_file():
@@ -68,6 +72,19 @@ def run_train(params: Params) -> None:
                    if k.startswith(("critic/score", "reward/", "actor/")) and math.isfinite(v)}
         if summary:
             mlflow.log_metrics(summary)
+
+
+def describe_training(params: Params, final: dict[str, float]) -> str:
+    """The train run's one-sentence description: what was trained, how, and the last step's reward."""
+    cfg = params.train
+    how = (f"GRPO on verl ({cfg.verl.nnodes} node(s) × {cfg.verl.n_gpus_per_node} GPUs)" if cfg.backend == "verl"
+           else f"GRPO (local backend{', LoRA' if cfg.lora.enabled else ''})")
+    sentence = (f"Trained the agent {params.agent.model} with {how} for {cfg.steps} steps of {cfg.batch_size} "
+                f"questions × {cfg.group_size} trajectories")
+    reward = final.get("critic/score/mean")
+    if reward is not None and math.isfinite(reward):
+        sentence += f"; mean reward at the last step {reward:.3f}"
+    return sentence + "."
 
 
 def _relog_curve(params: Params) -> None:

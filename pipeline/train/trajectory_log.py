@@ -7,6 +7,10 @@ the environment's reply, answer, format flags), stop reason and the reward with 
 (benchmarks/bench_reward_presets.py). Like the steps log, a resumed run first drops the lines of steps after
 its checkpoint, so a step killed mid-way is never counted twice. Written with one `write` per step and
 flushed, so a kill leaves whole lines.
+
+`log_step_traces` shows the same trajectories in MLflow: the first `mlflow.trace_train_samples` of each step
+(with GRPO's item-major order, members of one question's group) become traces of the train run, tagged with
+the step, so a user can watch in the Traces tab what the agent learns to ask (`pipeline.traces`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.agent.rollout import trajectory_record
+from pipeline.traces import flush_traces, log_trajectory_trace
 from pipeline.types import Trajectory
 
 TRAJECTORIES_FILE = "trajectories.jsonl"
@@ -45,3 +50,28 @@ class TrajectoryLog:
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write("".join(f"{line}\n" for line in lines))
             handle.flush()
+
+
+def log_step_traces(step: int, trajectories: Sequence[Trajectory]) -> list[str]:
+    """Each trajectory as one MLflow trace of the active run (tags: stage, step, dataset, uid, sample), its
+    reward parts as the scores; waits until they are written. Returns the trace ids; none without an active
+    run (like the step metrics)."""
+    import mlflow
+
+    if mlflow.active_run() is None or not trajectories:
+        return []
+    ids = []
+    for sample, traj in enumerate(trajectories):
+        reward = traj.reward
+        scores = {"reward": reward.total, "format": reward.format, "answer": reward.answer} if reward else {}
+        trace_id = log_trajectory_trace(
+            name=f"step {step} · {traj.item.data_source} · {traj.item.uid}",
+            tags={"stage": "train", "step": step, "dataset": traj.item.data_source, "uid": traj.item.uid,
+                  "sample": sample},
+            question=traj.item.question, gold_answers=traj.item.gold_answers, turns=trajectory_record(traj),
+            prediction=traj.answer, scores=scores, stop_reason=traj.stop_reason,
+            seconds=traj.generation_s + traj.environment_s)
+        if trace_id is not None:
+            ids.append(trace_id)
+    flush_traces()
+    return ids

@@ -1,0 +1,128 @@
+"""MLflow traces of agent trajectories: one trace per trajectory, one span per turn, the scores on the root.
+
+What a user opens in the Traces tab of the evaluate run (and of the train run, for a sample of each step):
+for every trajectory, what the agent wrote to the environment turn by turn, the environment's reply, its
+tokens, latency and cost, and the final answer with its scores.
+
+Design decisions:
+- **Built after the fact, from the trajectory's record** (the JSON shape of
+  `pipeline.agent.rollout.trajectory_record`, or a baseline's one-turn record with `prompt` and
+  `environment`), not from spans opened around the live calls: a rollout runs many trajectories at once in
+  worker threads and several event loops, where an ambient span context would file a call under the wrong
+  trajectory; a trace made once the answer is scored can also carry the scores. The spans get a timeline
+  rebuilt from the recorded durations (the agent's generation, the environment's latency), ending now.
+- **Shape.** Root span `<system> · <dataset> #<row>` (type AGENT): inputs = question and gold answers,
+  outputs = prediction, stop reason and scores. Child span `turn <i>` per agent turn: CHAT_MODEL when the
+  turn asked the environment (inputs = the agent's turn and its interaction prompt, outputs = the reply,
+  attributes = agent tokens, environment tokens, latency, cost, cache hit, error), LLM for the final turn
+  (outputs = the answer). Trace tags (strings) name system, dataset, row and whatever the caller adds, so
+  `mlflow.search_traces(filter_string="tags.system = 'prompt_r1'")` finds them.
+- **Every text passes `clean_text`**: control characters and ANSI escape sequences stripped (newlines and
+  tabs kept), then capped at `MAX_TEXT_CHARS` with a marker, so an environment reply cannot bloat the
+  tracking store or garble a terminal that prints it.
+- MLflow writes traces asynchronously; `flush_traces()` waits for them (call it before the run closes).
+  MLflow's span API never raises (it hands back a no-op span on failure), so tracing cannot stop a stage.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+MAX_TEXT_CHARS = 4000
+"""Longest text kept in a span; longer texts are cut and marked."""
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean_text(text: object, limit: int = MAX_TEXT_CHARS) -> str:
+    """`text` as a string safe for MLflow: ANSI escapes and control characters (but newline and tab)
+    removed, then cut to `limit` characters with a `[… N more characters]` marker."""
+    out = _CONTROL.sub("", _ANSI.sub("", "" if text is None else str(text)))
+    if len(out) > limit:
+        out = f"{out[:limit]}[… {len(out) - limit} more characters]"
+    return out
+
+
+def _turn_seconds(turn: Mapping[str, Any]) -> tuple[float, float]:
+    env = turn.get("environment") or {}
+    return float(turn.get("generation_s") or 0.0), float(env.get("latency_s") or 0.0)
+
+
+def _turn_span(parent: Any, index: int, turn: Mapping[str, Any], start_ns: int) -> int:
+    """One turn's span under `parent`, from `start_ns`; returns its end time."""
+    import mlflow
+    from mlflow.entities import SpanType
+
+    env = turn.get("environment")
+    prompt = turn.get("interaction_prompt") or turn.get("prompt")
+    inputs: dict[str, Any] = {}
+    if turn.get("text") is not None:
+        inputs["agent_turn"] = clean_text(turn["text"])
+    if prompt:
+        inputs["interaction_prompt"] = clean_text(prompt)
+    attributes: dict[str, Any] = {"agent_tokens": int(turn.get("agent_tokens") or 0)}
+    if turn.get("issues"):
+        attributes["format_issues"] = [clean_text(i, 200) for i in turn["issues"]]
+    if env:
+        attributes.update({
+            "env.prompt_tokens": int(env.get("prompt_tokens") or 0),
+            "env.completion_tokens": int(env.get("completion_tokens") or 0),
+            "env.latency_s": round(float(env.get("latency_s") or 0.0), 4),
+            "env.cost_usd": float(env.get("cost_usd") or 0.0),
+            "env.cached": bool(env.get("cached")),
+            "env.retries": int(env.get("retries") or 0),
+        })
+        if env.get("error"):
+            attributes["env.error"] = clean_text(env["error"], 500)
+        outputs: dict[str, Any] = {"environment_reply": clean_text(env.get("text"))}
+    else:
+        outputs = {"answer": clean_text(turn.get("answer"))} if turn.get("answer") is not None else {}
+    span = mlflow.start_span_no_context(
+        f"turn {index}", span_type=SpanType.CHAT_MODEL if env else SpanType.LLM, parent_span=parent,
+        inputs=inputs, attributes=attributes, start_time_ns=start_ns)
+    generation_s, latency_s = _turn_seconds(turn)
+    end_ns = start_ns + int((generation_s + latency_s) * 1e9)
+    span.end(outputs=outputs, status="ERROR" if env and env.get("error") else "OK", end_time_ns=end_ns)
+    return end_ns
+
+
+def log_trajectory_trace(*, name: str, tags: Mapping[str, object], question: str, gold_answers: Sequence[str],
+                         turns: Sequence[Mapping[str, Any]], prediction: str, scores: Mapping[str, float],
+                         stop_reason: str = "", seconds: float = 0.0) -> str | None:
+    """Log one trajectory as one MLflow trace (in the active run's experiment, linked to the active run).
+
+    `turns` are the trajectory's turn records; `scores` the final answer's scores; `seconds` its wall time
+    (the root span lasts at least the sum of the turns). Returns the trace id, or None when MLflow handed
+    back a no-op span (tracing disabled or failed).
+    """
+    import mlflow
+    from mlflow.entities import SpanType
+    from mlflow.entities.span import NO_OP_SPAN_TRACE_ID
+
+    turn_ns = [int(sum(_turn_seconds(t)) * 1e9) for t in turns]
+    end_ns = time.time_ns()
+    start_ns = end_ns - max(sum(turn_ns), int(seconds * 1e9))
+    root = mlflow.start_span_no_context(
+        name, span_type=SpanType.AGENT, start_time_ns=start_ns,
+        inputs={"question": clean_text(question), "gold_answers": [clean_text(g, 500) for g in gold_answers]},
+        tags={key: clean_text(value, 250) for key, value in tags.items()},
+        attributes={"turns": len(turns), "stop_reason": stop_reason})
+    if root.trace_id == NO_OP_SPAN_TRACE_ID:
+        return None
+    at = start_ns
+    for index, turn in enumerate(turns, start=1):
+        at = _turn_span(root, index, turn, at)
+    root.end(outputs={"prediction": clean_text(prediction), "stop_reason": stop_reason,
+                      "scores": {k: round(float(v), 4) for k, v in scores.items()}},
+             end_time_ns=end_ns)
+    return root.trace_id
+
+
+def flush_traces() -> None:
+    """Wait until every trace logged so far is written to the tracking store."""
+    import mlflow
+
+    mlflow.flush_trace_async_logging()

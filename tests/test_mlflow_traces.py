@@ -1,0 +1,247 @@
+"""What MLflow shows of the agent's work, read back through MLflow's client API from a real SQLite store.
+
+- A micro evaluation (`run_evaluate`: a tiny random Llama as the merged agent, the agent alone and the
+  environment alone as baselines, the fault-injecting test server as the environment, 2 datasets × 2 rows):
+  one trace per evaluated trajectory with its tags, one span per turn, the evaluation table naming each
+  row's trace, and the parent run's description.
+- A scripted two-turn agent through the real rollout and `EnvironmentClient` against that server, whose
+  replies carry ANSI escapes, NUL bytes and 10,000 characters: the spans per turn hold the interaction
+  prompt, the reply (sanitised), tokens, latency and cost; the same trajectories as train-step traces.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from fault_server import FaultServer
+
+from pipeline.agent.policy import Generation
+from pipeline.agent.protocol import ConversationBuilder
+from pipeline.agent.rollout import run_rollout, trajectory_record
+from pipeline.config import EnvironmentConfig, RewardConfig, load_params
+from pipeline.environment.client import EnvironmentClient
+from pipeline.reward import reward_for_trajectory
+from pipeline.traces import MAX_TEXT_CHARS, clean_text
+from pipeline.types import PromptItem
+
+AUTHORS_FILES = {"hotpotqa": "hotpot.parquet", "triviaqa": "triviaqa_ood.parquet"}
+
+
+def _project(tmp_path: Path, repo_root: Path, shared_datasets: Path) -> Path:
+    shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
+    out = tmp_path / "data" / "rl" / "eval"
+    out.mkdir(parents=True)
+    for name, file in AUTHORS_FILES.items():
+        frame = pd.read_parquet(shared_datasets / "prompt-r1" / "eval" / file).head(2)
+        frame["data_source"] = name
+        frame.to_parquet(out / f"{name}.parquet", index=False)
+    return tmp_path
+
+
+def _spans_by_name(trace) -> dict[str, object]:
+    return {s.name: s for s in trace.data.spans}
+
+
+def test_clean_text_strips_control_characters_and_caps_the_length():
+    assert clean_text("a\x1b[31mred\x1b[0m\x00b\x07\r\nc\td") == "aredb\nc\td"
+    assert clean_text(None) == ""
+    long = clean_text("x" * (MAX_TEXT_CHARS + 25))
+    assert long == "x" * MAX_TEXT_CHARS + "[… 25 more characters]"
+    assert clean_text("abcdef", limit=3) == "abc[… 3 more characters]"
+
+
+def test_micro_evaluation_traces_table_and_description(tmp_path, repo_root, shared_datasets, tiny_llama_dir):
+    import mlflow
+
+    from pipeline import evaluate as E
+    from pipeline.tracking import parent_run_id
+
+    project = _project(tmp_path, repo_root, shared_datasets)
+    with FaultServer() as server:
+        params = load_params(project / "params.yaml", {
+            "paths": {"model_dir": str(tiny_llama_dir)},
+            "data": {"id_eval_datasets": ["hotpotqa"], "ood_eval_datasets": ["triviaqa"]},
+            "agent": {"max_turns": 2, "max_prompt_tokens": 1536},
+            "environment": {"base_url": server.url, "served_name": "fault-model", "max_tokens": 16,
+                            "max_retries": 0},
+            "evaluate": {"rows_per_dataset": 2, "agent_max_turn_tokens": 12, "bootstrap_samples": 20,
+                         "env_cache": False, "baselines": ["env_only", "agent_only"]},
+        })
+        summary = E.run_evaluate(params)
+    preds = pd.read_parquet(project / "reports" / "eval" / "predictions.parquet")
+    assert len(preds) == 3 * 2 * 2 and summary["systems"] == ["prompt_r1", "env_only", "agent_only"]
+
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name(params.mlflow.experiment).experiment_id
+    (run,) = client.search_runs([experiment], filter_string="tags.stage = 'evaluate'")
+    traces = mlflow.search_traces(locations=[experiment], run_id=run.info.run_id, return_type="list")
+    assert len(traces) == len(preds)  # one trace per evaluated trajectory, nothing per environment call
+    by_id = {t.info.trace_id: t for t in traces}
+    table = mlflow.load_table("eval/predictions.json", run_ids=[run.info.run_id])
+    assert len(table) == len(preds) and "trajectory" not in table.columns
+    assert set(table["trace_id"]) == set(by_id)
+    assert {"system", "dataset", "row", "question", "prediction", "gold", "f1", "em"} <= set(table.columns)
+
+    for row in preds.itertuples():
+        match = table[(table.system == row.system) & (table.dataset == row.dataset) & (table.row == row.row)]
+        trace = by_id[match.trace_id.item()]
+        tags = trace.info.tags
+        assert (tags["stage"], tags["system"], tags["dataset"], tags["row"], tags["uid"], tags["split"]) == (
+            "evaluate", row.system, row.dataset, str(row.row), row.uid, row.split)
+        root = trace.data.spans[0]
+        assert root.parent_id is None and root.name == f"{row.system} · {row.dataset} #{row.row}"
+        assert root.inputs["question"] == row.question and root.inputs["gold_answers"] == list(row.gold)
+        assert root.outputs["prediction"] == row.prediction
+        assert root.outputs["scores"]["f1"] == pytest.approx(row.f1, abs=1e-4)
+        turns = [s for s in trace.data.spans[1:] if s.parent_id == root.span_id]
+        assert [s.name for s in turns] == [f"turn {i}" for i in range(1, row.turns + 1)]
+        assert len(trace.data.spans) == 1 + row.turns
+        env_spans = [s for s in turns if "env.prompt_tokens" in s.attributes]
+        assert sum(s.attributes["env.prompt_tokens"] for s in env_spans) == row.env_prompt_tokens
+    env_only = [by_id[t] for t in table[table.system == "env_only"].trace_id]
+    for trace in env_only:
+        (turn,) = trace.data.spans[1:]
+        assert turn.outputs["environment_reply"].startswith("echo: ")
+        assert turn.attributes["env.completion_tokens"] > 0 and turn.attributes["env.latency_s"] > 0
+
+    parent = client.get_run(parent_run_id(params))
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith("Prompt-R1 pipeline run, profile `default`")
+    assert "Evaluated 3 systems on 2 datasets × 2 rows" in note and "prompt_r1 " in note
+    assert run.data.tags["mlflow.note.content"] == parent.data.tags["summary.evaluate"]
+
+
+# --- a scripted two-turn agent: spans per turn, sanitised replies, train-step traces ------------------------
+
+ASK = "I will ask.</think>\n<interaction_prompt>Who wrote Hamlet? round {n}</interaction_prompt>"
+ANSWER = "It says so.</think>\n<answer>William Shakespeare</answer>"
+NASTY = "\x1b[31mShakespeare\x1b[0m wrote it\x00\x07 " + "y" * 10_000
+
+
+class TwoAsksThenAnswer:
+    """Asks the environment twice, then answers (a Policy with fixed turns, the real tokenizer)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.builder = ConversationBuilder(tokenizer)
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p, stop, return_logprobs):
+        out = []
+        for prompt in prompts:
+            n = self.tokenizer.decode(prompt).count("<interaction_response>") + 1
+            text = ASK.format(n=n) if n <= 2 else ANSWER
+            ids = self.builder.encode(text)
+            out.append(Generation(ids, [-1.0] * len(ids) if return_logprobs else None, text, "stop"))
+        return out
+
+
+@pytest.fixture()
+def two_turn_trajectories(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    items = [PromptItem(uid=f"hamlet-{i}", messages=[{"role": "user", "content": "Question: Who wrote Hamlet?\n"}],
+                        gold_answers=["William Shakespeare"], data_source="hotpotqa", question="Who wrote Hamlet?")
+             for i in range(2)]
+    with FaultServer(responder=lambda messages: NASTY) as server:
+        env = EnvironmentClient(EnvironmentConfig(
+            model="fault-model", served_name="fault-model", base_url=server.url, cache=False, max_retries=0,
+            system_prompt="You are a helpful assistant.",
+            max_tokens=16_000, price_per_million_prompt=1.0, price_per_million_completion=2.0))
+        return run_rollout(TwoAsksThenAnswer(tokenizer), env, items, group_size=2, max_turns=5,
+                           max_turn_tokens=64, max_response_tokens=8192, env_reply_max_chars=2048,
+                           temperature=1.0, top_p=1.0, return_logprobs=False,
+                           reward_fn=lambda t: reward_for_trajectory(t, RewardConfig(preset="released")))
+
+
+def test_spans_per_turn_hold_prompt_reply_tokens_latency_cost_sanitised(tmp_path, two_turn_trajectories):
+    import mlflow
+
+    from pipeline.traces import flush_traces, log_trajectory_trace
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_experiment("traces")
+    traj = two_turn_trajectories[0]
+    assert (traj.num_turns, traj.stop_reason) == (3, "answer")
+    with mlflow.start_run() as run:
+        trace_id = log_trajectory_trace(
+            name="prompt_r1 · hotpotqa #0", tags={"system": "prompt_r1", "dataset": "hotpotqa", "row": 0},
+            question=traj.item.question, gold_answers=traj.item.gold_answers, turns=trajectory_record(traj),
+            prediction=traj.answer, scores={"f1": 1.0}, stop_reason=traj.stop_reason)
+        flush_traces()
+    trace = mlflow.get_trace(trace_id)
+    assert trace.info.trace_metadata["mlflow.sourceRun"] == run.info.run_id
+    spans = _spans_by_name(trace)
+    assert set(spans) == {"prompt_r1 · hotpotqa #0", "turn 1", "turn 2", "turn 3"}
+    for n, turn in ((1, traj.turns[0]), (2, traj.turns[1])):
+        span = spans[f"turn {n}"]
+        assert span.span_type == "CHAT_MODEL"
+        assert span.inputs["interaction_prompt"] == f"Who wrote Hamlet? round {n}"
+        reply = span.outputs["environment_reply"]
+        assert reply.startswith("Shakespeare wrote it y") and not re.search(r"[\x00-\x08\x1b]", reply)
+        assert reply == clean_text(NASTY) and len(clean_text(NASTY, limit=10**6)) == 21 + 10_000
+        assert reply.endswith(f"[… {21 + 10_000 - MAX_TEXT_CHARS} more characters]")
+        assert span.attributes["env.prompt_tokens"] == turn.env_reply.prompt_tokens > 0
+        assert span.attributes["env.completion_tokens"] == turn.env_reply.completion_tokens == len(NASTY.split())
+        assert span.attributes["env.cost_usd"] == pytest.approx(
+            (turn.env_reply.prompt_tokens * 1.0 + turn.env_reply.completion_tokens * 2.0) / 1e6)
+        assert span.attributes["env.latency_s"] > 0 and span.attributes["agent_tokens"] == len(turn.agent_token_ids)
+        assert span.end_time_ns > span.start_time_ns
+    final = spans["turn 3"]
+    assert final.span_type == "LLM" and final.outputs == {"answer": "William Shakespeare"}
+    assert spans["turn 1"].end_time_ns <= spans["turn 2"].start_time_ns <= spans["turn 3"].start_time_ns
+    assert json.loads(trace.info.response_preview)["prediction"] == "William Shakespeare"
+
+
+def test_a_sample_of_each_training_step_becomes_traces_of_the_train_run(tmp_path, two_turn_trajectories):
+    import mlflow
+
+    from pipeline.train.trajectory_log import log_step_traces
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = mlflow.set_experiment("train-traces").experiment_id
+    assert log_step_traces(1, two_turn_trajectories) == []  # no active run: nothing logged
+    with mlflow.start_run() as run:
+        for step in (1, 2):
+            assert len(log_step_traces(step, two_turn_trajectories[:2])) == 2
+    traces = mlflow.search_traces(locations=[experiment], run_id=run.info.run_id, return_type="list")
+    assert sorted((t.info.tags["step"], t.info.tags["sample"]) for t in traces) == [
+        ("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")]
+    for trace in traces:
+        assert trace.info.tags["stage"] == "train" and trace.info.tags["dataset"] == "hotpotqa"
+        root = trace.data.spans[0]
+        reward = two_turn_trajectories[int(trace.info.tags["sample"])].reward
+        assert root.outputs["scores"] == {"reward": round(reward.total, 4), "format": round(reward.format, 4),
+                                          "answer": round(reward.answer, 4)}
+        assert len(trace.data.spans) == 1 + 3
+
+
+def test_parent_description_lists_each_stage_in_pipeline_order(tmp_path, params):
+    import mlflow
+
+    from pipeline.tracking import NOTE_TAG, describe_stage
+    from pipeline.train.stage import describe_training
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_experiment("described")
+    trained = describe_training(params, {"critic/score/mean": 0.25})
+    assert trained == (f"Trained the agent {params.agent.model} with GRPO (local backend) for {params.train.steps} "
+                       f"steps of {params.train.batch_size} questions × {params.train.group_size} trajectories; "
+                       "mean reward at the last step 0.250.")
+    assert describe_training(params, {"critic/score/mean": float("nan")}).endswith("trajectories.")
+    with mlflow.start_run(tags={"profile": "default", "git_commit": "0123456789abcdef-dirty"}) as parent:
+        with mlflow.start_run(run_name="evaluate", nested=True):
+            describe_stage("evaluate", "Evaluated it.")
+        with mlflow.start_run(run_name="train", nested=True) as child:
+            note = describe_stage("train", trained)
+    assert note == f"Prompt-R1 pipeline run, profile `default`, commit 0123456789ab. {trained} Evaluated it."
+    client = mlflow.MlflowClient()
+    assert client.get_run(parent.info.run_id).data.tags[NOTE_TAG] == note
+    assert client.get_run(child.info.run_id).data.tags[NOTE_TAG] == trained
+    with mlflow.start_run():  # a run without a parent describes itself only
+        assert describe_stage("evaluate", "alone") is None
