@@ -43,6 +43,12 @@ def _project(tmp_path: Path, repo_root: Path, shared_datasets: Path) -> Path:
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """One real MLflow SQLite store for the module's small tests (creating one takes seconds)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
 def _spans_by_name(trace) -> dict[str, object]:
     return {s.name: s for s in trace.data.spans}
 
@@ -159,12 +165,12 @@ def two_turn_trajectories(tiny_llama_dir):
                            reward_fn=lambda t: reward_for_trajectory(t, RewardConfig(preset="released")))
 
 
-def test_spans_per_turn_hold_prompt_reply_tokens_latency_cost_sanitised(tmp_path, two_turn_trajectories):
+def test_spans_per_turn_hold_prompt_reply_tokens_latency_cost_sanitised(store, two_turn_trajectories):
     import mlflow
 
     from pipeline.traces import flush_traces, log_trajectory_trace
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(store)
     mlflow.set_experiment("traces")
     traj = two_turn_trajectories[0]
     assert (traj.num_turns, traj.stop_reason) == (3, "answer")
@@ -198,12 +204,12 @@ def test_spans_per_turn_hold_prompt_reply_tokens_latency_cost_sanitised(tmp_path
     assert json.loads(trace.info.response_preview)["prediction"] == "William Shakespeare"
 
 
-def test_a_sample_of_each_training_step_becomes_traces_of_the_train_run(tmp_path, two_turn_trajectories):
+def test_a_sample_of_each_training_step_becomes_traces_of_the_train_run(store, two_turn_trajectories):
     import mlflow
 
     from pipeline.train.trajectory_log import log_step_traces
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(store)
     experiment = mlflow.set_experiment("train-traces").experiment_id
     assert log_step_traces(1, two_turn_trajectories) == []  # no active run: nothing logged
     with mlflow.start_run() as run:
@@ -221,13 +227,13 @@ def test_a_sample_of_each_training_step_becomes_traces_of_the_train_run(tmp_path
         assert len(trace.data.spans) == 1 + 3
 
 
-def test_parent_description_lists_each_stage_in_pipeline_order(tmp_path, params):
+def test_parent_description_lists_each_stage_in_pipeline_order(store, params):
     import mlflow
 
     from pipeline.tracking import NOTE_TAG, describe_stage
     from pipeline.train.stage import describe_training
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(store)
     mlflow.set_experiment("described")
     trained = describe_training(params, {"critic/score/mean": 0.25})
     assert trained == (f"Trained the agent {params.agent.model} with GRPO (local backend) for {params.train.steps} "
