@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -314,6 +316,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
 
     from pipeline.data.schema import write_json_atomic, write_text_atomic
     from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+    from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
     from pipeline.environment.servers import environment_server
     from pipeline.tracking import stage_run
 
@@ -338,8 +341,10 @@ def run_gepa(params: Params) -> dict[str, Any]:
     with stage_run(params, "gepa"):
         mlflow.log_params({f"gepa.{k}": v for k, v in params.gepa.model_dump().items()})
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
-        mlflow.log_text(content["optimised"]["instruction"], "gepa/optimised_instruction.txt")
-        mlflow.log_artifact(str(gepa_prompt_path(params)), artifact_path="gepa")
+        # The instruction and the examples are the reflection model's text: untrusted, sanitised.
+        mlflow.log_text(sanitize_text(content["optimised"]["instruction"]), "gepa/optimised_instruction.txt")
+        with tempfile.TemporaryDirectory() as tmp:
+            mlflow.log_artifact(str(sanitized_json_copy(gepa_prompt_path(params), Path(tmp))), artifact_path="gepa")
     log.info("GEPA: %d proposals, %d accepted; held-out F1 seed %.2f → optimised %.2f (%d metric calls)",
              metrics["proposals"], metrics["accepted"], metrics["holdout_f1_seed"], metrics["holdout_f1_optimised"],
              metrics["metric_calls"])

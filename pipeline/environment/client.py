@@ -46,7 +46,8 @@ server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisi
   sending anything. `from_params` shares the ledger file under `paths.cache_dir` with every process of
   the project (pipeline/environment/ledger.py), so concurrent processes never spend more than the budget.
 - **Tracing** (optional, off by default): with `trace=True` and MLflow installed, each request is recorded
-  as an MLflow span (messages in, text and token counts out; never headers or keys).
+  as an MLflow span (messages in, text and token counts out; never headers or keys), all of it, and any
+  exception's message, sanitised (`sanitize.py`: secrets redacted, control characters escaped, capped).
 - The API key is read from the variable *named* by `environment.api_key_env`; its value is never logged or
   put into an error message. It is sent only to the paid backend (`api`), only over https or to a loopback
   address over http; servers the pipeline starts itself (llama.cpp, vLLM) always get a placeholder, so a key
@@ -77,6 +78,8 @@ from openai import AsyncOpenAI
 from pipeline.environment.cache import CachedResponse, ResponseCache
 from pipeline.environment.health import FailureWindow
 from pipeline.environment.ledger import LEDGER_FILE, CostLedger
+from pipeline.environment.sanitize import register_secret, sanitize_value
+from pipeline.environment.tracing import request_span
 from pipeline.environment.wire import MalformedReply, parse_completion, retry_after_seconds, shorten
 from pipeline.errors import EnvironmentUnavailable, EnvironmentUnhealthy
 from pipeline.layout import is_loopback
@@ -119,6 +122,7 @@ def resolve_api_key(cfg: EnvironmentConfig) -> str:
             f"environment backend 'api' ({cfg.url}) needs an API key in the environment variable "
             f"{cfg.api_key_env}, which is unset or empty: export {cfg.api_key_env}=... and retry"
         )
+    register_secret(key)
     return key
 
 
@@ -355,7 +359,8 @@ class EnvironmentClient:
                             max_tokens: int | None = None) -> tuple[str, int, int, str | None]:
         """One request: (text, prompt tokens, completion tokens, finish_reason)."""
         sampling = {**self.sampling, **({"max_tokens": max_tokens} if max_tokens else {})}
-        span_cm = self._span(messages) if self.trace else nullcontext(None)
+        span_cm = request_span({"model": self.model, "messages": messages, **self.sampling}) if self.trace \
+            else nullcontext(None)
         with span_cm as span:
             async with asyncio.timeout(self.cfg.timeout_s):
                 body = await sdk.post(
@@ -365,17 +370,9 @@ class EnvironmentClient:
                 )
             text, prompt_tokens, completion_tokens, finish = parse_completion(body)
             if span is not None:
-                span.set_outputs({"text": text, "prompt_tokens": prompt_tokens,
-                                  "completion_tokens": completion_tokens, "finish_reason": finish})
+                span.set_outputs(sanitize_value({"text": text, "prompt_tokens": prompt_tokens,
+                                                 "completion_tokens": completion_tokens, "finish_reason": finish}))
         return text, prompt_tokens, completion_tokens, finish
-
-    def _span(self, messages: list[dict[str, str]]):
-        try:
-            import mlflow
-        except ImportError:
-            return nullcontext(None)
-        span = mlflow.start_span(name="environment.reply", span_type="CHAT_MODEL")
-        return _SpanInputs(span, {"model": self.model, "messages": messages, **self.sampling})
 
     def _failed(self, error: str, start: float, retries: int, prompt_tokens: int = 0,
                 completion_tokens: int = 0) -> EnvironmentReply:
@@ -390,21 +387,6 @@ def _forget(in_flight: dict[str, asyncio.Future[EnvironmentReply]], key: str,
             future: asyncio.Future[EnvironmentReply]) -> None:
     if in_flight.get(key) is future:
         del in_flight[key]
-
-
-class _SpanInputs:
-    """Enter an MLflow span context and record the request as its inputs."""
-
-    def __init__(self, span_cm: Any, inputs: dict[str, Any]) -> None:
-        self._cm, self._inputs = span_cm, inputs
-
-    def __enter__(self) -> Any:
-        span = self._cm.__enter__()
-        span.set_inputs(self._inputs)
-        return span
-
-    def __exit__(self, *exc: object) -> Any:
-        return self._cm.__exit__(*exc)
 
 
 __all__ = ["CACHE_FILE", "LEDGER_FILE", "EnvironmentClient", "FailureWindow", "ResponseCache", "resolve_api_key"]

@@ -15,7 +15,9 @@ Outputs, all under `reports/eval/`:
 Design decisions:
 - **Atomic writes** (temporary file + rename): a killed stage never leaves a half-written output.
 - **MLflow** gets the same numbers under flat keys (`flat_metrics`), the evaluation rows as dataset inputs,
-  the predictions as a table, and the files above as artifacts of the evaluate run.
+  the predictions as a table, and the files above as artifacts of the evaluate run. The table's text (the
+  environment's replies in the trajectories, and predictions that may quote them) is sanitised first
+  (`pipeline.environment.sanitize`): secrets redacted, control characters escaped, each string capped.
 - Plots are drawn with matplotlib's Agg backend (no display), imported only when plotting.
 """
 
@@ -31,6 +33,7 @@ import pyarrow as pa
 
 from pipeline import metrics as M
 from pipeline.data.schema import write_json_atomic, write_parquet_atomic, write_text_atomic
+from pipeline.environment.sanitize import sanitize_value
 from pipeline.evaluation.costs import quality_cost_rows
 from pipeline.evaluation.paper import paper_markdown
 from pipeline.evaluation.scores import SPLITS, Scores, other_mode
@@ -284,6 +287,15 @@ def _input_frame(rows: list[EvalRow]) -> pd.DataFrame:
     })
 
 
+def recorded_predictions(predictions: pd.DataFrame) -> pd.DataFrame:
+    """The predictions as MLflow records them: every string sanitised, trajectories field by field."""
+    trajectories = predictions["trajectory"].map(
+        lambda t: json.dumps(sanitize_value(json.loads(t)), ensure_ascii=False))
+    return predictions.drop(columns="trajectory").map(sanitize_value).assign(
+        gold=predictions["gold"].map(lambda g: json.dumps(sanitize_value(list(g)), ensure_ascii=False)),
+        trajectory=trajectories)
+
+
 def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: dict[str, list[EvalRow]],
                params: Params, out_dir: Path, plots: list[Path]) -> None:
     """Params, flat metrics, dataset inputs, the predictions table and the report files, to the active run."""
@@ -298,8 +310,7 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
     eval_dir = params.path(params.paths.rl_dir) / "eval"
     log_dataset_inputs({f"eval/{d}": (_input_frame(rows), eval_dir / f"{d}.parquet")
                         for d, rows in rows_by_ds.items()}, context="evaluation")
-    mlflow.log_table(predictions.assign(gold=predictions["gold"].map(lambda g: json.dumps(list(g)))),
-                     artifact_file="eval/predictions.json")
+    mlflow.log_table(recorded_predictions(predictions), artifact_file="eval/predictions.json")
     for name in ("metrics.json", "summary.md", "plot_data.csv", "quality_cost.csv"):
         if (out_dir / name).is_file():
             mlflow.log_artifact(str(out_dir / name), artifact_path="eval")
