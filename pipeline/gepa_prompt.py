@@ -315,7 +315,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
     import mlflow
 
     from pipeline.data.schema import write_json_atomic, write_text_atomic
-    from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+    from pipeline.environment.client import CACHE_FILE, LEDGER_FILE, EnvironmentClient
     from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
     from pipeline.environment.servers import environment_server
     from pipeline.tracking import stage_run
@@ -326,7 +326,8 @@ def run_gepa(params: Params) -> dict[str, Any]:
     started = time.perf_counter()
     with environment_server(tp):
         task = EnvironmentClient.from_params(tp)
-        reflection = EnvironmentClient(reflection_config(tp), cache if tp.environment.cache else None)
+        reflection = EnvironmentClient(reflection_config(tp), cache if tp.environment.cache else None,
+                                       ledger_path=cache.with_name(LEDGER_FILE))  # one budget with the task's
         try:
             content = optimise(params, slices, task, reflection)
         finally:
