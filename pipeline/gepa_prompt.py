@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -313,7 +315,8 @@ def run_gepa(params: Params) -> dict[str, Any]:
     import mlflow
 
     from pipeline.data.schema import write_json_atomic, write_text_atomic
-    from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+    from pipeline.environment.client import CACHE_FILE, LEDGER_FILE, EnvironmentClient
+    from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
     from pipeline.environment.servers import environment_server
     from pipeline.tracking import stage_run
 
@@ -323,7 +326,8 @@ def run_gepa(params: Params) -> dict[str, Any]:
     started = time.perf_counter()
     with environment_server(tp):
         task = EnvironmentClient.from_params(tp)
-        reflection = EnvironmentClient(reflection_config(tp), cache if tp.environment.cache else None)
+        reflection = EnvironmentClient(reflection_config(tp), cache if tp.environment.cache else None,
+                                       ledger_path=cache.with_name(LEDGER_FILE))  # one budget with the task's
         try:
             content = optimise(params, slices, task, reflection)
         finally:
@@ -338,8 +342,10 @@ def run_gepa(params: Params) -> dict[str, Any]:
     with stage_run(params, "gepa"):
         mlflow.log_params({f"gepa.{k}": v for k, v in params.gepa.model_dump().items()})
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
-        mlflow.log_text(content["optimised"]["instruction"], "gepa/optimised_instruction.txt")
-        mlflow.log_artifact(str(gepa_prompt_path(params)), artifact_path="gepa")
+        # The instruction and the examples are the reflection model's text: untrusted, sanitised.
+        mlflow.log_text(sanitize_text(content["optimised"]["instruction"]), "gepa/optimised_instruction.txt")
+        with tempfile.TemporaryDirectory() as tmp:
+            mlflow.log_artifact(str(sanitized_json_copy(gepa_prompt_path(params), Path(tmp))), artifact_path="gepa")
     log.info("GEPA: %d proposals, %d accepted; held-out F1 seed %.2f → optimised %.2f (%d metric calls)",
              metrics["proposals"], metrics["accepted"], metrics["holdout_f1_seed"], metrics["holdout_f1_optimised"],
              metrics["metric_calls"])

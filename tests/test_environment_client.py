@@ -272,10 +272,13 @@ def test_cache_is_shared_safely_by_concurrent_tasks(tmp_path):
 
 def test_cost_and_budget(server):
     # Per call: prompt = 11 system words + 1 ("q") = 12 tokens, completion = "echo: q" = 2 tokens.
+    # Worst case reserved before each call: prompt bound 256 + (64 + 16) + (1 + 16) = 353 tokens, sent twice,
+    # and 32 + 32 x 4 completion tokens: 706 x $1 + 160 x $2 = $1026. Budget = $1026 + 2 x $16 + $8.
     cfg = make_cfg(server, cache=False, price_per_million_prompt=1_000_000.0,
-                   price_per_million_completion=2_000_000.0, budget_usd=40.0)
+                   price_per_million_completion=2_000_000.0, budget_usd=1066.0)
     client = EnvironmentClient(cfg)
     per_call = 12 * 1.0 + 2 * 2.0  # $16
+    assert client.worst_case_usd(client.messages([], "q")) == pytest.approx(1026.0)
 
     async def go():
         replies = []
@@ -288,14 +291,15 @@ def test_cost_and_budget(server):
 
     with pytest.raises(BudgetExceeded, match=r"budget_usd") as info:
         run(go())
-    # $16 + $16 = $32 < $40, then $48 >= $40: the fourth call is refused before it is sent.
+    # $32 + $1026 <= $1066 admits the third call; $48 + $1026 > $1066: the fourth is refused before it is sent.
     assert len(server.chat_requests) == 3
     assert client.usage.cost_usd == pytest.approx(3 * per_call)
     assert client.spent_usd == pytest.approx(48.0) and "48" in str(info.value)
 
 
 def test_take_usage_keeps_budget(server):
-    client = EnvironmentClient(make_cfg(server, cache=False, price_per_million_prompt=1e6, budget_usd=20.0))
+    # $12 a call, $706 reserved (see test_cost_and_budget): two calls fit $723, a third does not.
+    client = EnvironmentClient(make_cfg(server, cache=False, price_per_million_prompt=1e6, budget_usd=723.0))
     run(_reply(client, [], "q"))
     tally = client.take_usage()
     assert tally.calls == 1 and client.usage.calls == 0

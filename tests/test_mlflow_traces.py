@@ -53,12 +53,13 @@ def _spans_by_name(trace) -> dict[str, object]:
     return {s.name: s for s in trace.data.spans}
 
 
-def test_clean_text_strips_control_characters_and_caps_the_length():
-    assert clean_text("a\x1b[31mred\x1b[0m\x00b\x07\r\nc\td") == "aredb\nc\td"
+def test_clean_text_escapes_control_characters_redacts_and_caps_the_length():
+    assert clean_text("a\x1b[31mred\x1b[0m\x00b\x07\r\nc\td") == "ared\\x00b\\x07\\x0d\nc\td"
     assert clean_text(None) == ""
+    assert clean_text("key: Bearer abcdefghijklmnop") == "key: Bearer [REDACTED]"
     long = clean_text("x" * (MAX_TEXT_CHARS + 25))
-    assert long == "x" * MAX_TEXT_CHARS + "[… 25 more characters]"
-    assert clean_text("abcdef", limit=3) == "abc[… 3 more characters]"
+    assert long == "x" * MAX_TEXT_CHARS + "…[cut: 25 more characters]"
+    assert clean_text("abcdef", limit=3) == "abc…[cut: 3 more characters]"
 
 
 def test_micro_evaluation_traces_table_and_description(tmp_path, repo_root, shared_datasets, tiny_llama_dir):
@@ -189,9 +190,9 @@ def test_spans_per_turn_hold_prompt_reply_tokens_latency_cost_sanitised(store, t
         assert span.span_type == "CHAT_MODEL"
         assert span.inputs["interaction_prompt"] == f"Who wrote Hamlet? round {n}"
         reply = span.outputs["environment_reply"]
-        assert reply.startswith("Shakespeare wrote it y") and not re.search(r"[\x00-\x08\x1b]", reply)
-        assert reply == clean_text(NASTY) and len(clean_text(NASTY, limit=10**6)) == 21 + 10_000
-        assert reply.endswith(f"[… {21 + 10_000 - MAX_TEXT_CHARS} more characters]")
+        assert reply.startswith("Shakespeare wrote it\\x00\\x07 y") and not re.search(r"[\x00-\x08\x1b]", reply)
+        assert reply == clean_text(NASTY) and len(clean_text(NASTY, limit=10**6)) == 29 + 10_000
+        assert reply.endswith(f"…[cut: {29 + 10_000 - MAX_TEXT_CHARS} more characters]")
         assert span.attributes["env.prompt_tokens"] == turn.env_reply.prompt_tokens > 0
         assert span.attributes["env.completion_tokens"] == turn.env_reply.completion_tokens == len(NASTY.split())
         assert span.attributes["env.cost_usd"] == pytest.approx(

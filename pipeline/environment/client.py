@@ -41,8 +41,10 @@ server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisi
   keys and the last error). Training and evaluation therefore stop instead of learning from, or scoring,
   error notes; checkpoints already written stay.
 - **Budget.** Cost is computed from the price table in params (USD per million prompt/completion tokens).
-  Once the running cost reaches `budget_usd`, the next call raises `BudgetExceeded` before sending
-  anything, so the run stops cleanly with a clear message; calls already in flight still complete.
+  Each call reserves its worst case (`worst_case_usd`) in a `CostLedger` before it is sent and settles its
+  real cost after; a call that could take the total over `budget_usd` raises `BudgetExceeded` before
+  sending anything. `from_params` shares the ledger file under `paths.cache_dir` with every process of
+  the project (pipeline/environment/ledger.py), so concurrent processes never spend more than the budget.
 - **No tracing here.** A single call knows nothing of the trajectory, question or system it serves, so the
   evaluate and train stages trace whole trajectories instead (`pipeline.traces`), from what `reply()`
   returns (text, tokens, latency, cost).
@@ -64,6 +66,7 @@ import os
 import random
 import sqlite3
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,8 +77,10 @@ from openai import AsyncOpenAI
 
 from pipeline.environment.cache import CachedResponse, ResponseCache
 from pipeline.environment.health import FailureWindow
+from pipeline.environment.ledger import LEDGER_FILE, CostLedger
+from pipeline.environment.sanitize import register_secret
 from pipeline.environment.wire import MalformedReply, parse_completion, retry_after_seconds, shorten
-from pipeline.errors import BudgetExceeded, EnvironmentUnavailable, EnvironmentUnhealthy
+from pipeline.errors import EnvironmentUnavailable, EnvironmentUnhealthy
 from pipeline.layout import is_loopback
 from pipeline.types import EnvironmentReply, UsageStats
 
@@ -91,6 +96,8 @@ MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 120.0
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 """Besides every 5xx: request timeout, conflict, too early, rate limit."""
+TEMPLATE_TOKENS = (256, 16)
+"""Worst-case chat-template tokens per request and per message (GPT-OSS's harmony preamble fits)."""
 
 
 def resolve_api_key(cfg: EnvironmentConfig) -> str:
@@ -114,6 +121,7 @@ def resolve_api_key(cfg: EnvironmentConfig) -> str:
             f"environment backend 'api' ({cfg.url}) needs an API key in the environment variable "
             f"{cfg.api_key_env}, which is unset or empty: export {cfg.api_key_env}=... and retry"
         )
+    register_secret(key)
     return key
 
 
@@ -130,7 +138,8 @@ class _LoopState:
 class EnvironmentClient:
     """Async OpenAI-compatible chat client for the environment, with retries, cache, usage and budget."""
 
-    def __init__(self, cfg: EnvironmentConfig, cache_path: Path | None = None) -> None:
+    def __init__(self, cfg: EnvironmentConfig, cache_path: Path | None = None, *,
+                 ledger_path: Path | None = None) -> None:
         self.cfg = cfg
         self.model = cfg.served_name
         self._api_key = resolve_api_key(cfg)
@@ -140,12 +149,16 @@ class EnvironmentClient:
         self._state: _LoopState | None = None
         self._stale_sdks: list[AsyncOpenAI] = []
         self.health = FailureWindow(cfg.failure_window, cfg.max_failure_rate)
+        self.ledger = None if cfg.budget_usd is None else CostLedger(
+            cfg.budget_usd, ledger_path, where=f" at {cfg.url}" + (f" (ledger {ledger_path})" if ledger_path else ""))
 
     @classmethod
     def from_params(cls, params: Params) -> EnvironmentClient:
-        """The client the params describe, caching to `<paths.cache_dir>/environment_cache.sqlite`."""
-        cache_path = params.path(params.paths.cache_dir) / CACHE_FILE
-        return cls(params.environment, cache_path if params.environment.cache else None)
+        """The client the params describe, caching to `<paths.cache_dir>/environment_cache.sqlite` and
+        sharing the budget through `<paths.cache_dir>/environment_ledger.json`."""
+        cache_dir = params.path(params.paths.cache_dir)
+        return cls(params.environment, cache_dir / CACHE_FILE if params.environment.cache else None,
+                   ledger_path=cache_dir / LEDGER_FILE)
 
     # -- public API -------------------------------------------------------------------------------------
 
@@ -173,9 +186,8 @@ class EnvironmentClient:
         """Ask the environment; `history` is its earlier user/assistant messages (no system message).
 
         Never raises on model or HTTP failure (see the module docstring); raises BudgetExceeded once the
-        budget is spent and EnvironmentUnavailable when the endpoint rejects the key.
+        budget could be exceeded and EnvironmentUnavailable when the endpoint rejects the key.
         """
-        self._check_budget()
         state = self._loop_state()
         messages = self.messages(history, prompt)
         key = None
@@ -191,8 +203,10 @@ class EnvironmentClient:
             state.in_flight[key] = future
         try:
             async with state.semaphore:
-                self._check_budget()
-                result = await self._request_with_retries(state.sdk, messages)
+                with self.ledger.hold(self.worst_case_usd(messages)) if self.ledger else nullcontext() as hold:
+                    result = await self._request_with_retries(state.sdk, messages)
+                    if hold is not None:
+                        hold.settle(result.cost_usd)
         except BaseException:
             if future is not None:
                 # Waiters see an error reply and send their own request (or hit the same exception).
@@ -250,13 +264,12 @@ class EnvironmentClient:
                 "Stopped so that nothing learns from or is scored on error notes"
             )
 
-    def _check_budget(self) -> None:
-        budget = self.cfg.budget_usd
-        if budget is not None and self.spent_usd >= budget:
-            raise BudgetExceeded(
-                f"environment budget spent: ${self.spent_usd:.4f} of environment.budget_usd=${budget:.4f} "
-                f"at {self.cfg.url}; the run stopped cleanly (raise the budget to continue)"
-            )
+    def worst_case_usd(self, messages: list[dict[str, str]]) -> float:
+        """An upper bound of one call's recorded cost: ≤ 1 token per UTF-8 byte plus template tokens, the
+        prompt sent twice and `max_tokens × (1 + length_retry_factor)` completion tokens (the length retry)."""
+        per_request, per_message = TEMPLATE_TOKENS
+        prompt = per_request + sum(len(m["content"].encode()) + per_message for m in messages)
+        return self._cost(2 * prompt, self.cfg.max_tokens + int(self.cfg.max_tokens * self.cfg.length_retry_factor))
 
     def _loop_state(self) -> _LoopState:
         loop = asyncio.get_running_loop()
@@ -367,4 +380,4 @@ def _forget(in_flight: dict[str, asyncio.Future[EnvironmentReply]], key: str,
         del in_flight[key]
 
 
-__all__ = ["CACHE_FILE", "EnvironmentClient", "FailureWindow", "ResponseCache", "resolve_api_key"]
+__all__ = ["CACHE_FILE", "LEDGER_FILE", "EnvironmentClient", "FailureWindow", "ResponseCache", "resolve_api_key"]

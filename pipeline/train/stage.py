@@ -7,6 +7,8 @@ Both run inside `tracking.stage_run(params, "train", new_parent=True)`: a traine
 pipeline execution (parent run), recorded in `reports/mlflow_run.json` for the later stages.
 
 The stage ends by describing itself (`tracking.describe_stage`): model, backend, steps, last reward.
+The trajectory log reaches MLflow as a sanitised copy (`pipeline.environment.sanitize`): it holds the
+environment's replies, untrusted text.
 
 Rerunning is safe: the local backend resumes from its last checkpoint. When training is already complete
 (checkpoint at `train.steps`, `reports/train/steps.csv` and `reports/mlflow_run.json` present) the stage
@@ -18,9 +20,12 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
+from pathlib import Path
 
 from pipeline import tracking
 from pipeline.config import Params
+from pipeline.environment.sanitize import sanitized_json_copy
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +70,12 @@ def run_train(params: Params) -> None:
         final = train_local(params, run)
         tracking.describe_stage("train", describe_training(params, final))
         csv = steps_csv_path(params)
-        for produced in (csv, csv.with_name(TRAJECTORIES_FILE)):
-            if produced.is_file():
-                mlflow.log_artifact(str(produced), artifact_path="train")
+        if csv.is_file():
+            mlflow.log_artifact(str(csv), artifact_path="train")
+        if csv.with_name(TRAJECTORIES_FILE).is_file():
+            with tempfile.TemporaryDirectory() as tmp:
+                copy = sanitized_json_copy(csv.with_name(TRAJECTORIES_FILE), Path(tmp))
+                mlflow.log_artifact(str(copy), artifact_path="train")
         summary = {f"final/{k}": v for k, v in final.items()
                    if k.startswith(("critic/score", "reward/", "actor/")) and math.isfinite(v)}
         if summary:
