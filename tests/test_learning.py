@@ -1,35 +1,49 @@
-"""GRPO learns, in CI: the whole local loop against a live environment moves a policy the right way, and the same
-test fails when the update is deliberately broken (so it is known to be able to fail).
+"""GRPO moves the policy the right way, in CI: the whole local loop against a live environment, checked on what
+one update does to the trajectories it learned from, and shown to fail when the update is deliberately broken.
 
-Setup (all real: the local backend's `train_local`, the rollout, the reward, verl's GRPO functions, the
-knowledgeable environment server as a process on 127.0.0.1, started by the launcher registry):
+Setup (all real: the local backend's rollout and update (`LocalTrainer`), the `released` reward, verl's GRPO
+functions, the knowledgeable environment server as a process on 127.0.0.1, started by the launcher registry):
 - the agent is a tiny randomly initialised Llama (conftest `tiny_llama_dir`: 2 layers, hidden 64, the SmolLM2
-  tokenizer and chat template);
-- it first gets the pipeline's own format warm-up, deliberately short (`WARMUP_STEPS`), so that it writes the
-  Prompt-R1 protocol only part of the time: GRPO then has room to improve and a signal (groups whose
-  trajectories earn different rewards);
-- GRPO with the `released` reward: one interaction turn, then the answer; the environment knows the answers
-  of the task's questions and embeds them in a longer reply.
+  tokenizer and chat template) after the pipeline's own format warm-up, deliberately short (`WARMUP_STEPS`),
+  so that at temperature 1 it writes the Prompt-R1 protocol only part of the time: groups whose trajectories
+  earn different rewards, i.e. a GRPO signal;
+- the task: twelve questions whose answers only the environment knows, one interaction turn, then the answer.
 
-The claim (`assert_learns`): for every seed, the mean reward of the last `WINDOW` steps beats that of the
-first `WINDOW` steps, and the mean improvement over seeds exceeds the noise, taken as `NOISE_FACTOR` times
-the standard deviation of the first-window means across seeds (how much the starting reward level differs
-by chance alone). Full fine-tuning and LoRA.
+The check (`direction`): roll out every question x G, score, compute advantages, run ONE GRPO update, and
+re-measure each trajectory's log-likelihood (sum over its agent tokens, the correct mask and alignment). A
+correct policy-gradient step raises the likelihood of above-average trajectories and lowers the others, so
+the correlation between a trajectory's advantage and its likelihood change must be strongly positive
+(`MIN_CORRELATION`). This exercises what a reward curve would (sampling across turns, the masks, where the
+reward lands, advantages, the loss, the optimizer step, the reference/KL term) without a curve's noise.
+Measured (one seed, 48 trajectories, lr 5e-4): intact 0.80; advantage sign flipped -0.61; log-probs read one
+position late 0.33; response mask shifted right by one token 0.79.
 
-Broken variants (`BROKEN`), injected by monkeypatching one function of the training loop, must NOT pass
-that claim:
+Broken variants (`BROKEN`), injected by monkeypatching one function of the trainer, must FAIL the check:
 - `advantage_sign`: advantages negated (the policy is pushed away from better trajectories);
-- `logprob_shift`: each response token's log-prob taken one position late (the logits that predict the *next*
-  token), the classic off-by-one between logits and labels;
-- `mask_shift`: the response mask shifted right by one token, so each agent turn's first token is left out
-  of the loss and the token after it (the first environment token after an interaction turn) is trained.
+- `logprob_shift`: each response token's log-prob read from the logits one position late (the classic
+  off-by-one between logits and labels).
+A response mask shifted by one token is NOT visible to any learning check (measured 0.79: it drops the first
+token of each agent turn from the loss and adds one template token, which barely changes the gradient); the
+exact mask, the token that carries the reward and the per-token gradient sign are pinned by hand in
+tests/test_multiturn_worked_example.py instead.
+
+Why not a reward curve (the issue's first wording): measured on this model, the per-step mean reward does not
+rise within the steps CI can afford, and the cause is the tiny random model, not the update (whose direction
+this module checks). With all 12 questions every step (48 trajectories) the reward fell from -0.29 to -0.49
+over 12 steps at lr 1e-3 (format rate 0.60 -> 0.30: garbled tags, mostly a first turn that no longer holds a
+call) and stayed flat at lr 5e-4; with 8 trajectories per step the step means are dominated by which questions
+were drawn. A policy-gradient step raises the surrogate on its own samples (checked here), but on a 2-layer
+random model with a 49k vocabulary and Adam (which moves every touched weight by about lr per step, noise
+included) the step also moves the tied embedding rows of every junk token sampled at temperature 1, and those
+moves, not the signal, decide the next samples. The reward curve on the real SmolLM2 agent is the learning
+experiment (`benchmarks/bench_learning.py`, `benchmarks/results/learning.json`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
-import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -43,15 +57,14 @@ from pipeline.environment.servers import environment_server
 pytestmark = pytest.mark.slow
 _ROOT = Path(__file__).resolve().parents[1]
 
-WARMUP_STEPS = 120
+WARMUP_STEPS = 80
 WARMUP_LR = 1e-2
 WARMUP_BATCH = 8
-TEMPERATURE = 0.5
+TEMPERATURE = 1.0
 WARMUP_DEMOS = 2
-STEPS = 16
-WINDOW = 5
-SEEDS = (1, 2)
-NOISE_FACTOR = 2.0
+GROUP = 4
+LR = {"full": 5e-4, "lora": 2e-3}
+MIN_CORRELATION = 0.5
 
 TASK = [(f"What is the code word of locker {n}?", [word]) for n, word in enumerate(
     ["apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "piano", "lemon", "eagle", "candle", "violet"],
@@ -83,8 +96,9 @@ def _params(folder, model_dir, url, **train):
         "environment": {"backend": "knowledge", "model": "knowledge", "served_name": "knowledge", "base_url": url,
                         "cache": False, "max_retries": 0, "timeout_s": 10.0, "max_tokens": 64},
         "reward": {"preset": "released"},
-        "train": {"steps": STEPS, "batch_size": 2, "group_size": 4, "mini_batch_size": 2, "micro_batch_size": 8,
-                  "lr": 2e-4, "save_every": STEPS, "keep_checkpoints": 1, "warmup": {"steps": 0}, **train},
+        "train": {"steps": 1, "batch_size": len(TASK), "group_size": GROUP, "mini_batch_size": len(TASK),
+                  "micro_batch_size": len(TASK) * GROUP, "lr": LR["full"], "save_every": 1, "keep_checkpoints": 1,
+                  "warmup": {"steps": 0}, **train},
         "mlflow": {"tracking_uri": f"sqlite:///{folder / 'mlflow.db'}", "artifact_root": str(folder / "mlartifacts")},
     }
     return load_params(_ROOT / "params.yaml", overrides)
@@ -124,49 +138,68 @@ def format_aware_model(tiny_llama_dir, knowledge_url, tmp_path_factory):
     return model_dir
 
 
-def reward_curve(model_dir, url, folder, seed: int, lora: bool) -> list[float]:
-    from pipeline.train.local import train_local
+def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, float]:
+    """One GRPO update on a fresh rollout of every question x GROUP; how it moved each trajectory's likelihood.
+
+    Returns `correlation` (Pearson, advantage vs change of the summed agent-token log-prob, over trajectories
+    with a non-zero advantage), `surrogate` (sum of advantage x likelihood change: the first-order change of
+    the policy-gradient objective on these samples), and `n` (trajectories with a non-zero advantage). The
+    likelihoods are measured with the intact collate and log-prob functions whatever the update used.
+    """
+    import numpy as np
+
+    from pipeline.environment.client import EnvironmentClient
+    from pipeline.train import trainer as trainer_module
+    from pipeline.train.batch import collate, response_log_probs
+    from pipeline.train.grpo import grpo_advantages
+    from pipeline.train.local import load_training_set
+    from pipeline.train.models import load_policy_models
+    from pipeline.train.questions import QuestionSampler
 
     _train_parquet(folder / "data/rl/train.parquet")
     params = _params(folder, model_dir, url, lora={"enabled": lora, "r": 8, "alpha": 16,
                                                      "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                         "gate_proj", "up_proj", "down_proj"]})
     params.seed = seed
-    if lora:
-        params.train.lr = 2e-3
-    train_local(params)
-    frame = pd.read_csv(folder / "reports/train/steps.csv")
-    return [float(x) for x in frame["critic/score/mean"]]
+    params.train.lr = LR["lora" if lora else "full"]
+    torch.manual_seed(seed)
+    device = torch.device("cpu")
+    models = load_policy_models(params, None, device)
+    frame = load_training_set(params)
+    trainer = trainer_module.LocalTrainer(params, models, frame, device, QuestionSampler(len(frame), seed))
+    env = EnvironmentClient.from_params(params)
+    try:
+        trajectories = trainer.rollout(env, trainer.draw_items(), step=1)
+    finally:
+        asyncio.run(env.aclose())
+    scores = torch.tensor([t.reward.total for t in trajectories], dtype=torch.float32)
+    mask = torch.zeros((len(trajectories), max(len(t.response_ids) for t in trajectories)))
+    for i, t in enumerate(trajectories):
+        mask[i, : len(t.response_mask)] = torch.tensor(t.response_mask, dtype=torch.float32)
+    advantages = grpo_advantages(scores, mask, [f"q{i // GROUP}" for i in range(len(trajectories))])
+    pad_id = models.tokenizer.pad_token_id
+
+    def likelihoods() -> torch.Tensor:
+        batch = collate(trajectories, pad_id)
+        with torch.no_grad():
+            return (response_log_probs(models.model, batch, trainer.temperature) * batch.response_mask).sum(-1)
+
+    before = likelihoods()
+    trainer.update(trajectories, trainer_module.grpo_advantages(scores, mask, [f"q{i // GROUP}" for i in
+                                                                           range(len(trajectories))]))
+    change = likelihoods() - before
+    per_trajectory = advantages.sum(-1) / mask.sum(-1).clamp(min=1)  # the advantage, constant over its tokens
+    signal = per_trajectory != 0
+    assert int(signal.sum()) >= 8, f"too few trajectories with a GRPO signal to judge: {int(signal.sum())}"
+    correlation = float(np.corrcoef(per_trajectory[signal].numpy(), change[signal].numpy())[0, 1])
+    return {"correlation": correlation, "surrogate": float((per_trajectory * change).sum()),
+            "n": int(signal.sum()), "reward_mean": float(scores.mean())}
 
 
-def improvement(curves: list[list[float]]) -> tuple[bool, dict[str, float]]:
-    """Whether the last window beats the first by more than the noise across seeds (module docstring)."""
-    first = [statistics.fmean(c[:WINDOW]) for c in curves]
-    last = [statistics.fmean(c[-WINDOW:]) for c in curves]
-    gains = [b - a for a, b in zip(first, last, strict=True)]
-    noise = NOISE_FACTOR * statistics.stdev(first) if len(first) > 1 else 0.0
-    ok = all(g > 0 for g in gains) and statistics.fmean(gains) > noise
-    return ok, {"first": statistics.fmean(first), "last": statistics.fmean(last), "gain": statistics.fmean(gains),
-                "noise": noise, "min_gain": min(gains)}
-
-
-def curves_for(model_dir, url, tmp_path, lora: bool) -> list[list[float]]:
-    return [reward_curve(model_dir, url, tmp_path / f"seed{s}", s, lora) for s in SEEDS]
-
-
-NOT_YET_SHOWN = (
-    "not yet shown to learn (measured on 2 shared CPU cores, one seed, 20 steps after a 120-step warm-up): "
-    "at lr 2e-3 the reward fell from -0.35 to -1.0 (the update wrecks the tiny model's fragile format: "
-    "Adam moves every touched weight by ~lr per step); at lr 2e-4 and 5e-4 it stayed flat around -0.1 "
-    "(first-window mean -0.07, last -0.11): the format is already mostly right at T=0.5 and getting the "
-    "answer right needs copying from the reply, which this 2-layer model does not learn in 20 steps")
-
-
-@pytest.mark.xfail(strict=True, reason=NOT_YET_SHOWN)
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_grpo_learns(format_aware_model, knowledge_url, tmp_path, lora):
-    ok, stats = improvement(curves_for(format_aware_model, knowledge_url, tmp_path, lora))
-    assert ok, f"GRPO did not learn: {stats}"
+def test_one_update_moves_the_policy_toward_better_trajectories(format_aware_model, knowledge_url, tmp_path, lora):
+    stats = direction(format_aware_model, knowledge_url, tmp_path, lora)
+    assert stats["correlation"] > MIN_CORRELATION and stats["surrogate"] > 0, f"wrong direction: {stats}"
 
 
 def _negated_advantages(original):
@@ -188,32 +221,17 @@ def _late_log_probs(model, batch, temperature):
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def _shifted_mask_collate(original):
-    def broken(trajectories, pad_id):
-        batch = original(trajectories, pad_id)
-        shifted = torch.zeros_like(batch.response_mask)
-        shifted[:, 1:] = batch.response_mask[:, :-1]
-        batch.response_mask = shifted
-        return batch
-
-    return broken
+BROKEN = ["advantage_sign", "logprob_shift"]
 
 
-BROKEN = ["advantage_sign", "logprob_shift", "mask_shift"]
-"""Informative only once test_grpo_learns passes: until then "does not learn" holds for the intact loop too."""
-
-
-@pytest.mark.skip(reason="vacuous until test_grpo_learns passes: the intact loop does not learn yet either, so "
-                         "a broken variant failing to learn would prove nothing (kept to run once it does)")
 @pytest.mark.parametrize("variant", BROKEN)
-def test_broken_update_does_not_learn(format_aware_model, knowledge_url, tmp_path, monkeypatch, variant):
+def test_broken_update_fails_the_direction_check(format_aware_model, knowledge_url, tmp_path, monkeypatch, variant):
     from pipeline.train import trainer
 
     if variant == "advantage_sign":
         monkeypatch.setattr(trainer, "grpo_advantages", _negated_advantages(trainer.grpo_advantages))
-    elif variant == "logprob_shift":
-        monkeypatch.setattr(trainer, "response_log_probs", _late_log_probs)
     else:
-        monkeypatch.setattr(trainer, "collate", _shifted_mask_collate(trainer.collate))
-    ok, stats = improvement(curves_for(format_aware_model, knowledge_url, tmp_path, lora=False))
-    assert not ok, f"the {variant} variant passed the learning check: {stats}"
+        monkeypatch.setattr(trainer, "response_log_probs", _late_log_probs)
+    stats = direction(format_aware_model, knowledge_url, tmp_path, lora=False)
+    assert not (stats["correlation"] > MIN_CORRELATION and stats["surrogate"] > 0), (
+        f"the {variant} variant passed the direction check: {stats}")
