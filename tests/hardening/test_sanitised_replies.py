@@ -112,7 +112,8 @@ def test_hostile_replies_reach_mlflow_only_sanitised(tmp_path, repo_root, shared
             "environment": {"backend": "api", "base_url": server.url, "served_name": "fault-model",
                             "api_key_env": "PROMPTR1_SANITISE_KEY", "max_tokens": 24, "max_retries": 0},
             "evaluate": {"rows_per_dataset": 2, "agent_max_turn_tokens": 24, "bootstrap_samples": 20,
-                         "baselines": ["env_only"], "trace_environment": True},
+                         "baselines": ["env_only"]},
+            "mlflow": {"trace_evaluation": True},
         })
         E.run_evaluate(params)
         assert server.chat_requests, "the environment was never called"
