@@ -343,9 +343,18 @@ def summarise(params, args, evals: dict[int, dict[str, Any]], curve: list[dict[s
         "params": {"agent": params.agent.model_dump(mode="json"), "reward": params.reward.model_dump(),
                    "train": params.train.model_dump(mode="json", exclude={"verl"}),
                    "environment": {"backend": params.environment.backend,
-                                   "knowledge": params.environment.knowledge.model_dump()},
+                                   "knowledge": {**params.environment.knowledge.model_dump(), "sources": [
+                                       _project_relative(x) for x in params.environment.knowledge.sources]}},
                    "evaluate.rows_per_dataset": params.evaluate.rows_per_dataset},
     }
+
+
+def _project_relative(path: str) -> str:
+    """`path` relative to the project when it lies inside it (no machine paths in the recorded results)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return path
 
 
 def report_only(args: argparse.Namespace) -> dict[str, Any]:
