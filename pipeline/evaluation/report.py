@@ -19,7 +19,7 @@ Design decisions:
   the predictions as a table (`evaluation.traces.evaluation_table`, each row naming its trace), and the
   files above as artifacts of the evaluate run. The table's text (predictions and turns that may quote the
   environment's replies) is sanitised first (`pipeline.environment.sanitize`): secrets redacted, control
-  characters escaped, each string capped.
+  characters escaped, each string capped (`evaluation_table`).
 - Plots are drawn with matplotlib's Agg backend (no display), imported only when plotting.
 """
 
@@ -35,7 +35,6 @@ import pyarrow as pa
 
 from pipeline import metrics as M
 from pipeline.data.schema import write_json_atomic, write_parquet_atomic, write_text_atomic
-from pipeline.environment.sanitize import sanitize_value
 from pipeline.evaluation.costs import quality_cost_rows
 from pipeline.evaluation.paper import paper_markdown
 from pipeline.evaluation.scores import SPLITS, Scores, other_mode
@@ -317,8 +316,7 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
     eval_dir = params.path(params.paths.rl_dir) / "eval"
     log_dataset_inputs({f"eval/{d}": (_input_frame(rows), eval_dir / f"{d}.parquet")
                         for d, rows in rows_by_ds.items()}, context="evaluation")
-    table = evaluation_table(predictions, trace_ids or {}).map(sanitize_value)
-    mlflow.log_table(table, artifact_file="eval/predictions.json")
+    mlflow.log_table(evaluation_table(predictions, trace_ids or {}), artifact_file="eval/predictions.json")
     for name in ("metrics.json", "summary.md", "plot_data.csv", "quality_cost.csv"):
         if (out_dir / name).is_file():
             mlflow.log_artifact(str(out_dir / name), artifact_path="eval")

@@ -60,10 +60,10 @@ def log_traces(all_answers: dict[str, dict[str, list[Answer]]], all_scores: dict
 
 
 def evaluation_table(predictions: pd.DataFrame, trace_ids: TraceIds) -> pd.DataFrame:
-    """The predictions frame without the trajectory, texts cleaned, golds as JSON, with each row's trace id."""
+    """The predictions frame without the trajectory, every text cell cleaned (`clean_text`, the project's
+    sanitiser), golds as JSON, with each row's trace id."""
     table = predictions.drop(columns=["trajectory"], errors="ignore").copy()
-    table["question"] = table["question"].map(lambda q: clean_text(q, TABLE_TEXT_CHARS))
-    table["prediction"] = table["prediction"].map(lambda p: clean_text(p, TABLE_TEXT_CHARS))
+    table = table.map(lambda v: clean_text(v, TABLE_TEXT_CHARS) if isinstance(v, str) else v)  # every text cell
     table["gold"] = table["gold"].map(lambda g: json.dumps([clean_text(x, 500) for x in g], ensure_ascii=False))
     table["trace_id"] = [trace_ids.get((s, d, int(r)), "")
                          for s, d, r in zip(table["system"], table["dataset"], table["row"], strict=True)]
