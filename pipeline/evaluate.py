@@ -109,7 +109,8 @@ def load_eval_rows(params: Params) -> dict[str, list[EvalRow]]:
 def _load_policy(ref: str, params: Params) -> Any:
     from pipeline.agent.policy import TransformersPolicy
 
-    return TransformersPolicy.from_ref(ref, params.root, params.agent.dtype)
+    return TransformersPolicy.from_ref(ref, params.root, params.agent.dtype,
+                                       max_batch_size=params.evaluate.batch_size)
 
 
 def _release_memory() -> None:

@@ -203,10 +203,11 @@ class HistoryRecorder:
 
 
 class _LoggingLogger:
-    """GEPA's logger protocol onto `logging` (GEPA would print to stdout)."""
+    """GEPA's logger protocol onto `logging` (GEPA would print to stdout). Its per-iteration lines (whole
+    proposed instructions, many lines each) are DEBUG (`promptr1 -v`); the stage's summary line is INFO."""
 
     def log(self, message: str) -> None:
-        log.info("GEPA: %s", message)
+        log.debug("GEPA: %s", message)
 
 
 def reflection_config(params: Params) -> EnvironmentConfig:

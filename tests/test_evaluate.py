@@ -102,7 +102,8 @@ def _answers(preds: dict[str, list[str]]) -> dict[str, list[Answer]]:
 
 
 def test_run_system_answers_every_dataset_in_batches_and_row_order():
-    """The one harness every system runs through: `batch_size` rows at a time, answers kept in row order."""
+    """The one harness every system runs through: `batch_size` rows at a time ACROSS datasets (one policy
+    batch for the whole evaluation when it fits), answers regrouped per dataset in row order."""
     rows = {"hotpotqa": [EvalRow("hotpotqa", "id", i, f"hotpotqa-{i}", f"q{i}", ["a"], []) for i in range(3)],
             "xsum": [EvalRow("xsum", "ood", 0, "xsum-0", "q0", ["a"], [])]}
     batches: list[list[str]] = []
@@ -112,7 +113,7 @@ def test_run_system_answers_every_dataset_in_batches_and_row_order():
         return [Answer(prediction=f"answer to {r.id}") for r in chunk]
 
     out = run_system("test", answer_batch, rows, batch_size=2)
-    assert batches == [["hotpotqa-0", "hotpotqa-1"], ["hotpotqa-2"], ["xsum-0"]]
+    assert batches == [["hotpotqa-0", "hotpotqa-1"], ["hotpotqa-2", "xsum-0"]]
     assert {d: [a.prediction for a in answers] for d, answers in out.items()} == {
         "hotpotqa": ["answer to hotpotqa-0", "answer to hotpotqa-1", "answer to hotpotqa-2"],
         "xsum": ["answer to xsum-0"],

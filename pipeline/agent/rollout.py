@@ -40,10 +40,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tqdm.auto import tqdm
-
 from pipeline.agent.policy import Generation, Policy
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder, environment_prompt_for, parse_turn
+from pipeline.progress import LogProgress
+from pipeline.progress import progress as progress_bar
 from pipeline.types import EnvironmentReply, PromptItem, RewardBreakdown, StopReason, Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -105,7 +105,8 @@ async def rollout(
                               response_logprobs=[] if return_logprobs else None)
             lives.append(_Live(traj))
 
-    bar = tqdm(total=len(lives), desc="rollout", unit="traj", disable=not progress, leave=False)
+    bar = (progress_bar(total=len(lives), desc="rollout", unit="traj", quiet=True) if progress
+           else LogProgress(total=len(lives), silent=True))
     try:
         if max_prompt_tokens is not None:
             for live in lives:

@@ -31,6 +31,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.paths import display_path  # noqa: F401  (re-exported: the data stages import it here)
+
 COLUMNS = ["id", "question", "answers", "context", "task_type", "source_split", "dataset"]
 
 SAMPLED_SCHEMA = pa.schema(
@@ -111,11 +113,3 @@ def rows_to_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
 
 def empty_table() -> pa.Table:
     return SAMPLED_SCHEMA.empty_table()
-
-
-def display_path(path: Path, root: Path) -> str:
-    """`path` relative to the project root when inside it (reports never carry machine paths)."""
-    try:
-        return path.resolve().relative_to(root.resolve()).as_posix()
-    except ValueError:
-        return os.path.relpath(path.resolve(), root.resolve())

@@ -50,6 +50,7 @@ from pipeline.environment.knowledge import knowledge_command
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.layout import cuda_visible_devices, environment_gpus
 from pipeline.modelref import ModelRefError, resolve_model
+from pipeline.paths import display_path
 from pipeline.weights import model_status
 
 if TYPE_CHECKING:
@@ -258,7 +259,9 @@ def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
     if not detached:  # stopped even if this process is SIGKILLed (pipeline.environment.guard)
         command = guarded(command)
     log_path = cache_dir(params) / f"environment_server_{cfg.backend}_{cfg.port}.log"
-    logger.info("starting the environment server: %s (log: %s)", shlex.join(command), log_path)
+    logger.info("starting the %s environment server %s on %s (log: %s)", cfg.backend, cfg.served_name,
+                cfg.url, display_path(log_path, params.root))
+    logger.debug("environment server command: %s", shlex.join(command))
     with open(log_path, "wb") as log:
         try:
             process = subprocess.Popen(

@@ -67,10 +67,9 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     `max_steps` stops after that many new steps in this call (benchmarks, tests); checkpoints and logs
     stay consistent, so a later call continues.
     """
-    from tqdm.auto import tqdm
-
     from pipeline.environment.client import EnvironmentClient
     from pipeline.environment.servers import environment_server
+    from pipeline.progress import progress
 
     cfg = params.train
     _refuse_warmup_with_lora(params)
@@ -119,7 +118,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
             if cfg.steps == 0:
                 return warm_metrics
         env = EnvironmentClient.from_params(params)
-        bar = tqdm(range(start + 1, end + 1), desc="GRPO", unit="step", initial=0, total=end - start)
+        bar = progress(range(start + 1, end + 1), desc="GRPO", unit="step", total=end - start)
         try:
             for step in bar:
                 position = (sampler.epoch, sampler.position)

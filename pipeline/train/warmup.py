@@ -258,7 +258,7 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
                device: torch.device, item_from_row: Callable[[dict[str, Any], int], PromptItem],
                log_metrics: Callable[[dict[str, float], int], None] | None = None) -> list[dict[str, float]]:
     """`warmup.steps` supervised steps on demonstrations; returns one metrics row per step."""
-    from tqdm.auto import tqdm
+    from pipeline.progress import progress
 
     w, cfg = params.train.warmup, params.train
     count = w.demonstrations or w.steps * w.batch_size
@@ -273,7 +273,7 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model.train()
     rows: list[dict[str, float]] = []
-    bar = tqdm(range(1, w.steps + 1), desc="warm-up", unit="step")
+    bar = progress(range(1, w.steps + 1), desc="warm-up", unit="step")
     try:
         for step in bar:
             t_step = time.perf_counter()

@@ -1,0 +1,19 @@
+"""How the pipeline shows a path to a person: relative to the project, never this machine's layout.
+
+A floor module (no pipeline imports), so that every layer, from the data stages to the environment
+servers, prints paths the same way: logs, reports and error messages stay the same on every machine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def display_path(path: str | Path, root: Path) -> str:
+    """`path` relative to the project root when inside it, else relative to it with `..` (never absolute)."""
+    path = Path(path)
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return os.path.relpath(path.resolve(), root.resolve())
