@@ -81,6 +81,8 @@ def main() -> None:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("FORCE_COLOR", None)
+    # The clone's own code, not the editable install's checkout (which may hold uncommitted work).
+    env["PYTHONPATH"] = str(project)
 
     total, lines = timed_repro(project, env)
     timings = stage_seconds(lines, total)
