@@ -51,8 +51,16 @@ def quiet_telemetry() -> None:
 
 
 def configure_logging(verbose: bool = False) -> None:
-    """Root logging to stderr: INFO, third-party chatter at WARNING; `verbose`: DEBUG and everything back."""
+    """Root logging to stderr: INFO, third-party chatter at WARNING; `verbose`: DEBUG and everything back.
+
+    When stderr is not a terminal, third-party tqdm bars (transformers' weight loading, sentence-transformers,
+    the Hub) are switched off (`TQDM_DISABLE`, unless set): in a pipe each redraw is a fragment of a line.
+    The pipeline's own long loops report through `pipeline.progress` instead.
+    """
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -91,3 +92,41 @@ def test_cli_start_and_stop_real_server(env_params, capsys):
         cli_stop(env_params)
     assert not pid_alive(state["pid"]) and not is_healthy(state["url"])
     assert "stopped" in capsys.readouterr().out
+
+
+def test_llama_cpp_engine_decodes_concurrent_requests_together(env_params):
+    """`server.engine: llama.cpp` (llama.cpp's own server from the xllamacpp wheel): the served name is the
+    alias, concurrent calls all get real replies, and its log shows slots busy at the same time (one batch)."""
+    env_params.environment.port = free_port()
+    env_params.environment.server.engine = "llama.cpp"
+    env_params.environment.server.parallel = 4
+    env_params.environment.cache = False
+    env_params.environment.concurrency = 8
+    questions = [f"What is {a} plus {b}?" for a, b in zip(range(2, 10), range(7, 15), strict=True)]
+    with environment_server(env_params) as url:
+        server = started_server(url)
+        assert server is not None and "pipeline.environment.llama_server" in server.command
+        assert served_models(url) == ["smollm2-135m-instruct"]
+        client = EnvironmentClient.from_params(env_params)
+
+        async def go():
+            try:
+                return await asyncio.gather(*(client.answer_directly(q) for q in questions))
+            finally:
+                await client.aclose()
+
+        replies = asyncio.run(go())
+        log_text = Path(server.log_path).read_text(errors="replace")
+        pid = server.pid
+    assert all(r.error is None and r.text.strip() and r.completion_tokens > 0 for r in replies), replies
+    busy: set[str] = set()
+    most_busy = 0
+    for line in log_text.splitlines():
+        slot = re.search(r"\bid\s+(\d+)\s+\|\s+task", line)
+        if slot and "launch_slot_" in line:
+            busy.add(slot.group(1))
+            most_busy = max(most_busy, len(busy))
+        elif slot and " release: " in line:
+            busy.discard(slot.group(1))
+    assert most_busy >= 2, f"no two slots were ever busy together:\n{log_text[-2000:]}"
+    assert not pid_alive(pid) and not is_healthy(url)

@@ -1,0 +1,71 @@
+"""llama.cpp's own HTTP server (continuous batching over parallel slots), run from the `xllamacpp` wheel.
+
+    python -m pipeline.environment.llama_server --model M.gguf --model_alias NAME --host 127.0.0.1 \
+        --port 8765 --n_ctx 4096 --n_threads 2 --n_parallel 4
+
+Why this and not `python -m llama_cpp.server`: llama-cpp-python's server is Python around one `Llama` object
+and answers one request at a time behind a lock, so eight concurrent environment calls queue. llama.cpp's C++
+server (tools/server) decodes the requests of all busy slots in one batch (`n_parallel` slots, continuous
+batching); on a CPU a decode step costs about the same for one sequence or four, so concurrent calls share
+it. `benchmarks/bench_env_server.py` measures the two side by side; its figures are in
+benchmarks/results/env_server.json and the README.
+
+Design decisions:
+- **xllamacpp** (PyPI, a prebuilt manylinux wheel of llama.cpp with its server; no compiler needed) rather
+  than building `llama-server` from the sources llama-cpp-python compiles: nothing to build, and the server
+  is started and configured from Python like the other backends.
+- **One context shared by the slots** (`kv_unified`): llama.cpp otherwise splits `n_ctx` evenly over the
+  slots, and a long multi-turn environment prompt would no longer fit one slot.
+- The process blocks until SIGTERM/SIGINT and then exits; the server threads die with it. It is started
+  under the owner guard like every server the pipeline runs (pipeline.environment.servers).
+- Same flags as llama-cpp-python's server where they overlap (`--model_alias`, `--n_ctx`, `--n_threads`), so
+  `environment.server.extra_args` means the same for both engines; llama.cpp's own log goes to stderr
+  (the server log file under `paths.cache_dir`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.environment.llama_server", description=__doc__)
+    parser.add_argument("--model", required=True, help="GGUF file")
+    parser.add_argument("--model_alias", required=True, help="name served at /v1/models")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--n_ctx", type=int, default=4096, help="context shared by all slots (tokens)")
+    parser.add_argument("--n_threads", type=int, default=2)
+    parser.add_argument("--n_parallel", type=int, default=4, help="slots decoded together")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import xllamacpp
+
+    params = xllamacpp.CommonParams()
+    params.model.path = args.model
+    params.model_alias = {args.model_alias}
+    params.hostnames = [args.host]
+    params.port = args.port
+    params.n_ctx = args.n_ctx
+    params.n_parallel = args.n_parallel
+    params.kv_unified = True
+    params.cont_batching = True
+    params.cpuparams.n_threads = args.n_threads
+    params.cpuparams_batch.n_threads = args.n_threads
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server = xllamacpp.Server(params)
+    print(f"llama.cpp server listening on {server.listening_address}", file=sys.stderr, flush=True)
+    stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
