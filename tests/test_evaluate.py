@@ -108,7 +108,7 @@ def test_run_system_answers_every_dataset_in_batches_and_row_order():
             "xsum": [EvalRow("xsum", "ood", 0, "xsum-0", "q0", ["a"], [])]}
     batches: list[list[str]] = []
 
-    async def answer_batch(chunk):
+    async def answer_batch(chunk, _bar):
         batches.append([r.id for r in chunk])
         return [Answer(prediction=f"answer to {r.id}") for r in chunk]
 

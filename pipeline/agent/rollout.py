@@ -92,10 +92,14 @@ async def rollout(
     top_p: float,
     return_logprobs: bool,
     reward_fn: Callable[[Trajectory], RewardBreakdown] | None,
-    progress: bool = False,
+    progress: bool | Any = False,
     max_prompt_tokens: int | None = None,
 ) -> list[Trajectory]:
-    """Roll out `group_size` trajectories per item; returns them grouped in item order (see module doc)."""
+    """Roll out `group_size` trajectories per item; returns them grouped in item order (see module doc).
+
+    `progress`: True draws a nested bar (terminal only); a bar object (`pipeline.progress`) is the caller's
+    and gets one count per finished trajectory (the evaluation's one report per system).
+    """
     builder = ConversationBuilder(policy.tokenizer, env_reply_max_chars)
     lives: list[_Live] = []
     for item in items:
@@ -105,8 +109,13 @@ async def rollout(
                               response_logprobs=[] if return_logprobs else None)
             lives.append(_Live(traj))
 
-    bar = (progress_bar(total=len(lives), desc="rollout", unit="traj", quiet=True) if progress
-           else LogProgress(total=len(lives), silent=True))
+    own_bar = isinstance(progress, bool)
+    if not own_bar:  # the caller's bar (evaluation): one count per finished trajectory, not closed here
+        bar = progress
+    elif progress:
+        bar = progress_bar(total=len(lives), desc="rollout", unit="traj", quiet=True)
+    else:
+        bar = LogProgress(total=len(lives), silent=True)
     try:
         if max_prompt_tokens is not None:
             for live in lives:
@@ -173,7 +182,8 @@ async def rollout(
             if not live.done:
                 _finish(live, "max_turns", bar)
     finally:
-        bar.close()
+        if own_bar:
+            bar.close()
 
     trajectories = [live.traj for live in lives]
     if reward_fn is not None:

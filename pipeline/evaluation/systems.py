@@ -18,9 +18,12 @@ Design decisions:
   their answers, in row order. The harness walks ALL datasets' rows together, in batches of
   `evaluate.batch_size` that cross dataset boundaries (one batch at a time: a batch is what the agent
   generates together, every live trajectory of a turn in one policy batch, and the environment client's
-  semaphore bounds the calls inside it), with one event loop and one progress report per system. On a CPU a
-  decode step costs about the same for 8 or 48 sequences, so the default (48 = the default profile's 12 sets
-  x 4 rows) rolls the whole evaluation out at once; one batch per dataset made 12 times the decode steps.
+  semaphore bounds the calls inside it), with one event loop and one progress report per system (the
+  rollout counts each finished trajectory on it). Measured on the 2-core CPU (SmolLM2, fp32, the evaluation
+  prompts of ~400 tokens): a decode step costs 0.15 s for 4 rows, 0.31 s for 8, 0.99 s for 16 and 2.8 s for
+  48, i.e. generation is bound by memory traffic and bigger batches do not amortise it there; the default of
+  8 is the largest batch at the 4-row cost per row, and crossing dataset boundaries halves the number of
+  sequential batches of the default profile (4 rows per set). On a GPU raise it.
   The agent's synchronous `generate` runs in a worker thread, as in `rollout()`.
 - Loading models and starting the environment is the stage's job (`pipeline.evaluate`): the functions
   here take a ready policy and environment client.
@@ -66,8 +69,10 @@ class Answer:
     seconds: float = 0.0
 
 
-AnswerBatch = Callable[[Sequence[EvalRow]], Awaitable[list[Answer]]]
-"""A system: the answers to a batch of rows, in row order."""
+AnswerBatch = Callable[[Sequence[EvalRow], Any], Awaitable[list[Answer]]]
+"""A system: the answers to a batch of rows, in row order. Its second argument is the system's progress
+bar: a system may count rows on it as they finish (the agent's rollout does, per trajectory); whatever it
+did not count is counted when the batch returns."""
 
 
 def run_system(system: str, answer_batch: AnswerBatch, rows_by_ds: dict[str, list[EvalRow]],
@@ -79,8 +84,10 @@ def run_system(system: str, answer_batch: AnswerBatch, rows_by_ds: dict[str, lis
         answers: list[Answer] = []
         for start in range(0, len(flat), batch_size):
             chunk = [row for _, row in flat[start : start + batch_size]]
-            answers.extend(await answer_batch(chunk))
-            bar.update(len(chunk))
+            answers.extend(await answer_batch(chunk, bar))
+            uncounted = start + len(chunk) - bar.n
+            if uncounted > 0:
+                bar.update(uncounted)
         return answers
 
     with progress(total=len(flat), desc=f"evaluate {system}", unit="q") as bar:
@@ -106,13 +113,13 @@ def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list
                                system: str) -> dict[str, list[Answer]]:
     """`rollout()` (greedy) on every dataset: the trained agent (`prompt_r1`) or the untrained one."""
 
-    async def answer_batch(chunk: Sequence[EvalRow]) -> list[Answer]:
+    async def answer_batch(chunk: Sequence[EvalRow], bar: Any) -> list[Answer]:
         trajs = await rollout(
             policy, env, _prompt_items(chunk), group_size=1, max_turns=params.agent.max_turns,
             max_turn_tokens=params.evaluate.agent_max_turn_tokens,
             max_response_tokens=params.agent.max_response_tokens,
             env_reply_max_chars=params.agent.env_reply_max_chars, temperature=0.0, top_p=1.0,
-            return_logprobs=False, reward_fn=None, progress=False,
+            return_logprobs=False, reward_fn=None, progress=bar,
             max_prompt_tokens=params.agent.max_prompt_tokens,
         )
         return [_answer_from(t) for t in trajs]
@@ -125,7 +132,7 @@ def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Pa
     builder = ConversationBuilder(policy.tokenizer)
     instruction = params.evaluate.agent_only_instruction
 
-    async def answer_batch(chunk: Sequence[EvalRow]) -> list[Answer]:
+    async def answer_batch(chunk: Sequence[EvalRow], _bar: Any) -> list[Answer]:
         prompts = [builder.start([{"role": "user", "content": f"Question: {r.question}\n{instruction}"}])
                    for r in chunk]
         start = time.perf_counter()
@@ -177,7 +184,7 @@ def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
                       trajectory=[{"prompt": prompt, "environment": asdict(reply)}], usage=usage,
                       seconds=reply.latency_s)
 
-    async def answer_batch(chunk: Sequence[EvalRow]) -> list[Answer]:
+    async def answer_batch(chunk: Sequence[EvalRow], _bar: Any) -> list[Answer]:
         return list(await asyncio.gather(*(one(r) for r in chunk)))
 
     return run_system(system, answer_batch, rows_by_ds, params.evaluate.batch_size)

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import UserError
+from pipeline.paths import display_path
 
 log = logging.getLogger(__name__)
 
@@ -204,5 +205,5 @@ def save_checkpoint(
     os.replace(marker_tmp, root / LATEST)
     for old in complete_steps(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(step_dir(root, old), ignore_errors=True)
-    log.info("checkpoint %s written", final)
+    log.info("checkpoint %s written", display_path(final, Path.cwd()))
     return final
