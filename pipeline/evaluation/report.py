@@ -289,8 +289,9 @@ def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, params: Pa
     The predictions keep the environment's replies whole but with secrets redacted (`redact_value`): a
     server echoing the API key must not put it in a DVC output."""
     redacted = predictions.copy()
-    for column in redacted.columns[redacted.dtypes == object]:
-        redacted[column] = redacted[column].map(redact_value)
+    for column in redacted.columns:
+        if pd.api.types.is_object_dtype(redacted[column]) or pd.api.types.is_string_dtype(redacted[column]):
+            redacted[column] = redacted[column].map(redact_value, na_action="ignore")
     write_parquet_atomic(pa.Table.from_pandas(redacted, preserve_index=False), out_dir / "predictions.parquet")
     write_json_atomic(summary, out_dir / "metrics.json")
     write_text_atomic(plot_rows(summary).to_csv(index=False), out_dir / "plot_data.csv")

@@ -6,7 +6,12 @@ worker processes, …) inside the guarded verl process. This test launches, thro
 that starts a private Ray and one actor, then SIGKILLs the pipeline process that launched it. Every process
 of that Ray session — found both as a descendant of the pipeline process before the kill and by the
 session name on any command line after it — must be gone within 30 s. The positive control: before the
-kill the tree really holds a gcs_server, a raylet and the actor's worker.
+kill the tree really holds a gcs_server, a raylet and the actor's worker, the worker in a process group
+of its own (Ray's per-worker groups), out of reach of a `killpg`.
+
+A second, fast test isolates the mechanism that covers such processes: a guarded program whose child moves
+to a process group of its own (as Ray's workers do) is stopped with it when the owner is SIGKILLed, because
+the guard stops its whole session, not only its group.
 """
 
 from __future__ import annotations
@@ -23,8 +28,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,6 +86,8 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_private_ray_does_not_outlive_a_sigkilled_owner(tmp_path):
     temp_dir = Path(tempfile.mkdtemp(prefix="ray"))  # short: Ray's socket paths must fit in 107 bytes
     log_file = tmp_path / "owner.log"
@@ -107,6 +112,7 @@ def test_private_ray_does_not_outlive_a_sigkilled_owner(tmp_path):
         # Positive control: the tree holds Ray's daemons and the actor's worker.
         assert "gcs_server" in names and "raylet" in names, names
         assert int(actor_pid) in {p.pid for p in tree}
+        assert os.getpgid(int(actor_pid)) != os.getpgid(tree[0].pid)  # Ray's worker left the guard's group
         assert _session_processes(session), "no process names the Ray session: the check below could not fail"
 
         os.kill(owner.pid, signal.SIGKILL)
@@ -125,3 +131,44 @@ def test_private_ray_does_not_outlive_a_sigkilled_owner(tmp_path):
                 pass
         owner.wait(timeout=10)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+REGROUPING = textwrap.dedent("""
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], process_group=0)
+    print(f"READY {child.pid}", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_guard_stops_a_child_that_left_its_process_group(tmp_path):
+    log_file = tmp_path / "owner.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with open(log_file, "w") as sink:
+        owner = subprocess.Popen([sys.executable, "-c", OWNER, REGROUPING, "unused", str(tmp_path / "x.log")],
+                                 cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    regrouped = None
+    try:
+        deadline = time.monotonic() + 40
+        while regrouped is None:
+            assert owner.poll() is None and time.monotonic() < deadline, log_file.read_text()[-2000:]
+            time.sleep(0.2)
+            ready = [ln for ln in log_file.read_text().splitlines() if ln.startswith("READY ")]
+            if ready:
+                regrouped = psutil.Process(int(ready[0].split()[1]))
+        guard = psutil.Process(owner.pid).children()[0]
+        assert os.getpgid(regrouped.pid) != os.getpgid(guard.pid)  # a killpg of the guard's group misses it
+        assert os.getsid(regrouped.pid) == os.getsid(guard.pid) == guard.pid
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while _alive([regrouped, guard]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive([regrouped, guard])
+    finally:
+        if regrouped is not None and _alive([regrouped]):
+            regrouped.kill()
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
