@@ -11,9 +11,23 @@ Decisions:
 - The guard is the owner's direct child and polls `os.getppid()` every `POLL_S`: when the owner dies the
   guard is re-parented, the parent id changes, and it stops the server. No PID is compared against a
   recorded number, so a recycled PID cannot fool it.
-- The guard runs the server as its own child in the process group the owner created for it
+- The guard runs the server as its own child in the session and process group the owner created for it
   (`start_new_session=True`), so `stop_server`'s `killpg` reaches guard, server and the server's workers
-  alike; the guard then escalates SIGTERM → (grace) → SIGKILL over the whole group.
+  alike; the guard then escalates SIGTERM → (grace) → SIGKILL over the whole group **and the whole
+  session**: every process whose session id is the guard's, whichever process group it moved to. One
+  mechanism for llama.cpp, vLLM and verl. It matters for verl with `train.verl.ray_address: ""`: verl's
+  `ray.init()` starts a private Ray (gcs_server, raylet, dashboard and runtime-env agents, log monitor,
+  autoscaler monitor) as children of the verl process, in its group, with `PR_SET_PDEATHSIG` (Ray's
+  kernel fate sharing), but the raylet starts each worker process (`ray::<Actor>`) in a process group of
+  its own, where a `killpg` does not reach it; those workers still stay in the session. A test SIGKILLs
+  the pipeline process of such a run (`tests/hardening/test_ray_orphans.py`): no process of the Ray
+  session remains (Ray's own shutdown, the raylet stopping its workers, already achieved that with a
+  group-only guard; the session sweep no longer depends on it, and a second test shows a child in a group
+  of its own is stopped). Only a process that calls `setsid` itself leaves the session; Ray's do not.
+  A guard not started as a session leader (a bare `guarded(...)` run) stops only its group, never the
+  caller's session.
+- With `ray_address: auto` (a cluster started by `ray start`) the job's workers belong to that cluster's
+  raylets, outside the guard: Ray cleans them up when the job's driver (verl) dies.
 - It exits with the server's exit code when the server ends by itself, so start-up failures look the same
   to the owner as without the guard.
 - Servers meant to outlive their starter (`promptr1 env start`) are started without it.
@@ -26,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 POLL_S = 0.5
 GRACE_S = 10.0
@@ -36,17 +51,49 @@ def guarded(command: list[str]) -> list[str]:
     return [sys.executable, "-m", "pipeline.environment.guard", "--", *command]
 
 
+def _session_members(sid: int) -> list[int]:
+    """Every other live (not zombie) process of session `sid`, whatever its process group (/proc)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                members.append(int(entry.name))
+    return members
+
+
+def _signal_all(group: int, sid: int | None, signum: int) -> None:
+    for pid in _session_members(sid) if sid is not None else []:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            continue
+    try:
+        os.killpg(group, signum)
+    except ProcessLookupError:
+        pass
+
+
 def _stop_group(child: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the whole group (server and its workers), then SIGKILL it (the guard goes down with it)."""
+    """SIGTERM the group and the session (server, its workers, their own groups), then SIGKILL what is left
+    after `grace_s` (the guard goes down with it)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group signal reaches the guard too
     group = os.getpgid(0)
+    # Only a guard started as a session leader (start_new_session=True) owns its session: never the owner's.
+    sid = os.getsid(0) if os.getsid(0) == os.getpid() else None
+    _signal_all(group, sid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
     try:
-        os.killpg(group, signal.SIGTERM)
         child.wait(timeout=grace_s)
-    except ProcessLookupError:
-        return
     except subprocess.TimeoutExpired:
-        os.killpg(group, signal.SIGKILL)
+        pass
+    while sid is not None and _session_members(sid) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the server is down; its workers (Ray's, in their own groups) finish their shutdown
+    if child.poll() is None or (sid is not None and _session_members(sid)):
+        _signal_all(group, sid, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:

@@ -1,8 +1,11 @@
-"""Untrusted text made safe to record: what the environment wrote, before it reaches MLflow.
+"""Untrusted text made safe to record: what the environment wrote, before it reaches MLflow or a DVC output.
 
 An environment reply is text from a model or a server the pipeline does not control. It reaches MLflow
 (traces, the predictions table, the trajectory and GEPA artifacts) only through `sanitize_text` (or
-`sanitize_value`, which applies it to every string of a JSON-like value). Design decisions:
+`sanitize_value`, which applies it to every string of a JSON-like value). The DVC outputs that keep the
+replies whole (`reports/eval/predictions.parquet`, `reports/train/trajectories.jsonl`) go through
+`redact_secrets` / `redact_value` only: the same secret redaction, no escaping, no cap, since they are
+the full data a later analysis rescores. Design decisions:
 
 - **Secrets first.** Substrings that look like credentials are replaced by `[REDACTED]` before anything
   else, so a cut can never leave half a key behind: `Bearer …` tokens, OpenAI-style `sk-…` keys, GitHub,
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +59,23 @@ def register_secret(value: str) -> None:
         _known_secrets.add(value)
 
 
-def sanitize_text(text: str, max_chars: int = MAX_RECORDED_CHARS) -> str:
-    """`text` with secrets redacted, terminal sequences removed, control characters escaped, length capped."""
+def redact_secrets(text: str) -> str:
+    """`text` with every registered key and secret-looking substring replaced by `[REDACTED]`, nothing else."""
     for secret in sorted(_known_secrets, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
     for pattern in _SECRET_PATTERNS:
         text = pattern.sub(lambda m: f"{m.group(1)} {REDACTED}" if m.lastindex else REDACTED, text)
-    text = _ASSIGNMENT.sub(lambda m: m.group(1) + REDACTED, text)
-    text = _ANSI.sub("", text)
+    return _ASSIGNMENT.sub(lambda m: m.group(1) + REDACTED, text)
+
+
+def redact_value(value: Any) -> Any:
+    """`value` with `redact_secrets` applied to every string in it (dict keys included; other types kept)."""
+    return _map_strings(value, redact_secrets)
+
+
+def sanitize_text(text: str, max_chars: int = MAX_RECORDED_CHARS) -> str:
+    """`text` with secrets redacted, terminal sequences removed, control characters escaped, length capped."""
+    text = _ANSI.sub("", redact_secrets(text))
     text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     text = _SURROGATE.sub("\ufffd", text)
     if len(text) > max_chars:
@@ -72,12 +85,16 @@ def sanitize_text(text: str, max_chars: int = MAX_RECORDED_CHARS) -> str:
 
 def sanitize_value(value: Any, max_chars: int = MAX_RECORDED_CHARS) -> Any:
     """`value` with `sanitize_text` applied to every string in it (dict keys included; other types kept)."""
+    return _map_strings(value, lambda text: sanitize_text(text, max_chars))
+
+
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
     if isinstance(value, str):
-        return sanitize_text(value, max_chars)
+        return fn(value)
     if isinstance(value, dict):
-        return {sanitize_value(k, max_chars): sanitize_value(v, max_chars) for k, v in value.items()}
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(sanitize_value(v, max_chars) for v in value)
+        return type(value)(_map_strings(v, fn) for v in value)
     return value
 
 
@@ -94,5 +111,5 @@ def sanitized_json_copy(source: Path, dest_dir: Path) -> Path:
     return dest
 
 
-__all__ = ["MAX_RECORDED_CHARS", "REDACTED", "register_secret", "sanitize_text", "sanitize_value",
-           "sanitized_json_copy"]
+__all__ = ["MAX_RECORDED_CHARS", "REDACTED", "redact_secrets", "redact_value", "register_secret", "sanitize_text",
+           "sanitize_value", "sanitized_json_copy"]

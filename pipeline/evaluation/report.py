@@ -14,6 +14,9 @@ Outputs, all under `reports/eval/`:
 
 Design decisions:
 - **Atomic writes** (temporary file + rename): a killed stage never leaves a half-written output.
+- **No secrets in `predictions.parquet`**: its strings keep the environment's replies whole but pass the
+  secret redaction of `pipeline.environment.sanitize` (`redact_value`), so an endpoint echoing the API key
+  leaves it in no DVC output.
 - **MLflow** gets one sentence for the run's description (`describe_evaluation`: systems, rows, F1 per
   system and split), the same numbers under flat keys (`flat_metrics`), the evaluation rows as dataset inputs,
   the predictions as a table (`evaluation.traces.evaluation_table`, each row naming its trace), and the
@@ -35,6 +38,7 @@ import pyarrow as pa
 
 from pipeline import metrics as M
 from pipeline.data.schema import write_json_atomic, write_parquet_atomic, write_text_atomic
+from pipeline.environment.sanitize import redact_value
 from pipeline.evaluation.costs import quality_cost_rows
 from pipeline.evaluation.paper import paper_markdown
 from pipeline.evaluation.scores import SPLITS, Scores, other_mode
@@ -280,8 +284,15 @@ def flat_metrics(summary: dict[str, Any]) -> dict[str, float]:
 
 
 def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, params: Params, out_dir: Path) -> list[Path]:
-    """Every file of the report under `out_dir`, each written atomically; returns the plots' paths."""
-    write_parquet_atomic(pa.Table.from_pandas(predictions, preserve_index=False), out_dir / "predictions.parquet")
+    """Every file of the report under `out_dir`, each written atomically; returns the plots' paths.
+
+    The predictions keep the environment's replies whole but with secrets redacted (`redact_value`): a
+    server echoing the API key must not put it in a DVC output."""
+    redacted = predictions.copy()
+    for column in redacted.columns:
+        if pd.api.types.is_object_dtype(redacted[column]) or pd.api.types.is_string_dtype(redacted[column]):
+            redacted[column] = redacted[column].map(redact_value, na_action="ignore")
+    write_parquet_atomic(pa.Table.from_pandas(redacted, preserve_index=False), out_dir / "predictions.parquet")
     write_json_atomic(summary, out_dir / "metrics.json")
     write_text_atomic(plot_rows(summary).to_csv(index=False), out_dir / "plot_data.csv")
     plots = write_plots(summary, out_dir / "plots")

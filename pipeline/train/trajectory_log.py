@@ -6,7 +6,8 @@ the environment's reply, answer, format flags), stop reason and the reward with 
 `answer`, `total`) — enough to rescore the same trajectories under another reward preset
 (benchmarks/bench_reward_presets.py). Like the steps log, a resumed run first drops the lines of steps after
 its checkpoint, so a step killed mid-way is never counted twice. Written with one `write` per step and
-flushed, so a kill leaves whole lines.
+flushed, so a kill leaves whole lines. Every string of a line passes `redact_secrets` first (the replies
+are untrusted: a server echoing the API key must not put it in a DVC output); nothing else is altered.
 
 `log_step_traces` shows the same trajectories in MLflow: the first `mlflow.trace_train_samples` of each step
 (with GRPO's item-major order, members of one question's group) become traces of the train run, tagged with
@@ -21,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.agent.rollout import trajectory_record
+from pipeline.environment.sanitize import redact_value
 from pipeline.traces import flush_traces, log_trajectory_trace
 from pipeline.types import Trajectory
 
@@ -42,11 +44,11 @@ class TrajectoryLog:
         lines = []
         for traj in trajectories:
             reward = asdict(traj.reward) if traj.reward is not None else None
-            lines.append(json.dumps({
+            lines.append(json.dumps(redact_value({
                 "step": step, "uid": traj.item.uid, "data_source": traj.item.data_source,
                 "gold_answers": list(traj.item.gold_answers), "stop_reason": traj.stop_reason,
                 "turns": trajectory_record(traj), "reward": reward,
-            }, ensure_ascii=False, default=str))
+            }), ensure_ascii=False, default=str))
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write("".join(f"{line}\n" for line in lines))
             handle.flush()

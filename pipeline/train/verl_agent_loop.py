@@ -28,31 +28,22 @@ Design decisions:
   `extra_fields` to the reward function as `extra_info`), so the reward is computed from the exact turns
   and not from a re-parse of the decoded response. The reward parts computed here are also put in
   `extra_fields` (`prompt_r1_reward/*`) for trajectory dumps.
-- **Configuration** comes from the trainer config verl gives every loop: the `prompt_r1` block and
-  `reward.custom_reward_function.reward_kwargs` that `verl_backend.build_overrides` writes (so it reaches
-  Ray workers on any node); `actor_rollout_ref.rollout.multi_turn.max_assistant_turns` and
-  `response_length` bound the loop. Without that block (verl run by hand) the params file named by
-  `PROMPTR1_PARAMS`, else the nearest params.yaml, is read.
-- **One environment client per worker process**, kept at module level (a loop object lives for one
-  trajectory), keyed by its configuration. The client's semaphore bounds concurrent environment calls;
-  `environment.concurrency` and `budget_usd` are split evenly over verl's agent-loop workers
-  (`rollout.agent.num_workers`) so the cluster-wide totals match params.
+- **Configuration and the environment client** come from `pipeline.train.verl_worker_client` (no verl
+  there): `LoopSettings` from the trainer config's `prompt_r1` block, one client per worker process whose
+  calls in flight are an even share of `environment.concurrency` and whose spend goes to the project's
+  shared cost ledger (`<paths.cache_dir>/environment_ledger.json`), so `budget_usd` caps all workers and
+  stages together. `actor_rollout_ref.rollout.multi_turn.max_assistant_turns` and `response_length`
+  bound the loop.
 - **`num_turns` counts agent turns** (our `Trajectory.num_turns`), not verl's tool loop count
   (user + assistant + 1), so `num_turns/mean` means the same for the local and the verl backend.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 from uuid import uuid4
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
 from verl.utils.profiler import simple_timer
 
@@ -62,86 +53,12 @@ from pipeline.agent.protocol import (
     environment_prompt_for,
     parse_turn,
 )
-from pipeline.config import EnvironmentConfig, RewardConfig
-from pipeline.environment.client import CACHE_FILE, EnvironmentClient
 from pipeline.reward import compute_reward, reward_parts
 from pipeline.train.verl_reward import TURNS_FIELD, as_answer_list
+from pipeline.train.verl_worker_client import PARAMS_ENV_VAR, LoopSettings, environment_client
 from pipeline.types import ParsedTurn, StopReason, UsageStats
 
-log = logging.getLogger(__name__)
-
-PARAMS_ENV_VAR = "PROMPTR1_PARAMS"
-
-
-@dataclass(frozen=True)
-class LoopSettings:
-    """What one agent-loop worker needs besides verl's own rollout config."""
-
-    environment: EnvironmentConfig
-    reward: RewardConfig
-    max_turns: int
-    max_turn_tokens: int
-    env_reply_max_chars: int
-    cache_dir: Path | None
-
-    @classmethod
-    def from_trainer_config(cls, config: DictConfig) -> LoopSettings:
-        """From the `prompt_r1` block and reward kwargs of the trainer config, else from params.yaml."""
-        block = config.get("prompt_r1")
-        if block is None:
-            return cls.from_params_file(os.environ.get(PARAMS_ENV_VAR))
-        data = _plain(block)
-        reward_kwargs = _plain(OmegaConf.select(config, "reward.custom_reward_function.reward_kwargs") or {})
-        agent = data.get("agent", {})
-        cache_dir = data.get("cache_dir")
-        return cls(
-            environment=EnvironmentConfig.model_validate(data["environment"]),
-            reward=RewardConfig.model_validate(reward_kwargs),
-            max_turns=int(agent.get("max_turns", 5)),
-            max_turn_tokens=int(agent.get("max_turn_tokens", 1024)),
-            env_reply_max_chars=int(agent.get("env_reply_max_chars", 2048)),
-            cache_dir=Path(cache_dir) if cache_dir else None,
-        )
-
-    @classmethod
-    def from_params_file(cls, path: str | None) -> LoopSettings:
-        from pipeline.config import load_params
-
-        params = load_params(path)
-        return cls(
-            environment=params.environment,
-            reward=params.reward,
-            max_turns=params.agent.max_turns,
-            max_turn_tokens=params.agent.max_turn_tokens,
-            env_reply_max_chars=params.agent.env_reply_max_chars,
-            cache_dir=params.path(params.paths.cache_dir),
-        )
-
-
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-
-
-_CLIENTS: dict[str, EnvironmentClient] = {}
-
-
-def environment_client(settings: LoopSettings, num_workers: int = 1) -> EnvironmentClient:
-    """This process's client for `settings.environment` (made once, shared by every trajectory)."""
-    env = settings.environment
-    workers = max(1, num_workers)
-    per_worker = env.model_copy(update={
-        "concurrency": max(1, math.ceil(env.concurrency / workers)),
-        "budget_usd": None if env.budget_usd is None else env.budget_usd / workers,
-    })
-    cache_path = settings.cache_dir / CACHE_FILE if (settings.cache_dir and env.cache) else None
-    key = json.dumps([per_worker.model_dump(mode="json"), str(cache_path)], sort_keys=True)
-    client = _CLIENTS.get(key)
-    if client is None:
-        if cache_path is not None:
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-        client = _CLIENTS[key] = EnvironmentClient(per_worker, cache_path)
-        log.info("environment client for %s (concurrency %d per worker)", env.url, per_worker.concurrency)
-    return client
+__all__ = ["PARAMS_ENV_VAR", "LoopSettings", "PromptR1AgentLoop", "environment_client", "gold_answers_of"]
 
 
 class PromptR1AgentLoop(AgentLoopBase):

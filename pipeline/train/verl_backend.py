@@ -198,7 +198,7 @@ def reward_kwargs_overrides(params: Params) -> list[str]:
 
 
 def agent_loop_overrides(params: Params, environment_url: str | None = None) -> list[str]:
-    """The `+prompt_r1.*` block the agent-loop workers read (see verl_agent_loop.LoopSettings).
+    """The `+prompt_r1.*` block the agent-loop workers read (see verl_worker_client.LoopSettings).
 
     `environment_url` is the endpoint the stage started or health-checked; workers get exactly that one as
     `base_url`, so they never guess a host (on several nodes it must not be loopback: `promptr1 check`).

@@ -154,3 +154,80 @@ def test_unreadable_ledger_fails_closed(tmp_path):
     path.write_text('{"spent_usd": 3.0, "reserv')
     with pytest.raises(BudgetExceeded, match="unreadable"), CostLedger(10.0, path).hold(1.0):
         pass
+
+
+VERL_WORKER = """
+import asyncio, json, sys, time
+from pathlib import Path
+from omegaconf import OmegaConf
+from pipeline.errors import BudgetExceeded
+from pipeline.train.verl_worker_client import LoopSettings, environment_client
+
+# The trainer config verl hands every agent-loop worker: the `prompt_r1` block verl_backend writes.
+config = OmegaConf.create({"prompt_r1": {"environment": json.loads(sys.argv[1]), "cache_dir": sys.argv[2]},
+                           "reward": {"custom_reward_function": {"reward_kwargs": {"preset": "paper"}}}})
+client = environment_client(LoopSettings.from_trainer_config(config), num_workers=3)
+go = Path(sys.argv[3])
+(go.parent / f"ready-{sys.argv[4]}").touch()
+
+async def caller():
+    while True:
+        try:
+            await client.reply([], "q")
+        except BudgetExceeded as exc:
+            return str(exc)
+
+async def main():
+    try:
+        return await asyncio.gather(*(caller() for _ in range(2)))
+    finally:
+        await client.aclose()
+
+while not go.exists():
+    time.sleep(0.01)
+errors = asyncio.run(main())
+print(json.dumps({"spent": client.spent_usd, "calls": client.usage.calls, "errors": errors}))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_verl_workers_spend_from_the_projects_ledger(tmp_path):
+    """Three agent-loop worker processes, built as verl builds them, share the budget with the rest of the
+    pipeline: what earlier stages spent (already in the ledger) is not available to them again."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    earlier = BUDGET / 2
+    (cache / LEDGER_FILE).write_text(json.dumps({"spent_usd": earlier, "reservations": {}}))
+    cfg = {
+        "backend": "llamacpp", "model": "m", "served_name": "fault-model",
+        "system_prompt": "You are a helpful assistant. Read the provided content and help.", "max_tokens": 32,
+        "length_retry_factor": 1.0, "timeout_s": 10.0, "cache": False, "concurrency": 6,
+        "price_per_million_prompt": 1_000.0, "price_per_million_completion": 100_000.0, "budget_usd": BUDGET,
+    }
+    go = tmp_path / "go"
+    with FaultServer(Behaviour("ok", delay_s=0.2, text=" ".join(["word"] * 30))) as server:
+        cfg["base_url"] = server.url
+        procs = [subprocess.Popen([sys.executable, "-c", VERL_WORKER, json.dumps(cfg), str(cache), str(go), str(n)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                 for n in range(3)]
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("ready-*"))) < 3:  # every worker built its client: start them together
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        go.touch()
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        sent = len(server.chat_requests)
+
+    total = sum(r["spent"] for r in results)
+    # Only what the earlier stages left: an even share per worker (the old split) would spend ~BUDGET here.
+    assert total <= BUDGET - earlier
+    assert total > BUDGET - earlier - 6 * 7.2 and total == pytest.approx(sent * PER_CALL)
+    assert sum(r["calls"] > 0 for r in results) >= 2, results  # the workers really competed
+    for r in results:  # each worker ran 2 callers (concurrency 6 over 3 workers), all stopped on the ledger
+        assert len(r["errors"]) == 2 and all(str(cache / LEDGER_FILE) in e for e in r["errors"]), r["errors"]
+    ledger = json.loads((cache / LEDGER_FILE).read_text())
+    assert ledger["reservations"] == {} and ledger["spent_usd"] == pytest.approx(earlier + total)

@@ -4,8 +4,11 @@ A real local server stands in for the environment and answers with everything a 
 could send: ANSI escapes, NUL and bell bytes, a terminal-title sequence, a Bearer token, an `sk-` key, an
 `api_key=` assignment, the run's own API key echoed back, and a 3 MiB tail. A tiny real evaluation (tiny
 agent, real MLflow SQLite store, tracing on) runs against it; then everything MLflow holds — traces, the
-predictions table, params, tags, artifacts, the raw `mlflow.db` and artifact files — is read back. The
-positive control: the raw reply did reach the pipeline (the DVC output `predictions.parquet` holds it).
+predictions table, params, tags, artifacts, the raw `mlflow.db` and artifact files — is read back.
+The DVC outputs keep the replies whole but with secrets redacted: `predictions.parquet` (the same run) and
+`trajectories.jsonl` (a real client call to the hostile server, logged by the training stage's writer)
+hold the raw control bytes and the uncut 3 MiB tail (the positive control: the hostile reply did flow
+through) and none of the secrets.
 """
 
 from __future__ import annotations
@@ -118,9 +121,14 @@ def test_hostile_replies_reach_mlflow_only_sanitised(tmp_path, repo_root, shared
         E.run_evaluate(params)
         assert server.chat_requests, "the environment was never called"
 
-    # Positive control: the DVC output (not MLflow) holds the raw reply, so the hostile text flowed through.
+    # The DVC output keeps the raw reply (control bytes, full length: the hostile text flowed through), but
+    # not one secret: a server echoing the key leaves 0 hits in it.
     raw = pd.read_parquet(project / "reports" / "eval" / "predictions.parquet")
-    assert any(canary in p and "\x00" in p for p in raw.prediction)
+    assert any("\x00" in p and "y" * (3 * 1024 * 1024) in p and REDACTED in p for p in raw.prediction)
+    dvc_output = (project / "reports" / "eval" / "predictions.parquet").read_bytes()
+    cells = json.dumps(raw.astype(str).to_dict(orient="list"), ensure_ascii=False)
+    for secret in [*SECRETS, canary]:
+        assert secret not in cells and secret.encode() not in dvc_output, secret
 
     client = mlflow.MlflowClient()
     (run,) = client.search_runs([client.get_experiment_by_name(params.mlflow.experiment).experiment_id],
@@ -152,6 +160,46 @@ def test_hostile_replies_reach_mlflow_only_sanitised(tmp_path, repo_root, shared
         data = path.read_bytes()
         assert not any(s.encode() in data for s in [*SECRETS, canary]), path
         assert b"\x1b[31m" not in data and b"y" * (MAX_RECORDED_CHARS + 1) not in data, path
+
+
+@pytest.mark.timeout(60)
+def test_hostile_reply_reaches_trajectories_jsonl_without_secrets(tmp_path, monkeypatch):
+    import asyncio
+
+    from pipeline.agent.protocol import parse_turn
+    from pipeline.config import EnvironmentConfig
+    from pipeline.environment.client import EnvironmentClient
+    from pipeline.train.trajectory_log import TRAJECTORIES_FILE, TrajectoryLog
+    from pipeline.types import PromptItem, Trajectory, Turn
+
+    canary = f"canary{uuid.uuid4().hex}"
+    monkeypatch.setenv("PROMPTR1_SANITISE_KEY", canary)
+
+    async def ask(url: str):
+        client = EnvironmentClient(EnvironmentConfig(
+            backend="api", model="m", base_url=url, served_name="fault-model", system_prompt="Help.",
+            api_key_env="PROMPTR1_SANITISE_KEY", max_tokens=24, max_retries=0, cache=False))
+        try:
+            return await client.reply([], "what is the capital of France?")
+        finally:
+            await client.aclose()
+
+    with FaultServer(Behaviour("ok", text=hostile_reply(canary))) as server:
+        reply = asyncio.run(ask(server.url))
+        assert server.chat_requests[0].headers["authorization"] == f"Bearer {canary}"
+    assert canary in reply.text  # the key really came back in the reply
+    turn = Turn(parse_turn("<think>ask</think><interaction_prompt>capital?</interaction_prompt>"), [1, 2],
+                env_reply=reply)
+    item = PromptItem("q1", [{"role": "user", "content": "q"}], ["Paris"], "hotpotqa", "capital of France?")
+    path = tmp_path / TRAJECTORIES_FILE
+    TrajectoryLog(path, keep_upto=0).append(1, [Trajectory(item, [0], turns=[turn])])
+
+    data = path.read_bytes()
+    (line,) = [json.loads(raw) for raw in path.read_text(encoding="utf-8").splitlines()]
+    logged = line["turns"][0]["environment"]["text"]
+    assert "\x00" in logged and "y" * (3 * 1024 * 1024) in logged and REDACTED in logged  # whole, not capped
+    for secret in [*SECRETS, canary]:
+        assert secret not in logged and secret.encode() not in data, secret
 
 
 def _strings(value) -> list[str]:

@@ -1,0 +1,117 @@
+"""What a verl agent-loop worker needs to reach the environment: its settings and its `EnvironmentClient`.
+
+Split from `verl_agent_loop` so that it imports no verl (nor torch): the client a worker builds can be
+tested, and reasoned about, on its own. Design decisions:
+
+- **Settings from the trainer config.** verl carries the `prompt_r1` block that `verl_backend.build_overrides`
+  writes (environment endpoint, turn limits, cache path) and `reward.custom_reward_function.reward_kwargs`
+  to every agent-loop worker, on any node. Without that block (verl run by hand) the params file named by
+  `PROMPTR1_PARAMS`, else the nearest params.yaml, is read.
+- **One client per worker process**, kept at module level (a loop object lives for one trajectory), keyed
+  by its configuration. `environment.concurrency` is split evenly over verl's agent-loop workers
+  (`rollout.agent.num_workers`) so the cluster-wide number of calls in flight matches params.
+- **One budget for the whole project.** Every worker's client spends from the project's cost ledger,
+  `<paths.cache_dir>/environment_ledger.json` (the path the `prompt_r1` block carries), the file every
+  other stage and process of the project spends from: the budget is a hard cap over all workers together
+  and over the stages before and after training, not an even share per worker. Every worker of one node
+  reaches that file. A multi-node run needs `paths.cache_dir` on the shared filesystem it already needs
+  for data and checkpoints, with working `flock` (NFSv4, Lustre, CephFS): a node that sees a different
+  folder keeps a ledger of its own and the cluster can spend the budget once per such node.
+  Only a worker without any cache dir (none in the settings) keeps its state in memory, with an even
+  share of the budget, so the total still holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config import EnvironmentConfig, RewardConfig
+from pipeline.environment.client import CACHE_FILE, LEDGER_FILE, EnvironmentClient
+
+log = logging.getLogger(__name__)
+
+PARAMS_ENV_VAR = "PROMPTR1_PARAMS"
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What one agent-loop worker needs besides verl's own rollout config."""
+
+    environment: EnvironmentConfig
+    reward: RewardConfig
+    max_turns: int
+    max_turn_tokens: int
+    env_reply_max_chars: int
+    cache_dir: Path | None
+
+    @classmethod
+    def from_trainer_config(cls, config: DictConfig) -> LoopSettings:
+        """From the `prompt_r1` block and reward kwargs of the trainer config, else from params.yaml."""
+        block = config.get("prompt_r1")
+        if block is None:
+            return cls.from_params_file(os.environ.get(PARAMS_ENV_VAR))
+        data = _plain(block)
+        reward_kwargs = _plain(OmegaConf.select(config, "reward.custom_reward_function.reward_kwargs") or {})
+        agent = data.get("agent", {})
+        cache_dir = data.get("cache_dir")
+        return cls(
+            environment=EnvironmentConfig.model_validate(data["environment"]),
+            reward=RewardConfig.model_validate(reward_kwargs),
+            max_turns=int(agent.get("max_turns", 5)),
+            max_turn_tokens=int(agent.get("max_turn_tokens", 1024)),
+            env_reply_max_chars=int(agent.get("env_reply_max_chars", 2048)),
+            cache_dir=Path(cache_dir) if cache_dir else None,
+        )
+
+    @classmethod
+    def from_params_file(cls, path: str | None) -> LoopSettings:
+        from pipeline.config import load_params
+
+        params = load_params(path)
+        return cls(
+            environment=params.environment,
+            reward=params.reward,
+            max_turns=params.agent.max_turns,
+            max_turn_tokens=params.agent.max_turn_tokens,
+            env_reply_max_chars=params.agent.env_reply_max_chars,
+            cache_dir=params.path(params.paths.cache_dir),
+        )
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+_CLIENTS: dict[str, EnvironmentClient] = {}
+
+
+def environment_client(settings: LoopSettings, num_workers: int = 1) -> EnvironmentClient:
+    """This process's client for `settings.environment` (made once, shared by every trajectory)."""
+    env = settings.environment
+    workers = max(1, num_workers)
+    ledger_path = settings.cache_dir / LEDGER_FILE if settings.cache_dir else None
+    per_worker = env.model_copy(update={
+        "concurrency": max(1, math.ceil(env.concurrency / workers)),
+        "budget_usd": env.budget_usd if env.budget_usd is None or ledger_path else env.budget_usd / workers,
+    })
+    cache_path = settings.cache_dir / CACHE_FILE if (settings.cache_dir and env.cache) else None
+    key = json.dumps([per_worker.model_dump(mode="json"), str(cache_path), str(ledger_path)], sort_keys=True)
+    client = _CLIENTS.get(key)
+    if client is None:
+        if settings.cache_dir is not None:
+            settings.cache_dir.mkdir(parents=True, exist_ok=True)
+        client = _CLIENTS[key] = EnvironmentClient(per_worker, cache_path, ledger_path=ledger_path)
+        log.info("environment client for %s (concurrency %d per worker, budget ledger %s)", env.url,
+                 per_worker.concurrency, ledger_path or "in memory")
+    return client
+
+
+__all__ = ["PARAMS_ENV_VAR", "LoopSettings", "environment_client"]
