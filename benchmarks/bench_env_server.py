@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=4, help="llama.cpp server slots")
     args = parser.parse_args()
 
-    params = load_params(REPO)
+    params = load_params(REPO / "params.yaml")
     params.environment.backend = "llamacpp"
     params.environment.cache = False
     params.environment.temperature = 0.0
