@@ -38,6 +38,7 @@ def publish_stage(root: Path, stage: str, result: str, seconds: float, error: st
     """Attach the stage's artifact to the running task; return its outcome (the task's return value).
 
     A failed stage (`error`) gets its error and no figure: its outputs, if any, are the previous run's.
+    Never raises: a report that cannot be published must not fail (and retry) the stage it reports on.
     """
     figure: str | None = None
     mlflow: MlflowRunInfo | None = None
@@ -47,8 +48,11 @@ def publish_stage(root: Path, stage: str, result: str, seconds: float, error: st
             mlflow = stage_mlflow_run(load_params(root / PARAMS_FILE), stage)
         except ConfigError as exc:
             mlflow = MlflowRunInfo(open_hint=f"params unreadable: {exc}")
-    create_markdown_artifact(markdown=stage_markdown(stage, result, seconds, figure, mlflow, error=error),
-                             key=stage_artifact_key(stage), description=f"{stage}: {figure or result}"[:500])
+    try:
+        create_markdown_artifact(markdown=stage_markdown(stage, result, seconds, figure, mlflow, error=error),
+                                 key=stage_artifact_key(stage), description=f"{stage}: {figure or result}"[:500])
+    except Exception as exc:  # noqa: BLE001 - see docstring
+        log.warning("could not publish the artifact of stage %s: %s", stage, exc)
     return {"stage": stage, "result": result, "seconds": seconds, "key_figure": figure,
             "mlflow_run_id": mlflow.run_id if mlflow else None, "mlflow_link": mlflow.link if mlflow else None,
             "mlflow_hint": mlflow.open_hint if mlflow else None}

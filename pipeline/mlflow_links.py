@@ -80,8 +80,11 @@ def mlflow_run_info(params: Params) -> MlflowRunInfo:
 def stage_mlflow_run(params: Params, stage: str) -> MlflowRunInfo:
     """The newest child run tagged `stage=<stage>` under the recorded parent run (`sample@x` → `sample`)."""
     parent, uri = _parent(params)
-    if parent.run_id is None or parent.open_hint is not None:
+    if parent.run_id is None:
         return parent
+    if parent.open_hint is not None:  # the store is gone: nothing to look a child up in
+        return MlflowRunInfo(experiment=parent.experiment, tracking_uri=parent.tracking_uri,
+                             open_hint=f"{parent.open_hint} (pipeline run {parent.run_id})")
     group = stage.rsplit(":", 1)[-1].split("@", 1)[0]
     info = MlflowRunInfo(experiment=parent.experiment, tracking_uri=parent.tracking_uri)
     try:
