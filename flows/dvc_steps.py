@@ -67,18 +67,14 @@ _HINTS = ("To track the changes with git", "git add ", "To enable auto staging",
           "Use `dvc push`")
 _DVC_PROGRESS = ("Running stage ", "> ", "Verifying data sources", "Stage '")
 _DVC_FAILED = "ERROR: failed to reproduce"
-ERROR_LINES = 12
-"""Output lines a failed stage's message keeps (the state message Prefect shows on the task's page)."""
-ERROR_LINE_CHARS = 300
+ERROR_LINES, ERROR_LINE_CHARS = 12, 300  # what a failed stage's message keeps of its output (lines, chars each)
 
 
 class StageFailed(UserError):
     """A `dvc repro` of one stage exited non-zero; carries the stage name and the tail of its output.
 
-    The message is what Prefect shows as the failed task's (and flow's) state: its first line names the
-    stage's own last words (the exception, the CLI's `error: …` line), not only DVC's "exited with 1", and
-    the excerpt below it is cut to what a person reads on that page (`error_excerpt`). `tail` keeps the
-    whole output tail.
+    The message is the failed task's Prefect state message: it leads with the stage's own last words (its
+    exception or `error: …` line), not DVC's "exited with 1", then a readable `error_excerpt` of the tail.
     """
 
     def __init__(self, stage: str, returncode: int, tail: str) -> None:

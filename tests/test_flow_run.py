@@ -313,6 +313,7 @@ def test_cli_flow_run_prints_run_and_decision(demo, monkeypatch, capsys):
     assert f"MLflow:     run demo-run-{steps}" in out
     assert "promotion:  promoted to @champion" in out
     assert "register   up to date" in out
+    assert "register   up to date (0.0 s): promoted to @champion (model version 1): first model" in out
 
 
 def test_terminated_flow_stops_the_running_stage(tmp_path):
