@@ -127,6 +127,18 @@ def test_failures_and_skips_are_figures_too(project: Path):
                                                "0.5; OOD within tolerance")
 
 
+def test_evaluation_figure_reads_mean_and_interval_in_order(project: Path):
+    metrics = project / "reports" / "eval" / "metrics.json"
+    data = json.loads(metrics.read_text())
+    averages = data["averages"]
+    averages["prompt_r1"]["id"]["f1"] = {"mean": 41.2, "low": 38.05, "high": 44.5}
+    averages["prompt_r1"]["ood"]["f1"] = {"mean": 30.0, "low": 27.5, "high": 32.25}
+    averages["gepa"]["id"]["f1"] = {"mean": 39.9, "low": 37.0, "high": 42.0}  # beats env_only's 4.03
+    metrics.write_text(json.dumps({**data, "averages": averages, "rows_per_dataset": 128}))
+    assert key_figure(project, "evaluate") == ("prompt_r1 F1 ID 41.20 [38.05, 44.50], OOD 30.00 [27.50, 32.25] "
+                                               "(128 rows per set); best other system gepa ID 39.90")
+
+
 def test_constants_match_the_stages_that_write_the_files():
     from pipeline import stage_figures
     from pipeline.data import fingerprint
