@@ -1,9 +1,9 @@
 """Each stage's key figure (pipeline.stage_figures), the stage's MLflow run (pipeline.mlflow_links), the CLI line.
 
-The fixture project is tests/fixtures/stage_outputs: files the real stages wrote (a default-profile
-`dvc repro` for sources → gepa, the lead's training runs, the end-to-end test's merge/evaluate/register),
-trimmed to the fields that matter, with the repository's params.yaml copied beside them. Every expected
-line below is worked out by hand from those files.
+The fixture project is tests/fixtures/stage_outputs: files the real stages wrote, trimmed to the fields
+that matter (sources → gepa and merge: a default-profile `dvc repro`; train: a 12-step local GRPO run;
+evaluate and register: the end-to-end test's tiny run), with the repository's params.yaml copied beside
+them. Every expected line below is worked out by hand from those files.
 """
 
 from __future__ import annotations
