@@ -65,16 +65,36 @@ STOP_GRACE_S = 30.0
 # DVC's git hints after every stage: noise in a flow that records experiments itself.
 _HINTS = ("To track the changes with git", "git add ", "To enable auto staging", "dvc config core.autostage",
           "Use `dvc push`")
+_DVC_PROGRESS = ("Running stage ", "> ", "Verifying data sources", "Stage '")
+_DVC_FAILED = "ERROR: failed to reproduce"
+ERROR_LINES, ERROR_LINE_CHARS = 12, 300  # what a failed stage's message keeps of its output (lines, chars each)
 
 
 class StageFailed(UserError):
-    """A `dvc repro` of one stage exited non-zero; carries the stage name and the tail of its output."""
+    """A `dvc repro` of one stage exited non-zero; carries the stage name and the tail of its output.
+
+    The message is the failed task's Prefect state message: it leads with the stage's own last words (its
+    exception or `error: …` line), not DVC's "exited with 1", then a readable `error_excerpt` of the tail.
+    """
 
     def __init__(self, stage: str, returncode: int, tail: str) -> None:
         self.stage = stage
         self.returncode = returncode
         self.tail = tail
-        super().__init__(f"stage {stage!r} failed (dvc exit code {returncode}); last output:\n{tail}")
+        excerpt = error_excerpt(tail)
+        cause = next((line for line in reversed(excerpt) if not line.startswith(_DVC_FAILED)), None)
+        headline = f"stage {stage!r} failed" + (f": {cause}" if cause else "")
+        super().__init__(f"{headline} (dvc exit code {returncode}); last output:\n" + "\n".join(excerpt))
+
+
+def error_excerpt(tail: str, max_lines: int = ERROR_LINES, max_chars: int = ERROR_LINE_CHARS) -> list[str]:
+    """The last `max_lines` meaningful lines of a stage's output, each cut to `max_chars`.
+
+    Dropped: blank lines, DVC's own progress (`Running stage …`, the `> command` echo) and its git hints.
+    """
+    lines = [line.rstrip() for line in tail.splitlines()]
+    kept = [line for line in lines if line.strip() and not line.lstrip().startswith((*_HINTS, *_DVC_PROGRESS))]
+    return [line if len(line) <= max_chars else line[: max_chars - 1] + "…" for line in kept[-max_lines:]]
 
 
 def subprocess_env() -> dict[str, str]:

@@ -45,10 +45,12 @@ MLflow records *what happened*. Design decisions:
   file in `.dvc/tmp/` that always guards the workspace. A second run waits up to `flow.lock_timeout_s`
   (manual, default 0) or `flow.scheduled_lock_timeout_s` (deployments) and then fails with a message naming
   the run holding the lock. The deployments also carry a deployment concurrency limit (ENQUEUE).
-- **A markdown artifact per run** (`promptr1-retrain`): stage table, the evaluation table
-  (reports/eval/summary.md), the promotion decision (reports/promotion.json) and the MLflow run
-  (reports/mlflow_run.json; a UI link for an http(s) tracking server). Failed runs publish it too, with the
-  error. The flow returns the same data as a dict.
+- **A markdown artifact per run** (`promptr1-retrain`): stage table with each stage's key figure, the
+  evaluation table (reports/eval/summary.md), the promotion decision (reports/promotion.json) and the MLflow
+  run (reports/mlflow_run.json; a UI link for an http(s) tracking server). Failed runs publish it too, with
+  the error. The flow returns the same data as a dict. **Each stage task** logs its key figure
+  (pipeline.stage_figures) and attaches an artifact `stage-<name>` with it and the stage's MLflow run, or
+  with the error of a failed stage (flows/artifacts.py); its state message carries that error too.
 - **Failure notifications** are Prefect automations, configured outside the code (flows/deploy.py,
   docs/prefect.md).
 - **SIGTERM unwinds like Ctrl-C** in `promptr1 flow run` and `python -m flows.retrain`
@@ -69,11 +71,11 @@ from typing import Annotated, Any, Literal
 
 import typer
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as current_flow_run
 
 from flows import dvc_steps
+from flows.artifacts import publish_quietly, publish_report, publish_stage
 from flows.environment_tasks import (
     EnvironmentSession,
     Launcher,
@@ -84,7 +86,7 @@ from flows.environment_tasks import (
     stop_environment,
     stop_live_environments,
 )
-from flows.report import RunReport, mlflow_line, mlflow_run_info, promotion_line, to_markdown
+from flows.report import RunReport, mlflow_line, mlflow_run_info, promotion_line
 from flows.run_lock import run_lock
 from pipeline.config import PARAMS_FILE, Params, find_root, load_params
 from pipeline.errors import UserError
@@ -94,7 +96,6 @@ from pipeline.runtime import configure_logging, quiet_telemetry, terminate_as_in
 log = logging.getLogger(__name__)
 
 FLOW_NAME = "promptr1-retrain"
-ARTIFACT_KEY = "promptr1-retrain"
 
 EnvironmentChoice = Literal["local", "vllm", "api"]
 ENVIRONMENT_BACKENDS: dict[str, str] = {"local": "llamacpp", "vllm": "vllm", "api": "api"}
@@ -167,16 +168,26 @@ def plan_run(project_dir: str) -> tuple[list[str], list[str], list[str]]:
 
 @task(cache_policy=NO_CACHE, task_run_name="{stage}")
 def run_stage(project_dir: str, stage: str, force: bool, skip: bool = False) -> dict[str, Any]:
-    """`dvc repro --single-item <stage>`, its output streamed to this task's log."""
+    """`dvc repro --single-item <stage>`, output streamed to the task's log; key figure and MLflow run after.
+
+    Both, or a failed stage's error, also go to the task's artifact `stage-<name>` (flows/artifacts.py).
+    """
     logger = get_run_logger()
+    root = Path(project_dir)
     start = datetime.now(UTC)
+    result = "up to date"
     if skip:
         logger.info("%s is up to date (dvc status); not reproduced", stage)
-        return {"stage": stage, "result": "up to date", "seconds": 0.0}
-    reproduced = dvc_steps.repro_stage(Path(project_dir), stage, force=force, on_line=logger.info)
-    seconds = (datetime.now(UTC) - start).total_seconds()
-    return {"stage": stage, "result": "reproduced" if reproduced else "unchanged (dvc skipped it)",
-            "seconds": seconds}
+    else:
+        try:
+            reproduced = dvc_steps.repro_stage(root, stage, force=force, on_line=logger.info)
+        except dvc_steps.StageFailed as exc:
+            publish_stage(root, stage, "failed", (datetime.now(UTC) - start).total_seconds(), error=str(exc))
+            raise
+        result = "reproduced" if reproduced else "unchanged (dvc skipped it)"
+    outcome = publish_stage(root, stage, result, 0.0 if skip else (datetime.now(UTC) - start).total_seconds())
+    logger.info("%s %s in %.1f s: %s", stage, result, outcome["seconds"], outcome["key_figure"])
+    return outcome
 
 
 @task(name="record-experiment", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
@@ -187,15 +198,6 @@ def record_experiment(project_dir: str, name: str) -> str | None:
     if saved:
         logger.info("DVC experiment %s recorded (dvc exp show / dvc exp apply %s)", saved, saved)
     return saved
-
-
-@task(name="publish-report", cache_policy=NO_CACHE)
-def publish_report(report: RunReport) -> str:
-    """The run's markdown artifact (key promptr1-retrain)."""
-    markdown = to_markdown(report)
-    create_markdown_artifact(markdown=markdown, key=ARTIFACT_KEY,
-                             description=f"Prompt-R1 retraining ({report.profile}): evaluation, promotion, MLflow")
-    return markdown
 
 
 # ------------------------------------------------------------------------------------------------ flow
@@ -297,7 +299,7 @@ def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> di
     except BaseException as exc:
         report.stages.append({"stage": "(failed)", "result": f"{type(exc).__name__}: {str(exc)[:300]}",
                               "seconds": 0.0})
-        _publish_quietly(report, params)
+        publish_quietly(report, params)
         raise
     finally:
         if session.url is not None:
@@ -317,15 +319,6 @@ def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> di
     logger.info("MLflow: %s", mlflow_line(report.mlflow))
     logger.info("promotion: %s", promotion_line(report.promotion))
     return report.to_dict()
-
-
-def _publish_quietly(report: RunReport, params: Params) -> None:
-    """Publish the failure summary; never mask the stage's own error."""
-    try:
-        report.read_results(params)
-        publish_report(report)
-    except Exception as exc:  # noqa: BLE001
-        log.warning("could not publish the failure summary: %s", exc)
 
 
 # -------------------------------------------------------------------------------------- entry points
@@ -372,7 +365,7 @@ def cli_flow_run(profile: str | None, sets: list[str], force: bool,
     info = mlflow_run_info(params)
     typer.echo(f"flow run:   {summary.get('flow_run')}")
     for stage in summary.get("stages", []):
-        typer.echo(f"  {stage['stage']:<10} {stage['result']} ({stage['seconds']:.1f} s)")
+        typer.echo(f"  {stage['stage']:<10} {stage['result']} ({stage['seconds']:.1f} s): {stage.get('key_figure')}")
     typer.echo(f"experiment: {summary.get('experiment') or summary.get('experiment_note')}")
     typer.echo(f"MLflow:     {mlflow_line(info)}")
     typer.echo(f"promotion:  {promotion_line(summary.get('promotion'))}")

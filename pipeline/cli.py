@@ -7,6 +7,8 @@ The commands that only load params and call one function are rows of `STAGE_COMM
 (`module:function`, as entry points name them), built by one factory; commands with arguments of their
 own (`sample`, `ask`, `flow …`) are written out.
 Process setup (telemetry off, logging to stderr) is `pipeline.runtime`'s, shared with `python -m flows.retrain`.
+Every stage command goes through `_run_stage`, which ends it with one INFO line
+`<stage> done in <s> s: <key figure>` (pipeline.stage_figures, read back from the files the stage wrote).
 Errors the user can fix (bad params, bad data, missing key variable) print one clear line and exit 1,
 without a traceback.
 """
@@ -14,6 +16,8 @@ without a traceback.
 from __future__ import annotations
 
 import importlib
+import logging
+import time
 from collections.abc import Callable
 from typing import Annotated
 
@@ -22,6 +26,9 @@ import typer
 from pipeline.config import ConfigError, Params, deep_merge, load_params, parse_override
 from pipeline.errors import UserError
 from pipeline.runtime import configure_logging, quiet_telemetry
+from pipeline.stage_figures import key_figure
+
+log = logging.getLogger(__name__)
 
 app = typer.Typer(help="Prompt-R1 pipeline: data, GRPO training, evaluation, registry.", no_args_is_help=True)
 env_app = typer.Typer(help="Start, check and stop the environment server (the large LLM).", no_args_is_help=True)
@@ -59,25 +66,43 @@ def _run(call: Callable[[], object]) -> None:
         raise typer.Exit(1) from None
 
 
+def _run_stage(stage: str, params_file: str | None, sets: list[str] | None,
+               call: Callable[[Params], object]) -> None:
+    """`_run` a stage on the runnable params, then log `<stage> done in <s> s: <key figure>`."""
+
+    def stage_then_figure() -> None:
+        params = _load_runnable(params_file, sets)
+        start = time.perf_counter()
+        call(params)
+        log.info("%s done in %.1f s: %s", stage, time.perf_counter() - start, key_figure(params, stage))
+
+    _run(stage_then_figure)
+
+
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     quiet_telemetry()
     configure_logging(verbose)
 
 
-def _params_command(target: str, help_: str) -> Callable[..., None]:
+def _params_command(target: str, help_: str, stage: str | None = None) -> Callable[..., None]:
     """A command `… [--params FILE] [--set key=value …]` that calls `module:function` with the loaded params.
 
-    The module is imported when the command runs, not when the CLI starts.
+    The module is imported when the command runs, not when the CLI starts. A `stage` command ends with its
+    key figure (`_run_stage`).
     """
     module, function = target.split(":")
 
     def command(params: ParamsOption = None, set_: SetOption = None) -> None:
         call = getattr(importlib.import_module(module), function)
-        _run(lambda: call(_load_runnable(params, set_)))
+        if stage is None:
+            _run(lambda: call(_load_runnable(params, set_)))
+        else:
+            _run_stage(stage, params, set_, call)
 
     command.__doc__ = help_
     command.target = target  # what the command runs, for readers and the dvc.yaml deps test
+    command.stage = stage  # the stage whose key figure ends it (None: not a pipeline stage)
     return command
 
 
@@ -85,28 +110,30 @@ def sample(dataset: str, params: ParamsOption = None, set_: SetOption = None) ->
     """Stage 1: normalise, de-leak and sample one training dataset → data/sampled/<dataset>.parquet."""
     from pipeline.data.sample import run_sample
 
-    _run(lambda: run_sample(_load_runnable(params, set_), dataset))
+    _run_stage(f"sample@{dataset}", params, set_, lambda loaded: run_sample(loaded, dataset))
 
 
 # The stage commands dvc.yaml calls, in pipeline order (`promptr1 --help` lists them so).
 STAGE_COMMANDS: dict[str, Callable[..., None]] = {
     "sources": _params_command("pipeline.data.fingerprint:run_sources", "Stage 0: fingerprint the raw sources and "
-                               "evaluation files (mirror md5s or Hub revisions) → data/sources/."),
+                               "evaluation files (mirror md5s or Hub revisions) → data/sources/.", "sources"),
     "sample": sample,
     "validate": _params_command("pipeline.data.validate:run_validate",
-                                "Stage 2: Great Expectations suites over every sampled and evaluation file."),
+                                "Stage 2: Great Expectations suites over every sampled and evaluation file.",
+                                "validate"),
     "build": _params_command("pipeline.data.build:run_build", "Stage 3: render the Prompt-R1 template; write the "
-                             "verl RL training set and the evaluation sets."),
+                             "verl RL training set and the evaluation sets.", "build"),
     "train": _params_command("pipeline.train.stage:run_train",
-                             "Stage 4: GRPO training of the agent (backend local or verl), resumable."),
+                             "Stage 4: GRPO training of the agent (backend local or verl), resumable.", "train"),
     "merge": _params_command("pipeline.train.merge:run_merge",
-                             "Stage 5: checkpoints → one Hugging Face model directory in models/agent."),
+                             "Stage 5: checkpoints → one Hugging Face model directory in models/agent.", "merge"),
     "gepa": _params_command("pipeline.gepa_prompt:run_gepa", "GEPA optimises the environment's instruction on a "
-                            "training slice (the rival system `gepa`) → data/gepa/prompt.json."),
+                            "training slice (the rival system `gepa`) → data/gepa/prompt.json.", "gepa"),
     "evaluate": _params_command("pipeline.evaluate:run_evaluate",
-                                "Stage 6: the merged agent + environment on the ID and OOD sets, with baselines."),
+                                "Stage 6: the merged agent + environment on the ID and OOD sets, with baselines.",
+                                "evaluate"),
     "register": _params_command("pipeline.register:run_register", "Stage 7: log the model to the MLflow registry; "
-                                "move the champion alias if the rule holds."),
+                                "move the champion alias if the rule holds.", "register"),
 }
 ENV_COMMANDS: dict[str, Callable[..., None]] = {
     "start": _params_command("pipeline.environment.manual:cli_start",

@@ -7,8 +7,9 @@ like fault_server.py), benchmarks put tests/ on sys.path first. It also holds th
 The real stages take minutes and need the models; the flow's own behaviour (stage tasks, DVC skipping,
 experiments, environment lifecycle, locking, failure handling) does not. `make_demo_project()` writes a
 git + DVC project whose five stages (build → train → merge → evaluate → register) are one-line Python
-steps writing the same report files the real stages write, with the repository's real params.yaml and
-profiles so `load_params` and overrides behave exactly as in the real project.
+steps writing the same report files the real stages write (in the shapes pipeline.stage_figures reads, so
+each stage has its key figure), with the repository's real params.yaml and profiles so `load_params` and
+overrides behave exactly as in the real project.
 
 `write_tiny_llama(folder)` writes the tiny random Llama the fast tests train (conftest `tiny_llama_dir`).
 
@@ -74,14 +75,28 @@ def write(path, text):
 steps = params["train"]["steps"]
 if stage == "build":
     write("data/demo/train.txt", f"seed={params['seed']}\\n")
+    write("reports/build/summary.json", json.dumps({"train": {"rows": 8, "rows_per_dataset": {"gsm8k": 8}},
+                                                    "eval": {"gsm8k": {"rows": 4}}, "eval_rows_total": 4,
+                                                    "skipped": []}))
 elif stage == "train":
     write("checkpoints/demo/latest", f"step_{steps}\\n")
     write("reports/mlflow_run.json", json.dumps({"run_id": f"demo-run-{steps}", "experiment": "prompt-r1"}))
+    write("reports/train/steps.csv", "step,critic/score/mean\\n"
+          + "".join(f"{i},{-1.0 + 0.25 * i}\\n" for i in range(1, steps + 1)))
 elif stage == "merge":
-    write("models/demo/model.txt", pathlib.Path("checkpoints/demo/latest").read_text())
+    write("models/agent/model.txt", pathlib.Path("checkpoints/demo/latest").read_text())
+    write("models/agent/merge_report.json", json.dumps({"source": "local-full", "step": steps,
+                                                        "max_abs_logit_diff": 0.0}))
 elif stage == "evaluate":
     score = 10.0 + steps
-    write("reports/eval/metrics.json", json.dumps({"id_avg_f1": score}))
+
+    def f1(mean):
+        return {"f1": {"mean": mean, "low": mean - 2, "high": mean + 2}}
+
+    write("reports/eval/metrics.json", json.dumps({
+        "id_avg_f1": score, "rows_per_dataset": params["evaluate"]["rows_per_dataset"],
+        "averages": {"prompt_r1": {"id": f1(score), "ood": f1(score - 5)}, "env_only": {"id": f1(9.0), "ood": f1(8.0)}},
+    }))
     write("reports/eval/summary.md", f"| system | ID F1 |\\n|---|---:|\\n| agent+env | {score:.1f} |\\n")
 elif stage == "register":
     write("reports/promotion.json", json.dumps({"promoted": True, "alias": "champion", "version": 1,
@@ -94,6 +109,9 @@ DVC_YAML = """stages:
     deps: [demo_stage.py]
     params: [seed]
     outs: [data/demo]
+    metrics:
+      - reports/build/summary.json:
+          cache: false
   train:
     cmd: python demo_stage.py train
     deps: [demo_stage.py, data/demo]
@@ -103,13 +121,15 @@ DVC_YAML = """stages:
           persist: true
       - reports/mlflow_run.json:
           cache: false
+      - reports/train/steps.csv:
+          cache: false
   merge:
     cmd: python demo_stage.py merge
     deps: [demo_stage.py, checkpoints/demo]
-    outs: [models/demo]
+    outs: [models/agent]
   evaluate:
     cmd: python demo_stage.py evaluate
-    deps: [demo_stage.py, models/demo]
+    deps: [demo_stage.py, models/agent]
     params: [evaluate.rows_per_dataset]
     outs:
       - reports/eval/summary.md:

@@ -189,7 +189,9 @@ def test_workspace_lock_refuses_then_waits(tmp_path):
 def test_markdown_summary_has_table_decision_and_link():
     report = RunReport(flow_run="calm-otter", profile="paper", overrides=["train.steps=2"],
                        environment_backend="vllm", forced=False,
-                       stages=[{"stage": "train", "result": "reproduced", "seconds": 12.5}],
+                       stages=[{"stage": "train", "result": "reproduced", "seconds": 12.5,
+                                "key_figure": "8 steps (last step 8), mean reward -0.500 → -0.250"},
+                               {"stage": "(failed)", "result": "StageFailed: a | b", "seconds": 0.0}],
                        experiment="retrain-x", eval_summary="| dataset | F1 |\n|---|---:|\n| hotpotqa | 41.0 |",
                        promotion={"promoted": False, "reason": "ID F1 +0.2 < margin 0.5", "alias": "champion"},
                        mlflow=MlflowRunInfo(run_id="abc123", link="http://mlflow:5000/#/experiments/1/runs/abc123"))
@@ -198,8 +200,46 @@ def test_markdown_summary_has_table_decision_and_link():
     assert "not promoted to @champion: ID F1 +0.2 < margin 0.5" in markdown
     assert "http://mlflow:5000/#/experiments/1/runs/abc123" in markdown
     assert "| train | reproduced | 12.5 |" in markdown
+    assert "| train | reproduced | 12.5 | 8 steps (last step 8), mean reward -0.500 → -0.250 |" in markdown
+    assert "| (failed) | StageFailed: a \\| b | 0.0 |  |" in markdown  # a cell never breaks the table
     assert promotion_line(None).startswith("no promotion decision")
     assert strip_credentials("https://user:secret@mlflow.example:8443/x") == "https://mlflow.example:8443/x"
+
+
+# What `dvc repro --single-item train` printed when the stage raised (the tail run_dvc keeps).
+FAILED_TAIL = """Running stage 'train':
+> promptr1 train
+2026-11-23 20:52:50,756 INFO pipeline.environment.servers: starting the llamacpp environment server
+Traceback (most recent call last):
+  File "pipeline/train/local.py", line 88, in run_local
+    loss = step(batch)
+RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB""" + " (details)" * 60 + """
+
+To track the changes with git, run:
+ERROR: failed to reproduce 'train': failed to run: promptr1 train, exited with 1"""
+
+
+def test_failed_stage_message_leads_with_the_stage_error_and_stays_readable():
+    exc = dvc_steps.StageFailed("train", 255, FAILED_TAIL)
+    headline, _, rest = str(exc).partition("\n")
+    assert headline.startswith("stage 'train' failed: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert headline.endswith("… (dvc exit code 255); last output:")
+    lines = rest.splitlines()
+    assert lines[0] == "2026-11-23 20:52:50,756 INFO pipeline.environment.servers: starting the llamacpp environment server"
+    assert lines[-1] == "ERROR: failed to reproduce 'train': failed to run: promptr1 train, exited with 1"
+    assert not any(line.startswith(("Running stage", "> promptr1", "To track")) or not line.strip() for line in lines)
+    assert max(len(line) for line in lines) <= dvc_steps.ERROR_LINE_CHARS
+    assert exc.tail == FAILED_TAIL  # the whole tail is kept for whoever needs it
+    many = "\n".join(f"line {i}" for i in range(100))
+    assert dvc_steps.error_excerpt(many) == [f"line {i}" for i in range(100 - dvc_steps.ERROR_LINES, 100)]
+
+
+def test_stage_artifact_keys_are_what_prefect_accepts():
+    from flows.artifacts import stage_artifact_key
+
+    assert stage_artifact_key("sample@hotpotqa") == "stage-sample-hotpotqa"
+    assert stage_artifact_key("dvc.yaml:sample@2wiki_multi_hop") == "stage-dvc-yaml-sample-2wiki-multi-hop"
+    assert stage_artifact_key("train") == "stage-train"
 
 
 def test_failure_notification_template_is_a_valid_automation():

@@ -20,7 +20,9 @@ import pytest
 import yaml
 from demo_project import DEMO_STAGES, StaticEnvironment, make_demo_project, pid_alive
 
-from flows.retrain import ARTIFACT_KEY, StagePolicy, cli_flow_run, run_pipeline_flow
+from flows.artifacts import ARTIFACT_KEY
+from flows.retrain import StagePolicy, cli_flow_run, run_pipeline_flow
+from pipeline.stage_figures import key_figure
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +88,39 @@ def _artifact(state) -> str:
     return artifact.data
 
 
+def _stage_artifacts(state) -> dict[str, object]:
+    """The flow run's `stage-<name>` artifacts by key (the newest version of each)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        TaskRunFilter,
+    )
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])),
+            flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(), sort=ArtifactSort.CREATED_DESC,
+            limit=100, offset=0)
+    found: dict[str, object] = {}
+    for artifact in artifacts:
+        if artifact.key and artifact.key.startswith("stage-"):
+            found.setdefault(artifact.key, artifact)
+    return found
+
+
+# What each demo stage's files say after a run with train.steps=2 (tests/demo_project.py), worked by hand.
+DEMO_FIGURES = {
+    "build": "8 training rows from 1 datasets, 4 evaluation rows in 1 sets",
+    "train": "2 steps (last step 2), mean reward -0.750 → -0.500",  # -1 + 0.25 × step
+    "merge": "step 2 (local-full) merged into models/agent, max logit difference 0",
+    "evaluate": None,  # rows per set come from the repository's params.yaml: checked below
+    "register": "promoted to @champion (model version 1): first model: no champion yet",
+}
+
+
 def _experiments(root: Path) -> list[dict]:
     out = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=root, check=True,
                          capture_output=True, text=True)
@@ -117,7 +152,24 @@ def test_flow_runs_each_stage_as_a_task_and_records_the_experiment(demo):
     exp_data = experiment["revs"][0]["data"]
     assert exp_data["params"]["params.yaml"]["data"]["train"]["steps"] == 2
     assert exp_data["metrics"]["reports/eval/metrics.json"]["data"]["id_avg_f1"] == 12.0
+    # Each stage task shows its key figure: in its log line, its return value and its own artifact.
+    rows = yaml.safe_load((demo / "params.yaml").read_text())["evaluate"]["rows_per_dataset"]
+    figures = {**DEMO_FIGURES, "evaluate": (f"prompt_r1 F1 ID 12.00 [10.00, 14.00], OOD 7.00 [5.00, 9.00] ({rows} "
+                                            "rows per set); best other system env_only ID 9.00")}
+    assert {s["stage"]: s["key_figure"] for s in summary["stages"]} == figures
+    assert {stage: key_figure(demo, stage) for stage in DEMO_STAGES} == figures  # read back from the files
+    artifacts = _stage_artifacts(state)
+    assert set(artifacts) == {f"stage-{stage}" for stage in DEMO_STAGES}
+    for stage in DEMO_STAGES:
+        artifact = artifacts[f"stage-{stage}"]
+        assert artifact.task_run_id == runs[stage].id, stage
+        assert f"- **Key figure:** {figures[stage]}" in artifact.data
+        # The demo's train records a run id but there is no MLflow store: the artifact says what it found.
+        mlflow = ("no MLflow run recorded (reports/mlflow_run.json missing)" if stage == "build"
+                  else "tracking store sqlite:///mlflow.db not found (pipeline run demo-run-2)")
+        assert f"- **MLflow:** {mlflow}" in artifact.data
     markdown = _artifact(state)
+    assert f"| train | reproduced | {summary['stages'][1]['seconds']:.1f} | {figures['train']} |" in markdown
     assert "| agent+env | 12.0 |" in markdown
     assert "promoted to @champion (model version 1): first model" in markdown
     assert "demo-run-2" in markdown
@@ -141,6 +193,7 @@ def test_flow_runs_each_stage_as_a_task_and_records_the_experiment(demo):
     state = run_pipeline_flow(demo, launcher=env, return_state=True)
     summary = state.result()
     assert {s["result"] for s in summary["stages"]} == {"up to date"}
+    assert all(not s["key_figure"].startswith("no figure") for s in summary["stages"])  # up to date: still shown
     assert env.starts == starts and summary["experiment"] is None
     assert len(_experiments(demo)) == 1 + int(bool(stale_before))
 
@@ -166,6 +219,11 @@ def test_failing_stage_fails_the_flow_stops_the_environment_keeps_earlier_output
     assert _experiments(demo) == []
     runs = _task_runs(state, expected=5)
     assert runs["merge"].state.is_failed()
+    # The task's page says why without its logs: the state message and the artifact hold the stage's error.
+    assert "stage 'merge' failed: demo stage merge fails on purpose (dvc exit code" in runs["merge"].state.message
+    failed = _stage_artifacts(state)["stage-merge"]
+    assert failed.task_run_id == runs["merge"].id
+    assert "# merge: failed" in failed.data and "demo stage merge fails on purpose" in failed.data
     assert "evaluate" not in runs
     assert "stage 'merge' failed" in _artifact(state)
 
@@ -255,6 +313,7 @@ def test_cli_flow_run_prints_run_and_decision(demo, monkeypatch, capsys):
     assert f"MLflow:     run demo-run-{steps}" in out
     assert "promotion:  promoted to @champion" in out
     assert "register   up to date" in out
+    assert "register   up to date (0.0 s): promoted to @champion (model version 1): first model" in out
 
 
 def test_terminated_flow_stops_the_running_stage(tmp_path):

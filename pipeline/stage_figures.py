@@ -1,0 +1,235 @@
+"""Each stage's key figure: one short line saying what it produced, read back from the files it wrote.
+
+`promptr1 <stage>` ends with it (`<stage> done in <s> s: <figure>`) and the Prefect flow shows it per stage
+task (log line, return value, artifact, the run summary's stage table). Design decisions:
+
+- **The files are the contract.** A figure is read from the outputs dvc.yaml declares for the stage
+  (`reports/sample/<ds>.json`, `reports/validate/summary.json`, …, `reports/promotion.json`), never from the
+  stage's code or memory: the same line comes out of the process that ran the stage, of the flow that ran
+  DVC, and of a later look at the workspace. So this module is a floor module (pipeline.config and
+  pipeline.paths only) that imports no stage and costs a JSON read.
+- **Never raises, never invents.** A missing file gives `no figure (<file> missing)`, a file of another
+  shape `no figure (<file> unreadable: <why>)`: a reporting line must not fail the stage it reports on.
+- **Stage names as DVC spells them.** `sample@<dataset>` is that dataset's sample; `sample` (the flow's one
+  task for the foreach stage) adds its datasets up; a `dvc.yaml:` prefix is ignored.
+- Scores are in points (as the stages write them); the evaluation figure is the primary metric, F1, of
+  `prompt_r1` on the ID and OOD averages with their 95% intervals, beside the best other system's ID F1.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import PARAMS_FILE, Params, load_params
+from pipeline.paths import display_path
+
+SOURCES_DIR = "data/sources"
+"""Where the `sources` stage writes its fingerprints (pipeline.data.fingerprint.SOURCES_DIR)."""
+SOURCES_EVAL_FILE = "eval.json"
+UNREACHABLE = "unreachable"
+"""The Hub revision a fingerprint records for a source it could not reach (pipeline.data.fingerprint)."""
+REWARD_COLUMN = "critic/score/mean"
+"""The per-step mean reward in reports/train/steps.csv (the `Training reward` plot of dvc.yaml)."""
+PRIMARY_METRIC = "f1"
+PROMPT_R1 = "prompt_r1"
+
+
+class _NoFigure(Exception):
+    """A figure cannot be given; the message says why (file missing or unreadable)."""
+
+
+class _Files:
+    """Reads a stage's output files, remembering the last one for an error message."""
+
+    def __init__(self, params: Params) -> None:
+        self.params = params
+        self.last: Path | None = None
+
+    def reports(self, *parts: str) -> Path:
+        return self.params.path(self.params.paths.reports_dir).joinpath(*parts)
+
+    def show(self, path: Path) -> str:
+        return display_path(path, self.params.root)
+
+    def json(self, path: Path) -> Any:
+        self.last = path
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise _NoFigure(f"{self.show(path)} missing") from None
+        except OSError as exc:
+            raise _NoFigure(f"{self.show(path)} unreadable: {exc.strerror or exc}") from None
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise _NoFigure(f"{self.show(path)} unreadable: not JSON ({exc})") from None
+
+    def csv_rows(self, path: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
+        """The rows of a CSV file whose header has every one of `columns`."""
+        self.last = path
+        try:
+            with path.open(encoding="utf-8", newline="") as fh:
+                reader = csv.DictReader(fh)
+                rows = list(reader)
+        except FileNotFoundError:
+            raise _NoFigure(f"{self.show(path)} missing") from None
+        except (OSError, csv.Error, UnicodeDecodeError) as exc:
+            raise _NoFigure(f"{self.show(path)} unreadable: {exc}") from None
+        absent = [c for c in columns if c not in (reader.fieldnames or [])]
+        if absent:
+            raise _NoFigure(f"{self.show(path)} unreadable: no column {', '.join(absent)}")
+        return rows
+
+
+def key_figure(params_or_root: Params | Path | str, stage: str) -> str:
+    """One line for `stage` (`sample@hotpotqa`, `train`, …) from the files it wrote; never raises."""
+    group, _, item = stage.rsplit(":", 1)[-1].partition("@")
+    figure = FIGURES.get(group)
+    if figure is None:
+        return f"no figure (unknown stage {stage!r})"
+    try:
+        params = (params_or_root if isinstance(params_or_root, Params)
+                  else load_params(Path(params_or_root) / PARAMS_FILE))
+    except Exception as exc:  # noqa: BLE001 - a report line must not fail; say why there is none
+        return f"no figure (params unreadable: {exc})"
+    files = _Files(params)
+    try:
+        return figure(files, item or None)
+    except _NoFigure as exc:
+        return f"no figure ({exc})"
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+        where = files.show(files.last) if files.last is not None else stage
+        return f"no figure ({where} unreadable: {type(exc).__name__} {exc})"
+
+
+# ------------------------------------------------------------------------------------ one per stage
+
+
+def _sources(files: _Files, _item: str | None) -> str:
+    folder = files.params.path(SOURCES_DIR)
+    evals = files.json(folder / SOURCES_EVAL_FILE)
+    line = f"sources fingerprinted from the {evals['source']}, {len(evals['eval'])} evaluation files"
+    fingerprints = unreachable = 0
+    for path in sorted(folder.glob("*.json")):
+        if path.name != SOURCES_EVAL_FILE:
+            fingerprints += 1
+            unreachable += (files.json(path).get("hub") or {}).get("revision") == UNREACHABLE
+    return f"{fingerprints} {line}" + (f", {unreachable} unreachable" if unreachable else "")
+
+
+def _sample(files: _Files, dataset: str | None) -> str:
+    if dataset is not None:
+        r = files.json(files.reports("sample", f"{dataset}.json"))
+        if r["skipped"]:
+            return f"{dataset}: skipped ({r['skip_reason']})"
+        line = (f"{dataset}: {r['rows_written']} rows written of {r['rows_source']} "
+                f"({r['leaked_removed']} leaked removed")
+        return line + (f", short by {r['shortfall']})" if r["shortfall"] else ")")
+    written = leaked = 0
+    skipped: list[str] = []
+    datasets = files.params.data.train_datasets
+    for ds in datasets:  # each file's fields taken as it is read: a bad one is named
+        r = files.json(files.reports("sample", f"{ds}.json"))
+        written, leaked = written + int(r["rows_written"]), leaked + int(r["leaked_removed"])
+        skipped += [ds] if r["skipped"] else []
+    line = f"{len(datasets)} datasets: {written} rows written ({leaked} leaked removed)"
+    return line + (f", skipped: {', '.join(skipped)}" if skipped else "")
+
+
+def _validate(files: _Files, _item: str | None) -> str:
+    s = files.json(files.reports("validate", "summary.json"))
+    checked = f"{s['expectations_evaluated']} expectations on {s['files_validated']} files"
+    if s["success"]:
+        return f"passed: {checked}"
+    return (f"FAILED: {s['expectations_failed']} of {checked} failed "
+            f"({s['files_failed']} files); see {s['data_docs']}")
+
+
+def _build(files: _Files, _item: str | None) -> str:
+    s = files.json(files.reports("build", "summary.json"))
+    train = s["train"]
+    line = (f"{train['rows']} training rows from {len(train['rows_per_dataset'])} datasets, "
+            f"{s['eval_rows_total']} evaluation rows in {len(s['eval'])} sets")
+    return line + (f", skipped: {', '.join(map(str, s['skipped']))}" if s["skipped"] else "")
+
+
+def _gepa(files: _Files, _item: str | None) -> str:
+    m = files.json(files.reports("gepa", "metrics.json"))
+    return (f"held-out F1 {m['holdout_f1_seed']:.2f} → {m['holdout_f1_optimised']:.2f} "
+            f"({m['holdout_f1_delta']:+.2f}), {m['accepted']}/{m['proposals']} proposals accepted, "
+            f"{m['metric_calls']} metric calls")
+
+
+def _train(files: _Files, _item: str | None) -> str:
+    rows = files.csv_rows(files.reports("train", "steps.csv"), ("step", REWARD_COLUMN))
+    if not rows:
+        return "no training step recorded"
+    first, last = float(rows[0][REWARD_COLUMN]), float(rows[-1][REWARD_COLUMN])
+    return f"{len(rows)} steps (last step {rows[-1]['step']}), mean reward {first:.3f} → {last:.3f}"
+
+
+def _merge(files: _Files, _item: str | None) -> str:
+    model_dir = files.params.path(files.params.paths.model_dir)
+    r = files.json(model_dir / "merge_report.json")
+    return (f"step {r['step']} ({r['source']}) merged into {files.show(model_dir)}, "
+            f"max logit difference {float(r['max_abs_logit_diff']):.3g}")
+
+
+def _evaluate(files: _Files, _item: str | None) -> str:
+    m = files.json(files.reports("eval", "metrics.json"))
+    averages = m["averages"]
+
+    def score(system: str, split: str) -> str:
+        s = averages[system][split][PRIMARY_METRIC]
+        return f"{s['mean']:.2f} [{s['low']:.2f}, {s['high']:.2f}]"
+
+    line = (f"{PROMPT_R1} F1 ID {score(PROMPT_R1, 'id')}, OOD {score(PROMPT_R1, 'ood')} "
+            f"({m['rows_per_dataset']} rows per set)")
+    others = [s for s in averages if s != PROMPT_R1]
+    if not others:
+        return line
+    best = max(others, key=lambda s: averages[s]["id"][PRIMARY_METRIC]["mean"])
+    return f"{line}; best other system {best} ID {averages[best]['id'][PRIMARY_METRIC]['mean']:.2f}"
+
+
+def _register(files: _Files, _item: str | None) -> str:
+    promotion = files.json(files.reports("promotion.json"))
+    if not isinstance(promotion, dict):
+        raise TypeError("not a JSON object")
+    return promotion_line(promotion)
+
+
+def promotion_line(promotion: dict[str, Any] | None) -> str:
+    """One line: promoted or not, and why (keys written by register; unknown shapes shown as JSON)."""
+    if promotion is None:
+        return "no promotion decision (reports/promotion.json missing)"
+    promoted = promotion.get("promoted", promotion.get("promote"))
+    reason = promotion.get("reason") or promotion.get("reasons") or promotion.get("message")
+    if isinstance(reason, list):
+        reason = "; ".join(str(r) for r in reason)
+    if promoted is None:
+        return json.dumps(promotion, sort_keys=True)[:300]
+    alias = promotion.get("alias", "champion")
+    version = promotion.get("version") or promotion.get("model_version")
+    head = f"promoted to @{alias}" if promoted else f"not promoted to @{alias}"
+    if version is not None:
+        head += f" (model version {version})"
+    return f"{head}: {reason}" if reason else head
+
+
+FIGURES: dict[str, Callable[[_Files, str | None], str]] = {
+    "sources": _sources,
+    "sample": _sample,
+    "validate": _validate,
+    "build": _build,
+    "gepa": _gepa,
+    "train": _train,
+    "merge": _merge,
+    "evaluate": _evaluate,
+    "register": _register,
+}
+"""Stage (dvc.yaml name, without `@item`) → how its figure is read."""
