@@ -51,12 +51,17 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(servers, "server_command", command)
 
 
-def test_llamacpp_command_from_params(local_params):
+@pytest.mark.parametrize(("engine", "module"), [("llama.cpp", "pipeline.environment.llama_server"),
+                                              ("llama-cpp-python", "llama_cpp.server")])
+def test_llamacpp_command_from_params(local_params, engine, module):
     cfg = local_params.environment
+    cfg.server.engine = engine
     cfg.server.extra_args = ["--verbose", "false"]
     cmd = server_command(local_params)
-    assert cmd[:3] == [sys.executable, "-m", "llama_cpp.server"]
+    assert cmd[:3] == [sys.executable, "-m", module]
     args = dict(zip(cmd[3:-2:2], cmd[4:-2:2], strict=True))
+    if engine == "llama.cpp":
+        assert args.pop("--n_parallel") == "4"
     assert args["--model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and Path(args["--model"]).is_file()
     assert args["--model_alias"] == "smollm2-135m-instruct"
     assert (args["--host"], args["--port"]) == ("127.0.0.1", str(cfg.port))
@@ -215,3 +220,21 @@ def test_vllm_server_gets_only_its_gpus_and_starts_offline(local_params, tiny_ll
     env_cfg.model = "some-org/not-downloaded-model"
     with pytest.raises(EnvironmentUnavailable, match=r"run `promptr1 weights` before starting vLLM"):
         server_env(local_params)
+
+
+def test_llama_server_extra_args_set_llama_cpp_fields_by_name_and_type():
+    """`environment.server.extra_args` for the llama.cpp engine: `--name value` onto llama.cpp's params,
+    converted to the field's type; unknown names and bad values stop with one line naming them."""
+    import xllamacpp
+
+    from pipeline.environment.llama_server import set_extra
+
+    params = xllamacpp.CommonParams()
+    set_extra(params, ["--n_batch", "1024", "--cache_prompt", "false", "--n-ubatch", "256"])
+    assert (params.n_batch, params.cache_prompt, params.n_ubatch) == (1024, False, 256)
+    for bad, message in [(["--no_such_knob", "1"], "unknown llama.cpp server parameter '--no_such_knob'"),
+                         (["--n_batch", "many"], "--n_batch takes a int, got 'many'"),
+                         (["--cache_prompt", "maybe"], "--cache_prompt takes true or false"),
+                         (["--n_batch"], "must be --name value pairs")]:
+        with pytest.raises(SystemExit, match=message):
+            set_extra(params, bad)

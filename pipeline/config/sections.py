@@ -69,7 +69,7 @@ class ServerConfig(_Section):
     n_ctx: int = Field(4096, ge=256, le=1_048_576, description="llama.cpp context window (tokens).")
     n_threads: int = Field(2, ge=1, le=1024, description="llama.cpp CPU threads.")
     engine: Literal["llama.cpp", "llama-cpp-python"] = Field(
-        "llama-cpp-python", description="llamacpp backend: llama.cpp's own batching server (the xllamacpp wheel, "
+        "llama.cpp", description="llamacpp backend: llama.cpp's own batching server (the xllamacpp wheel, "
         "pipeline.environment.llama_server) or llama-cpp-python's one-request-at-a-time server.")
     parallel: int = Field(4, ge=1, le=256, description="llama.cpp engine: requests decoded together (slots).")
     startup_timeout_s: float = Field(180.0, gt=0, le=7200, description="Wait this long for /v1/models to answer.")

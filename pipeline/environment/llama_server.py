@@ -18,9 +18,11 @@ Design decisions:
   slots, and a long multi-turn environment prompt would no longer fit one slot.
 - The process blocks until SIGTERM/SIGINT and then exits; the server threads die with it. It is started
   under the owner guard like every server the pipeline runs (pipeline.environment.servers).
-- Same flags as llama-cpp-python's server where they overlap (`--model_alias`, `--n_ctx`, `--n_threads`), so
-  `environment.server.extra_args` means the same for both engines; llama.cpp's own log goes to stderr
-  (the server log file under `paths.cache_dir`).
+- Same flags as llama-cpp-python's server where they overlap (`--model_alias`, `--n_ctx`, `--n_threads`).
+  Any other `--name value` pair (`environment.server.extra_args`) sets llama.cpp's `common_params` field of
+  that name, converted to the field's type (`--n_batch 1024`, `--cache_prompt false`); an unknown name stops
+  the server with a one-line error naming it. llama.cpp's own log goes to stderr (the server log file under
+  `paths.cache_dir`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,30 @@ import sys
 import threading
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def set_extra(params: object, extra: list[str]) -> None:
+    """Apply `--name value` pairs to llama.cpp's params object, converted to each field's current type."""
+    if len(extra) % 2:
+        raise SystemExit(f"llama_server: extra arguments must be --name value pairs, got {extra}")
+    for flag, raw in zip(extra[::2], extra[1::2], strict=True):
+        name = flag.removeprefix("--").replace("-", "_")
+        if not flag.startswith("--") or not hasattr(params, name):
+            raise SystemExit(f"llama_server: unknown llama.cpp server parameter {flag!r}")
+        current = getattr(params, name)
+        if isinstance(current, bool):
+            if raw.lower() not in {"true", "false", "1", "0"}:
+                raise SystemExit(f"llama_server: {flag} takes true or false, got {raw!r}")
+            value: object = raw.lower() in {"true", "1"}
+        elif isinstance(current, int | float | str):
+            try:
+                value = type(current)(raw)
+            except ValueError:
+                raise SystemExit(f"llama_server: {flag} takes a {type(current).__name__}, got {raw!r}") from None
+        else:
+            raise SystemExit(f"llama_server: {flag} is not a plain value parameter and cannot be set here")
+        setattr(params, name, value)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m pipeline.environment.llama_server", description=__doc__)
     parser.add_argument("--model", required=True, help="GGUF file")
     parser.add_argument("--model_alias", required=True, help="name served at /v1/models")
@@ -40,11 +65,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n_ctx", type=int, default=4096, help="context shared by all slots (tokens)")
     parser.add_argument("--n_threads", type=int, default=2)
     parser.add_argument("--n_parallel", type=int, default=4, help="slots decoded together")
-    return parser.parse_args(argv)
+    return parser.parse_known_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parse_args(sys.argv[1:] if argv is None else argv)
     import xllamacpp
 
     params = xllamacpp.CommonParams()
@@ -58,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     params.cont_batching = True
     params.cpuparams.n_threads = args.n_threads
     params.cpuparams_batch.n_threads = args.n_threads
+    set_extra(params, extra)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
