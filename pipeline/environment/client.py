@@ -78,7 +78,7 @@ from openai import AsyncOpenAI
 from pipeline.environment.cache import CachedResponse, ResponseCache
 from pipeline.environment.health import FailureWindow
 from pipeline.environment.ledger import LEDGER_FILE, CostLedger
-from pipeline.environment.sanitize import register_secret
+from pipeline.environment.sanitize import redact_secrets, register_secret
 from pipeline.environment.wire import MalformedReply, parse_completion, retry_after_seconds, shorten
 from pipeline.errors import EnvironmentUnavailable, EnvironmentUnhealthy
 from pipeline.layout import is_loopback
@@ -218,8 +218,9 @@ class EnvironmentClient:
             future.set_result(result)
             if result.error is None:
                 try:
-                    self.cache.put(key, self.model, CachedResponse(result.text, result.prompt_tokens,
-                                                                   result.completion_tokens))
+                    # Stored with secrets redacted: the cache file sits in the project (SECURITY.md).
+                    self.cache.put(key, self.model, CachedResponse(redact_secrets(result.text),
+                                                                   result.prompt_tokens, result.completion_tokens))
                 except sqlite3.Error as exc:
                     logger.warning("environment response cache %s: write failed (%s); reply not cached",
                                    self.cache.path, exc)

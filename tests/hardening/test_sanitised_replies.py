@@ -216,3 +216,36 @@ def _strings(value) -> list[str]:
     if isinstance(value, list):
         return [s for v in value for s in _strings(v)]
     return []
+
+
+def test_hostile_reply_is_cached_without_secrets_and_replayed_redacted(tmp_path, monkeypatch):
+    """The response cache is a file in the project too: a reply echoing the key is stored redacted, and a
+    cache hit (temperature 0) returns that redacted text."""
+    import asyncio
+
+    from pipeline.config import EnvironmentConfig
+    from pipeline.environment.client import EnvironmentClient
+
+    canary = f"canary{uuid.uuid4().hex}"
+    monkeypatch.setenv("PROMPTR1_SANITISE_KEY", canary)
+    cache_path = tmp_path / "environment_cache.sqlite"
+
+    async def ask_twice(url: str):
+        client = EnvironmentClient(EnvironmentConfig(
+            backend="api", model="m", base_url=url, served_name="fault-model", system_prompt="Help.",
+            api_key_env="PROMPTR1_SANITISE_KEY", max_tokens=24, max_retries=0, cache=True,
+            temperature=0.0), cache_path)
+        try:
+            return (await client.reply([], "what is the capital of Italy?"),
+                    await client.reply([], "what is the capital of Italy?"))
+        finally:
+            await client.aclose()
+
+    with FaultServer(Behaviour("ok", text=hostile_reply(canary))) as server:
+        live, again = asyncio.run(ask_twice(server.url))
+        assert len(server.chat_requests) == 1  # the second answer came from the cache
+    assert canary in live.text and not live.cached
+    assert again.cached and canary not in again.text and REDACTED in again.text
+    stored = b"".join(p.read_bytes() for p in tmp_path.glob("environment_cache.sqlite*"))
+    for secret in [*SECRETS, canary]:
+        assert secret.encode() not in stored, secret
