@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from pipeline.paths import display_path
+
 FinishReason = Literal["stop", "eos", "length"]
 
 logger = logging.getLogger(__name__)
@@ -173,7 +175,8 @@ class TransformersPolicy(PolicyBackend):
         model = AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=getattr(torch, dtype), **extra)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model.to(device).eval()
-        logger.info("agent %s loaded (%s, %s, %.1f M parameters)", ref, dtype, device,
+        shown = display_path(ref, Path.cwd()) if Path(ref).exists() else ref
+        logger.info("agent %s loaded (%s, %s, %.1f M parameters)", shown, dtype, device,
                     sum(p.numel() for p in model.parameters()) / 1e6)
         return cls(model, tokenizer, device, **kwargs)
 

@@ -201,7 +201,7 @@ def run_build(params: Params) -> dict[str, Any]:
         }
     summary["eval_rows_total"] = sum(e["rows"] for e in summary["eval"].values())
     write_json_atomic(summary, params.path(params.paths.reports_dir) / "build" / "summary.json")
-    log.info(
+    log.debug(
         "built %s (%d rows) and %d evaluation files (%d rows)",
         summary["train"]["file"],
         len(rows),

@@ -181,6 +181,6 @@ def run_sources(params: Params, out_dir: Path | None = None) -> dict[str, bool]:
         os.replace(tmp, path)
         written[name] = True
     where = display_path(params.mirror, params.root) if params.mirror is not None else "the Hugging Face Hub"
-    log.info("source fingerprints of %d datasets (%s) in %s; %d changed", len(written) - 1, where,
+    log.debug("source fingerprints of %d datasets (%s) in %s; %d changed", len(written) - 1, where,
              display_path(target, params.root), sum(written.values()))
     return written

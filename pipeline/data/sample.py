@@ -244,7 +244,7 @@ def run_sample(params: Params, dataset: str) -> SampleReport:
         log.warning("%s: %s", dataset, report.warnings[-1])
     chosen = [kept[i] for i in draw_indices(len(kept), k, params.seed, dataset)]
     _write(params, report, chosen)
-    log.info(
+    log.debug(
         "%s: %d source rows, %d dropped %s, %d leaked, %d written",
         dataset,
         report.rows_source,

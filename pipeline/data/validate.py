@@ -349,8 +349,12 @@ def run_validate(params: Params, datasets: Iterable[str] | None = None) -> dict[
         shutil.rmtree(docs_dir)
     docs_dir.mkdir(parents=True)
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+    if not log.isEnabledFor(logging.DEBUG):  # `-v` keeps GX's own INFO lines
+        import great_expectations.data_context.types.base  # noqa: F401  (sets its logger to INFO on import)
+
+        for name in ("great_expectations", "great_expectations.data_context.types.base"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     context = _context(docs_dir)
-    logging.getLogger("great_expectations").setLevel(logging.WARNING)
 
     files: dict[str, Any] = {}
     for n, target in enumerate(targets):
@@ -382,5 +386,5 @@ def run_validate(params: Params, datasets: Iterable[str] | None = None) -> dict[
     write_json_atomic(summary, summary_path(params))
     if not summary["success"]:
         raise DataError(_failure_message(summary, params))
-    log.info("validated %d files, all expectations met (%.1f s)", len(files), time.perf_counter() - started)
+    log.debug("validated %d files, all expectations met (%.1f s)", len(files), time.perf_counter() - started)
     return summary

@@ -56,8 +56,17 @@ def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: 
     _run(["git", "commit", "-qm", "snapshot"], project, env, 30)
 
     started = time.perf_counter()
-    _run(["dvc", "repro"], project, env, 1500)
+    console = _run(["dvc", "repro"], project, env, 1500)
     first = time.perf_counter() - started
+    # A console worth reading: in a pipe, one start and one "done in … s: <figure>" line per stage, no
+    # progress-bar fragments, no third-party INFO chatter, no absolute paths (issue 15: <= 150 lines).
+    lines = (console.stdout + console.stderr).splitlines()
+    assert len(lines) <= 150, "\n".join(lines)
+    assert not [ln for ln in lines if "\r" in ln or "it/s]" in ln], "progress-bar fragments in a pipe"
+    assert not [ln for ln in lines if " INFO great_expectations" in ln or " INFO httpx" in ln]
+    assert str(project) not in console.stdout + console.stderr
+    stages_done = [ln.split("pipeline.cli: ", 1)[1].split(" done in ")[0] for ln in lines if " done in " in ln]
+    assert {"sources", "validate", "build", "gepa", "train", "merge", "evaluate", "register"} <= set(stages_done)
 
     # data stages
     for name in raw["data"]["train_datasets"]:
