@@ -48,6 +48,7 @@ from pipeline.errors import DataError
 from pipeline.evaluation.costs import gepa_prompt_path
 from pipeline.evaluation.systems import env_only_prompt, evaluation_params
 from pipeline.metrics import token_f1
+from pipeline.progress import progress
 from pipeline.types import UsageStats
 
 if TYPE_CHECKING:
@@ -174,9 +175,16 @@ class HistoryRecorder:
     proposals: list[dict[str, Any]] = field(default_factory=list)
     val_scores: list[dict[str, Any]] = field(default_factory=list)
     metric_calls: int = 0
+    bar: Any = None
+    """The stage's progress report (`pipeline.progress`), counted in metric calls."""
 
     def on_budget_updated(self, event: dict[str, Any]) -> None:
-        self.metric_calls = int(event["metric_calls_used"])
+        used = int(event["metric_calls_used"])
+        if self.bar is not None and used > self.metric_calls:
+            self.bar.set_postfix(proposals=len(self.proposals),
+                                 accepted=sum(p["accepted"] for p in self.proposals))
+            self.bar.update(used - self.metric_calls)
+        self.metric_calls = used
 
     def on_proposal_end(self, event: dict[str, Any]) -> None:
         self.proposals.append({"iteration": event["iteration"],
@@ -240,14 +248,15 @@ def optimise(params: Params, slices: Slices, task: EnvironmentClient,
     adapter = EnvironmentInstructionAdapter(task)
     recorder = HistoryRecorder()
     started = time.perf_counter()
-    result = optimize(
-        seed_candidate={COMPONENT: seed_instruction}, trainset=slices.train, valset=slices.val, adapter=adapter,
-        custom_candidate_proposer=ReflectionProposer(reflection, cfg.max_instruction_chars),
-        candidate_selection_strategy="pareto",
-        reflection_minibatch_size=cfg.minibatch_size, max_metric_calls=cfg.max_metric_calls,
-        logger=_LoggingLogger(), callbacks=[recorder], seed=cfg.seed, raise_on_exception=True,
-        display_progress_bar=False,
-    )
+    with progress(total=cfg.max_metric_calls, desc="GEPA", unit="metric calls") as recorder.bar:
+        result = optimize(
+            seed_candidate={COMPONENT: seed_instruction}, trainset=slices.train, valset=slices.val,
+            adapter=adapter, custom_candidate_proposer=ReflectionProposer(reflection, cfg.max_instruction_chars),
+            candidate_selection_strategy="pareto",
+            reflection_minibatch_size=cfg.minibatch_size, max_metric_calls=cfg.max_metric_calls,
+            logger=_LoggingLogger(), callbacks=[recorder], seed=cfg.seed, raise_on_exception=True,
+            display_progress_bar=False,
+        )
     optimise_s = time.perf_counter() - started
     task_usage, reflection_usage = task.take_usage(), reflection.take_usage()
     best = result.candidates[result.best_idx][COMPONENT]
