@@ -109,8 +109,10 @@ def load_eval_rows(params: Params) -> dict[str, list[EvalRow]]:
 def _load_policy(ref: str, params: Params) -> Any:
     from pipeline.agent.policy import TransformersPolicy
 
-    return TransformersPolicy.from_ref(ref, params.root, params.agent.dtype,
-                                       max_batch_size=params.evaluate.batch_size)
+    policy = TransformersPolicy.from_ref(ref, params.root, params.agent.dtype,
+                                         max_batch_size=params.evaluate.batch_size)
+    policy.autocast = params.evaluate.autocast
+    return policy
 
 
 def _release_memory() -> None:

@@ -55,6 +55,7 @@ class LogProgress:
         self._start = time.monotonic()
         self._last = self._start
         self._closed = False
+        self._emitted_n: int | None = None
 
     def __iter__(self) -> Iterator[Any]:
         assert self.iterable is not None, "LogProgress was not given an iterable"
@@ -83,8 +84,9 @@ class LogProgress:
             self._emit()
 
     def _emit(self) -> None:
-        if self.silent:
+        if self.silent or self.n == self._emitted_n:  # nothing new since the last line (e.g. at close)
             return
+        self._emitted_n = self.n
         done = f"{self.n}/{self.total}" if self.total else str(self.n)
         share = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
         extra = f", {self.postfix}" if self.postfix else ""

@@ -149,6 +149,10 @@ class TransformersPolicy(PolicyBackend):
         pad = getattr(gen_cfg, "pad_token_id", None) or getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
         self.generator = torch.Generator(device=self.device)
+        self.autocast: str | None = None
+        """Generate under torch.autocast in this dtype (`evaluate.autocast`); None: the model's own dtype.
+        Set only where nothing depends on generation-time log-probs (evaluation): training rollouts keep the
+        dtype the update recomputes in."""
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
@@ -182,6 +186,15 @@ class TransformersPolicy(PolicyBackend):
 
     def _generate_all(self, prompts: list[list[int]], limits: list[int], temperature: float, top_p: float,
                       stop: list[str], return_logprobs: bool) -> list[Generation]:
+        import torch
+
+        # Entered here, in the calling thread: autocast is thread-local and the rollout generates in a worker.
+        with torch.autocast(self.device.type, dtype=getattr(torch, self.autocast or "bfloat16"),
+                            enabled=self.autocast is not None):
+            return self._generate_sorted(prompts, limits, temperature, top_p, stop, return_logprobs)
+
+    def _generate_sorted(self, prompts: list[list[int]], limits: list[int], temperature: float, top_p: float,
+                         stop: list[str], return_logprobs: bool) -> list[Generation]:
         out: list[Generation | None] = [None] * len(prompts)
         # Similar lengths together: less padding per micro-batch.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))

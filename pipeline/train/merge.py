@@ -314,5 +314,5 @@ def run_merge(params: Params) -> MergeReport:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("merged %s (%s, step %s) into %s; max logit diff %.3g; sample %r", report.checkpoint,
-             report.source, report.step, final, report.max_abs_logit_diff, report.sample)
+             report.source, report.step, _relative(params, final), report.max_abs_logit_diff, report.sample)
     return report

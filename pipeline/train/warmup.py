@@ -279,7 +279,9 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
             t_step = time.perf_counter()
             batch = [demos[(i + (step - 1) * w.batch_size) % len(demos)] for i in range(w.batch_size)]
             optimizer.zero_grad(set_to_none=True)
-            loss, tokens = warmup_loss(model, batch, pad_id, cfg.micro_batch_size, device)
+            with torch.autocast(device.type, dtype=getattr(torch, cfg.autocast or "bfloat16"),
+                                enabled=cfg.autocast is not None):  # train.autocast, as the GRPO update
+                loss, tokens = warmup_loss(model, batch, pad_id, cfg.micro_batch_size, device)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             row = {"warmup/step": float(step), "warmup/loss": loss, "warmup/grad_norm": float(grad_norm),
