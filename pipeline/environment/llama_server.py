@@ -16,6 +16,11 @@ Design decisions:
   is started and configured from Python like the other backends.
 - **One context shared by the slots** (`kv_unified`): llama.cpp otherwise splits `n_ctx` evenly over the
   slots, and a long multi-turn environment prompt would no longer fit one slot.
+- **No busy polling** (`--poll 0`; llama.cpp's default is 50): on a 2-core machine the server shares the
+  cores with the agent's torch threads, and spinning server threads waiting for work take them away.
+  Under heavy oversubscription (tests, a kill campaign and an evaluation at once) a server with the default
+  polling was seen decoding at ~1 token/s instead of ~65; how much of that polling alone causes is not
+  measured.
 - The process blocks until SIGTERM/SIGINT and then exits; the server threads die with it. It is started
   under the owner guard like every server the pipeline runs (pipeline.environment.servers).
 - Same flags as llama-cpp-python's server where they overlap (`--model_alias`, `--n_ctx`, `--n_threads`).
@@ -65,6 +70,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--n_ctx", type=int, default=4096, help="context shared by all slots (tokens)")
     parser.add_argument("--n_threads", type=int, default=2)
     parser.add_argument("--n_parallel", type=int, default=4, help="slots decoded together")
+    parser.add_argument("--poll", type=int, default=0,
+                        help="llama.cpp threadpool busy-polling level 0-100 (0: threads sleep while idle)")
     return parser.parse_known_args(argv)
 
 
@@ -83,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     params.cont_batching = True
     params.cpuparams.n_threads = args.n_threads
     params.cpuparams_batch.n_threads = args.n_threads
+    params.cpuparams.poll = args.poll
+    params.cpuparams_batch.poll = args.poll
     set_extra(params, extra)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
