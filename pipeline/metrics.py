@@ -182,7 +182,7 @@ class SemanticSimilarity:
             from pipeline.modelref import resolve_model
 
             resolved = resolve_model(self.model_ref, self.root)
-            log.info("loading SSim model %s from %s", self.model_ref, resolved.directory)
+            log.debug("loading SSim model %s from %s", self.model_ref, resolved.directory)
             self._model = SentenceTransformer(resolved.directory, device=self.device, local_files_only=True)
         return self._model
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -42,6 +44,17 @@ NOISY_LOGGERS = ("httpx", "httpx2", "httpcore", "urllib3", "filelock", "alembic"
                  "sentence_transformers", "huggingface_hub", "mlflow.tracing.export")
 """Third-party loggers whose INFO lines are per-request or set-up chatter: WARNING unless `-v`."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+BENIGN_WARNINGS = (
+    # MLflow registers the local-artifact dataset source twice and says so for every dataset input we log.
+    "The specified dataset source can be interpreted in multiple ways",
+    # register logs the pyfunc agent without an input example on purpose: inferring one would run the
+    # agent and the environment.
+    "An input example was not provided when logging the model",
+    # The pipeline is offline by design; the merged agent's card is models/agent/README.md.
+    "The model card could not be retrieved from the hub",
+    "Unable to find license information for this model",
+)
+"""Third-party warnings that are expected here and not actionable (each says why): hidden unless `-v`."""
 
 
 def quiet_telemetry() -> None:
@@ -58,11 +71,23 @@ def configure_logging(verbose: bool = False) -> None:
     The pipeline's own long loops report through `pipeline.progress` instead.
     """
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    if not verbose:
+        for text in BENIGN_WARNINGS:
+            warnings.filterwarnings("ignore", message=f".*{re.escape(text)}")
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_hide_benign)
+        logging.getLogger("mlflow.transformers").addFilter(_hide_benign)  # MLflow's loggers do not propagate
     if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+def _hide_benign(record: logging.LogRecord) -> bool:
+    """Logging filter: False for a `BENIGN_WARNINGS` record."""
+    message = record.getMessage()
+    return not any(text in message for text in BENIGN_WARNINGS)
 
 
 @contextmanager

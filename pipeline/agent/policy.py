@@ -175,7 +175,7 @@ class TransformersPolicy(PolicyBackend):
 
         resolved = resolve_model(ref, root)
         extra = resolved.from_pretrained_kwargs()
-        tokenizer = AutoTokenizer.from_pretrained(resolved.directory, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(resolved.directory, clean_up_tokenization_spaces=False, **extra)
         model = AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=getattr(torch, dtype), **extra)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model.to(device).eval()

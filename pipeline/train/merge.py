@@ -105,7 +105,7 @@ def _verify(merged_dir: Path, expected_logits: torch.Tensor | None, dtype: torch
     """Reload what was written, compare logits with the trained model's, check it generates."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(merged_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(merged_dir), clean_up_tokenization_spaces=False)
     if not getattr(tokenizer, "chat_template", None):
         raise MergeVerificationError(f"{merged_dir}: the saved tokenizer has no chat template")
     model = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=dtype)
@@ -179,7 +179,7 @@ def _merge_verl(params: Params, actor_dir: Path, tmp: Path, dtype: torch.dtype) 
     # verl keeps the HF config and tokenizer under actor/huggingface; make sure the template travels.
     hf_dir = actor_dir / "huggingface"
     source_tok = hf_dir if hf_dir.is_dir() else None
-    tokenizer = AutoTokenizer.from_pretrained(str(source_tok or tmp))
+    tokenizer = AutoTokenizer.from_pretrained(str(source_tok or tmp), clean_up_tokenization_spaces=False)
     if not getattr(tokenizer, "chat_template", None):
         from pipeline.train.models import load_tokenizer
 

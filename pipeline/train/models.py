@@ -37,7 +37,8 @@ def load_tokenizer(ref: str, root: Path):
     from pipeline.modelref import resolve_model
 
     resolved = resolve_model(ref, root)
-    return AutoTokenizer.from_pretrained(resolved.directory, **resolved.from_pretrained_kwargs())
+    return AutoTokenizer.from_pretrained(resolved.directory, clean_up_tokenization_spaces=False,
+                                         **resolved.from_pretrained_kwargs())
 
 
 def load_causal_lm(ref: str, root: Path, dtype: torch.dtype):
