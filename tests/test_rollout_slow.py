@@ -103,7 +103,8 @@ def test_completions_policy_against_llama_cpp(repo_root, llama_server):
     prompts = [builder.start([{"role": "user", "content": q}]) for q in ("Name a colour.", "Say hello.")]
     try:
         gens = policy.generate(prompts, [12, 5], 0.0, 1.0, STOP_STRINGS, True)
-        assert policy.token_prompts is False  # llama.cpp takes text prompts only
+        # llama.cpp's own server (the default engine) takes token-id prompts; llama-cpp-python's took text only
+        assert policy.token_prompts is True
         for gen, limit in zip(gens, [12, 5], strict=True):
             assert gen.finish_reason in {"eos", "length", "stop"}
             assert gen.text.strip()
