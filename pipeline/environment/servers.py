@@ -124,26 +124,17 @@ def _knowledge_launcher(params: Params) -> list[str]:
 def llamacpp_command(cfg: EnvironmentConfig, model_path: str) -> list[str]:
     """An OpenAI-compatible llama.cpp server on a GGUF file: llama.cpp's own batching server
     (`server.engine: llama.cpp`, pipeline.environment.llama_server) or llama-cpp-python's."""
-    if cfg.server.engine == "llama.cpp":
-        return [
-            sys.executable, "-m", "pipeline.environment.llama_server",
-            "--model", model_path,
-            "--model_alias", cfg.served_name,
-            "--host", cfg.host,
-            "--port", str(cfg.port),
-            "--n_ctx", str(cfg.server.n_ctx),
-            "--n_threads", str(cfg.server.n_threads),
-            "--n_parallel", str(cfg.server.parallel),
-            *cfg.server.extra_args,
-        ]
+    llama_cpp = cfg.server.engine == "llama.cpp"
+    module = "pipeline.environment.llama_server" if llama_cpp else "llama_cpp.server"
     return [
-        sys.executable, "-m", "llama_cpp.server",
+        sys.executable, "-m", module,
         "--model", model_path,
         "--model_alias", cfg.served_name,
         "--host", cfg.host,
         "--port", str(cfg.port),
         "--n_ctx", str(cfg.server.n_ctx),
         "--n_threads", str(cfg.server.n_threads),
+        *(["--n_parallel", str(cfg.server.parallel)] if llama_cpp else []),
         *cfg.server.extra_args,
     ]
 
