@@ -29,6 +29,28 @@ BUDGET = 100.0
 # (256 + 2 x 16 + 64 + 1) x 2 prompt tokens x $0.001 + 32 x 2 completion tokens x $0.1 = $7.106.
 PER_CALL = 12 * 0.001 + 30 * 0.1
 
+SPEND_UNTIL_REFUSED = """
+async def caller():
+    while True:
+        try:
+            await client.reply([], "q")
+        except BudgetExceeded as exc:
+            return str(exc)
+
+async def main():
+    try:
+        return await asyncio.gather(*(caller() for _ in range(CALLERS)))
+    finally:
+        await client.aclose()
+
+while not go.exists():  # start together: the imports take different times
+    time.sleep(0.01)
+errors = asyncio.run(main())
+print(json.dumps({"spent": client.spent_usd, "calls": client.usage.calls, "errors": errors}))
+"""
+"""The tail of every spender script: CALLERS concurrent callers spend until the budget refuses them, then
+the process prints what it spent (each script builds `client`, `go` and CALLERS first)."""
+
 SPENDER = """
 import asyncio, json, sys, time
 from pathlib import Path
@@ -40,24 +62,8 @@ cfg = EnvironmentConfig(**json.loads(sys.argv[1]))
 go = Path(sys.argv[3])
 client = EnvironmentClient(cfg, ledger_path=Path(sys.argv[2]) if sys.argv[2] else None)
 
-async def caller():
-    while True:
-        try:
-            await client.reply([], "q")
-        except BudgetExceeded as exc:
-            return str(exc)
-
-async def main():
-    try:
-        return await asyncio.gather(*(caller() for _ in range(4)))
-    finally:
-        await client.aclose()
-
-while not go.exists():  # start together: the imports take different times
-    time.sleep(0.01)
-errors = asyncio.run(main())
-print(json.dumps({"spent": client.spent_usd, "calls": client.usage.calls, "errors": errors}))
-"""
+CALLERS = 4
+""" + SPEND_UNTIL_REFUSED
 
 HAMMER = """
 import sys
@@ -170,24 +176,8 @@ client = environment_client(LoopSettings.from_trainer_config(config), num_worker
 go = Path(sys.argv[3])
 (go.parent / f"ready-{sys.argv[4]}").touch()
 
-async def caller():
-    while True:
-        try:
-            await client.reply([], "q")
-        except BudgetExceeded as exc:
-            return str(exc)
-
-async def main():
-    try:
-        return await asyncio.gather(*(caller() for _ in range(2)))
-    finally:
-        await client.aclose()
-
-while not go.exists():
-    time.sleep(0.01)
-errors = asyncio.run(main())
-print(json.dumps({"spent": client.spent_usd, "calls": client.usage.calls, "errors": errors}))
-"""
+CALLERS = 2
+""" + SPEND_UNTIL_REFUSED
 
 
 @pytest.mark.timeout(240)
