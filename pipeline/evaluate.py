@@ -21,8 +21,10 @@ Design decisions:
   environment, the reply, tokens, latency, cost; the answer and its scores on the root), and the
   predictions table names each row's trace. Traces are made once the answers are scored, then written in
   the background while the report is drawn.
-- **One model in memory at a time.** The trained agent answers with the environment and alone, then is
-  released before the untrained `agent.model` loads for `base_agent`.
+- **Who runs the agents** (`evaluate.agent_engine`, pipeline.evaluation.agent_server): llama.cpp's server
+  on a GGUF export of the merged agent (default; each conversation keeps its KV cache between turns) or the
+  model in this process (transformers). One agent at a time: the trained agent answers with the
+  environment and alone, then its server (or model) is released before the untrained `agent.model` comes.
 - **Cost and the paper.** metrics.json also holds every system's cost (`evaluation.costs`: per question
   and one-off, GEPA's from `data/gepa/prompt.json`, GRPO's from `reports/train/steps.csv`) and the paper's
   published numbers beside ours (`evaluation.paper`).
@@ -33,7 +35,6 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ import pandas as pd
 
 from pipeline import metrics as M
 from pipeline.errors import DataError, UserError
+from pipeline.evaluation.agent_server import evaluation_policy, release_memory, rollout_batching
 from pipeline.evaluation.costs import inference_costs, one_off_costs, read_gepa_prompt
 from pipeline.evaluation.paper import paper_comparison
 from pipeline.evaluation.report import (
@@ -106,28 +108,6 @@ def load_eval_rows(params: Params) -> dict[str, list[EvalRow]]:
 
 
 
-def _load_policy(ref: str, params: Params) -> Any:
-    from pipeline.agent.policy import TransformersPolicy
-
-    policy = TransformersPolicy.from_ref(ref, params.root, params.agent.dtype,
-                                         max_batch_size=params.evaluate.batch_size)
-    policy.autocast = params.evaluate.autocast
-    return policy
-
-
-def _release_memory() -> None:
-    """Collect garbage and return cached CUDA blocks. Callers drop their own model references first
-    (`policy = None`): a function cannot free an object its caller still names."""
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-
-
 def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> dict[str, dict[str, list[Answer]]]:
     """Run the trained agent and each configured baseline on the same rows (environment started here)."""
     from pipeline.environment.client import EnvironmentClient
@@ -140,24 +120,29 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
     baselines = list(dict.fromkeys(params.evaluate.baselines))
     gepa_instruction = read_gepa_prompt(params)["optimised"]["instruction"] if "gepa" in baselines else None
     answers: dict[str, dict[str, list[Answer]]] = {}
+    batch, in_flight = rollout_batching(ep)
     with environment_server(ep):
         env = EnvironmentClient.from_params(ep)
         try:
-            policy = _load_policy(str(model_dir), params)
-            answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, ep, TRAINED)
-            if "agent_only" in baselines:
-                answers["agent_only"] = run_agent_only(policy, rows_by_ds, ep)
-            policy = None  # the trained model must be gone before the base model loads
-            _release_memory()
+            # The trained agent's server/model is gone when this block ends, before the base model comes.
+            with evaluation_policy(str(model_dir), params) as policy:
+                answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, ep, TRAINED, batch,
+                                                              in_flight)
+                if "agent_only" in baselines:
+                    answers["agent_only"] = run_agent_only(policy, rows_by_ds, ep, batch, in_flight)
+                tokenizer = policy.tokenizer  # merge wrote the base model's tokenizer: base_agent's too
+            del policy
+            release_memory()
             if "env_only" in baselines:
                 answers["env_only"] = run_env_only(env, rows_by_ds, ep)
             if gepa_instruction is not None:
                 answers["gepa"] = run_env_only(env, rows_by_ds, ep, instruction=gepa_instruction, system="gepa")
             if "base_agent" in baselines:
-                base = _load_policy(params.agent.model, params)
-                answers["base_agent"] = run_agent_with_environment(base, env, rows_by_ds, ep, "base_agent")
-                base = None
-                _release_memory()
+                with evaluation_policy(params.agent.model, params, tokenizer) as base:
+                    answers["base_agent"] = run_agent_with_environment(base, env, rows_by_ds, ep, "base_agent",
+                                                                       batch, in_flight)
+                del base
+                release_memory()
         finally:
             asyncio.run(env.aclose())
     order = [TRAINED, *[b for b in BASELINES if b in answers]]

@@ -41,7 +41,7 @@ TELEMETRY_OFF: dict[str, str] = {
 
 NOISY_LOGGERS = ("httpx", "httpx2", "httpcore", "urllib3", "filelock", "alembic", "openai._base_client",
                  "great_expectations", "mlflow.store.db.utils", "mlflow.tracking.fluent", "prefect.events",
-                 "sentence_transformers", "huggingface_hub", "mlflow.tracing.export")
+                 "sentence_transformers", "huggingface_hub", "mlflow.tracing.export", "gguf")
 """Third-party loggers whose INFO lines are per-request or set-up chatter: WARNING unless `-v`."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 BENIGN_WARNINGS = (

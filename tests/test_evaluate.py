@@ -120,6 +120,47 @@ def test_run_system_answers_every_dataset_in_batches_and_row_order():
     }
 
 
+def test_run_system_with_two_batches_in_flight_keeps_row_order_and_counts_each_row_once(monkeypatch):
+    """Batches overlap (the second starts while the first waits), answers stay in row order, and the
+    progress count is exact whether a batch counted its rows itself or left it to the harness."""
+    import asyncio
+
+    rows = {"a": [EvalRow("a", "id", i, f"a-{i}", f"q{i}", ["x"], []) for i in range(5)],
+            "b": [EvalRow("b", "ood", i, f"b-{i}", f"q{i}", ["x"], []) for i in range(3)]}
+    running, overlap = set(), []
+
+    async def answer_batch(chunk, bar):
+        key = chunk[0].id
+        running.add(key)
+        overlap.append(len(running))
+        await asyncio.sleep(0.05 if key == "a-0" else 0.01)  # the first batch is the slow one
+        running.discard(key)
+        if key == "a-2":
+            bar.update(1)  # this batch counts one row itself
+        return [Answer(prediction=r.id) for r in chunk]
+
+    import pipeline.evaluation.systems as systems
+    from pipeline.progress import LogProgress
+
+    bars = []
+    monkeypatch.setattr(systems, "progress", lambda **kw: bars.append(LogProgress(silent=True, **kw)) or bars[-1])
+    out = run_system("test", answer_batch, rows, batch_size=2, in_flight=2)
+    assert bars[0].n == 8  # every row counted once: 1 by the batch itself, 7 by the harness
+    assert max(overlap) == 2
+    assert [a.prediction for a in out["a"]] == [f"a-{i}" for i in range(5)]
+    assert [a.prediction for a in out["b"]] == [f"b-{i}" for i in range(3)]
+
+
+def test_run_system_refuses_a_batch_that_loses_rows():
+    rows = {"a": [EvalRow("a", "id", i, f"a-{i}", f"q{i}", ["x"], []) for i in range(3)]}
+
+    async def answer_batch(chunk, _bar):
+        return [Answer(prediction="only one")]
+
+    with pytest.raises(RuntimeError, match="1 answers for a batch of 3 rows"):
+        run_system("lossy", answer_batch, rows, batch_size=3)
+
+
 def test_aggregate_and_outputs_hand_computed(tmp_path, params, ssim):
     rows = _rows()
     answers = {

