@@ -43,7 +43,7 @@ import pandas as pd
 
 from pipeline import metrics as M
 from pipeline.errors import DataError, UserError
-from pipeline.evaluation.agent_server import evaluation_policy, release_memory, rollout_batching
+from pipeline.evaluation.agent_server import agent_engine, evaluation_policy, release_memory, rollout_batching
 from pipeline.evaluation.costs import inference_costs, one_off_costs, read_gepa_prompt
 from pipeline.evaluation.paper import paper_comparison
 from pipeline.evaluation.report import (
@@ -165,6 +165,7 @@ def run_evaluate(params: Params) -> dict[str, Any]:
         summary = aggregate(all_scores, rows_by_ds, params)
         summary["env_usage"] = usage_by_system(all_answers)
         summary["wall_s"] = round(time.perf_counter() - started, 1)
+        summary["agent_engine"] = agent_engine(params)  # what ran the agents (auto decided)
         summary["cost"] = {
             "prices": {"usd_per_million_prompt": params.environment.price_per_million_prompt,
                        "usd_per_million_completion": params.environment.price_per_million_completion},

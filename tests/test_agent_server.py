@@ -32,9 +32,7 @@ def test_auto_serves_a_gguf_agent_with_llama_cpp(params):
 def test_batching_follows_the_engine(params):
     params.evaluate.agent_engine = "llama.cpp"
     params.evaluate.agent_parallel = 16
-    assert rollout_batching(params) == (8, 2)  # two batches of half the slots: one slot per conversation
-    params.evaluate.agent_parallel = 1
-    assert rollout_batching(params) == (1, 1)
+    assert rollout_batching(params) == (16, 1)  # one slot per conversation, one batch at a time
     params.evaluate.agent_engine = "transformers"
     params.evaluate.batch_size = 8
     assert rollout_batching(params) == (8, 1)

@@ -86,6 +86,7 @@ def test_micro_evaluation_traces_table_and_description(tmp_path, repo_root, shar
     client = mlflow.MlflowClient()
     experiment = client.get_experiment_by_name(params.mlflow.experiment).experiment_id
     (run,) = client.search_runs([experiment], filter_string="tags.stage = 'evaluate'")
+    assert run.data.params["evaluate.agent_engine"] == "transformers" == summary["agent_engine"]
     traces = mlflow.search_traces(locations=[experiment], run_id=run.info.run_id, return_type="list")
     assert len(traces) == len(preds)  # one trace per evaluated trajectory, nothing per environment call
     by_id = {t.info.trace_id: t for t in traces}

@@ -342,7 +342,7 @@ def stop_server(server: ServerProcess, grace_s: float = STOP_GRACE_S) -> None:
         if not process_alive(server.pid):
             break
         logger.warning("server pid %d ignored %s", server.pid, sig.name)
-    logger.info("server pid %d stopped", server.pid)
+    logger.debug("server pid %d stopped", server.pid)
 
 
 @atexit.register

@@ -59,13 +59,14 @@ def agent_engine(params: Params) -> str:
 def rollout_batching(params: Params) -> tuple[int, int]:
     """(questions rolled out together, such batches in flight) for the evaluation's agents.
 
-    llama.cpp: two batches of half the server's slots each, so every conversation in flight keeps a slot
-    (and its cache) and one batch's slow last trajectories do not leave the server idle. transformers:
-    one batch of `evaluate.batch_size` at a time (the model in this process generates one batch at once).
+    llama.cpp: one batch of one question per server slot, so every conversation keeps its slot and cache.
+    One batch at a time: with two in flight, one batch's agent turns and the other's environment calls ran
+    at once, the two servers' 2 + 2 threads fought over the 2 cores and llama.cpp's decode fell from ~7 to
+    0.8 tokens/s per slot (measured in a default-profile repro). transformers: one batch of
+    `evaluate.batch_size` at a time (the model in this process generates one batch at once).
     """
     if agent_engine(params) == "llama.cpp":
-        slots = params.evaluate.agent_parallel
-        return (max(1, slots // 2), 2) if slots > 1 else (1, 1)
+        return params.evaluate.agent_parallel, 1
     return params.evaluate.batch_size, 1
 
 

@@ -322,7 +322,8 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
 
     mlflow.log_params({"evaluate.rows_per_dataset": params.evaluate.rows_per_dataset,
                        "evaluate.systems": ",".join(summary["systems"]),
-                       "evaluate.metrics_mode": params.evaluate.metrics_mode})
+                       "evaluate.metrics_mode": params.evaluate.metrics_mode,
+                       "evaluate.agent_engine": summary.get("agent_engine", params.evaluate.agent_engine)})
     mlflow.log_metrics(flat_metrics(summary))
     eval_dir = params.path(params.paths.rl_dir) / "eval"
     log_dataset_inputs({f"eval/{d}": (_input_frame(rows), eval_dir / f"{d}.parquet")

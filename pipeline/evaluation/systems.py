@@ -19,9 +19,9 @@ Design decisions:
   boundaries (a batch is what the agent generates together: every live trajectory of a turn in one policy
   batch), `in_flight` batches at once, with one event loop and one progress report per system (the rollout
   counts each finished trajectory on it). Batch sizes are the stage's choice
-  (pipeline.evaluation.agent_server.rollout_batching): with the agent behind llama.cpp's server, two
-  batches of half its slots, so one batch's slow last trajectories do not leave the server idle; with the
-  agent in this process, one batch of `evaluate.batch_size` at a time. Measured there (2-core CPU,
+  (pipeline.evaluation.agent_server.rollout_batching): with the agent behind llama.cpp's server, one
+  batch of one question per slot (two batches in flight made the agent and environment servers fight over
+  the 2 cores: 9x slower); with the agent in this process, one batch of `evaluate.batch_size`. Measured there (2-core CPU,
   SmolLM2, fp32, prompts of ~400 tokens): a decode step costs 0.15 s for 4 rows, 0.31 s for 8, 0.99 s for
   16 and 2.8 s for 48 (memory-bound), hence 8. The environment-only systems send one row per batch with
   `environment.concurrency` in flight: a slow reply holds up nothing else.
