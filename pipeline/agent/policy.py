@@ -150,9 +150,9 @@ class TransformersPolicy(PolicyBackend):
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
         self.generator = torch.Generator(device=self.device)
         self.autocast: str | None = None
-        """Generate under torch.autocast in this dtype; None: the model's own dtype. Evaluation sets
-        `evaluate.autocast`; training sets `train.autocast`, the dtype its update recomputes log-probs in
-        (the sampler's own log-probs only feed the rollout-vs-update gap metric)."""
+        """Generate under torch.autocast in this dtype (`evaluate.autocast`); None: the model's own dtype.
+        Set only where nothing depends on generation-time log-probs (evaluation): training rollouts keep the
+        model's dtype (the configuration the learning tests and the learn profile were validated in)."""
         if seed is not None:
             self.generator.manual_seed(seed)
         else:

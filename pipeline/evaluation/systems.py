@@ -24,7 +24,7 @@ Design decisions:
   the 2 cores: 9x slower); with the agent in this process, one batch of `evaluate.batch_size`. Measured there (2-core CPU,
   SmolLM2, fp32, prompts of ~400 tokens): a decode step costs 0.15 s for 4 rows, 0.31 s for 8, 0.99 s for
   16 and 2.8 s for 48 (memory-bound), hence 8. The environment-only systems send one row per batch with
-  `environment.concurrency` in flight: a slow reply holds up nothing else.
+  `evaluate.batch_size` in flight (capped by `environment.concurrency`): a slow reply holds up nothing else.
   The agent's synchronous `generate` runs in a worker thread, as in `rollout()`.
 - Loading models and starting the environment is the stage's job (`pipeline.evaluate`): the functions
   here take a ready policy and environment client.
@@ -217,8 +217,10 @@ def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
     async def answer_batch(chunk: Sequence[EvalRow], _bar: Any) -> list[Answer]:
         return list(await asyncio.gather(*(one(r) for r in chunk)))
 
-    # One row per batch, as many in flight as the client sends at once: a slow reply holds up nothing else.
-    return run_system(system, answer_batch, rows_by_ds, 1, in_flight=params.environment.concurrency)
+    # One row per batch, `evaluate.batch_size` in flight (at most what the client sends at once): a slow reply
+    # holds up nothing else, and a kill leaves at most that many calls unanswered (uncached).
+    in_flight = min(params.environment.concurrency, params.evaluate.batch_size)
+    return run_system(system, answer_batch, rows_by_ds, 1, in_flight=in_flight)
 
 
 def evaluation_params(params: Params) -> Params:

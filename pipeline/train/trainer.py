@@ -92,9 +92,6 @@ class LocalTrainer:
             from pipeline.agent.policy import TransformersPolicy
 
             self._policy = TransformersPolicy(self.models.model, self.models.tokenizer, self.device)
-            # Rollouts sample under the update's autocast: the policy that acts is the one the update
-            # differentiates (the PPO ratio's old log-probs are recomputed, not the sampler's).
-            self._policy.autocast = self.cfg.autocast
         return self._policy
 
     def draw_items(self) -> list[PromptItem]:
