@@ -43,7 +43,12 @@ import pandas as pd
 
 from pipeline import metrics as M
 from pipeline.errors import DataError, UserError
-from pipeline.evaluation.agent_server import agent_engine, evaluation_policy, release_memory, rollout_batching
+from pipeline.evaluation.agent_server import (
+    agent_engine,
+    evaluation_policy,
+    release_memory,
+    rollout_batch_size,
+)
 from pipeline.evaluation.costs import inference_costs, one_off_costs, read_gepa_prompt
 from pipeline.evaluation.paper import paper_comparison
 from pipeline.evaluation.report import (
@@ -120,16 +125,15 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
     baselines = list(dict.fromkeys(params.evaluate.baselines))
     gepa_instruction = read_gepa_prompt(params)["optimised"]["instruction"] if "gepa" in baselines else None
     answers: dict[str, dict[str, list[Answer]]] = {}
-    batch, in_flight = rollout_batching(ep)
+    batch = rollout_batch_size(ep)
     with environment_server(ep):
         env = EnvironmentClient.from_params(ep)
         try:
             # The trained agent's server/model is gone when this block ends, before the base model comes.
             with evaluation_policy(str(model_dir), params) as policy:
-                answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, ep, TRAINED, batch,
-                                                              in_flight)
+                answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, ep, TRAINED, batch)
                 if "agent_only" in baselines:
-                    answers["agent_only"] = run_agent_only(policy, rows_by_ds, ep, batch, in_flight)
+                    answers["agent_only"] = run_agent_only(policy, rows_by_ds, ep, batch)
                 tokenizer = policy.tokenizer  # merge wrote the base model's tokenizer: base_agent's too
             del policy
             release_memory()
@@ -140,7 +144,7 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
             if "base_agent" in baselines:
                 with evaluation_policy(params.agent.model, params, tokenizer) as base:
                     answers["base_agent"] = run_agent_with_environment(base, env, rows_by_ds, ep, "base_agent",
-                                                                       batch, in_flight)
+                                                                       batch)
                 del base
                 release_memory()
         finally:

@@ -14,7 +14,7 @@ from pipeline.evaluation.agent_server import (
     agent_engine,
     agent_port,
     evaluation_policy,
-    rollout_batching,
+    rollout_batch_size,
     server_params,
 )
 
@@ -38,10 +38,10 @@ def test_auto_serves_a_gguf_agent_with_llama_cpp(params):
 def test_batching_follows_the_engine(params):
     params.evaluate.agent_engine = "llama.cpp"
     params.evaluate.agent_parallel = 16
-    assert rollout_batching(params) == (16, 1)  # one slot per conversation, one batch at a time
+    assert rollout_batch_size(params) == 16  # one slot per conversation, one batch at a time
     params.evaluate.agent_engine = "transformers"
     params.evaluate.batch_size = 8
-    assert rollout_batching(params) == (8, 1)
+    assert rollout_batch_size(params) == 8
 
 
 def test_server_params_describe_the_agent_server_not_the_environment(params, tmp_path):

@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,33 +107,18 @@ def export_key(model_dir: Path, dtype: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _hf_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
-    from safetensors.numpy import load_file
+def _load_hf_tensors(model_dir: Path) -> dict[str, Any]:
+    """name -> float32 numpy array of every weights file (through torch: numpy has no bfloat16)."""
+    import torch
+    from safetensors.torch import load_file
 
+    out: dict[str, Any] = {}
     for path in _weight_files(model_dir):
         try:
             tensors = load_file(str(path))
-        except Exception as exc:
+        except Exception as exc:  # the safetensors error names little; ours names the file
             raise GGUFExportError(f"{path}: cannot read as safetensors ({exc})") from exc
-        yield from tensors.items()
-
-
-def _load_hf_tensors(model_dir: Path) -> dict[str, Any]:
-    """name -> float32 numpy array (bf16 safetensors are widened through torch)."""
-    import numpy as np
-
-    out: dict[str, Any] = {}
-    try:
-        for name, array in _hf_tensors(model_dir):
-            out[name] = array.astype(np.float32, copy=False)
-    except (TypeError, ValueError):  # numpy has no bfloat16: read through torch instead
-        import torch
-        from safetensors.torch import load_file
-
-        out = {}
-        for path in _weight_files(model_dir):
-            for name, tensor in load_file(str(path)).items():
-                out[name] = tensor.to(torch.float32).numpy()
+        out.update((name, tensor.to(torch.float32).numpy()) for name, tensor in tensors.items())
     return out
 
 

@@ -238,8 +238,8 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = False
     autocast: Literal["bfloat16"] | None = Field(
         None, description="Local backend: run the warm-up and the update's forward/backward (policy, "
-        "reference, old log-probs) under torch.autocast in this dtype; weights, optimizer and loss stay float32. bfloat16 halves a CPU "
-        "update where the CPU has bf16 instructions (AVX512-BF16/AMX; measured 17.7 s -> 8.6 s for 4x520 "
+        "reference, old log-probs) under torch.autocast in this dtype; weights, optimizer and loss stay "
+        "float32. bfloat16 halves a CPU update where the CPU has bf16 instructions (AVX512-BF16/AMX; measured 17.7 s -> 8.6 s for 4x520 "
         "tokens of SmolLM2-135M). null: float32 throughout. verl sets its own mixed precision (bf16 on GPU).")
     lora: LoraConfig = Field(default_factory=LoraConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)

@@ -18,9 +18,9 @@ Design decisions:
   server is given `n_ctx x n_parallel` cells, which llama.cpp splits evenly). In llama.cpp's unified
   cache every decode step attends over the cells of all slots (masked), so the cost of a step grows with
   every conversation in flight: in an evaluation, 16 agent conversations of ~500 tokens decoded at 1.9
-  tokens/s per slot unified (server log); `benchmarks/bench_agent_server.py` measures 16 short next turns at
-  105 completion tokens/s unified and 138 split (benchmarks/results/agent_server.json). Split caches keep each slot's
-  prompt for the next request that extends it (a conversation's next turn: llama.cpp's prompt cache).
+  tokens/s per slot unified (server log); `benchmarks/bench_agent_server.py` measures 16 short next turns
+  at 105 completion tokens/s unified and 138 split (benchmarks/results/agent_server.json). Split caches
+  keep each slot's prompt for the next request that extends it (a conversation's next turn).
 - **No busy polling** (`--poll 0`; llama.cpp's default is 50): on a 2-core machine the server shares the
   cores with the agent's torch threads, and spinning server threads waiting for work take them away.
   Under heavy oversubscription (tests, a kill campaign and an evaluation at once) a server with the default

@@ -5,8 +5,9 @@ agent directory, or `agent.model` for the untrained `base_agent`), chosen by `ev
 
 - `transformers`: `TransformersPolicy` in this process (any agent; GPU nodes). Every turn re-reads the
   whole conversation: on a 2-core CPU that prefill is most of a multi-turn evaluation.
-- `llama.cpp` (the default profile, through `auto`: chosen when `agent.model` is a GGUF file): the agent is served by llama.cpp's own server
-  (pipeline.environment.llama_server, the same launcher as the environment) on a second port, and the
+- `llama.cpp` (the default profile, through `auto`: chosen when `agent.model` is a GGUF file): the agent
+  is served by llama.cpp's own server (pipeline.environment.llama_server, the same launcher as the
+  environment) on a second port, and the
   rollout talks to it through `OpenAICompletionsPolicy` with token-id prompts (exact: no re-tokenisation of
   the prompt). A merged Hugging Face directory is first written as GGUF (pipeline.agent.gguf_export, cached
   by the weights' hash); a GGUF reference (the untrained agent) is served as it is. The server has one
@@ -56,18 +57,17 @@ def agent_engine(params: Params) -> str:
         return "transformers"
 
 
-def rollout_batching(params: Params) -> tuple[int, int]:
-    """(questions rolled out together, such batches in flight) for the evaluation's agents.
+def rollout_batch_size(params: Params) -> int:
+    """Questions the evaluation rolls out together, one batch at a time: one per server slot (llama.cpp,
+    so every conversation keeps its slot and cache) or `evaluate.batch_size` (transformers).
 
-    llama.cpp: one batch of one question per server slot, so every conversation keeps its slot and cache.
     One batch at a time: with two in flight, one batch's agent turns and the other's environment calls ran
     at once, the two servers' 2 + 2 threads fought over the 2 cores and llama.cpp's decode fell from ~7 to
-    0.8 tokens/s per slot (measured in a default-profile repro). transformers: one batch of
-    `evaluate.batch_size` at a time (the model in this process generates one batch at once).
+    0.8 tokens/s per slot (measured in a default-profile repro).
     """
     if agent_engine(params) == "llama.cpp":
-        return params.evaluate.agent_parallel, 1
-    return params.evaluate.batch_size, 1
+        return params.evaluate.agent_parallel
+    return params.evaluate.batch_size
 
 
 def agent_gguf(ref: str, params: Params) -> Path:

@@ -17,13 +17,12 @@ Design decisions:
 - **One harness** (`run_system`). A system is an `AnswerBatch`: an async function from a batch of rows to
   their answers, in row order. The harness walks ALL datasets' rows together, in batches that cross dataset
   boundaries (a batch is what the agent generates together: every live trajectory of a turn in one policy
-  batch), `in_flight` batches at once, with one event loop and one progress report per system (the rollout
-  counts each finished trajectory on it). Batch sizes are the stage's choice
-  (pipeline.evaluation.agent_server.rollout_batching): with the agent behind llama.cpp's server, one
-  batch of one question per slot (two batches in flight made the agent and environment servers fight over
-  the 2 cores: 9x slower); with the agent in this process, one batch of `evaluate.batch_size`. Measured there (2-core CPU,
-  SmolLM2, fp32, prompts of ~400 tokens): a decode step costs 0.15 s for 4 rows, 0.31 s for 8, 0.99 s for
-  16 and 2.8 s for 48 (memory-bound), hence 8. The environment-only systems send one row per batch with
+  batch), with one event loop and one progress report per system (the rollout counts each finished
+  trajectory on it). The agents run one batch at a time, its size the stage's choice
+  (pipeline.evaluation.agent_server.rollout_batch_size): one question per slot of llama.cpp's agent server,
+  or `evaluate.batch_size` with the agent in this process. Measured there (2-core CPU, SmolLM2, fp32,
+  prompts of ~400 tokens): a decode step costs 0.15 s for 4 rows, 0.31 s for 8, 0.99 s for 16 and 2.8 s
+  for 48 (memory-bound), hence 8. The environment-only systems send one row per batch with
   `evaluate.batch_size` in flight (capped by `environment.concurrency`): a slow reply holds up nothing else.
   The agent's synchronous `generate` runs in a worker thread, as in `rollout()`.
 - Loading models and starting the environment is the stage's job (`pipeline.evaluate`): the functions
@@ -95,8 +94,8 @@ def run_system(system: str, answer_batch: AnswerBatch, rows_by_ds: dict[str, lis
                batch_size: int, in_flight: int = 1) -> dict[str, list[Answer]]:
     """All datasets' rows through `answer_batch`, `batch_size` at a time across datasets; answers per dataset.
 
-    `in_flight` batches run at once (as the next one starts when one finishes): while one batch waits on
-    its last slow trajectories, the next keeps the agent and the environment busy.
+    `in_flight` batches run at once (the next starts when one finishes): the environment-only systems send
+    one row per batch, so a slow reply holds up nothing else. The agents' rollouts keep the default of 1.
     """
     flat = [(name, row) for name, rows in rows_by_ds.items() for row in rows]
     chunks = [[row for _, row in flat[start : start + batch_size]] for start in range(0, len(flat), batch_size)]
@@ -137,10 +136,9 @@ def _prompt_items(rows: Sequence[EvalRow]) -> list[PromptItem]:
 
 
 def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
-                               system: str, batch_size: int | None = None, in_flight: int = 1,
-                               ) -> dict[str, list[Answer]]:
+                               system: str, batch_size: int | None = None) -> dict[str, list[Answer]]:
     """`rollout()` (greedy) on every dataset: the trained agent (`prompt_r1`) or the untrained one.
-    `batch_size` questions together (default `evaluate.batch_size`), `in_flight` such batches at once."""
+    `batch_size` questions together (default `evaluate.batch_size`)."""
 
     async def answer_batch(chunk: Sequence[EvalRow], bar: Any) -> list[Answer]:
         trajs = await rollout(
@@ -153,11 +151,11 @@ def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list
         )
         return [_answer_from(t) for t in trajs]
 
-    return run_system(system, answer_batch, rows_by_ds, batch_size or params.evaluate.batch_size, in_flight)
+    return run_system(system, answer_batch, rows_by_ds, batch_size or params.evaluate.batch_size)
 
 
 def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
-                   batch_size: int | None = None, in_flight: int = 1) -> dict[str, list[Answer]]:
+                   batch_size: int | None = None) -> dict[str, list[Answer]]:
     """The agent answers alone in one turn (no environment): greedy, stops at `</answer>`."""
     builder = ConversationBuilder(policy.tokenizer)
     instruction = params.evaluate.agent_only_instruction
@@ -184,7 +182,7 @@ def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Pa
             ))
         return answers
 
-    return run_system("agent_only", answer_batch, rows_by_ds, batch_size or params.evaluate.batch_size, in_flight)
+    return run_system("agent_only", answer_batch, rows_by_ds, batch_size or params.evaluate.batch_size)
 
 
 def env_only_prompt(question: str, instruction: str) -> str:
