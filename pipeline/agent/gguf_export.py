@@ -128,19 +128,43 @@ def export_gguf(model_dir: str | Path, template_gguf: str | Path, out_path: str 
     Raises GGUFExportError naming the file and the first mismatch (architecture, layer count, a missing or
     differently shaped tensor). The file appears complete or not at all.
     """
-    import gguf
-    import numpy as np
-
-    model_dir, template_gguf, out_path = Path(model_dir), Path(template_gguf), Path(out_path)
+    model_dir = Path(model_dir)
     if dtype not in DTYPES:
         raise GGUFExportError(f"evaluate.agent_gguf_dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise GGUFExportError(f"{model_dir / 'config.json'}: cannot read the model config ({exc})") from exc
+    return write_gguf(config, lambda: _load_hf_tensors(model_dir), template_gguf, out_path, dtype, str(model_dir))
+
+
+def export_model(model: Any, template_gguf: str | Path, out_path: str | Path, dtype: str = "f16") -> Path:
+    """Write an in-memory transformers Llama (`model`, e.g. the policy being trained) as GGUF at `out_path`:
+    `export_gguf` without saving the model first (its state dict is read in float32)."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise GGUFExportError(f"GGUF dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+
+    def tensors() -> dict[str, Any]:
+        with torch.no_grad():
+            return {name: t.detach().to(torch.float32).cpu().numpy() for name, t in model.state_dict().items()}
+
+    return write_gguf(model.config.to_dict(), tensors, template_gguf, out_path, dtype, f"the {type(model).__name__}")
+
+
+def write_gguf(config: dict[str, Any], tensors: Any, template_gguf: str | Path, out_path: str | Path, dtype: str,
+               source: str) -> Path:
+    """The export itself: `config` (a Hugging Face config dict) and `tensors()` (name -> float32 array, by
+    Hugging Face names) checked against `template_gguf` and written atomically; `source` names the model in
+    errors."""
+    import gguf
+    import numpy as np
+
+    template_gguf, out_path = Path(template_gguf), Path(out_path)
     if config.get("model_type") != "llama":
         raise GGUFExportError(
-            f"{model_dir}: model_type {config.get('model_type')!r}; the GGUF export writes Llama models only "
+            f"{source}: model_type {config.get('model_type')!r}; the GGUF export writes Llama models only "
             "(set evaluate.agent_engine: transformers for this agent)")
     reader = gguf.GGUFReader(str(template_gguf))
     arch = reader.fields["general.architecture"].contents()
@@ -150,7 +174,7 @@ def export_gguf(model_dir: str | Path, template_gguf: str | Path, out_path: str 
     n_head_kv = int(reader.fields["llama.attention.head_count_kv"].contents())
     if config.get("num_attention_heads") != n_head or config.get("num_key_value_heads", n_head) != n_head_kv:
         raise GGUFExportError(
-            f"{model_dir}: {config.get('num_attention_heads')}/{config.get('num_key_value_heads')} attention/KV "
+            f"{source}: {config.get('num_attention_heads')}/{config.get('num_key_value_heads')} attention/KV "
             f"heads, the template {template_gguf.name} has {n_head}/{n_head_kv}: not the same architecture")
 
     theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
@@ -161,22 +185,22 @@ def export_gguf(model_dir: str | Path, template_gguf: str | Path, out_path: str 
     for key, ours, field in checks:
         theirs = reader.fields[field].contents() if field in reader.fields else None
         if ours is not None and theirs is not None and abs(float(ours) - float(theirs)) > 1e-6 * abs(float(theirs)):
-            raise GGUFExportError(f"{model_dir}: config {key}={ours}, the template {template_gguf.name} has "
+            raise GGUFExportError(f"{source}: config {key}={ours}, the template {template_gguf.name} has "
                                   f"{field}={theirs}: not the same architecture")
 
-    hf = _load_hf_tensors(model_dir)
+    hf = tensors()
     by_gguf = {gguf_name(name): (name, array) for name, array in hf.items() if gguf_name(name)}
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}  # ggml -> numpy order
     for name, shape in shapes.items():
         if name not in by_gguf:
-            raise GGUFExportError(f"{model_dir}: no tensor for {name} of {template_gguf.name}")
+            raise GGUFExportError(f"{source}: no tensor for {name} of {template_gguf.name}")
         got = tuple(by_gguf[name][1].shape)
         if got != shape:
-            raise GGUFExportError(f"{model_dir}: {by_gguf[name][0]} has shape {got}, {template_gguf.name}'s "
+            raise GGUFExportError(f"{source}: {by_gguf[name][0]} has shape {got}, {template_gguf.name}'s "
                                   f"{name} has {shape}")
     extra = sorted(set(by_gguf) - set(shapes) - {"output.weight"})
     if extra:
-        raise GGUFExportError(f"{model_dir}: tensors the template has no place for: {extra[:5]}")
+        raise GGUFExportError(f"{source}: tensors the template has no place for: {extra[:5]}")
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")

@@ -199,10 +199,11 @@ def _append(traj: Trajectory, ids: list[int], mask: int, logprobs: list[float] |
     if traj.response_logprobs is not None:
         if mask and logprobs is not None and len(logprobs) == len(ids):
             traj.response_logprobs.extend(logprobs)
-        else:
+        else:  # environment tokens (0.0: never read), or agent tokens the policy has no log-probs for (NaN:
+            # a server whose tokens did not line up with the re-encoded ids; the trainer skips them)
             if mask:
-                logger.warning("policy returned no log-probs for %d agent tokens: filled with 0.0", len(ids))
-            traj.response_logprobs.extend([0.0] * len(ids))
+                logger.debug("policy returned no log-probs for %d agent tokens: recorded as NaN", len(ids))
+            traj.response_logprobs.extend([float("nan") if mask else 0.0] * len(ids))
 
 
 def run_rollout(*args: Any, **kwargs: Any) -> list[Trajectory]:

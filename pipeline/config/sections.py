@@ -241,6 +241,14 @@ class TrainConfig(_Section):
         "reference, old log-probs) under torch.autocast in this dtype; weights, optimizer and loss stay "
         "float32. bfloat16 halves a CPU update where the CPU has bf16 instructions (AVX512-BF16/AMX; measured 17.7 s -> 8.6 s for 4x520 "
         "tokens of SmolLM2-135M). null: float32 throughout. verl sets its own mixed precision (bf16 on GPU).")
+    rollout_engine: Literal["auto", "llama.cpp", "transformers"] = Field(
+        "auto", description="Local backend: what samples the GRPO rollouts. llama.cpp: each step's policy "
+        "exported to GGUF from memory and served by llama.cpp's server (pipeline/train/rollout_engine.py; each "
+        "conversation keeps its KV cache between turns); transformers: the policy in this process. The update "
+        "recomputes every log-prob with the policy either way. auto: llama.cpp on a CPU-only machine for a full "
+        "fine-tune of a Llama agent whose agent.model is a GGUF file, else transformers.")
+    rollout_gguf_dtype: Literal["f16", "f32", "bf16"] = Field(
+        "f16", description="rollout_engine llama.cpp: the policy's matrices in each step's GGUF export.")
     lora: LoraConfig = Field(default_factory=LoraConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     verl: VerlConfig = Field(default_factory=VerlConfig)

@@ -249,13 +249,15 @@ def server_env(params: Params) -> dict[str, str]:
     return env
 
 
-def start_server(params: Params, *, detached: bool = False, role: str = "environment") -> ServerProcess:
+def start_server(params: Params, *, detached: bool = False, role: str = "environment",
+                 quiet: bool = False) -> ServerProcess:
     """Start the local server for `params.environment` and wait until it is healthy.
 
     Raises EnvironmentUnavailable with the log's tail if it exits or does not become healthy within
     `server.startup_timeout_s`. The process is stopped if waiting is interrupted (KeyboardInterrupt too).
     `detached` servers are not stopped when this interpreter exits. `role` names the server in log lines
-    and its log file ("environment"; "agent" when evaluation serves the agent the same way).
+    and its log file ("environment"; "agent" when evaluation serves the agent the same way); `quiet` logs
+    its start at DEBUG (a server started once per training step).
     """
     cfg = params.environment
     _check_startable(params)
@@ -266,8 +268,9 @@ def start_server(params: Params, *, detached: bool = False, role: str = "environ
     if not detached:  # stopped even if this process is SIGKILLed (pipeline.environment.guard)
         command = guarded(command)
     log_path = cache_dir(params) / f"{role}_server_{cfg.backend}_{cfg.port}.log"
-    logger.info("starting the %s %s server %s on %s (log: %s)", cfg.backend, role, cfg.served_name,
-                cfg.url, display_path(log_path, params.root))
+    level = logging.DEBUG if quiet else logging.INFO
+    logger.log(level, "starting the %s %s server %s on %s (log: %s)", cfg.backend, role, cfg.served_name,
+               cfg.url, display_path(log_path, params.root))
     logger.debug("environment server command: %s", shlex.join(command))
     with open(log_path, "wb") as log:
         try:
@@ -286,7 +289,7 @@ def start_server(params: Params, *, detached: bool = False, role: str = "environ
     except BaseException:
         stop_server(server)
         raise
-    logger.info("%s server healthy at %s (pid %d)", role, server.url, server.pid)
+    logger.log(level, "%s server healthy at %s (pid %d)", role, server.url, server.pid)
     return server
 
 
@@ -357,7 +360,7 @@ def started_server(url: str) -> ServerProcess | None:
 
 
 @contextmanager
-def environment_server(params: Params, role: str = "environment") -> Iterator[str]:
+def environment_server(params: Params, role: str = "environment", quiet: bool = False) -> Iterator[str]:
     """Make the configured environment reachable for the block; yields its base URL (ending in /v1).
 
     Reuses a healthy server at the URL (and leaves it running); backend api starts nothing but needs its
@@ -374,7 +377,7 @@ def environment_server(params: Params, role: str = "environment") -> Iterator[st
         logger.info("reusing the %s server already answering at %s", role, cfg.url)
         yield cfg.url
         return
-    server = start_server(params, role=role)
+    server = start_server(params, role=role, quiet=quiet)
     try:
         yield server.url
     finally:

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.agent.served import served_params, served_policy
 from pipeline.errors import UserError
 from pipeline.paths import display_path
 
@@ -37,11 +38,6 @@ if TYPE_CHECKING:
     from pipeline.config import Params
 
 logger = logging.getLogger(__name__)
-
-
-def agent_port(params: Params) -> int:
-    """`evaluate.agent_port`, or the port after the environment's."""
-    return params.evaluate.agent_port or params.environment.port + 1
 
 
 def agent_engine(params: Params) -> str:
@@ -94,24 +90,9 @@ def agent_gguf(ref: str, params: Params) -> Path:
 
 
 def server_params(gguf_path: Path, params: Params) -> Params:
-    """Params whose `environment` section describes the agent's llama.cpp server (for servers.py)."""
-    ev = params.evaluate
-    p = params.model_copy(deep=True)
-    p.root = params.root
-    env = p.environment
-    env.backend = "llamacpp"
-    env.model = str(gguf_path)
-    env.served_name = gguf_path.stem if gguf_path.stem.startswith("agent-") else f"agent-{gguf_path.stem}"
-    env.port = agent_port(params)
-    env.base_url = ""
-    server = env.server
-    server.engine = "llama.cpp"
-    server.parallel = ev.agent_parallel
-    # Every slot holds one whole conversation: the prompt and all turns of its response (each slot has a
-    # KV cache of its own: pipeline.environment.llama_server).
-    server.n_ctx = params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64
-    server.extra_args = []
-    return p
+    """Params whose `environment` section describes the evaluation agent's llama.cpp server (for servers.py):
+    one slot per question rolled out together (`evaluate.agent_parallel`)."""
+    return served_params(gguf_path, params, params.evaluate.agent_parallel)
 
 
 def _tokenizer(ref: str, params: Params) -> Any:
@@ -143,23 +124,10 @@ def evaluation_policy(ref: str, params: Params, tokenizer: Any = None) -> Iterat
         yield policy  # the caller drops its name for it and calls release_memory()
         return
 
-    from pipeline.agent.completions_policy import OpenAICompletionsPolicy
-    from pipeline.environment.servers import environment_server
-
     gguf_path = agent_gguf(ref, params)
-    sp = server_params(gguf_path, params)
     tokenizer = tokenizer if tokenizer is not None else _tokenizer(ref, params)
-    with environment_server(sp, role="agent") as url:
-        policy = OpenAICompletionsPolicy(url, sp.environment.served_name, tokenizer,
-                                         concurrency=params.evaluate.agent_parallel, token_prompts=True)
-        try:
-            yield policy
-        finally:
-            policy.close()
-            if policy.prompt_tokens:
-                logger.info("agent server: %d of %d prompt tokens came from its cache (%.0f%%)",
-                            policy.cached_prompt_tokens, policy.prompt_tokens,
-                            100 * policy.cached_prompt_tokens / policy.prompt_tokens)
+    with served_policy(gguf_path, params, tokenizer, params.evaluate.agent_parallel) as policy:
+        yield policy
 
 
 def release_memory() -> None:

@@ -51,7 +51,7 @@ from pipeline.train.models import (
 )
 from pipeline.train.questions import QuestionSampler, load_training_set, prompt_item_from_row
 from pipeline.train.resume import discard_stale_checkpoints, training_config
-from pipeline.train.step_metrics import StepsLog, log_mlflow_metrics, steps_csv_path
+from pipeline.train.step_metrics import StepsLog, log_mlflow_metrics, set_run_tag, steps_csv_path
 from pipeline.train.trainer import LocalTrainer
 from pipeline.train.trajectory_log import TRAJECTORIES_FILE, TrajectoryLog, log_step_traces
 
@@ -118,6 +118,10 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
             if cfg.steps == 0:
                 return warm_metrics
         env = EnvironmentClient.from_params(params)
+        if end > start:
+            log.info("GRPO rollouts sampled by %s", "llama.cpp's server (the policy exported to GGUF each step)"
+                     if trainer.engine == "llama.cpp" else "the policy in this process (transformers)")
+            set_run_tag("train.rollout_engine_used", trainer.engine)
         bar = progress(range(start + 1, end + 1), desc="GRPO", unit="step", total=end - start)
         try:
             for step in bar:

@@ -131,3 +131,11 @@ def log_mlflow_metrics(metrics: dict[str, float], step: int) -> None:
         return
     clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
     mlflow.log_metrics(clean, step=step)
+
+
+def set_run_tag(key: str, value: str) -> None:
+    """Tag the active MLflow run, if any (what a run decided at run time, e.g. the rollout engine)."""
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.set_tag(key, value)

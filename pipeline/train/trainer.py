@@ -3,7 +3,9 @@
 A step reads top to bottom:
 1. draw `batch_size` questions (`pipeline.train.questions`: seeded shuffle per epoch, position checkpointed);
 2. roll out G trajectories per question with the core rollout (`pipeline.agent.rollout`, the same code
-   evaluation and `promptr1 ask` use) against the environment, scored by `pipeline.reward`;
+   evaluation and `promptr1 ask` use) against the environment, scored by `pipeline.reward`; the policy
+   samples in this process or through llama.cpp's server (`train.rollout_engine`,
+   `pipeline.train.rollout_engine`);
 3. GRPO update (`pipeline.train.grpo`: verl's advantage, clipped loss, low-var KL, token-mean), over
    PPO mini-batches of `mini_batch_size` questions, in micro-batches of `micro_batch_size` trajectories;
 4. its metrics under verl's names (`pipeline.train.step_metrics`); the caller logs and checkpoints them.
@@ -35,9 +37,11 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import pandas as pd
 import torch
@@ -47,6 +51,7 @@ from pipeline.train.batch import RolloutBatch, collate, response_log_probs
 from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
 from pipeline.train.models import PolicyModels
 from pipeline.train.questions import QuestionSampler, prompt_item_from_row
+from pipeline.train.rollout_engine import rollout_engine
 from pipeline.train.step_metrics import rollout_metrics
 from pipeline.types import PromptItem, Trajectory
 
@@ -79,6 +84,8 @@ class LocalTrainer:
                                            weight_decay=self.cfg.weight_decay)
         self.temperature = params.agent.temperature if params.agent.temperature > 0 else 1.0
         self._policy = None
+        self.engine = rollout_engine(params, models.model)
+        """What samples the rollouts: `transformers` or `llama.cpp` (pipeline.train.rollout_engine)."""
 
     def autocast(self):
         """`train.autocast`: the update's forwards (and so their backward) under torch.autocast; a no-op when
@@ -94,6 +101,21 @@ class LocalTrainer:
             self._policy = TransformersPolicy(self.models.model, self.models.tokenizer, self.device)
         return self._policy
 
+    @contextmanager
+    def rollout_policy(self, step: int, trajectories: int) -> Iterator[Any]:
+        """The policy that samples this step's rollout (`train.rollout_engine`, pipeline.train.rollout_engine).
+        Sampling depends on (seed, step) only, so a resumed run samples what the killed one would have."""
+        if self.engine == "llama.cpp":
+            from pipeline.train.rollout_engine import served_step_policy
+
+            with served_step_policy(self.models.model, self.models.tokenizer, self.params, step,
+                                    trajectories) as policy:
+                yield policy
+            return
+        policy = self.policy()
+        policy.generator.manual_seed(self.params.seed * 1_000_003 + step)
+        yield policy
+
     def draw_items(self) -> list[PromptItem]:
         rows = self.sampler.next_batch(self.cfg.batch_size)
         records = self.frame.iloc[rows].to_dict("records")
@@ -104,11 +126,8 @@ class LocalTrainer:
         from pipeline.reward import reward_for_trajectory
 
         a = self.params.agent
-        policy = self.policy()
-        # Sampling depends on (seed, step) only, so a resumed run samples what the killed one would have.
-        policy.generator.manual_seed(self.params.seed * 1_000_003 + step)
         self.models.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.rollout_policy(step, len(items) * self.cfg.group_size) as policy:
             trajectories = run_rollout(
                 policy, env, items, group_size=self.cfg.group_size, max_turns=a.max_turns,
                 max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
@@ -197,6 +216,7 @@ class LocalTrainer:
                                                           else value * share)
                     if _epoch == 0 and batch.sampling_log_probs is not None:
                         gap = (old - batch.sampling_log_probs).abs()[batch.response_mask.bool()]
+                        gap = gap[torch.isfinite(gap)]  # NaN: a token the rollout's server gave no log-prob
                         if gap.numel():
                             diffs.extend(gap.tolist())
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.models.trainable_parameters(), self.cfg.grad_clip)

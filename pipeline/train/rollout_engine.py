@@ -1,0 +1,83 @@
+"""What samples the local trainer's GRPO rollouts: the policy in this process, or llama.cpp serving it.
+
+`train.rollout_engine` (local backend):
+
+- `transformers`: `TransformersPolicy` over the model being trained. Every turn re-reads the whole
+  conversation (no KV cache between turns), which on a 2-core CPU is most of a multi-turn rollout.
+- `llama.cpp`: at each step the policy's current weights are written as GGUF from memory
+  (pipeline.agent.gguf_export.export_model: the base GGUF's metadata and tokenizer, `train.rollout_gguf_dtype`
+  matrices) and served by llama.cpp's batching server (pipeline.agent.served), one slot per trajectory, for
+  that step's rollout; the server stops and the file is deleted after it. verl does the same on GPU nodes
+  with vLLM (weights synced to the inference engine each step). The update recomputes every log-prob with
+  the policy itself (old log-probs included), so the sampler's numerics only decide which tokens are
+  sampled; `training/rollout_logprob_diff_*` reports how far llama.cpp's log-probs were from the
+  policy's on the tokens both have. Sampling is seeded per (seed, step, turn, trajectory): a resumed step
+  asks for what the killed one did (llama.cpp's batched decode may still flip a rare near-tie).
+- `auto`: llama.cpp on a machine without CUDA for a full fine-tune (no LoRA) of a Llama agent whose
+  `agent.model` is a GGUF file (the export's template); transformers otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
+
+logger = logging.getLogger(__name__)
+
+
+def rollout_engine(params: Params, model: Any = None) -> str:
+    """`train.rollout_engine` with `auto` decided (see module docstring); `model`: the policy, if loaded."""
+    engine = params.train.rollout_engine
+    if engine != "auto":
+        return engine
+    import torch
+
+    from pipeline.modelref import ModelRefError, resolve_model
+
+    if torch.cuda.is_available() or params.train.lora.enabled:
+        return "transformers"
+    if model is not None and getattr(getattr(model, "config", None), "model_type", None) != "llama":
+        return "transformers"
+    try:
+        return "llama.cpp" if resolve_model(params.agent.model, params.root).gguf_file else "transformers"
+    except ModelRefError:
+        return "transformers"
+
+
+@contextmanager
+def served_step_policy(model: Any, tokenizer: Any, params: Params, step: int, parallel: int) -> Iterator[Any]:
+    """The policy `model` as it is now, served by llama.cpp for one step's rollout (module docstring)."""
+    from pipeline.agent.gguf_export import GGUFExportError, export_model
+    from pipeline.agent.served import served_policy
+    from pipeline.errors import UserError
+    from pipeline.modelref import ModelRefError, resolve_model
+
+    try:
+        template = resolve_model(params.agent.model, params.root)
+    except ModelRefError as exc:
+        raise UserError(f"train.rollout_engine=llama.cpp: {exc}") from exc
+    if not template.gguf_file:
+        raise UserError(f"train.rollout_engine=llama.cpp exports the policy with agent.model's GGUF file as its "
+                        f"template; agent.model={params.agent.model!r} is not a GGUF file: set "
+                        "train.rollout_engine: transformers")
+    folder = params.path(params.paths.cache_dir) / "train_rollout"
+    path = folder / f"agent-train-step{step}-{os.getpid()}.gguf"
+    t0 = time.perf_counter()
+    try:
+        export_model(model, template.location, path, params.train.rollout_gguf_dtype)
+    except GGUFExportError as exc:
+        raise UserError(f"train.rollout_engine=llama.cpp: {exc} (set train.rollout_engine: transformers)") from exc
+    logger.debug("step %d policy exported to GGUF in %.1f s", step, time.perf_counter() - t0)
+    try:
+        with served_policy(path, params, tokenizer, parallel, quiet=True) as policy:
+            policy.seed = (params.seed * 1_000_003 + step) % (2**31)
+            yield policy
+    finally:
+        path.unlink(missing_ok=True)
