@@ -138,6 +138,7 @@ def main() -> None:
     import torch
 
     from pipeline.config import deep_merge, load_params, parse_override
+    from pipeline.hardware import cpu_capability, native_bf16, resolve_autocast
     from pipeline.train.stage import run_train
 
     scratch = Path(tempfile.mkdtemp(prefix="bench_train_"))
@@ -202,7 +203,10 @@ def main() -> None:
         })
     result = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "cpu_capability": cpu_capability(),
+                    "native_bf16": native_bf16("cpu")},
+        "autocast_used": resolve_autocast(params.train.autocast, "cpu", "train.autocast") or "float32",
+        "rollout_engine": params.train.rollout_engine,
         "params": {"train": params.train.model_dump(mode="json", exclude={"verl"}),
                    "agent": params.agent.model_dump(mode="json"),
                    "environment": {"backend": params.environment.backend, "model": params.environment.model,

@@ -236,11 +236,13 @@ class TrainConfig(_Section):
     keep_stale_checkpoints: int = Field(
         1, ge=0, le=100, description="Checkpoint folders of changed params set aside (not deleted), newest kept.")
     gradient_checkpointing: bool = False
-    autocast: Literal["bfloat16"] | None = Field(
-        None, description="Local backend: run the warm-up and the update's forward/backward (policy, "
+    autocast: Literal["auto", "bfloat16"] | None = Field(
+        "auto", description="Local backend: run the warm-up and the update's forward/backward (policy, "
         "reference, old log-probs) under torch.autocast in this dtype; weights, optimizer and loss stay "
-        "float32. bfloat16 halves a CPU update where the CPU has bf16 instructions (AVX512-BF16/AMX; measured 17.7 s -> 8.6 s for 4x520 "
-        "tokens of SmolLM2-135M). null: float32 throughout. verl sets its own mixed precision (bf16 on GPU).")
+        "float32. bfloat16 halves a CPU update where the CPU has bf16 instructions (AVX512-BF16/AMX; measured "
+        "17.7 s -> 8.6 s for 4x520 tokens of SmolLM2-135M) and is ~100x slower where it has not (AVX2). "
+        "auto: bfloat16 where the device multiplies bf16 natively, else float32 (pipeline/hardware.py). "
+        "null: float32 throughout. verl sets its own mixed precision (bf16 on GPU).")
     rollout_engine: Literal["auto", "llama.cpp", "transformers"] = Field(
         "auto", description="Local backend: what samples the GRPO rollouts. llama.cpp: each step's policy "
         "exported to GGUF from memory and served by llama.cpp's server (pipeline/train/rollout_engine.py; each "
@@ -266,10 +268,12 @@ class EvaluateConfig(_Section):
     batch_size: int = Field(8, gt=0, le=4096, description=(
         "Questions rolled out together, across datasets: one policy batch per turn (and the policy's"
         " micro-batch size during evaluation)."))
-    autocast: Literal["bfloat16"] | None = Field(
-        "bfloat16", description="The agents' generation during evaluation under torch.autocast in this dtype "
-        "(greedy; no log-probs are used). On the 2-core CPU (AVX512-BF16) it halves the prefill, which "
-        "dominates multi-turn evaluation: 3.6 s -> 1.7 s for 4 prompts of ~400 tokens. null: the model's dtype.")
+    autocast: Literal["auto", "bfloat16"] | None = Field(
+        "auto", description="transformers engine: the agents' generation during evaluation under torch.autocast "
+        "in this dtype (greedy; no log-probs are used). On a 2-core CPU with AVX512-BF16 it halves the prefill, "
+        "which dominates multi-turn evaluation: 3.6 s -> 1.7 s for 4 prompts of ~400 tokens; on an AVX2 CPU it "
+        "is ~100x slower. auto: bfloat16 where the device multiplies bf16 natively (pipeline/hardware.py). "
+        "null: the model's dtype.")
     agent_engine: Literal["auto", "llama.cpp", "transformers"] = Field(
         "auto", description="What runs the agents (trained and untrained) during evaluation: llama.cpp's "
         "server on a GGUF export of the merged agent (pipeline/evaluation/agent_server.py; keeps each "

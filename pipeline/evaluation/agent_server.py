@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.agent.served import served_params, served_policy
 from pipeline.errors import UserError
+from pipeline.hardware import resolve_autocast
 from pipeline.paths import display_path
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def evaluation_policy(ref: str, params: Params, tokenizer: Any = None) -> Iterat
 
         policy = TransformersPolicy.from_ref(ref, params.root, params.agent.dtype,
                                              max_batch_size=params.evaluate.batch_size)
-        policy.autocast = params.evaluate.autocast
+        policy.autocast = resolve_autocast(params.evaluate.autocast, policy.device, "evaluate.autocast")
         yield policy  # the caller drops its name for it and calls release_memory()
         return
 

@@ -96,6 +96,9 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     models = load_policy_models(params, folder, device)
     sampler = QuestionSampler(len(frame), params.seed, state.epoch if state else 0, state.position if state else 0)
     trainer = LocalTrainer(params, models, frame, device, sampler)
+    log.info("warm-up and updates in %s (train.autocast: %s)", trainer.autocast_dtype or "float32",
+             cfg.autocast)
+    set_run_tag("train.autocast_used", trainer.autocast_dtype or "float32")
     if warmed and models.reference is not None:
         _load_warmed_reference(models, root, params.agent.model)
     if folder is not None:

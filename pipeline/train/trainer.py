@@ -47,6 +47,7 @@ import pandas as pd
 import torch
 
 from pipeline.config import Params
+from pipeline.hardware import resolve_autocast
 from pipeline.train.batch import RolloutBatch, collate, response_log_probs
 from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
 from pipeline.train.models import PolicyModels
@@ -84,13 +85,15 @@ class LocalTrainer:
                                            weight_decay=self.cfg.weight_decay)
         self.temperature = params.agent.temperature if params.agent.temperature > 0 else 1.0
         self._policy = None
+        self.autocast_dtype = resolve_autocast(self.cfg.autocast, device, "train.autocast")
+        """`train.autocast` resolved on this device (`auto`: bfloat16 where bf16 is native): a dtype or None."""
         self.engine = rollout_engine(params, models.model)
         """What samples the rollouts: `transformers` or `llama.cpp` (pipeline.train.rollout_engine)."""
 
     def autocast(self):
         """`train.autocast`: the update's forwards (and so their backward) under torch.autocast; a no-op when
         null. Log-probs are taken in float32 from the autocast logits (`batch.response_log_probs`)."""
-        dtype = self.cfg.autocast
+        dtype = self.autocast_dtype
         return torch.autocast(self.device.type, dtype=getattr(torch, dtype or "bfloat16"), enabled=dtype is not None)
 
     # -- rollout -----------------------------------------------------------------------------------

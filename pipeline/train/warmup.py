@@ -71,6 +71,7 @@ from pipeline.agent.protocol import (
 )
 from pipeline.config import Params
 from pipeline.errors import DataError
+from pipeline.hardware import resolve_autocast
 from pipeline.train.batch import collate, response_log_probs
 from pipeline.types import EnvironmentReply, PromptItem, Trajectory, Turn
 
@@ -271,6 +272,7 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=w.lr,
                                   weight_decay=cfg.weight_decay)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    autocast = resolve_autocast(cfg.autocast, device, "train.autocast")
     model.train()
     rows: list[dict[str, float]] = []
     bar = progress(range(1, w.steps + 1), desc="warm-up", unit="step")
@@ -279,8 +281,8 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
             t_step = time.perf_counter()
             batch = [demos[(i + (step - 1) * w.batch_size) % len(demos)] for i in range(w.batch_size)]
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=getattr(torch, cfg.autocast or "bfloat16"),
-                                enabled=cfg.autocast is not None):  # train.autocast, as the GRPO update
+            with torch.autocast(device.type, dtype=getattr(torch, autocast or "bfloat16"),
+                                enabled=autocast is not None):  # train.autocast, as the GRPO update
                 loss, tokens = warmup_loss(model, batch, pad_id, cfg.micro_batch_size, device)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()

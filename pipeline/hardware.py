@@ -1,0 +1,63 @@
+"""What the machine's arithmetic can do, for settings that depend on it (`train.autocast`, `evaluate.autocast`).
+
+bfloat16 autocast pays only where the hardware multiplies bf16 natively: CUDA GPUs of compute capability 8.0+
+and CPUs with AVX512-BF16 or AMX (oneDNN's bf16 kernels). On a CPU without them (AVX2 only) oneDNN falls back
+to slow reference kernels: measured on a 2-core AMD EPYC (AVX2) with torch 2.13, a 512x576 @ 576x1536 matmul ran
+at 1.3 GFLOP/s in bf16 against 128 GFLOP/s in float32, and the default profile's format warm-up took ~230 s a
+step instead of ~9 s. So `auto` (the default) asks the hardware, and an explicit `bfloat16` on such a CPU is
+honoured with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def native_bf16(device_type: str) -> bool:
+    """True when `device_type` ("cuda" or "cpu") multiplies bf16 natively on this machine."""
+    import torch
+
+    if device_type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device_type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):  # a torch build without oneDNN
+            return False
+    return False
+
+
+def cpu_capability() -> str:
+    """torch's name for the CPU's vector instructions (AVX2, AVX512, ...), for messages."""
+    import torch
+
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def resolve_autocast(setting: str | None, device: Any, key: str) -> str | None:
+    """The autocast dtype to use for `setting` (`auto`, `bfloat16` or None) on `device` (a torch.device or its
+    type); `key` names the setting in messages. auto: bfloat16 where the device has native bf16, else None
+    (float32). An explicit bfloat16 without native bf16 is kept, with one warning per key and device."""
+    device_type = getattr(device, "type", device) or "cpu"
+    if setting is None:
+        return None
+    if setting == "auto":
+        return "bfloat16" if native_bf16(device_type) else None
+    if setting == "bfloat16" and not native_bf16(device_type) and (key, device_type) not in _warned:
+        _warned.add((key, device_type))
+        where = f"this CPU ({cpu_capability()})" if device_type == "cpu" else f"this {device_type} device"
+        logger.warning("%s: bfloat16 on %s, which has no native bf16 arithmetic: matmuls run far slower than in "
+                       "float32 (measured ~100x on an AVX2 CPU); set %s: auto (or null) unless you mean it",
+                       key, where, key)
+    return setting
