@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class ModelRefError(ValueError):
@@ -77,3 +78,17 @@ def _local(ref: str, path: Path) -> ResolvedModel:
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(ref=ref, location=str(path), gguf_file=path.name)
     return ResolvedModel(ref=ref, location=str(path))
+
+
+def load_tokenizer(ref: str, root: Path | None = None) -> Any:
+    """The tokenizer of the model at `ref` (any reference `resolve_model` takes), without transformers'
+    WordPiece clean-up of decoded text. Loading from a GGUF file ignores `clean_up_tokenization_spaces=False`
+    (SmolLM2's comes back True, and every decode then warns that the clean-up is skipped for BPE), so the
+    attribute is also set after loading."""
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model(ref, root)
+    tokenizer = AutoTokenizer.from_pretrained(resolved.directory, clean_up_tokenization_spaces=False,
+                                              **resolved.from_pretrained_kwargs())
+    tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer

@@ -5,6 +5,7 @@ llama.cpp. Few tokens each: these run in CI on 2 cores."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 from test_rollout import ScriptedPolicy, item
@@ -110,6 +111,13 @@ def test_completions_policy_against_llama_cpp(repo_root, llama_server):
             assert gen.text.strip()
             assert len(gen.token_ids) <= limit + 1  # re-encoded text (+ the end-of-turn id on eos)
             assert gen.logprobs is None or len(gen.logprobs) == len(gen.token_ids)
+        # a turn the model ends itself: the end-of-turn id is appended with an unknown (NaN) log-prob, never a
+        # made-up 0.0 (which training's rollout/policy log-prob gap would read as a 6-16 nat disagreement)
+        (ended,) = policy.generate([builder.start([{"role": "user", "content": "Say hello."}])], [64], 0.0, 1.0,
+                                   STOP_STRINGS, True)
+        assert ended.finish_reason == "eos" and ended.token_ids[-1] == policy.end_of_turn_id
+        assert ended.logprobs is not None and math.isnan(ended.logprobs[-1])
+        assert all(math.isfinite(x) and x <= 0 for x in ended.logprobs[:-1])
         # greedy through the server is deterministic
         again = policy.generate(prompts, [12, 5], 0.0, 1.0, STOP_STRINGS, False)
         assert [g.text for g in again] == [g.text for g in gens]

@@ -172,12 +172,14 @@ class OpenAICompletionsPolicy(PolicyBackend):
         if reason == "eos" and self.end_of_turn_id is not None:
             ids.append(int(self.end_of_turn_id))
             if logprobs is not None:
-                logprobs.append(0.0)  # the end-of-turn id is ours: the server reports no log-prob for it
+                # The end-of-turn id is ours: the server reports no log-prob for it. NaN = unknown (a 0.0 here
+                # once read as a 6-16 nat gap to the policy's own log-prob in training's diagnostics).
+                logprobs.append(math.nan)
         if return_logprobs and logprobs is None:
             server = _token_logprobs(choice.get("logprobs") or {})
-            server = [0.0 if (x is None or not math.isfinite(x)) else float(x) for x in server]
+            server = [float(x) if isinstance(x, (int, float)) and math.isfinite(x) else math.nan for x in server]
             if reason == "eos" and self.end_of_turn_id is not None:
-                server.append(0.0)
+                server.append(math.nan)
             if len(server) == len(ids):
                 logprobs = server
             else:  # the text re-encoded differently from what was sampled (or a stop string cut a token)

@@ -171,13 +171,13 @@ class TransformersPolicy(PolicyBackend):
     ) -> TransformersPolicy:
         """Load from a params model reference (`pkg://…` GGUF, dequantised; a local HF dir; a Hub id)."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        from pipeline.modelref import resolve_model
+        from pipeline.modelref import load_tokenizer, resolve_model
 
         resolved = resolve_model(ref, root)
         extra = resolved.from_pretrained_kwargs()
-        tokenizer = AutoTokenizer.from_pretrained(resolved.directory, clean_up_tokenization_spaces=False, **extra)
+        tokenizer = load_tokenizer(ref, root)
         model = AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=getattr(torch, dtype), **extra)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model.to(device).eval()

@@ -97,13 +97,9 @@ def server_params(gguf_path: Path, params: Params) -> Params:
 
 
 def _tokenizer(ref: str, params: Params) -> Any:
-    from transformers import AutoTokenizer
+    from pipeline.modelref import load_tokenizer
 
-    from pipeline.modelref import resolve_model
-
-    resolved = resolve_model(ref, params.root)
-    return AutoTokenizer.from_pretrained(resolved.directory, clean_up_tokenization_spaces=False,
-                                         **resolved.from_pretrained_kwargs())
+    return load_tokenizer(ref, params.root)
 
 
 @contextmanager

@@ -32,13 +32,10 @@ def pick_device() -> torch.device:
 
 
 def load_tokenizer(ref: str, root: Path):
-    from transformers import AutoTokenizer
+    """The agent's tokenizer (`pipeline.modelref.load_tokenizer`)."""
+    from pipeline.modelref import load_tokenizer as _load
 
-    from pipeline.modelref import resolve_model
-
-    resolved = resolve_model(ref, root)
-    return AutoTokenizer.from_pretrained(resolved.directory, clean_up_tokenization_spaces=False,
-                                         **resolved.from_pretrained_kwargs())
+    return _load(ref, root)
 
 
 def load_causal_lm(ref: str, root: Path, dtype: torch.dtype):
