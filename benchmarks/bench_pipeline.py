@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -60,6 +61,14 @@ def stage_seconds(lines: list[tuple[float, str]], total: float) -> dict[str, flo
     return out
 
 
+def machine() -> dict[str, object]:
+    """What the stage times depend on: cores, and whether bf16 is native (train.autocast: auto follows it)."""
+    from pipeline.hardware import cpu_capability, native_bf16
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu_capability": cpu_capability(),
+            "native_bf16_cpu": native_bf16("cpu")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="", help="suffix of the result files (e.g. before, after)")
@@ -95,6 +104,7 @@ def main() -> None:
         "what": "dvc repro, default profile, clean clone, 2-core CPU, output piped (not a terminal)",
         "command": "python benchmarks/bench_pipeline.py" + (f" --label {args.label}" if args.label else ""),
         "commit": commit,
+        "machine": machine(),
         "total_seconds": round(total, 1),
         "total_without_gepa_seconds": round(total - gepa, 1),
         "stage_seconds": timings,
