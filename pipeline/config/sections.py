@@ -249,6 +249,12 @@ class TrainConfig(_Section):
         "conversation keeps its KV cache between turns); transformers: the policy in this process. The update "
         "recomputes every log-prob with the policy either way. auto: llama.cpp on a CPU-only machine for a full "
         "fine-tune of a Llama agent whose agent.model is a GGUF file, else transformers.")
+    rollout_slots: int = Field(
+        0, ge=0, description="rollout_engine llama.cpp: the server's parallel slots for a step's rollout; 0 = one "
+        "per trajectory (all decoded in one batch). llama.cpp's numerics depend on which sequences share a "
+        "decode batch (log-probs move by ~1e-3 nats), so with several slots a repeated step samples the same "
+        "requests but can differ where a sample is a near-tie; 1 makes a step's samples bit-reproducible at "
+        "the cost of decoding the trajectories one at a time.")
     rollout_gguf_dtype: Literal["f16", "f32", "bf16"] = Field(
         "f16", description="rollout_engine llama.cpp: the policy's matrices in each step's GGUF export.")
     lora: LoraConfig = Field(default_factory=LoraConfig)

@@ -12,7 +12,10 @@
   the policy itself (old log-probs included), so the sampler's numerics only decide which tokens are
   sampled; `training/rollout_logprob_diff_*` reports how far llama.cpp's log-probs were from the
   policy's on the tokens both have. Sampling is seeded per (seed, step, turn, trajectory): a resumed step
-  asks for what the killed one did (llama.cpp's batched decode may still flip a rare near-tie).
+  asks for what the killed one did. With several slots the samples are reproducible only up to llama.cpp's
+  batch numerics: which sequences share a decode batch depends on timing and moves log-probs by ~1e-3 nats
+  (measured with a tiny random model: the first token of a trajectory already differs), enough to flip a
+  near-tie; `train.rollout_slots: 1` decodes one trajectory at a time and resamples bit-identically.
 - `auto`: llama.cpp on a machine without CUDA for a full fine-tune (no LoRA) of a Llama agent whose
   `agent.model` is a GGUF file (the export's template); transformers otherwise.
 """

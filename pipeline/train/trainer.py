@@ -111,8 +111,9 @@ class LocalTrainer:
         if self.engine == "llama.cpp":
             from pipeline.train.rollout_engine import served_step_policy
 
+            slots = self.cfg.rollout_slots or trajectories
             with served_step_policy(self.models.model, self.models.tokenizer, self.params, step,
-                                    trajectories) as policy:
+                                    min(slots, trajectories)) as policy:
                 yield policy
             return
         policy = self.policy()
