@@ -1,6 +1,8 @@
 """The agent behind llama.cpp's server: split vs unified KV cache, slot counts, and the next-turn cache.
 
     python benchmarks/bench_agent_server.py [--conversations 16] [--out benchmarks/results/agent_server.json]
+    python benchmarks/bench_agent_server.py --dtypes f16,q8_0,template --out benchmarks/results/agent_server_dtypes.json
+    python benchmarks/bench_agent_server.py --beside-env 2+2,1+1,2+1 --out benchmarks/results/agent_server_beside_env.json
 
 Writes the untrained agent (`agent.model`, dequantised by transformers) as an F16 GGUF with
 pipeline.agent.gguf_export (what `promptr1 evaluate` serves), then for each server configuration starts
@@ -10,12 +12,19 @@ pipeline.environment.llama_server and sends N conversations at once, two rounds:
   slot's prompt cache should hold everything but the new text).
 Reported per configuration and round: wall seconds, completion tokens/s over all conversations, and the
 prompt tokens the server read from its cache. Run it alone: on 2 cores anything else running distorts it.
+
+`--dtypes`: the same two rounds on 16 split slots for each matrix type of the export. `--beside-env A+E,...`:
+the agent server with A threads runs the two rounds while the environment server (`environment.model`, 8
+slots, E threads) is kept busy by 8 requests in flight (64 tokens each, repeated): what training rollouts and
+evaluation do; reported with the environment's completion tokens/s meanwhile (pipeline/hardware.py's
+`environment.server.n_threads: auto` comes from it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -36,7 +45,7 @@ CONFIGS = [  # (slots, unified KV)
 ]
 
 
-def _export(tmp: Path) -> Path:
+def _export(tmp: Path, dtype: str = "f16") -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -48,14 +57,15 @@ def _export(tmp: Path) -> Path:
     resolved = resolve_model(params.agent.model, ROOT)
     model = AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=torch.float32,
                                                  **resolved.from_pretrained_kwargs())
-    model.save_pretrained(tmp / "agent")
-    return export_gguf(tmp / "agent", resolved.location, tmp / "agent.gguf", "f16")
+    if not (tmp / "agent").exists():
+        model.save_pretrained(tmp / "agent")
+    return export_gguf(tmp / "agent", resolved.location, tmp / f"agent-{dtype}.gguf", dtype)
 
 
-def _serve(gguf: Path, port: int, slots: int, unified: bool, log: Path) -> subprocess.Popen:
+def _serve(gguf: Path, port: int, slots: int, unified: bool, log: Path, threads: int = 2) -> subprocess.Popen:
     command = [sys.executable, "-m", "pipeline.environment.llama_server", "--model", str(gguf),
                "--model_alias", "agent", "--port", str(port), "--n_ctx", "2112", "--n_parallel", str(slots),
-               "--kv_unified", "true" if unified else "false"]
+               "--kv_unified", "true" if unified else "false", "--n_threads", str(threads)]
     with open(log, "w") as err:  # the child keeps its own descriptor
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
     for _ in range(300):
@@ -86,12 +96,114 @@ def _round(url: str, prompts: list[str]) -> tuple[dict, list[str]]:
     return figures, [r["choices"][0]["text"] for r in replies]
 
 
+def _conversation_rounds(url: str, n: int) -> dict:
+    prompts = [f"Question {i}: " + f"Tell me about the history of city number {i}. " * 25 for i in range(n)]
+    first, replies = _round(url, prompts)
+    nxt = [p + r + "\nAnd what happened next in that city?" for p, r in zip(prompts, replies, strict=True)]
+    second, _ = _round(url, nxt)
+    return {"first_turn": first, "next_turn": second}
+
+
+def _compare_dtypes(args: argparse.Namespace) -> int:
+    from pipeline.config import load_params
+    from pipeline.modelref import resolve_model
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for dtype in args.dtypes.split(","):
+            if dtype == "template":
+                gguf = Path(resolve_model(load_params(ROOT / "params.yaml").agent.model, ROOT).location)
+            else:
+                start = time.perf_counter()
+                gguf = _export(tmp, dtype)
+                print(f"{dtype}: exported in {time.perf_counter() - start:.1f} s", flush=True)
+            process = _serve(gguf, args.port, 16, False, tmp / "server.log")
+            try:
+                row = {"dtype": dtype, "file_mb": round(gguf.stat().st_size / 1e6, 1),
+                       **_conversation_rounds(f"http://127.0.0.1:{args.port}/v1", args.conversations)}
+            finally:
+                process.terminate()
+                process.wait(30)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    out = {"what": "llama.cpp server (xllamacpp) serving the agent (SmolLM2-135M-Instruct exported by "
+                   "pipeline.agent.gguf_export in each matrix type; 'template' = the bundled Q4_1 file), "
+                   f"{args.conversations} conversations at once on 16 split slots, 64 completion tokens each, "
+                   "2 CPU threads", "command": f"python benchmarks/bench_agent_server.py --dtypes {args.dtypes}",
+           "results": results}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"written to {args.out}")
+    return 0
+
+
+def _beside_env(args: argparse.Namespace) -> int:
+    import threading
+
+    from pipeline.config import load_params
+    from pipeline.modelref import resolve_model
+
+    env_gguf = Path(resolve_model(load_params(ROOT / "params.yaml").environment.model, ROOT).location)
+    env_port = args.port + 1
+    results = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        agent = _export(tmp, "f16")
+        for split in args.beside_env.split(","):
+            agent_threads, env_threads = (int(x) for x in split.split("+"))
+            agent_server = _serve(agent, args.port, 16, False, tmp / "agent.log", agent_threads)
+            env_server = _serve(env_gguf, env_port, 8, False, tmp / "env.log", env_threads)
+            stop, env_tokens = threading.Event(), [0]
+
+            def keep_busy(i: int, stop: threading.Event = stop, env_tokens: list = env_tokens) -> None:
+                body = {"model": "agent", "prompt": f"Tell me about topic {i}. " * 20, "max_tokens": 64,
+                        "temperature": 0, "ignore_eos": True}
+                while not stop.is_set():
+                    reply = httpx.post(f"http://127.0.0.1:{env_port}/v1/completions", json=body, timeout=900)
+                    env_tokens[0] += reply.json()["usage"]["completion_tokens"]
+
+            try:
+                start = time.perf_counter()
+                with ThreadPoolExecutor(8) as pool:
+                    busy = [pool.submit(keep_busy, i) for i in range(8)]
+                    rounds = _conversation_rounds(f"http://127.0.0.1:{args.port}/v1", args.conversations)
+                    wall = time.perf_counter() - start
+                    stop.set()
+                    for future in busy:
+                        future.result()
+            finally:
+                for process in (agent_server, env_server):
+                    process.terminate()
+                    process.wait(30)
+            row = {"threads_agent": agent_threads, "threads_environment": env_threads, **rounds,
+                   "environment_completion_tokens_per_s_meanwhile": round(env_tokens[0] / wall, 1)}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    out = {"what": "llama.cpp agent server (SmolLM2-135M-Instruct F16 export, 16 split slots) running "
+                   f"{args.conversations} conversations while the environment server ({env_gguf.name}, 8 slots) "
+                   "answers 8 requests in flight; threads agent+environment on a 2-core machine",
+           "command": f"python benchmarks/bench_agent_server.py --beside-env {args.beside_env}",
+           "cpus": os.cpu_count(), "results": results}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"written to {args.out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--port", type=int, default=8797)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "agent_server.json"))
+    parser.add_argument("--dtypes", default="",
+                        help="compare the export's matrix types instead (comma-separated, e.g. f16,q8_0; "
+                             "'template' = agent.model's own GGUF file), 16 split slots each")
+    parser.add_argument("--beside-env", default="",
+                        help="thread splits agent+environment to compare with the environment busy, e.g. 2+2,1+1")
     args = parser.parse_args()
+    if args.dtypes:
+        return _compare_dtypes(args)
+    if args.beside_env:
+        return _beside_env(args)
     results = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

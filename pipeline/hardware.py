@@ -1,4 +1,5 @@
-"""What the machine's arithmetic can do, for settings that depend on it (`train.autocast`, `evaluate.autocast`).
+"""What the machine's arithmetic can do, for settings that depend on it (`train.autocast`, `evaluate.autocast`,
+`environment.server.n_threads`).
 
 bfloat16 autocast pays only where the hardware multiplies bf16 natively: CUDA GPUs of compute capability 8.0+
 and CPUs with AVX512-BF16 or AMX (oneDNN's bf16 kernels). On a CPU without them (AVX2 only) oneDNN falls back
@@ -6,12 +7,23 @@ to slow reference kernels: measured on a 2-core AMD EPYC (AVX2) with torch 2.13,
 at 1.3 GFLOP/s in bf16 against 128 GFLOP/s in float32, and the default profile's format warm-up took ~230 s a
 step instead of ~9 s. So `auto` (the default) asks the hardware, and an explicit `bfloat16` on such a CPU is
 honoured with a warning.
+
+llama.cpp servers on shared cores (`environment.server.n_threads: auto`): ggml's worker threads wait for each
+other at every op of a decode with a busy spin, so two servers decoding at once with all cores each spend
+most of their time spinning on a core the other server's thread holds. Measured on 2 cores
+(`python benchmarks/bench_agent_server.py --beside-env 2+2,1+1,2+1`, benchmarks/results/agent_server_beside_env.json:
+16 agent conversations, two rounds, while 8 environment requests stay in flight), agent completion tokens/s
+first/next turn and the environment's meanwhile: 2+2 threads 10.4/5.4 and 14.2; 1+1 18.1/51.4 and 67.0;
+2 agent + 1 environment 15.7/33.4 and 48.0. Alone, 2 threads decode ~1.7-2x faster than 1 (32 vs 19 and
+104 vs 53 tokens/s for the agent). So the agent server (busy alone in agent-only systems) keeps every core and an
+environment server beside it gets half.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -61,3 +73,20 @@ def resolve_autocast(setting: str | None, device: Any, key: str) -> str | None:
                        "float32 (measured ~100x on an AVX2 CPU); set %s: auto (or null) unless you mean it",
                        key, where, key)
     return setting
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: a container's or taskset's limit)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def server_threads(setting: int | str, beside_agent_server: bool = False) -> int:
+    """llama.cpp threads for `environment.server.n_threads` (module docstring): an int is kept; auto = the
+    usable cores, halved (at least 1) for an environment server that runs beside a llama.cpp agent server."""
+    if isinstance(setting, int):
+        return setting
+    cores = usable_cores()
+    return max(1, cores // 2) if beside_agent_server else cores

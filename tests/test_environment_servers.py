@@ -28,6 +28,7 @@ from pipeline.environment.servers import (
     started_server,
 )
 from pipeline.errors import EnvironmentUnavailable
+from pipeline.hardware import usable_cores
 
 FAULT_SERVER = Path(__file__).resolve().parent / "fault_server.py"
 
@@ -65,7 +66,7 @@ def test_llamacpp_command_from_params(local_params, engine, module):
     assert args["--model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and Path(args["--model"]).is_file()
     assert args["--model_alias"] == "smollm2-135m-instruct"
     assert (args["--host"], args["--port"]) == ("127.0.0.1", str(cfg.port))
-    assert (args["--n_ctx"], args["--n_threads"]) == ("4096", "2")
+    assert (args["--n_ctx"], args["--n_threads"]) == ("4096", str(usable_cores()))  # n_threads: auto
     assert cmd[-2:] == ["--verbose", "false"]
 
 

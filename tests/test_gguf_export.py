@@ -55,7 +55,7 @@ def test_permute_rotary_is_llama_cpps_row_order():
     assert out.shape == w.shape
 
 
-@pytest.mark.parametrize("dtype,tolerance", [("f32", 1e-3), ("f16", 0.05)])
+@pytest.mark.parametrize("dtype,tolerance", [("f32", 1e-3), ("f16", 0.05), ("q8_0", 0.1)])
 def test_llama_cpp_reads_the_export_as_transformers_computes_it(tiny, tmp_path, dtype, tolerance):
     model, model_dir, template = tiny
     out = export_gguf(model_dir, template, tmp_path / f"agent-{dtype}.gguf", dtype)

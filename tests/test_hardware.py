@@ -1,4 +1,5 @@
-"""`auto` autocast asks the hardware; an explicit bfloat16 where bf16 is not native is kept, with a warning."""
+"""`auto` autocast asks the hardware; an explicit bfloat16 where bf16 is not native is kept, with a warning.
+`environment.server.n_threads: auto` gives an environment server beside a llama.cpp agent server half the cores."""
 
 from __future__ import annotations
 
@@ -81,3 +82,38 @@ def test_the_trainer_resolves_train_autocast(tiny_llama_dir, params, no_native_b
     trainer = LocalTrainer(params, models, None, device, QuestionSampler(1, 0))
     with trainer.autocast():
         assert torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize(("cores", "alone", "beside"), [(1, 1, 1), (2, 2, 1), (3, 3, 1), (16, 16, 8)])
+def test_server_threads_split_the_cores_beside_an_agent_server(monkeypatch, cores, alone, beside):
+    monkeypatch.setattr(hardware, "usable_cores", lambda: cores)
+    assert hardware.server_threads("auto") == alone
+    assert hardware.server_threads("auto", beside_agent_server=True) == beside
+    assert hardware.server_threads(3, beside_agent_server=True) == 3  # a number is kept as set
+
+
+def test_usable_cores_is_the_affinity_mask():
+    import os
+
+    assert hardware.usable_cores() == len(os.sched_getaffinity(0))
+
+
+def test_environment_beside_an_agent_server_gets_half_the_cores_on_a_copy(repo_root, monkeypatch):
+    from pipeline.environment.servers import beside_agent_server, llamacpp_command
+
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
+    params = load_params(repo_root / "params.yaml")
+    assert params.environment.server.n_threads == "auto"
+    shared = beside_agent_server(params)
+
+    def threads(p):
+        cmd = llamacpp_command(p.environment, "m.gguf")
+        return cmd[cmd.index("--n_threads") + 1]
+
+    assert (threads(params), threads(shared)) == ("4", "2")
+    assert params.environment.server.n_threads == "auto" and shared.root == params.root  # the original is kept
+    fixed = load_params(repo_root / "params.yaml", {"environment": {"server": {"n_threads": 3}}})
+    assert threads(beside_agent_server(fixed)) == "3"
+    remote = load_params(repo_root / "params.yaml", {"environment": {"backend": "api",
+                                                                "base_url": "https://api.example.test/v1"}})
+    assert beside_agent_server(remote) is remote  # nothing is started for a paid API

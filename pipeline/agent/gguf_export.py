@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 EXPORT_VERSION = 1
 """Part of the cache key: bump when the written file would change for the same weights."""
 KEEP_EXPORTS = 3
-DTYPES = ("f16", "f32", "bf16")
+DTYPES = ("f16", "f32", "bf16", "q8_0")
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
@@ -64,7 +64,7 @@ _TOP_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-_FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_BF16
+_FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_BF16
 
 
 class GGUFExportError(UserError):
@@ -226,9 +226,9 @@ def write_gguf(config: dict[str, Any], tensors: Any, template_gguf: str | Path, 
             elif dtype == "f16":
                 writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float16))
             else:
-                packed = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32),
-                                              gguf.GGMLQuantizationType.BF16)
-                writer.add_tensor(name, packed, raw_shape=array.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+                kind = gguf.GGMLQuantizationType.BF16 if dtype == "bf16" else gguf.GGMLQuantizationType.Q8_0
+                packed = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), kind)
+                writer.add_tensor(name, packed, raw_dtype=kind)  # the packed bytes' shape gives the row size
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

@@ -68,7 +68,13 @@ class AgentConfig(_Section):
 class ServerConfig(_Section):
     n_ctx: int = Field(4096, ge=256, le=1_048_576, description="llama.cpp context window (tokens) of one "
                        "request (the llama.cpp engine gives each of its `parallel` slots this much).")
-    n_threads: int = Field(2, ge=1, le=1024, description="llama.cpp CPU threads.")
+    n_threads: int | Literal["auto"] = Field(
+        "auto", description="llama.cpp CPU threads. auto: the cores this process may use, halved for an "
+        "environment server that runs beside a llama.cpp agent server (training rollouts and evaluation with "
+        "the llama.cpp engines); the agent server gets all of them. Two servers busy at once with all cores "
+        "each collapse: ggml's threads spin at every op's barrier while the other server holds the core "
+        "(measured on 2 cores: agent 6 vs 17 tokens/s, environment 12 vs 70 with 1 thread each; "
+        "pipeline/hardware.py).")
     engine: Literal["llama.cpp", "llama-cpp-python"] = Field(
         "llama.cpp", description="llamacpp backend: llama.cpp's own batching server (the xllamacpp wheel, "
         "pipeline.environment.llama_server) or llama-cpp-python's one-request-at-a-time server.")
@@ -94,6 +100,13 @@ class ServerConfig(_Section):
                 raise ValueError("an extra_args value carries credentials in a URL: pass them through the "
                                  "environment instead")
         return args
+
+    @field_validator("n_threads")
+    @classmethod
+    def _positive_threads(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 1024:
+            raise ValueError(f"n_threads must be auto or 1-1024, got {value}")
+        return value
 
 
 class KnowledgeConfig(_Section):
@@ -255,8 +268,9 @@ class TrainConfig(_Section):
         "decode batch (log-probs move by ~1e-3 nats), so with several slots a repeated step samples the same "
         "requests but can differ where a sample is a near-tie; 1 makes a step's samples bit-reproducible at "
         "the cost of decoding the trajectories one at a time.")
-    rollout_gguf_dtype: Literal["f16", "f32", "bf16"] = Field(
-        "f16", description="rollout_engine llama.cpp: the policy's matrices in each step's GGUF export.")
+    rollout_gguf_dtype: Literal["f16", "f32", "bf16", "q8_0"] = Field(
+        "f16", description="rollout_engine llama.cpp: the policy's matrices in each step's GGUF export (q8_0: "
+        "see evaluate.agent_gguf_dtype; its samples are further off-policy).")
     lora: LoraConfig = Field(default_factory=LoraConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     verl: VerlConfig = Field(default_factory=VerlConfig)
@@ -285,8 +299,12 @@ class EvaluateConfig(_Section):
         "server on a GGUF export of the merged agent (pipeline/evaluation/agent_server.py; keeps each "
         "conversation's KV cache between turns; Llama agents with a GGUF base model) or the model in this "
         "process (transformers: any agent, GPU nodes). auto: llama.cpp when agent.model is a GGUF file.")
-    agent_gguf_dtype: Literal["f16", "f32", "bf16"] = Field(
-        "f16", description="llama.cpp engine: the merged agent's matrices in the GGUF export.")
+    agent_gguf_dtype: Literal["f16", "f32", "bf16", "q8_0"] = Field(
+        "f16", description="llama.cpp engine: the merged agent's matrices in the GGUF export. q8_0 decodes "
+        "~1.4-1.5x faster on an AVX2 CPU (benchmarks/results/agent_server_dtypes.json) but moves SmolLM2-135M's "
+        "token log-probs by 0.075 nats on average (f16: 0.002) and changes 1.5% of its greedy tokens "
+        "(benchmarks/results/gguf_fidelity.json), more than "
+        "a few GRPO steps change the policy: f16 is the default.")
     agent_port: int | None = Field(
         None, ge=1, le=65535, description="llama.cpp engine: the agent server's port; null = environment.port + 1.")
     agent_parallel: int = Field(

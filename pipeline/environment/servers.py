@@ -50,6 +50,7 @@ from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
 from pipeline.environment.knowledge import knowledge_command
 from pipeline.errors import EnvironmentUnavailable
+from pipeline.hardware import server_threads
 from pipeline.layout import cuda_visible_devices, environment_gpus
 from pipeline.modelref import ModelRefError, resolve_model
 from pipeline.paths import display_path
@@ -133,10 +134,21 @@ def llamacpp_command(cfg: EnvironmentConfig, model_path: str) -> list[str]:
         "--host", cfg.host,
         "--port", str(cfg.port),
         "--n_ctx", str(cfg.server.n_ctx),
-        "--n_threads", str(cfg.server.n_threads),
+        "--n_threads", str(server_threads(cfg.server.n_threads)),
         *(["--n_parallel", str(cfg.server.parallel)] if llama_cpp else []),
         *cfg.server.extra_args,
     ]
+
+
+def beside_agent_server(params: Params) -> Params:
+    """`params` for an environment server that will decode at the same time as a llama.cpp agent server on
+    this machine: with `environment.server.n_threads: auto` it gets half the cores (pipeline.hardware)."""
+    if params.environment.server.n_threads != "auto" or params.environment.backend != "llamacpp":
+        return params
+    p = params.model_copy(deep=True)
+    p.root = params.root
+    p.environment.server.n_threads = server_threads("auto", beside_agent_server=True)
+    return p
 
 
 def vllm_command(cfg: EnvironmentConfig, model: str) -> list[str]:

@@ -30,6 +30,7 @@ ABUSIVE = [
     ("environment.server.extra_args", {"environment": {"server": {"extra_args": ["--api-key", "sk-x"]}}}),
     ("environment.server.gpu_memory_utilization", {"environment": {"server": {"gpu_memory_utilization": 1.5}}}),
     ("environment.server.n_threads", {"environment": {"server": {"n_threads": 0}}}),
+    ("environment.server.n_threads", {"environment": {"server": {"n_threads": "many"}}}),
     ("environment.max_failure_rate", {"environment": {"max_failure_rate": 2}}),
     ("train.lr", {"train": {"lr": 0}}),
     ("train.group_size", {"train": {"group_size": 1}}),
