@@ -16,8 +16,8 @@ prompt tokens the server read from its cache. Run it alone: on 2 cores anything 
 `--dtypes`: the same two rounds on 16 split slots for each matrix type of the export. `--beside-env A+E,...`:
 the agent server with A threads runs the two rounds while the environment server (`environment.model`, 8
 slots, E threads) is kept busy by 8 requests in flight (64 tokens each, repeated): what training rollouts and
-evaluation do; reported with the environment's completion tokens/s meanwhile (pipeline/hardware.py's
-`environment.server.n_threads: auto` comes from it).
+evaluation do; reported with the environment's completion tokens/s meanwhile. A saturation test: in the
+pipeline the split lost (pipeline/hardware.py).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def load_eval_rows(params: Params) -> dict[str, list[EvalRow]]:
 def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> dict[str, dict[str, list[Answer]]]:
     """Run the trained agent and each configured baseline on the same rows (environment started here)."""
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.environment.servers import beside_agent_server, environment_server
+    from pipeline.environment.servers import environment_server
 
     ep = evaluation_params(params)
     model_dir = params.path(params.paths.model_dir)
@@ -126,8 +126,7 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
     gepa_instruction = read_gepa_prompt(params)["optimised"]["instruction"] if "gepa" in baselines else None
     answers: dict[str, dict[str, list[Answer]]] = {}
     batch = rollout_batch_size(ep)
-    # A llama.cpp agent server decodes beside the environment server: the cores are split (pipeline.hardware).
-    with environment_server(beside_agent_server(ep) if agent_engine(ep) == "llama.cpp" else ep):
+    with environment_server(ep):
         env = EnvironmentClient.from_params(ep)
         try:
             # The trained agent's server/model is gone when this block ends, before the base model comes.

@@ -8,15 +8,17 @@ at 1.3 GFLOP/s in bf16 against 128 GFLOP/s in float32, and the default profile's
 step instead of ~9 s. So `auto` (the default) asks the hardware, and an explicit `bfloat16` on such a CPU is
 honoured with a warning.
 
-llama.cpp servers on shared cores (`environment.server.n_threads: auto`): ggml's worker threads wait for each
-other at every op of a decode with a busy spin, so two servers decoding at once with all cores each spend
-most of their time spinning on a core the other server's thread holds. Measured on 2 cores
-(`python benchmarks/bench_agent_server.py --beside-env 2+2,1+1,2+1`, benchmarks/results/agent_server_beside_env.json:
-16 agent conversations, two rounds, while 8 environment requests stay in flight), agent completion tokens/s
-first/next turn and the environment's meanwhile: 2+2 threads 10.4/5.4 and 14.2; 1+1 18.1/51.4 and 67.0;
-2 agent + 1 environment 15.7/33.4 and 48.0. Alone, 2 threads decode ~1.7-2x faster than 1 (32 vs 19 and
-104 vs 53 tokens/s for the agent). So the agent server (busy alone in agent-only systems) keeps every core and an
-environment server beside it gets half.
+llama.cpp servers (`environment.server.n_threads: auto`): every usable core (the affinity mask), for the
+environment server and the agent server alike. Splitting the cores between the two was measured and not
+adopted. In a synthetic saturation test (`python benchmarks/bench_agent_server.py --beside-env 2+2,1+1,2+1`,
+benchmarks/results/agent_server_beside_env.json: 16 agent conversations while 8 environment requests stay
+in flight all the time) two servers with 2 threads each on 2 cores collapsed (agent 10.4/5.4 completion
+tokens/s first/next turn, environment 14.2) against 2 agent + 1 environment thread (15.7/33.4 and 48.0):
+ggml's threads spin at every op's barrier while the other server holds the core. But the default
+profile's `dvc repro` with the environment on half the cores beside an agent server was slower, not faster
+(benchmarks/results/pipeline_threads_split.json: evaluation 730 s against 513 s, `env_only` 70 s against
+34 s): in a real rollout the environment's replies are the critical path and the two servers are rarely
+both saturated, so the environment needs its cores more than the overlap costs.
 """
 
 from __future__ import annotations
@@ -83,10 +85,6 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def server_threads(setting: int | str, beside_agent_server: bool = False) -> int:
-    """llama.cpp threads for `environment.server.n_threads` (module docstring): an int is kept; auto = the
-    usable cores, halved (at least 1) for an environment server that runs beside a llama.cpp agent server."""
-    if isinstance(setting, int):
-        return setting
-    cores = usable_cores()
-    return max(1, cores // 2) if beside_agent_server else cores
+def server_threads(setting: int | str) -> int:
+    """llama.cpp threads for `environment.server.n_threads`: an int is kept; auto = the usable cores."""
+    return setting if isinstance(setting, int) else usable_cores()

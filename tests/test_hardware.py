@@ -1,5 +1,5 @@
 """`auto` autocast asks the hardware; an explicit bfloat16 where bf16 is not native is kept, with a warning.
-`environment.server.n_threads: auto` gives an environment server beside a llama.cpp agent server half the cores."""
+`environment.server.n_threads: auto` starts llama.cpp servers with the usable cores."""
 
 from __future__ import annotations
 
@@ -84,12 +84,10 @@ def test_the_trainer_resolves_train_autocast(tiny_llama_dir, params, no_native_b
         assert torch.is_autocast_enabled("cpu")
 
 
-@pytest.mark.parametrize(("cores", "alone", "beside"), [(1, 1, 1), (2, 2, 1), (3, 3, 1), (16, 16, 8)])
-def test_server_threads_split_the_cores_beside_an_agent_server(monkeypatch, cores, alone, beside):
-    monkeypatch.setattr(hardware, "usable_cores", lambda: cores)
-    assert hardware.server_threads("auto") == alone
-    assert hardware.server_threads("auto", beside_agent_server=True) == beside
-    assert hardware.server_threads(3, beside_agent_server=True) == 3  # a number is kept as set
+def test_server_threads_auto_is_the_usable_cores_and_a_number_is_kept(monkeypatch):
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 16)
+    assert hardware.server_threads("auto") == 16
+    assert hardware.server_threads(3) == 3
 
 
 def test_usable_cores_is_the_affinity_mask():
@@ -98,22 +96,15 @@ def test_usable_cores_is_the_affinity_mask():
     assert hardware.usable_cores() == len(os.sched_getaffinity(0))
 
 
-def test_environment_beside_an_agent_server_gets_half_the_cores_on_a_copy(repo_root, monkeypatch):
-    from pipeline.environment.servers import beside_agent_server, llamacpp_command
+def test_servers_are_started_with_the_resolved_thread_count(repo_root, monkeypatch):
+    from pipeline.environment.servers import llamacpp_command
 
     monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
-    params = load_params(repo_root / "params.yaml")
-    assert params.environment.server.n_threads == "auto"
-    shared = beside_agent_server(params)
 
-    def threads(p):
+    def threads(overrides):
+        p = load_params(repo_root / "params.yaml", overrides)
         cmd = llamacpp_command(p.environment, "m.gguf")
         return cmd[cmd.index("--n_threads") + 1]
 
-    assert (threads(params), threads(shared)) == ("4", "2")
-    assert params.environment.server.n_threads == "auto" and shared.root == params.root  # the original is kept
-    fixed = load_params(repo_root / "params.yaml", {"environment": {"server": {"n_threads": 3}}})
-    assert threads(beside_agent_server(fixed)) == "3"
-    remote = load_params(repo_root / "params.yaml", {"environment": {"backend": "api",
-                                                                "base_url": "https://api.example.test/v1"}})
-    assert beside_agent_server(remote) is remote  # nothing is started for a paid API
+    assert threads({}) == "4"  # the default is auto
+    assert threads({"environment": {"server": {"n_threads": 3}}}) == "3"

@@ -69,12 +69,9 @@ class ServerConfig(_Section):
     n_ctx: int = Field(4096, ge=256, le=1_048_576, description="llama.cpp context window (tokens) of one "
                        "request (the llama.cpp engine gives each of its `parallel` slots this much).")
     n_threads: int | Literal["auto"] = Field(
-        "auto", description="llama.cpp CPU threads. auto: the cores this process may use, halved for an "
-        "environment server that runs beside a llama.cpp agent server (training rollouts and evaluation with "
-        "the llama.cpp engines); the agent server gets all of them. Two servers busy at once with all cores "
-        "each collapse: ggml's threads spin at every op's barrier while the other server holds the core "
-        "(measured on 2 cores: agent 6 vs 17 tokens/s, environment 12 vs 70 with 1 thread each; "
-        "pipeline/hardware.py).")
+        "auto", description="llama.cpp CPU threads (environment and agent servers). auto: the cores this "
+        "process may use (its affinity mask). Giving an environment server half the cores beside a llama.cpp "
+        "agent server was measured and made the default profile slower (pipeline/hardware.py).")
     engine: Literal["llama.cpp", "llama-cpp-python"] = Field(
         "llama.cpp", description="llamacpp backend: llama.cpp's own batching server (the xllamacpp wheel, "
         "pipeline.environment.llama_server) or llama-cpp-python's one-request-at-a-time server.")

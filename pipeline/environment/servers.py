@@ -140,17 +140,6 @@ def llamacpp_command(cfg: EnvironmentConfig, model_path: str) -> list[str]:
     ]
 
 
-def beside_agent_server(params: Params) -> Params:
-    """`params` for an environment server that will decode at the same time as a llama.cpp agent server on
-    this machine: with `environment.server.n_threads: auto` it gets half the cores (pipeline.hardware)."""
-    if params.environment.server.n_threads != "auto" or params.environment.backend != "llamacpp":
-        return params
-    p = params.model_copy(deep=True)
-    p.root = params.root
-    p.environment.server.n_threads = server_threads("auto", beside_agent_server=True)
-    return p
-
-
 def vllm_command(cfg: EnvironmentConfig, model: str) -> list[str]:
     """`vllm serve` for GPU nodes (the paper's GPT-OSS-20B environment)."""
     return [

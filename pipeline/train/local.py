@@ -68,7 +68,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     stay consistent, so a later call continues.
     """
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.environment.servers import beside_agent_server, environment_server
+    from pipeline.environment.servers import environment_server
     from pipeline.progress import progress
 
     cfg = params.train
@@ -113,8 +113,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
 
     last: dict[str, float] = dict(state.metrics) if state else {}
     end = cfg.steps if max_steps is None else min(cfg.steps, start + max_steps)
-    # llama.cpp rollouts: the step's policy server decodes beside the environment server (cores split).
-    with environment_server(beside_agent_server(params) if trainer.engine == "llama.cpp" else params):
+    with environment_server(params):
         if need_warmup:
             warm_metrics = _run_warmup(params, models, frame, device, root)
             warmed = True
