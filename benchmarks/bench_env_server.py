@@ -2,6 +2,8 @@
 (batching) server, same GGUF, same requests, same threads.
 
     python benchmarks/bench_env_server.py [--requests 48] [--concurrency 1 8] [--parallel 4]
+    python benchmarks/bench_env_server.py --engines llama.cpp --parallel 16 --concurrency 8 16 \
+        --out benchmarks/results/env_server_parallel16.json
 
 For each engine it starts the server exactly as the pipeline does (pipeline.environment.servers' commands,
 on a free port), sends one warm-up request, then `--requests` chat requests at each concurrency level: the
@@ -101,6 +103,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--parallel", type=int, default=4, help="llama.cpp server slots")
+    parser.add_argument("--engines", nargs="+", default=["llama-cpp-python", "llama.cpp"],
+                        choices=["llama-cpp-python", "llama.cpp"])
+    parser.add_argument("--out", type=Path, default=RESULTS / "env_server.json")
     args = parser.parse_args()
 
     params = load_params(REPO / "params.yaml")
@@ -112,7 +117,7 @@ def main() -> None:
     prompts = [f"{q}\n\n{instruction}" for q in questions(params.path(params.paths.mirror), args.requests)]
 
     engines = {engine: run_engine(params, engine, prompts, args.concurrency)
-               for engine in ("llama-cpp-python", "llama.cpp")}
+               for engine in args.engines}
     result: dict[str, object] = {
         "what": "environment server throughput under concurrent chat requests (env_only prompts, greedy)",
         "command": "python benchmarks/bench_env_server.py " + " ".join(sys.argv[1:]),
@@ -122,14 +127,15 @@ def main() -> None:
         "engines": {e: {lvl: {k: v for k, v in r.items() if k != "replies"} for lvl, r in runs.items()}
                     for e, runs in engines.items()},
     }
-    a, b = engines["llama-cpp-python"], engines["llama.cpp"]
-    result["speedup_requests_per_s"] = {lvl: round(b[lvl]["requests_per_s"] / a[lvl]["requests_per_s"], 2)
+    if len(engines) == 2:
+        a, b = engines["llama-cpp-python"], engines["llama.cpp"]
+        result["speedup_requests_per_s"] = {lvl: round(b[lvl]["requests_per_s"] / a[lvl]["requests_per_s"], 2)
+                                            for lvl in a}
+        result["same_replies_share"] = {lvl: round(sum(x == y for x, y in zip(a[lvl]["replies"], b[lvl]["replies"],
+                                                                               strict=True)) / len(prompts), 3)
                                         for lvl in a}
-    result["same_replies_share"] = {lvl: round(sum(x == y for x, y in zip(a[lvl]["replies"], b[lvl]["replies"],
-                                                                           strict=True)) / len(prompts), 3)
-                                    for lvl in a}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "env_server.json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
