@@ -62,8 +62,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import typer
-
 from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
 from pipeline.evaluation.systems import TRAINED
@@ -398,6 +396,5 @@ def run_register(params: Params) -> dict[str, Any]:
         write_json_atomic(result, out)
         mlflow.log_artifact(str(out))
     line = (f"{cfg.model_name} v{version}: {verdict} ({cfg.alias} → v{after}). {reason}")
-    log.info(line)
-    typer.echo(line)
+    log.debug(line)  # the stage's closing line (pipeline.stage_figures) says it once on the console
     return result
