@@ -11,6 +11,15 @@ on a free port), sends one warm-up request, then `--requests` chat requests at e
 `environment.max_tokens` tokens, through the pipeline's own `EnvironmentClient` with the cache off. It
 records wall time, requests/s, completion tokens/s and the median latency, and whether the two engines gave
 the same replies. Writes benchmarks/results/env_server.json. Run it on an otherwise idle machine.
+
+Before the measured levels, one untimed pass of all requests at the first level: on a fresh llama.cpp server
+the first pass of 48 requests took 30.7 s and the same pass right after 20.1-21.4 s (8 slots, 2 threads),
+whatever the level, so without it the first level listed reads ~1.5x slow (`--no-warm-pass` measures that way;
+benchmarks/results/env_server.json, an earlier run, was measured so).
+
+Slots (`--parallel`): 16 slots against 8 gave nothing on 2 cores: 120.4 vs 121.5 completion tokens/s with 16
+requests in flight, 112.4 vs 123.7 with 8 (benchmarks/results/env_server_parallel16.json and
+env_server_parallel8.json): 8 slots already keep both cores busy, so `environment.server.parallel` stays 8.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from pipeline.config import load_params
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.servers import start_server, stop_server
+from pipeline.hardware import server_threads
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -76,7 +86,7 @@ async def load(client: EnvironmentClient, prompts: list[str], concurrency: int) 
             "median_latency_s": round(statistics.median(latencies), 3), "replies": [r for r, _ in results]}
 
 
-def run_engine(params, engine: str, prompts: list[str], levels: list[int]) -> dict[str, object]:
+def run_engine(params, engine: str, prompts: list[str], levels: list[int], warm_pass: bool = True) -> dict[str, object]:
     params.environment.port = free_port()
     params.environment.server.engine = engine
     params.environment.concurrency = max(levels)
@@ -86,6 +96,8 @@ def run_engine(params, engine: str, prompts: list[str], levels: list[int]) -> di
 
         async def all_levels() -> dict[str, object]:
             await client.reply([], "Say hello.")  # warm-up
+            if warm_pass:  # untimed: a fresh server's first pass ran ~1.5x slower than later ones (see docstring)
+                await load(client, prompts, levels[0])
             out: dict[str, object] = {}
             for level in levels:
                 out[str(level)] = await load(client, prompts, level)
@@ -106,6 +118,8 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["llama-cpp-python", "llama.cpp"],
                         choices=["llama-cpp-python", "llama.cpp"])
     parser.add_argument("--out", type=Path, default=RESULTS / "env_server.json")
+    parser.add_argument("--no-warm-pass", action="store_true",
+                        help="measure from the first pass over a fresh server (the committed env_server.json was)")
     args = parser.parse_args()
 
     params = load_params(REPO / "params.yaml")
@@ -116,14 +130,14 @@ def main() -> None:
     instruction = params.evaluate.env_only_instruction
     prompts = [f"{q}\n\n{instruction}" for q in questions(params.path(params.paths.mirror), args.requests)]
 
-    engines = {engine: run_engine(params, engine, prompts, args.concurrency)
+    engines = {engine: run_engine(params, engine, prompts, args.concurrency, warm_pass=not args.no_warm_pass)
                for engine in args.engines}
     result: dict[str, object] = {
         "what": "environment server throughput under concurrent chat requests (env_only prompts, greedy)",
         "command": "python benchmarks/bench_env_server.py " + " ".join(sys.argv[1:]),
         "model": params.environment.model, "max_tokens": params.environment.max_tokens,
-        "n_threads": params.environment.server.n_threads, "parallel_slots": args.parallel,
-        "requests": len(prompts),
+        "n_threads": server_threads(params.environment.server.n_threads), "parallel_slots": args.parallel,
+        "requests": len(prompts), "warm_pass": not args.no_warm_pass,
         "engines": {e: {lvl: {k: v for k, v in r.items() if k != "replies"} for lvl, r in runs.items()}
                     for e, runs in engines.items()},
     }
