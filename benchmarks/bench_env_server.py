@@ -12,14 +12,23 @@ on a free port), sends one warm-up request, then `--requests` chat requests at e
 records wall time, requests/s, completion tokens/s and the median latency, and whether the two engines gave
 the same replies. Writes benchmarks/results/env_server.json. Run it on an otherwise idle machine.
 
-Before the measured levels, one untimed pass of all requests at the first level: on a fresh llama.cpp server
-the first pass of 48 requests took 30.7 s and the same pass right after 20.1-21.4 s (8 slots, 2 threads),
-whatever the level, so without it the first level listed reads ~1.5x slow (`--no-warm-pass` measures that way;
-benchmarks/results/env_server.json, an earlier run, was measured so).
+Each concurrency level runs on a freshly started server. llama.cpp's server keeps the prompts it has read in
+memory and a repeated prompt skips its prefill: the same 48 prompts took 33.2 s on a fresh server and 21.3 s
+sent again, while 45 new ones took 33.9 s (then 18.3 s again; 8 slots, 16 in flight, 2 threads). Earlier
+versions ran every level on one server, so the levels after the first read fast for llama.cpp.
 
-Slots (`--parallel`): 16 slots against 8 gave nothing on 2 cores: 120.4 vs 121.5 completion tokens/s with 16
-requests in flight, 112.4 vs 123.7 with 8 (benchmarks/results/env_server_parallel16.json and
-env_server_parallel8.json): 8 slots already keep both cores busy, so `environment.server.parallel` stays 8.
+Measured on fresh servers (2026-11-25, 2-core AVX2 EPYC, 2 threads each, 8 slots; env_server.json): at 1
+request in flight the two engines are equal (26.0 vs 26.4 s for 32 requests); at 8 in flight llama.cpp's
+server gives 1.13x the requests/s (28.4 vs 32.1 s) and 1.41x the completion tokens/s (its greedy replies
+ran longer: 1,802 vs 1,450 tokens; 28% identical). The first measurement (2026-11-23, another machine, every
+level on one server) had llama-cpp-python at 80.8 s for the 32 requests at 1 in flight and read 3.2x / 2.5x;
+that figure was not reproduced. llama.cpp's server stays the default: it still pays at 8 in flight, which is
+how the pipeline calls the environment.
+
+Slots (`--parallel`): 16 instead of 8 gave no gain on 2 cores: 1.48 and 1.33 requests/s at 8 and 16 in
+flight, against 1.28 and 1.36 with 8 slots (env_server_parallel16.json, env_server_parallel8.json), inside
+the run-to-run spread of one configuration (8 slots, 8 in flight: 28.4-37.7 s over today's runs). 8 slots
+already keep both cores busy, so `environment.server.parallel` stays 8.
 """
 
 from __future__ import annotations
@@ -86,28 +95,31 @@ async def load(client: EnvironmentClient, prompts: list[str], concurrency: int) 
             "median_latency_s": round(statistics.median(latencies), 3), "replies": [r for r, _ in results]}
 
 
-def run_engine(params, engine: str, prompts: list[str], levels: list[int], warm_pass: bool = True) -> dict[str, object]:
-    params.environment.port = free_port()
-    params.environment.server.engine = engine
-    params.environment.concurrency = max(levels)
-    server = start_server(params)
-    try:
-        client = EnvironmentClient.from_params(params)
+def run_engine(params, engine: str, prompts: list[str], levels: list[int]) -> dict[str, object]:
+    """Each level on a server of its own, started fresh: llama.cpp's server keeps earlier prompts in memory
+    and a repeated prompt skips its prefill (see the module docstring), so a level measured after another
+    on the same server would read fast."""
+    out: dict[str, object] = {}
+    for level in levels:
+        params.environment.port = free_port()
+        params.environment.server.engine = engine
+        params.environment.concurrency = level
+        server = start_server(params)
+        try:
+            client = EnvironmentClient.from_params(params)
 
-        async def all_levels() -> dict[str, object]:
-            await client.reply([], "Say hello.")  # warm-up
-            if warm_pass:  # untimed: a fresh server's first pass ran ~1.5x slower than later ones (see docstring)
-                await load(client, prompts, levels[0])
-            out: dict[str, object] = {}
-            for level in levels:
-                out[str(level)] = await load(client, prompts, level)
-                print(engine, level, {k: v for k, v in out[str(level)].items() if k != "replies"}, flush=True)
-            await client.aclose()
-            return out
+            async def one_level(client=client, level=level) -> dict[str, object]:
+                await client.reply([], "Say hello.")  # warm-up (not one of the measured prompts)
+                try:
+                    return await load(client, prompts, level)
+                finally:
+                    await client.aclose()
 
-        return asyncio.run(all_levels())
-    finally:
-        stop_server(server)
+            out[str(level)] = asyncio.run(one_level())
+            print(engine, level, {k: v for k, v in out[str(level)].items() if k != "replies"}, flush=True)
+        finally:
+            stop_server(server)
+    return out
 
 
 def main() -> None:
@@ -118,8 +130,6 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["llama-cpp-python", "llama.cpp"],
                         choices=["llama-cpp-python", "llama.cpp"])
     parser.add_argument("--out", type=Path, default=RESULTS / "env_server.json")
-    parser.add_argument("--no-warm-pass", action="store_true",
-                        help="measure from the first pass over a fresh server (the committed env_server.json was)")
     args = parser.parse_args()
 
     params = load_params(REPO / "params.yaml")
@@ -130,14 +140,14 @@ def main() -> None:
     instruction = params.evaluate.env_only_instruction
     prompts = [f"{q}\n\n{instruction}" for q in questions(params.path(params.paths.mirror), args.requests)]
 
-    engines = {engine: run_engine(params, engine, prompts, args.concurrency, warm_pass=not args.no_warm_pass)
+    engines = {engine: run_engine(params, engine, prompts, args.concurrency)
                for engine in args.engines}
     result: dict[str, object] = {
         "what": "environment server throughput under concurrent chat requests (env_only prompts, greedy)",
         "command": "python benchmarks/bench_env_server.py " + " ".join(sys.argv[1:]),
         "model": params.environment.model, "max_tokens": params.environment.max_tokens,
         "n_threads": server_threads(params.environment.server.n_threads), "parallel_slots": args.parallel,
-        "requests": len(prompts), "warm_pass": not args.no_warm_pass,
+        "requests": len(prompts), "server_per_level": True,
         "engines": {e: {lvl: {k: v for k, v in r.items() if k != "replies"} for lvl, r in runs.items()}
                     for e, runs in engines.items()},
     }

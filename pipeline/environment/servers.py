@@ -3,7 +3,7 @@
 Backends (`environment.backend`):
 - `llamacpp`: a llama.cpp server on the model ref (the bundled SmolLM2-135M-Instruct GGUF by default),
   served under `served_name` on `host:port`: llama.cpp's own batching server (`server.engine: llama.cpp`,
-  pipeline.environment.llama_server; 2.5-3.2x the requests/s in benchmarks/bench_env_server.py) or
+  pipeline.environment.llama_server; 1.13x the requests/s at 8 in flight in benchmarks/bench_env_server.py) or
   `python -m llama_cpp.server` (`llama-cpp-python`). The CPU default; starts in about two seconds.
 - `vllm`: `vllm serve <model>` with the tensor-parallel size, GPU memory fraction and max model length
   from `environment.server` (GPT-OSS-20B in the paper profile). Built here, runs on GPU nodes only.
