@@ -253,6 +253,56 @@ def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, p
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_fresh_runs_first_update_takes_the_reference_from_the_policy_exactly(tiny_llama_dir, params, ppo_epochs):
+    """`reference_is_policy` (a fresh run, before any optimizer step): the reference forward is skipped and
+    the update is the one the reference model gives: losses, KL, gradient norm and the weights after two
+    updates over two mini-batches (the second mini-batch takes its reference from old_log_prob). Equal up
+    to float32 rounding, not to the bit: two model objects with the same weights give log-probs that differ
+    by ~1e-6 (measured: 9.5e-7 on the second mini-batch), the policy's own forward does not differ from
+    itself. The second update runs the reference forward again (the policy has moved)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.train.grpo import grpo_advantages
+    from pipeline.train.models import PolicyModels
+    from pipeline.train.trainer import LocalTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    params.train.lr, params.train.mini_batch_size, params.train.group_size = 1e-2, 1, 2
+    params.train.ppo_epochs, params.train.kl_loss_coef = ppo_epochs, 0.5
+    trajs = [make_traj([5, 6, 7], [100, 101, 900, 901, 102], [1, 1, 0, 0, 1]),
+             make_traj([5, 6, 7], [200, 201, 202], [1, 1, 1]),
+             make_traj([8, 9], [300, 301, 302, 303], [1, 1, 1, 1]),
+             make_traj([8, 9], [400, 401], [1, 1])]
+    mask = collate(trajs, tokenizer.pad_token_id).response_mask
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), mask, ["a", "a", "b", "b"])
+
+    def run(shortcut: bool):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
+        reference = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).eval().requires_grad_(False)
+        models = PolicyModels(model=model, reference=reference, tokenizer=tokenizer, lora=False)
+        trainer = LocalTrainer(params, models, pd.DataFrame(), torch.device("cpu"), QuestionSampler(2, 0))
+        trainer.reference_is_policy = shortcut
+        first = trainer.update(trajs, adv).metrics
+        assert trainer.reference_is_policy is False
+        second = trainer.update(trajs, adv).metrics
+        return first, second, {k: v.clone() for k, v in model.state_dict().items()}
+
+    first_a, second_a, weights_a = run(shortcut=True)
+    first_b, second_b, weights_b = run(shortcut=False)
+    assert first_a["timing_s/ref"] == 0.0 < first_b["timing_s/ref"]
+    assert second_a["timing_s/ref"] > 0.0
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl"):
+        assert first_a[key] == pytest.approx(first_b[key], rel=1e-5, abs=1e-9), key
+        assert second_a[key] == pytest.approx(second_b[key], rel=1e-5, abs=1e-9), key
+    assert first_a["actor/num_optimizer_steps"] == 2 * ppo_epochs
+    assert second_a["actor/kl_loss"] > 1e-6  # the second update's KL is real: the policy moved
+    moved = max(float((weights_a[k] - weights_b[k]).abs().max()) for k in weights_a)
+    assert moved < 1e-5
+
+
 def test_lora_training_keeps_base_frozen(tmp_path, tiny_llama_dir, env_server):
     from pipeline.train.local import train_local
 

@@ -96,6 +96,9 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
     models = load_policy_models(params, folder, device)
     sampler = QuestionSampler(len(frame), params.seed, state.epoch if state else 0, state.position if state else 0)
     trainer = LocalTrainer(params, models, frame, device, sampler)
+    # A fresh run's reference is a copy of the policy (the base, or the warmed weights after the warm-up):
+    # its first update takes the reference log-probs from the policy's own forward (LocalTrainer.update).
+    trainer.reference_is_policy = folder is None
     log.info("warm-up and updates in %s (train.autocast: %s)", trainer.autocast_dtype or "float32",
              cfg.autocast)
     set_run_tag("train.autocast_used", trainer.autocast_dtype or "float32")
