@@ -57,7 +57,7 @@ def test_demonstrations_follow_the_protocol_and_earn_the_maximum_reward(tmp_path
     from pipeline.reward import compute_reward, reward_for_trajectory
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
-    params = warm_params(tmp_path, tiny_llama_dir, env_server)
+    params = warm_params(tmp_path, tiny_llama_dir, env_server, answer="gold")
     demos, tokenizer, _ = build(params, 4)
     assert len(demos) == 4 and len({d.item.uid for d in demos}) == 4
     builder = ConversationBuilder(tokenizer, params.agent.env_reply_max_chars)
@@ -186,3 +186,81 @@ def test_paper_profile_turns_the_warmup_off():
     params = load_params(REPO_ROOT / "params.yaml", {"profile": "paper"})
     assert params.train.warmup.steps == 0
     assert load_params(REPO_ROOT / "params.yaml").train.warmup.steps > 0
+
+
+# ------------------------------------------------------------------------------- answers grounded in replies
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.mark.parametrize(("replies", "golds", "expected"), [
+    (["I believe it is Paris."], ["Paris"], "Paris"),                       # a reply states the gold
+    (["Paris, I think.", "Let me check: it is Lyon."], ["Paris"], "Paris"),  # any reply, not only the last
+    (["A spider has 18 legs."], ["8", "eight"], "A spider has 18"),        # "8" is not a word of "18"
+    (["1. Add the numbers.\n2. Check.\n\nThe answer is: 3"], ["5"], "3"),
+    (["Answer: **Mars**"], ["Venus"], "Mars"),
+    (["So the final answer is \"William\"."], ["Shakespeare"], "William"),
+    (["one two three four five six seven"], ["x"], "one two three four"),   # cut to max_tokens words
+    (["", "   \n "], ["x"], ""),                                            # nothing to answer with
+])
+def test_reply_answer_takes_a_stated_gold_else_the_last_replys_answer(replies, golds, expected):
+    from pipeline.train.warmup import reply_answer
+
+    assert reply_answer(replies, golds, _words, max_tokens=4) == expected
+
+
+def test_a_stated_gold_longer_than_the_budget_falls_back_to_the_reply():
+    from pipeline.train.warmup import reply_answer
+
+    assert reply_answer(["It was William Shakespeare, the playwright"], ["William Shakespeare"], _words,
+                        max_tokens=1) == "It"
+
+
+def test_answer_source_auto_follows_the_replies():
+    from pipeline.train.warmup import answer_source
+
+    params = load_params(REPO_ROOT / "params.yaml")
+    assert params.train.warmup.answer == "auto" and answer_source(params.train.warmup) == "reply"
+    learn = load_params(REPO_ROOT / "params.yaml", {"profile": "learn"})
+    assert learn.train.warmup.replies == "withheld" and answer_source(learn.train.warmup) == "gold"
+    params.train.warmup.answer = "gold"
+    assert answer_source(params.train.warmup) == "gold"
+
+
+def test_live_reply_demonstrations_answer_with_what_the_environment_said(tmp_path, tiny_llama_dir):
+    """A real HTTP environment that knows one answer (France → Paris) and says "42" to everything else: the
+    demos' answers are the gold where a reply stated it and the reply's answer otherwise, never a gold answer
+    the environment did not give (which would teach the agent to make answers up); `answer: gold` keeps the
+    gold everywhere; each demo still earns the full format reward."""
+    from fault_server import FaultServer
+
+    from pipeline.config import RewardConfig
+    from pipeline.metrics import normalize_answer
+    from pipeline.reward import compute_reward
+
+    def responder(messages):
+        asked = " ".join(str(m["content"]) for m in messages if m["role"] == "user")
+        return "I believe it is Paris." if "France" in asked else "1. Think it through.\n\nThe answer is: 42"
+
+    write_train_parquet(tmp_path / "data/rl/train.parquet")
+    with FaultServer(responder=responder) as server:
+        params = warm_params(tmp_path, tiny_llama_dir, server.url)
+        demos, _, _ = build(params, len(QUESTIONS))
+        params.train.warmup.answer = "gold"
+        gold_demos, _, _ = build(params, len(QUESTIONS))
+    assert len(demos) == len(QUESTIONS) == len(gold_demos)
+    for demo in demos:
+        final = demo.turns[-1].parsed
+        replies = " ".join(normalize_answer(t.env_reply.text) for t in demo.turns if t.env_reply is not None)
+        assert normalize_answer(final.answer) in replies.split() or normalize_answer(final.answer) in replies
+        if "France" in demo.item.question:
+            assert final.answer == "Paris" == demo.item.gold_answers[0]
+        else:
+            assert final.answer == "42" and final.answer not in demo.item.gold_answers
+        reward = compute_reward([t.parsed for t in demo.turns], demo.item.gold_answers, RewardConfig(preset="paper"))
+        assert reward.gated and reward.format == 1.5
+    assert [d.turns[-1].parsed.answer for d in gold_demos] == [d.item.gold_answers[0] for d in gold_demos]
+    # The same rows and wording either way: only the answer differs.
+    assert [d.turns[0].agent_token_ids for d in demos] == [d.turns[0].agent_token_ids for d in gold_demos]

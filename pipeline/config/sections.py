@@ -221,6 +221,12 @@ class WarmupConfig(_Section):
         "environment", description="environment: the demonstrations carry the live environment's replies; "
         "withheld: a fixed placeholder instead, so the warm-up teaches the protocol but not how to use a reply "
         "(the learn profile, where the replies hold the answers and using them is the skill under test).")
+    answer: Literal["auto", "gold", "reply"] = Field(
+        "auto", description="The demonstrations' final answer. reply: grounded in the replies (a gold answer "
+        "when a reply states it, else the answer the last reply gives), so the agent learns to answer from "
+        "what the environment said; gold: the row's gold answer whatever the replies said (with a weak "
+        "environment that teaches the agent to make answers up); auto: reply with live replies, gold with "
+        "withheld ones.")
 
 
 class TrainConfig(_Section):

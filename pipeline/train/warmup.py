@@ -12,8 +12,14 @@ A demonstration (`build_demonstrations`) is a `Trajectory` built as the rollout 
     for each of `interaction_turns` turns:
         agent:  short reasoning</think>\\n<interaction_prompt>request</interaction_prompt>         mask 1
         env:    ConversationBuilder.env_turn_ids(LIVE environment reply)                          mask 0
-    agent:      final reasoning</think>\\n<answer>{gold answer}</answer>                           mask 1
+    agent:      final reasoning</think>\\n<answer>{answer}</answer>                                mask 1
 The first request is the question (with a short framing), later ones ask the environment to verify/refine.
+The answer (`train.warmup.answer`) is grounded in the replies (`reply`, the default with live replies): a gold
+answer when a reply states it, else the short answer the last reply gives (`reply_answer`). `gold` puts the
+row's gold answer there whatever the replies said. Why: on the default profile (SmolLM2-135M agent and
+environment) the replies rarely hold the gold answer, so gold-answer demos taught the agent to write an answer
+unrelated to what it was told; its final answers then never matched the replies and Prompt-R1 scored F1 0
+where the environment alone scored ~5 (measured: `benchmarks/bench_warmup_answers.py`).
 The think/request wording is drawn from a few templates with a seeded RNG, so the model learns the
 structure rather than one string. The environment is the live one (`EnvironmentClient`, temperature forced
 to 0 so replies are deterministic and cached), asked with its own history exactly as the rollout asks it.
@@ -34,6 +40,9 @@ Design decisions:
 - **Loss**: mean negative log-likelihood over the agent tokens (mask 1) of the step's demos (token-mean, like
   the GRPO loss), log-probs from the same padded forward the GRPO update uses (`batch.response_log_probs`,
   temperature 1). Environment and template tokens (mask 0) are context only.
+- **Which answer.** Withheld replies hold nothing to ground an answer in, so `auto` uses the gold answer there
+  (the learn profile: GRPO is what must teach the use of replies). A `reply` demo whose replies yield no answer
+  (empty reply) is dropped, like a demo whose environment call failed.
 - **Own optimizer**: an AdamW with `warmup.lr`, dropped afterwards; GRPO's optimizer starts fresh (its
   moments should not carry the supervised gradients' scale).
 - **KL reference = the warmed-up model** (as R1's reference is the SFT'd model, not the raw base): the
@@ -51,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +82,7 @@ from pipeline.agent.protocol import (
 from pipeline.config import Params
 from pipeline.errors import DataError
 from pipeline.hardware import resolve_autocast
+from pipeline.metrics import normalize_answer
 from pipeline.train.batch import collate, response_log_probs
 from pipeline.types import EnvironmentReply, PromptItem, Trajectory, Turn
 
@@ -135,6 +146,40 @@ def demo_texts(question: str, answer: str, turns: int, rng: random.Random) -> De
     return DemoTexts(interaction_turns=texts, prompts=prompts, final_turn=final)
 
 
+_ANSWER_PREFIX = re.compile(r"^\W*(?:so,?\s+)?(?:the\s+)?(?:final\s+|short\s+)?answer(?:\s+is)?\s*[:\-]?\s*",
+                            re.IGNORECASE)
+
+
+def reply_answer(replies: list[str], golds: list[str], count_tokens: Callable[[str], int], max_tokens: int) -> str:
+    """The answer a demonstration grounded in `replies` gives: the first gold answer that some reply states
+    (SQuAD-normalised, on word boundaries) and that fits `max_tokens`; otherwise what the last reply answers:
+    its last non-empty line, without an "The answer is:" style prefix and without quotes, markdown emphasis
+    or a full stop around it, cut to at most `max_tokens` tokens on a word boundary. '' when the last reply is empty."""
+    stated = " " + " ".join(normalize_answer(r) for r in replies) + " "
+    for gold in golds:
+        norm = normalize_answer(gold)
+        if norm and f" {norm} " in stated and count_tokens(str(gold).strip()) <= max_tokens:
+            return str(gold).strip()
+    lines = [line.strip() for line in (replies[-1] if replies else "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    text = _ANSWER_PREFIX.sub("", lines[-1]).strip().strip("\"'`*.").strip()
+    text = text or lines[-1]
+    words: list[str] = []
+    for word in text.split():
+        if count_tokens(" ".join([*words, word])) > max_tokens:
+            break
+        words.append(word)
+    return " ".join(words)
+
+
+def answer_source(warmup: Any) -> str:
+    """`train.warmup.answer` resolved: `auto` is `reply` with live replies and `gold` with withheld ones."""
+    if warmup.answer != "auto":
+        return warmup.answer
+    return "gold" if warmup.replies == "withheld" else "reply"
+
+
 def question_of(item: PromptItem) -> str:
     """The bare question: `extra_info.question`, else the first line after `Question:` in the prompt."""
     if item.question.strip():
@@ -150,7 +195,8 @@ class _Plan:
     texts: DemoTexts
     prompt_ids: list[int]
     turn_ids: list[list[int]]
-    """Agent ids of every turn, the final one last."""
+    """Agent ids of every turn, the final one last (with the gold answer until `_ground_final` replaces it)."""
+    final_think: str = ""
 
 
 def _plan(builder: ConversationBuilder, item: PromptItem, params: Params, rng: random.Random) -> _Plan | None:
@@ -169,13 +215,33 @@ def _plan(builder: ConversationBuilder, item: PromptItem, params: Params, rng: r
     prompt_ids = builder.start(item.messages)
     if len(prompt_ids) > a.max_prompt_tokens:
         return None
-    return _Plan(item, texts, prompt_ids, turn_ids)
+    final_think = texts.final_turn.split(THINK_CLOSE, 1)[0]
+    return _Plan(item, texts, prompt_ids, turn_ids, final_think)
 
 
-async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan], withheld: bool = False
-                    ) -> list[Trajectory]:
+def _ground_final(builder: ConversationBuilder, plan: _Plan, replies: list[str], max_answer_tokens: int,
+                  max_turn_tokens: int) -> str | None:
+    """Rewrite `plan`'s final turn with the answer grounded in `replies` (`reply_answer`); returns the answer,
+    or None when the replies give none or the turn no longer fits `max_turn_tokens`."""
+    answer = reply_answer(replies, [str(g) for g in plan.item.gold_answers],
+                          lambda text: len(builder.encode(text)), max_answer_tokens)
+    if not answer:
+        return None
+    final = f"{plan.final_think}{THINK_CLOSE}\n{ANSWER_OPEN}{answer}{ANSWER_CLOSE}"
+    ids = builder.encode(final)
+    if len(ids) > max_turn_tokens:
+        return None
+    plan.texts.final_turn = final
+    plan.turn_ids[-1] = ids
+    return answer
+
+
+async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan], withheld: bool = False,
+                    grounding: tuple[int, int] | None = None) -> list[Trajectory | None]:
     """Ask the environment turn by turn (all demos of a round concurrently) and append ids as the rollout.
-    `withheld`: every reply is `WITHHELD_REPLY` and the environment is not asked."""
+    `withheld`: every reply is `WITHHELD_REPLY` and the environment is not asked. `grounding`
+    (max answer tokens, max turn tokens): the final answer comes from the replies (`_ground_final`); a demo
+    whose replies give none is None in the result."""
     trajs = [Trajectory(item=p.item, prompt_ids=list(p.prompt_ids)) for p in plans]
     histories: list[list[dict[str, str]]] = [[] for _ in plans]
     rounds = len(plans[0].texts.prompts) if plans else 0
@@ -195,14 +261,21 @@ async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan], 
             if not withheld:
                 traj.usage.add(reply)
             hist += [{"role": "user", "content": p.texts.prompts[t]}, {"role": "assistant", "content": reply.text}]
+    out: list[Trajectory | None] = []
     for p, traj in zip(plans, trajs, strict=True):
+        if grounding is not None:
+            replies = [t.env_reply.text for t in traj.turns if t.env_reply is not None]
+            if _ground_final(builder, p, replies, *grounding) is None:
+                out.append(None)
+                continue
         final = p.turn_ids[-1]
         traj.turns.append(Turn(parsed=parse_turn(builder.think_opener + p.texts.final_turn),
                                agent_token_ids=list(final)))
         traj.response_ids += final
         traj.response_mask += [1] * len(final)
         traj.stop_reason = "answer"
-    return trajs
+        out.append(traj)
+    return out
 
 
 def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, env: Any, count: int,
@@ -213,6 +286,9 @@ def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, en
     calls (reply with `error`) drop that demo. Raises DataError when no row fits the budgets.
     """
     builder = ConversationBuilder(tokenizer, params.agent.env_reply_max_chars)
+    withheld = params.train.warmup.replies == "withheld"
+    grounding = ((params.train.warmup.max_answer_tokens, params.agent.max_turn_tokens)
+                 if answer_source(params.train.warmup) == "reply" and not withheld else None)
     rng = random.Random(params.seed)
     order = np.random.default_rng([params.seed, 0x5F7]).permutation(len(frame))
     demos: list[Trajectory] = []
@@ -227,7 +303,9 @@ def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, en
                 plans.append(plan)
         if not plans:
             break
-        for traj in asyncio.run(_assemble(builder, env, plans, params.train.warmup.replies == "withheld")):
+        for traj in asyncio.run(_assemble(builder, env, plans, withheld, grounding)):
+            if traj is None:
+                continue
             failed = any(t.env_reply is not None and t.env_reply.error for t in traj.turns)
             if failed or len(traj.response_ids) > params.agent.max_response_tokens:
                 continue
@@ -267,8 +345,11 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
     demos = build_demonstrations(params, frame, tokenizer, env, count, item_from_row)
     build_s = time.perf_counter() - t0
     env_calls = sum(d.usage.calls for d in demos)
-    log.info("format warm-up: %d demonstrations built in %.1fs (%d environment calls, %d cached)",
-             len(demos), build_s, env_calls, sum(d.usage.cache_hits for d in demos))
+    golds = sum(d.turns[-1].parsed.answer in [str(g).strip() for g in d.item.gold_answers] for d in demos)
+    log.info("format warm-up: %d demonstrations built in %.1fs (%d environment calls, %d cached); answers: %s",
+             len(demos), build_s, env_calls, sum(d.usage.cache_hits for d in demos),
+             f"{golds} gold stated by a reply, {len(demos) - golds} the last reply's"
+             if answer_source(w) == "reply" and w.replies != "withheld" else "gold")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=w.lr,
                                   weight_decay=cfg.weight_decay)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -290,7 +371,7 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
                    "warmup/agent_tokens": float(tokens), "warmup/step_s": time.perf_counter() - t_step}
             if step == 1:
                 row.update({"warmup/demonstrations": float(len(demos)), "warmup/build_s": build_s,
-                            "warmup/env_calls": float(env_calls)})
+                            "warmup/env_calls": float(env_calls), "warmup/gold_answers": float(golds)})
             rows.append(row)
             if log_metrics is not None:
                 log_metrics(row, step)

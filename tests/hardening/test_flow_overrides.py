@@ -9,6 +9,7 @@ next real flow run restore the params.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -149,7 +150,7 @@ def test_real_flow_killed_mid_stage_then_next_flow_run_restores_params(tmp_path)
     env = {**os.environ, **prefect, "PROMPTR1_DEMO_SLEEP": "build:300"}
     flow = subprocess.Popen([sys.executable, "-m", "flows.retrain", "--project-dir", str(demo),
                              "-S", "train.steps=7"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=(tmp_path / "flow.log").open("w"))
+                            stderr=(tmp_path / "flow.log").open("w"), start_new_session=True)
     marker = demo / ".dvc" / "tmp" / "demo-sleeping.pid"
     stage_group = None
     try:
@@ -166,6 +167,10 @@ def test_real_flow_killed_mid_stage_then_next_flow_run_restores_params(tmp_path)
             flow.kill()
         if stage_group is not None:  # the stage runs in its own group; SIGKILL gave the flow no chance
             os.killpg(stage_group, signal.SIGKILL)
+        # Prefect's ephemeral API server (a child of the flow, in the flow's group) outlives a SIGKILLed flow;
+        # take it down too, or every run of this test leaves a uvicorn process behind.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(flow.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while pid_alive(int(marker.read_text())) and time.monotonic() < deadline:
         time.sleep(0.1)
