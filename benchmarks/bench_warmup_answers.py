@@ -22,16 +22,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeline.metrics import normalize_answer
+from pipeline.train.warmup import stated_in
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def grounded(answer: str | None, replies: list[str]) -> bool:
-    """The normalised answer is a run of whole words of the normalised replies."""
-    norm = normalize_answer(answer)
-    stated = " " + " ".join(normalize_answer(r) for r in replies) + " "
-    return bool(norm) and f" {norm} " in stated
 
 
 def _replies(turns: list[dict]) -> list[str]:
@@ -46,7 +39,7 @@ def _final_answer(turns: list[dict]) -> str | None:
 def summarise(records: list[tuple[str | None, list[str]]]) -> dict[str, float]:
     n = len(records)
     answered = [a for a, _ in records if a and a.strip()]
-    ground = sum(grounded(a, r) for a, r in records if a and a.strip())
+    ground = sum(stated_in(a, r) for a, r in records if a and a.strip())
     return {"trajectories": n, "answered": len(answered), "grounded": ground,
             "grounded_share_of_answers": round(ground / len(answered), 3) if answered else 0.0}
 

@@ -225,8 +225,8 @@ class WarmupConfig(_Section):
         "auto", description="The demonstrations' final answer. reply: grounded in the replies (a gold answer "
         "when a reply states it, else the answer the last reply gives), so the agent learns to answer from "
         "what the environment said; gold: the row's gold answer whatever the replies said (with a weak "
-        "environment that teaches the agent to make answers up); auto: reply with live replies, gold with "
-        "withheld ones.")
+        "environment that teaches the agent to make answers up); auto: reply. Withheld replies always give "
+        "the gold (nothing to ground an answer in).")
 
 
 class TrainConfig(_Section):

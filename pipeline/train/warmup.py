@@ -153,15 +153,19 @@ _ANSWER_PREFIX = re.compile(r"^\W*(?:so,?\s+)?(?:the\s+)?(?:final\s+|short\s+)?a
                             re.IGNORECASE)
 
 
+def stated_in(answer: str | None, texts: list[str]) -> bool:
+    """`answer`, SQuAD-normalised, is a run of whole words of the normalised `texts` (a non-empty answer)."""
+    norm = normalize_answer(answer)
+    return bool(norm) and f" {norm} " in " " + " ".join(normalize_answer(t) for t in texts) + " "
+
+
 def reply_answer(replies: list[str], golds: list[str], count_tokens: Callable[[str], int], max_tokens: int) -> str:
     """The answer a demonstration grounded in `replies` gives: the first gold answer that some reply states
     (SQuAD-normalised, on word boundaries) and that fits `max_tokens`; otherwise what the last reply answers:
     its last non-empty line, without an "The answer is:" style prefix and without quotes, markdown emphasis
     or a full stop around it, cut to at most `max_tokens` tokens on a word boundary. '' when the last reply is empty."""
-    stated = " " + " ".join(normalize_answer(r) for r in replies) + " "
     for gold in golds:
-        norm = normalize_answer(gold)
-        if norm and f" {norm} " in stated and count_tokens(str(gold).strip()) <= max_tokens:
+        if stated_in(gold, replies) and count_tokens(str(gold).strip()) <= max_tokens:
             return str(gold).strip()
     lines = [line.strip() for line in (replies[-1] if replies else "").splitlines() if line.strip()]
     if not lines:
@@ -177,10 +181,11 @@ def reply_answer(replies: list[str], golds: list[str], count_tokens: Callable[[s
 
 
 def answer_source(warmup: Any) -> str:
-    """`train.warmup.answer` resolved: `auto` is `reply` with live replies and `gold` with withheld ones."""
-    if warmup.answer != "auto":
-        return warmup.answer
-    return "gold" if warmup.replies == "withheld" else "reply"
+    """`train.warmup.answer` resolved: `gold` with withheld replies (nothing to ground an answer in), else
+    the setting, `auto` being `reply`."""
+    if warmup.replies == "withheld":
+        return "gold"
+    return "reply" if warmup.answer == "auto" else warmup.answer
 
 
 def question_of(item: PromptItem) -> str:
@@ -291,7 +296,7 @@ def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, en
     builder = ConversationBuilder(tokenizer, params.agent.env_reply_max_chars)
     withheld = params.train.warmup.replies == "withheld"
     grounding = ((params.train.warmup.max_answer_tokens, params.agent.max_turn_tokens)
-                 if answer_source(params.train.warmup) == "reply" and not withheld else None)
+                 if answer_source(params.train.warmup) == "reply" else None)
     rng = random.Random(params.seed)
     order = np.random.default_rng([params.seed, 0x5F7]).permutation(len(frame))
     demos: list[Trajectory] = []
@@ -352,7 +357,7 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
     log.info("format warm-up: %d demonstrations built in %.1fs (%d environment calls, %d cached); answers: %s",
              len(demos), build_s, env_calls, sum(d.usage.cache_hits for d in demos),
              f"{golds} gold stated by a reply, {len(demos) - golds} the last reply's"
-             if answer_source(w) == "reply" and w.replies != "withheld" else "gold")
+             if answer_source(w) == "reply" else "gold")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=w.lr,
                                   weight_decay=cfg.weight_decay)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
