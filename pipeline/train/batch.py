@@ -8,6 +8,14 @@ Design decisions:
   the given temperature, as verl's actor computes them.
 - The sampler's own log-probs ride along (`sampling_log_probs`) only when every trajectory carries them; they
   are diagnostics (the trainer recomputes old log-probs with this same forward).
+- **Shared prompts are read once** (`shared_prompt_log_probs`, the GRPO update's and reference's forward when
+  `train.share_prompt_forward` is on). The G trajectories of a question start with the same prompt (~430 of
+  their ~700 tokens in the default profile), and the padded layout reads it G times and pads every response
+  to the longest. Here each distinct prompt is one forward (its KV cache kept, with its autograd graph),
+  then each response is one unpadded forward over that cache; the gradient reaching the prompt's keys and
+  values from every response flows back through the one prompt forward. Same log-probs and gradients as
+  the padded forward up to float rounding (tests/test_train_shared_prompt.py); logits only at agent-token
+  positions (environment tokens and padding get 0, which the loss masks out).
 """
 
 from __future__ import annotations
@@ -36,12 +44,22 @@ class RolloutBatch:
     """Non-padding tokens (prompt + response) in the batch: what a forward pass really processes."""
     sampling_log_probs: torch.Tensor | None = None
     """(B, R) the sampler's log-probs, when every trajectory carries them (diagnostics only)."""
+    prompt_lists: tuple[tuple[int, ...], ...] = ()
+    """Each row's prompt ids, unpadded (what `shared_prompt_log_probs` groups rows by)."""
+    response_lengths: tuple[int, ...] = ()
+    """Each row's response length (tokens before the padding)."""
 
     def to(self, device: torch.device) -> RolloutBatch:
         moved = None if self.sampling_log_probs is None else self.sampling_log_probs.to(device)
         return RolloutBatch(self.input_ids.to(device), self.attention_mask.to(device),
                             self.position_ids.to(device), self.responses.to(device),
-                            self.response_mask.to(device), self.num_tokens, moved)
+                            self.response_mask.to(device), self.num_tokens, moved, self.prompt_lists,
+                            self.response_lengths)
+
+    @property
+    def shared_num_tokens(self) -> int:
+        """Tokens `shared_prompt_log_probs` reads: each distinct prompt once, every response once."""
+        return sum(len(p) for p in set(self.prompt_lists)) + sum(self.response_lengths)
 
 
 def collate(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
@@ -72,7 +90,8 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
             if t.response_logprobs:
                 sampled[i, : len(t.response_logprobs)] = torch.tensor(t.response_logprobs, dtype=torch.float32)
     return RolloutBatch(input_ids, attention, position_ids, input_ids[:, p_max:].clone(), response_mask,
-                        int(attention.sum()), sampled)
+                        int(attention.sum()), sampled, tuple(tuple(t.prompt_ids) for t in trajectories),
+                        tuple(len(t.response_ids) for t in trajectories))
 
 
 def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> torch.Tensor:
@@ -85,3 +104,63 @@ def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature:
         logits = logits / temperature
     picked = logits.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def shared_prompt_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+    """(B, R) log-probs of the agent's response tokens, each distinct prompt read once (module docstring).
+
+    Same values as `response_log_probs` on agent tokens (response_mask 1); 0 on environment tokens and padding.
+    Differentiable: call it under `torch.no_grad()` for reference / old log-probs, without for the update.
+    """
+    from transformers import DynamicCache
+
+    if not batch.prompt_lists:
+        raise ValueError("shared_prompt_log_probs needs a batch from collate() (no prompt_lists)")
+    b, r_max = batch.responses.shape
+    device = batch.responses.device
+    mask = batch.response_mask.bool()
+    members: dict[tuple[int, ...], list[int]] = {}
+    for row, prompt in enumerate(batch.prompt_lists):
+        members.setdefault(prompt, []).append(row)
+
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[torch.Tensor] = []
+    for prompt, group in members.items():
+        p = len(prompt)
+        prompt_out = model(input_ids=torch.tensor([prompt], dtype=torch.long, device=device), use_cache=True,
+                           logits_to_keep=1)
+        first_logits = _scaled(prompt_out.logits[0, -1].float(), temperature)  # predicts response token 0
+        first_lse = torch.logsumexp(first_logits, dim=-1)
+        kv = [(layer.keys, layer.values) for layer in prompt_out.past_key_values.layers]
+        del prompt_out
+        for row in group:
+            r = batch.response_lengths[row]
+            if r == 0:
+                continue
+            tokens = batch.responses[row, :r]
+            if mask[row, 0]:
+                rows.append(row)
+                cols.append(0)
+                values.append((first_logits[tokens[0]] - first_lse).unsqueeze(0))
+            agent = torch.nonzero(mask[row, 1:r]).flatten() + 1  # response positions 1.. that are agent tokens
+            if r == 1 or agent.numel() == 0:
+                continue
+            # Feed tokens 0..r-2 after the prompt: the logits at input position j-1 predict response token j.
+            out = model(input_ids=tokens[: r - 1].unsqueeze(0), past_key_values=DynamicCache(ddp_cache_data=kv),
+                        position_ids=torch.arange(p, p + r - 1, device=device).unsqueeze(0), use_cache=True,
+                        logits_to_keep=agent - 1)
+            logits = _scaled(out.logits[0].float(), temperature)
+            picked = logits.gather(-1, tokens[agent].unsqueeze(-1)).squeeze(-1)
+            rows.extend([row] * agent.numel())
+            cols.extend(agent.tolist())
+            values.append(picked - torch.logsumexp(logits, dim=-1))
+    result = torch.zeros((b, r_max), dtype=torch.float32, device=device)
+    if not values:
+        return result
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return result.index_put(index, torch.cat(values))
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits / temperature if temperature > 0 and temperature != 1.0 else logits

@@ -25,8 +25,12 @@ Design decisions:
   policy's weights are the reference's (the base, or the warmed copy), so the reference log-probs are the
   pre-update log-probs the update computes anyway; `timing_s/ref` is 0 there (15 s of the default
   profile's first 112-s step on 2 cores). Every later update runs the reference forward.
-- **Micro-batches are sorted by length** within a mini-batch to cut padding; the loss is normalised by
-  the mini-batch's agent-token count, so the split does not change the gradient.
+- **Each question's prompt is read once** (`train.share_prompt_forward`, on by default): the update's
+  forwards run `batch.shared_prompt_log_probs` (the prompt's KV cache shared by its G responses, each
+  response unpadded) instead of the padded layout, and micro-batches keep a question's trajectories
+  together (item order); without it micro-batches are sorted by length within a mini-batch to cut padding.
+  Either way the loss is normalised by the mini-batch's agent-token count, so the split does not change the
+  gradient.
 - Timing: the rollout alternates batched generation rounds with rounds of concurrent environment calls,
   so its wall time splits cleanly: `timing_s/gen` = generation wall time, `timing_s/env` = the rest of
   the rollout (environment rounds), `timing_s/rollout` = both (what verl calls `timing_s/gen`, which
@@ -52,7 +56,7 @@ import torch
 
 from pipeline.config import Params
 from pipeline.hardware import resolve_autocast
-from pipeline.train.batch import RolloutBatch, collate, response_log_probs
+from pipeline.train.batch import RolloutBatch, collate, response_log_probs, shared_prompt_log_probs
 from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
 from pipeline.train.models import PolicyModels
 from pipeline.train.questions import QuestionSampler, prompt_item_from_row
@@ -156,9 +160,26 @@ class LocalTrainer:
         return trajectories
 
     # -- update ------------------------------------------------------------------------------------
+    @property
+    def share_prompts(self) -> bool:
+        """Whether the update reads each prompt once (`train.share_prompt_forward`; never with gradient
+        checkpointing, which drops the prompt's KV cache)."""
+        return self.cfg.share_prompt_forward and not self.cfg.gradient_checkpointing
+
+    def log_probs(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        """(B, R) response log-probs of `batch` under `model`: shared-prompt or padded forward."""
+        if self.share_prompts:
+            return shared_prompt_log_probs(model, batch, self.temperature)
+        return response_log_probs(model, batch, self.temperature)
+
     def micro_batches(self, trajectories: Sequence[Trajectory], indices: Sequence[int]) -> list[list[int]]:
-        """Split a mini-batch into micro-batches of similar length (less padding)."""
-        ordered = sorted(indices, key=lambda i: len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids))
+        """Split a mini-batch into micro-batches: a question's trajectories together when prompts are
+        shared (item order), else of similar length (less padding)."""
+        if self.share_prompts:
+            ordered = list(indices)
+        else:
+            ordered = sorted(indices,
+                             key=lambda i: len(trajectories[i].prompt_ids) + len(trajectories[i].response_ids))
         size = self.cfg.micro_batch_size
         return [ordered[k : k + size] for k in range(0, len(ordered), size)]
 
@@ -189,13 +210,12 @@ class LocalTrainer:
                     if self.cfg.use_kl_loss and not ref_is_old:
                         t0 = time.perf_counter()
                         with self.models.reference_context(), self.autocast():
-                            ref_lp[(m, k)] = response_log_probs(self.models.reference_model, batch,
-                                                                self.temperature)
+                            ref_lp[(m, k)] = self.log_probs(self.models.reference_model, batch)
                         timings["timing_s/ref"] += time.perf_counter() - t0
                     if m in need_old:
                         t0 = time.perf_counter()
                         with self.autocast():
-                            old_lp[(m, k)] = response_log_probs(self.models.model, batch, self.temperature)
+                            old_lp[(m, k)] = self.log_probs(self.models.model, batch)
                         timings["timing_s/old_log_prob"] += time.perf_counter() - t0
 
         self.models.model.train()
@@ -214,7 +234,7 @@ class LocalTrainer:
                 for k, idx in enumerate(micros):
                     batch = batches[(m, k)]
                     with self.autocast():
-                        log_prob = response_log_probs(self.models.model, batch, self.temperature)
+                        log_prob = self.log_probs(self.models.model, batch)
                     old = old_lp[(m, k)] if (m, k) in old_lp else log_prob.detach()
                     if ref_is_old and (m, k) not in ref_lp:
                         # No update since the reference was taken: the pre-update log-probs (old_lp, or this
