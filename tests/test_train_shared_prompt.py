@@ -195,3 +195,22 @@ def test_shared_prompt_on_the_real_smollm2(repo_root):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model.train()
     assert _compare(model, trajs, pad, atol=1e-4) < 1e-4
+
+
+def test_warmup_loss_is_the_same_with_shared_prompts(tiny_llama_dir):
+    """The format warm-up's NLL and gradients with each demo forwarded unpadded (distinct prompts)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.train.warmup import warmup_loss
+
+    demos = [TRAJS[0], TRAJS[3], make_traj([7, 8, 9, 10, 11], [700, 701, 960, 702], [1, 1, 0, 1], "c")]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).double()
+    out = {}
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss, tokens = warmup_loss(model, demos, 0, 2, torch.device("cpu"), share_prompts=share)
+        out[share] = (loss, tokens, _grads(model))
+    assert out[True][1] == out[False][1] == 4 + 3 + 3  # agent tokens
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-6)
+    for name, grad in out[False][2].items():
+        assert float((out[True][2][name] - grad).abs().max()) / (float(grad.abs().max()) + 1e-12) < 1e-5, name

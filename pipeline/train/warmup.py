@@ -86,7 +86,7 @@ from pipeline.config import Params
 from pipeline.errors import DataError
 from pipeline.hardware import resolve_autocast
 from pipeline.metrics import normalize_answer
-from pipeline.train.batch import collate, response_log_probs
+from pipeline.train.batch import collate, response_log_probs, shared_prompt_log_probs
 from pipeline.types import EnvironmentReply, PromptItem, Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -327,14 +327,20 @@ def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, en
 
 
 def warmup_loss(model: torch.nn.Module, demos: list[Trajectory], pad_id: int, micro_batch_size: int,
-                device: torch.device) -> tuple[float, int]:
-    """Backward the mean NLL over the demos' agent tokens (micro-batched); returns (loss, agent tokens)."""
+                device: torch.device, share_prompts: bool = False) -> tuple[float, int]:
+    """Backward the mean NLL over the demos' agent tokens (micro-batched); returns (loss, agent tokens).
+
+    `share_prompts` (`train.share_prompt_forward`): each demo forwarded unpadded, prompt then response over
+    its cache (`batch.shared_prompt_log_probs`; the demos' prompts differ, so the gain is the padding and
+    the logits at environment tokens: 13.0 -> 11.9 s float32, 6.8 -> 5.8 s bf16 for 2 x 2 demos of
+    SmolLM2 on 2 cores)."""
     total_tokens = sum(sum(d.response_mask) for d in demos)
     loss_sum = 0.0
     ordered = sorted(demos, key=lambda d: len(d.prompt_ids) + len(d.response_ids))
+    forward = shared_prompt_log_probs if share_prompts else response_log_probs
     for k in range(0, len(ordered), micro_batch_size):
         batch = collate(ordered[k : k + micro_batch_size], pad_id).to(device)
-        log_prob = response_log_probs(model, batch, temperature=1.0)
+        log_prob = forward(model, batch, temperature=1.0)
         nll = -(log_prob * batch.response_mask).sum() / total_tokens
         nll.backward()
         loss_sum += float(nll.detach())
@@ -372,7 +378,8 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=getattr(torch, autocast or "bfloat16"),
                                 enabled=autocast is not None):  # train.autocast, as the GRPO update
-                loss, tokens = warmup_loss(model, batch, pad_id, cfg.micro_batch_size, device)
+                loss, tokens = warmup_loss(model, batch, pad_id, cfg.micro_batch_size, device,
+                                           cfg.share_prompt_forward and not cfg.gradient_checkpointing)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             row = {"warmup/step": float(step), "warmup/loss": loss, "warmup/grad_norm": float(grad_norm),
