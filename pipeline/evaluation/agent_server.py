@@ -11,10 +11,11 @@ agent directory, or `agent.model` for the untrained `base_agent`), chosen by `ev
   rollout talks to it through `OpenAICompletionsPolicy` with token-id prompts (exact: no re-tokenisation of
   the prompt). A merged Hugging Face directory is first written as GGUF (pipeline.agent.gguf_export, cached
   by the weights' hash); a GGUF reference (the untrained agent) is served as it is. The server has one
-  slot per conversation in flight (`evaluate.agent_parallel`, also the number of questions rolled out
-  together), so the next turn's prompt, which begins with the previous prompt and reply, finds that prefix
+  slot per conversation in flight (`evaluate.agent_parallel`), so the next turn's prompt, which begins with the previous prompt and reply, finds that prefix
   in its slot's KV cache (llama.cpp's prompt cache) and only the environment's reply and the new turn are
-  read. Greedy outputs are llama.cpp's: they can differ from the in-process model's in near-ties
+  read. `evaluate.agent_rollout_batch` questions are rolled out together (more than the slots): the extra
+  requests queue at the server, and llama.cpp's host-memory prompt cache (`cache_ram_mib`, 8 GiB) hands a
+  conversation's earlier turns back to whichever slot takes its next turn. Greedy outputs are llama.cpp's: they can differ from the in-process model's in near-ties
   (F16 export: max logit difference ~0.05 on the test prompt, same argmax everywhere).
 
 The served name carries the GGUF file's stem, so a server found already running at the port is reused only
@@ -55,15 +56,15 @@ def agent_engine(params: Params) -> str:
 
 
 def rollout_batch_size(params: Params) -> int:
-    """Questions the evaluation rolls out together, one batch at a time: one per server slot (llama.cpp,
-    so every conversation keeps its slot and cache) or `evaluate.batch_size` (transformers).
+    """Questions the evaluation rolls out together, one batch at a time: `evaluate.agent_rollout_batch`
+    (llama.cpp; at least one per server slot) or `evaluate.batch_size` (transformers).
 
     One batch at a time: with two in flight, one batch's agent turns and the other's environment calls ran
     at once, the two servers' 2 + 2 threads fought over the 2 cores and llama.cpp's decode fell from ~7 to
     0.8 tokens/s per slot (measured in a default-profile repro).
     """
     if agent_engine(params) == "llama.cpp":
-        return params.evaluate.agent_parallel
+        return max(params.evaluate.agent_parallel, params.evaluate.agent_rollout_batch)
     return params.evaluate.batch_size
 
 
