@@ -311,6 +311,14 @@ def report_metrics(content: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def describe_gepa(metrics: dict[str, float]) -> str:
+    """The gepa run's one-sentence description (and its part of the parent run's)."""
+    return (f"GEPA optimised the environment's instruction: held-out F1 {metrics['holdout_f1_seed']:.2f} → "
+            f"{metrics['holdout_f1_optimised']:.2f} ({metrics['holdout_f1_delta']:+.2f}), "
+            f"{int(metrics['accepted'])}/{int(metrics['proposals'])} proposals accepted, "
+            f"{int(metrics['metric_calls'])} metric calls.")
+
+
 def history_frame(content: dict[str, Any]) -> pd.DataFrame:
     """reports/gepa/history.csv: the best val score so far after each candidate scored (the DVC plot)."""
     rows, best = [], float("-inf")
@@ -328,7 +336,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
     from pipeline.environment.client import CACHE_FILE, LEDGER_FILE, EnvironmentClient
     from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
     from pipeline.environment.servers import environment_server
-    from pipeline.tracking import stage_run
+    from pipeline.tracking import describe_stage, stage_run
 
     slices = load_slices(params)
     tp = evaluation_params(params)
@@ -350,6 +358,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
     write_json_atomic(metrics, out_dir / "metrics.json")
     write_text_atomic(history_frame(content).to_csv(index=False), out_dir / "history.csv")
     with stage_run(params, "gepa"):
+        describe_stage("gepa", describe_gepa(metrics))
         mlflow.log_params({f"gepa.{k}": v for k, v in params.gepa.model_dump().items()})
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
         # The instruction and the examples are the reflection model's text: untrusted, sanitised.

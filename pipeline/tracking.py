@@ -5,7 +5,10 @@ Design decisions:
   small file, `reports/mlflow_run.json`. The `train` stage opens a *new* parent run (a new model means
   a new pipeline execution) and writes that file as one of its outputs; `evaluate` and `register`
   attach child runs to the parent named there (creating one if the file is missing, e.g. when a user
-  runs `promptr1 evaluate` on its own).
+  runs `promptr1 evaluate` on its own). The `gepa` stage runs before `train` in a `dvc repro` and opens
+  the parent for its own run; `train` continues that parent instead of opening another when it is the
+  same execution's (`_gepa_parent`: the newest parent, holding only a gepa summary, same commit, profile
+  and params), so one repro is one parent run with gepa, train, evaluate and register under it.
 - Tracking store: SQLite file plus a local artifact folder in the project (both ignored by git);
   `MLFLOW_TRACKING_URI` overrides params. Telemetry is off.
 - The parent is tagged with the git commit, the profile and the DVC hashes of the data it used.
@@ -125,14 +128,45 @@ def _start_parent(params: Params) -> str:
         for chunk in _chunks(flatten(params), 100):
             mlflow.log_params(chunk)
         run_id = run.info.run_id
+    _record_parent(params, run_id)
+    log.info("MLflow parent run %s", run_id)
+    return run_id
+
+
+def _record_parent(params: Params, run_id: str) -> None:
+    """Write reports/mlflow_run.json (atomically): the parent the later stages attach to."""
     path = _run_file(params)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"run_id": run_id, "experiment": params.mlflow.experiment,
                                "tracking_uri_env": "MLFLOW_TRACKING_URI"}, indent=2))
     tmp.replace(path)
-    log.info("MLflow parent run %s", run_id)
-    return run_id
+
+
+def _gepa_parent(params: Params) -> str | None:
+    """The parent run this execution's gepa stage opened, for `train` to continue (module docstring): the
+    newest pipeline parent in the experiment, if it holds a gepa summary and no later stage's, and was
+    opened at this commit with this profile and exactly these params. None otherwise."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name(params.mlflow.experiment)
+    if experiment is None:
+        return None
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.pipeline = 'prompt-r1'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        return None
+    run = runs[0]
+    tags = run.data.tags
+    if "summary.gepa" not in tags or any(f"summary.{s}" in tags for s in DESCRIBED_STAGES if s != "gepa"):
+        return None
+    if tags.get("git_commit") != git_commit(params.root) or tags.get("profile") != params.profile:
+        return None
+    expected = {k: v for chunk in _chunks(flatten(params), 100) for k, v in chunk.items()}
+    if run.data.params != expected:
+        return None
+    return run.info.run_id
 
 
 def _chunks(d: dict[str, Any], n: int) -> Iterator[dict[str, Any]]:
@@ -145,12 +179,16 @@ def _chunks(d: dict[str, Any], n: int) -> Iterator[dict[str, Any]]:
 def stage_run(params: Params, stage: str, new_parent: bool = False) -> Iterator[Any]:
     """Open the child run `stage` under the pipeline's parent run and yield it (an active mlflow run).
 
-    `new_parent=True` (the train stage) starts a new parent run and records it in reports/mlflow_run.json.
+    `new_parent=True` (the train stage) starts a new parent run, or continues the one this execution's gepa
+    stage opened, and records it in reports/mlflow_run.json.
     """
     import mlflow
 
     configure(params)
     parent = None if new_parent else parent_run_id(params)
+    if new_parent and (parent := _gepa_parent(params)) is not None:
+        _record_parent(params, parent)
+        log.info("MLflow parent run %s (the gepa stage's, continued)", parent)
     if parent is not None:
         try:
             mlflow.MlflowClient().get_run(parent)

@@ -140,6 +140,25 @@ def test_gepa_stage_accepts_a_proposal_and_reports_held_out_scores(gepa_params):
     runs = client.search_runs([client.get_experiment_by_name(params.mlflow.experiment).experiment_id],
                               filter_string="tags.stage = 'gepa'")
     assert len(runs) == 1 and runs[0].data.metrics["holdout_f1_optimised"] == 100.0
+    said = runs[0].data.tags["mlflow.note.content"]
+    assert said.startswith("GEPA optimised the environment's instruction: held-out F1 ") and "→ 100.00" in said
+    parent = client.get_run(runs[0].data.tags["mlflow.parentRunId"]).data.tags
+    assert parent["summary.gepa"] == said and said in parent["mlflow.note.content"]
+
+    # The train stage of the same execution continues this parent (one repro, one parent run) ...
+    from pipeline.tracking import parent_run_id, stage_run
+
+    gepa_parent = runs[0].data.tags["mlflow.parentRunId"]
+    (params.path(params.paths.reports_dir) / "mlflow_run.json").unlink()  # DVC removes train's outputs first
+    with stage_run(params, "train", new_parent=True) as run:
+        assert client.get_run(run.info.run_id).data.tags["mlflow.parentRunId"] == gepa_parent
+        from pipeline.tracking import describe_stage
+
+        describe_stage("train", "Trained.")
+    assert parent_run_id(params) == gepa_parent
+    # ... but a later training (the parent already has a train summary) or other params open a new one.
+    with stage_run(params, "train", new_parent=True) as run:
+        assert client.get_run(run.info.run_id).data.tags["mlflow.parentRunId"] != gepa_parent
 
 
 def test_a_proposal_that_does_not_help_is_rejected(gepa_params):
@@ -197,3 +216,21 @@ def test_the_reflection_model_is_configurable(gepa_params):
     assert all(b["messages"][-1]["content"].startswith(GEPA_REFLECTION_OPENING) for b in reflection_bodies)
     assert not any(b["messages"][-1]["content"].startswith(GEPA_REFLECTION_OPENING) for b in task_bodies)
     assert content["optimised"]["instruction"] == SHORT
+
+
+def test_train_opens_its_own_parent_when_params_changed_since_gepa(gepa_params):
+    """A gepa parent opened with other params is not continued: MLflow params are immutable, and the run
+    would claim settings it did not train with."""
+    import mlflow
+
+    from pipeline.tracking import describe_stage, stage_run
+
+    with FaultServer(responder=respond) as server:
+        params = gepa_params(server.url)
+        with stage_run(params, "gepa") as run:
+            describe_stage("gepa", "GEPA did something.")
+            gepa_parent = mlflow.MlflowClient().get_run(run.info.run_id).data.tags["mlflow.parentRunId"]
+        params.train.steps += 1
+        with stage_run(params, "train", new_parent=True) as run:
+            parent = mlflow.MlflowClient().get_run(run.info.run_id).data.tags["mlflow.parentRunId"]
+    assert parent != gepa_parent
