@@ -230,8 +230,9 @@ def test_broken_update_fails_the_direction_check(format_aware_model, knowledge_u
 
     if variant == "advantage_sign":
         monkeypatch.setattr(trainer, "grpo_advantages", _negated_advantages(trainer.grpo_advantages))
-    else:
+    else:  # whichever forward the update uses (train.share_prompt_forward: the shared-prompt one by default)
         monkeypatch.setattr(trainer, "response_log_probs", _late_log_probs)
+        monkeypatch.setattr(trainer, "shared_prompt_log_probs", _late_log_probs)
     stats = direction(format_aware_model, knowledge_url, tmp_path, lora=False)
     assert not (stats["correlation"] > MIN_CORRELATION and stats["surrogate"] > 0), (
         f"the {variant} variant passed the direction check: {stats}")
