@@ -256,7 +256,7 @@ class TrainConfig(_Section):
         True, description="Local backend: the update's forwards (policy, reference, old log-probs) read each "
         "question's prompt once for its G trajectories and each response unpadded over the prompt's KV cache "
         "(pipeline/train/batch.py shared_prompt_log_probs): same log-probs and gradients to float rounding, "
-        "measured 3.9x faster (float32) and 3.3x (bf16) for 8 trajectories of SmolLM2-135M on 2 cores "
+        "measured 3.4x faster (float32) and 2.6x (bf16) for 8 trajectories of SmolLM2-135M on 2 cores "
         "(benchmarks/results/shared_prompt.json). Micro-batches then keep a question's trajectories together. "
         "Off (the padded verl layout) with gradient_checkpointing, which cannot keep the prompt's cache.")
     autocast: Literal["auto", "bfloat16"] | None = Field(
@@ -284,6 +284,12 @@ class TrainConfig(_Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     verl: VerlConfig = Field(default_factory=VerlConfig)
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether the update and the warm-up read each prompt once: `share_prompt_forward`, never with
+        gradient checkpointing (it drops the prompt's KV cache)."""
+        return self.share_prompt_forward and not self.gradient_checkpointing
 
 
 class EvaluateConfig(_Section):

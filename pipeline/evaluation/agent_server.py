@@ -11,11 +11,12 @@ agent directory, or `agent.model` for the untrained `base_agent`), chosen by `ev
   rollout talks to it through `OpenAICompletionsPolicy` with token-id prompts (exact: no re-tokenisation of
   the prompt). A merged Hugging Face directory is first written as GGUF (pipeline.agent.gguf_export, cached
   by the weights' hash); a GGUF reference (the untrained agent) is served as it is. The server has one
-  slot per conversation in flight (`evaluate.agent_parallel`), so the next turn's prompt, which begins with the previous prompt and reply, finds that prefix
-  in its slot's KV cache (llama.cpp's prompt cache) and only the environment's reply and the new turn are
-  read. `evaluate.agent_rollout_batch` questions are rolled out together (more than the slots): the extra
-  requests queue at the server, and llama.cpp's host-memory prompt cache (`cache_ram_mib`, 8 GiB) hands a
-  conversation's earlier turns back to whichever slot takes its next turn. Greedy outputs are llama.cpp's: they can differ from the in-process model's in near-ties
+  slot per conversation in flight (`evaluate.agent_parallel`), so the next turn's prompt, which begins with
+  the previous prompt and reply, finds that prefix in its slot's KV cache (llama.cpp's prompt cache) and only
+  the environment's reply and the new turn are read. `evaluate.agent_rollout_batch` questions are rolled out
+  together (more than the slots): the extra requests queue at the server, and llama.cpp's host-memory prompt
+  cache (`cache_ram_mib`, 8 GiB) hands a conversation's earlier turns back to whichever slot takes its next
+  turn. Greedy outputs are llama.cpp's: they can differ from the in-process model's in near-ties
   (F16 export: max logit difference ~0.05 on the test prompt, same argmax everywhere).
 
 The served name carries the GGUF file's stem, so a server found already running at the port is reused only

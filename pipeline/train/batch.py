@@ -99,9 +99,7 @@ def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature:
     r = batch.responses.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, use_cache=False, logits_to_keep=r + 1)
-    logits = out.logits[:, :-1, :].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
+    logits = _scaled(out.logits[:, :-1, :].float(), temperature)
     picked = logits.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -163,4 +161,5 @@ def shared_prompt_log_probs(model: torch.nn.Module, batch: RolloutBatch, tempera
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits at `temperature` (verl's convention: 0 = greedy and 1 leave them as they are)."""
     return logits / temperature if temperature > 0 and temperature != 1.0 else logits

@@ -162,9 +162,8 @@ class LocalTrainer:
     # -- update ------------------------------------------------------------------------------------
     @property
     def share_prompts(self) -> bool:
-        """Whether the update reads each prompt once (`train.share_prompt_forward`; never with gradient
-        checkpointing, which drops the prompt's KV cache)."""
-        return self.cfg.share_prompt_forward and not self.cfg.gradient_checkpointing
+        """Whether the update reads each prompt once (`TrainConfig.shares_prompts`)."""
+        return self.cfg.shares_prompts
 
     def log_probs(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """(B, R) response log-probs of `batch` under `model`: shared-prompt or padded forward."""

@@ -378,8 +378,7 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=getattr(torch, autocast or "bfloat16"),
                                 enabled=autocast is not None):  # train.autocast, as the GRPO update
-                loss, tokens = warmup_loss(model, batch, pad_id, cfg.micro_batch_size, device,
-                                           cfg.share_prompt_forward and not cfg.gradient_checkpointing)
+                loss, tokens = warmup_loss(model, batch, pad_id, cfg.micro_batch_size, device, cfg.shares_prompts)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             row = {"warmup/step": float(step), "warmup/loss": loss, "warmup/grad_norm": float(grad_norm),
