@@ -12,6 +12,7 @@ from pipeline.agent.protocol import (
     STOP_STRINGS,
     THINK_OPENER,
     ConversationBuilder,
+    TurnRules,
     environment_prompt_for,
     format_env_reply,
     parse_turn,
@@ -313,3 +314,40 @@ def test_generated_whitespace_can_differ_from_canonical_tokenisation(tokenizer):
     split = [tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b")]
     assert tokenizer.decode(split) == tokenizer.decode(canonical) == "ab"
     assert split != canonical
+
+
+# --- turn rules (shared by the local rollout and verl's agent loop) ----------------------------------------
+
+ASKS = "<think>\nWhy?</think>\n<interaction_prompt>Who?</interaction_prompt>"
+ANSWERS = "<think>\nSo.</think>\n<answer>Paris</answer>"
+RAMBLES = "<think>\nwell and so on"
+RULES = TurnRules(max_turns=3, max_turn_tokens=10, max_response_tokens=50)
+
+
+def decide(text: str, *, turn: int = 1, hit_limit: bool = False, limit: int = 10, used: int = 10):
+    return RULES.after_agent_turn(parse_turn(text), turn_number=turn, hit_limit=hit_limit, limit=limit,
+                                  response_tokens=used)
+
+
+@pytest.mark.parametrize(("text", "kwargs", "stop", "prompt"), [
+    (ASKS, {}, None, "Who?"),                                          # ask the environment
+    (ANSWERS, {}, "answer", None),
+    (ANSWERS, {"used": 50, "hit_limit": True, "limit": 4}, "answer", None),  # an answer wins over a full budget
+    (RAMBLES, {}, "no_action", None),                                  # neither answer nor prompt
+    (RAMBLES, {"hit_limit": True}, "no_action", None),                 # cut by max_turn_tokens: still no action
+    (RAMBLES, {"hit_limit": True, "limit": 6, "used": 44}, "token_budget", None),  # cut by the budget
+    (RAMBLES, {"limit": 6, "used": 44}, "no_action", None),            # stopped early under a small limit
+    (ASKS, {"used": 50}, "token_budget", None),                        # the response is full
+    (ASKS, {"turn": 3}, "max_turns", None),                            # the last turn never asks
+    (ASKS, {"turn": 2}, None, "Who?"),
+])
+def test_turn_rules_decide_in_order(text, kwargs, stop, prompt):
+    decision = decide(text, **kwargs)
+    assert (decision.stop, decision.prompt) == (stop, prompt)
+
+
+def test_turn_rules_token_limit_and_reply_fit():
+    assert RULES.token_limit(0) == 10 and RULES.token_limit(44) == 6 and RULES.token_limit(50) == 0
+    assert RULES.fit_reply([1, 2, 3], 40) == ([1, 2, 3], None)        # fits with room to spare
+    assert RULES.fit_reply([1, 2, 3], 47) == ([1, 2, 3], "token_budget")  # fills the room exactly
+    assert RULES.fit_reply([1, 2, 3, 4], 47) == ([1, 2, 3], "token_budget")  # cut at the budget

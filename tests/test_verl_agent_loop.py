@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from fault_server import FaultServer
 from omegaconf import OmegaConf
-from test_verl_backend import compose_verl
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout.replica import TokenOutput
+from verl_cpu import compose_verl
 
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
 from pipeline.config import load_params
@@ -99,6 +99,11 @@ def run_loop(config, server_manager, tokenizer, gold=("Paris",)):
     return asyncio.run(go())
 
 
+def reward_of(out, gold=("Paris",)) -> dict[str, float]:
+    """What verl's reward loop computes for the loop's output: our compute_score on its extra fields."""
+    return compute_score("hotpotqa", "", np.array(list(gold), dtype=object), extra_info=dict(out.extra_fields))
+
+
 TWO_CALLS_THEN_ANSWER = [
     "The question asks for a capital.</think>\n<interaction_prompt>What is the capital of France?</interaction_prompt>",
     "The reply names a city.</think>\n<interaction_prompt>Is Paris really the capital?</interaction_prompt>",
@@ -148,8 +153,10 @@ def test_masks_turns_and_reward_parts(tokenizer, env_server):
     extra = out.extra_fields
     assert extra["prompt_r1_turns"][0].startswith("<think>\n") and len(extra["prompt_r1_turns"]) == 3
     assert extra["prompt_r1_stop_reason"] == "answer" and extra["prompt_r1_env_calls"] == 2
-    assert extra["prompt_r1_reward/score"] == 1.0 and extra["prompt_r1_reward/gated"] == 1.0
-    assert extra["prompt_r1_reward/valid_intermediate_turns"] == 2.0
+    assert not any(key.startswith("prompt_r1_reward") for key in extra)  # the reward is verl's reward loop's
+    parts = reward_of(out)
+    assert parts["score"] == 1.0 and parts["gated"] == 1.0
+    assert parts["valid_intermediate_turns"] == 2.0
 
     # verl's reward function on this trajectory: from extra_info (normal path) and from the decoded text
     solution = tokenizer.decode(out.response_ids, skip_special_tokens=True)
@@ -168,7 +175,7 @@ def test_turn_limit(tokenizer, env_server):
     assert out.extra_fields["prompt_r1_stop_reason"] == "max_turns"
     assert out.response_mask[-len(manager.turn_ids[0]):] == [1] * len(manager.turn_ids[0])
     # M summed over turns 1..4 = 1.0; the 5th (final) turn has no answer: R = -1.5 + 1.0
-    assert out.extra_fields["prompt_r1_reward/score"] == pytest.approx(-0.5)
+    assert reward_of(out)["score"] == pytest.approx(-0.5)
 
 
 def test_response_length_budget(tokenizer, env_server):
@@ -189,7 +196,7 @@ def test_malformed_turn_ends_the_trajectory(tokenizer, env_server):
     out = run_loop(make_config(env_server), manager, tokenizer)
     assert out.num_turns == 1 and env_server.chat_requests == []
     assert out.response_mask == [1] * len(manager.turn_ids[0])
-    assert out.extra_fields["prompt_r1_reward/score"] == -1.5  # no format credit at all
+    assert reward_of(out)["score"] == -1.5  # no format credit at all
     assert out.extra_fields["prompt_r1_stop_reason"] == "no_action"  # the same name as the local rollout
 
 

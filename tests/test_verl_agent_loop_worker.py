@@ -21,17 +21,14 @@ actors (`DataProto.chunk`) and concatenates their outputs.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from fault_server import FaultServer
-from test_verl_backend import compose_verl
-from verl_cpu import InProcessActor, TransformersServerManager
+from verl_cpu import TransformersServerManager, compose_verl, verl_worker_rollout
 
 from pipeline.agent.protocol import ConversationBuilder
 from pipeline.config import load_params
@@ -124,37 +121,13 @@ def params(protocol_model_dir, env_server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def verl_rollout(params, protocol_model_dir):
     """verl's trainer-side batch for one step, from our parquet, through AgentLoopWorker.generate_sequences."""
-    import uuid
-
-    from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
-    from verl.protocol import DataProto
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
     config = compose_verl(build_overrides(params))
     tokenizer = AutoTokenizer.from_pretrained(str(protocol_model_dir))
-    dataset = RLHFDataset(data_files=config.data.train_files, tokenizer=tokenizer, config=config.data)
-    batch_dict = next(iter(DataLoader(dataset, batch_size=len(QUESTIONS), shuffle=False, collate_fn=collate_fn)))
-    batch = DataProto.from_single_dict(batch_dict)
-    batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-    gen_batch = RayPPOTrainer._get_gen_batch(None, batch)  # the trainer's own split (it uses no state)
-    gen_batch.meta_info["global_steps"] = 1
-    gen_batch = gen_batch.repeat(repeat_times=config.actor_rollout_ref.rollout.n, interleave=True)
     model = AutoModelForCausalLM.from_pretrained(str(protocol_model_dir), dtype=torch.float32)
     server = TransformersServerManager(model, tokenizer)
-
-    async def one_step():
-        # Built inside the running loop, as in their Ray actors: the reward manager keeps the loop it saw.
-        reward_worker = RewardLoopWorker(config)
-        worker = AgentLoopWorker(config, llm_client=server,
-                                 reward_loop_worker_handles=[InProcessActor(reward_worker)])
-        return await worker.generate_sequences(gen_batch)
-
-    output = asyncio.run(one_step())
-    return output, server
+    return verl_worker_rollout(config, tokenizer, server, rows=len(QUESTIONS)), server
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 from fault_server import FaultServer
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
+from verl_cpu import compose_verl
 
 from pipeline.config import load_params
 from pipeline.errors import DataError, UserError
@@ -23,21 +22,6 @@ from pipeline.train import verl_backend
 from pipeline.train.verl_backend import AGENT_LOOP_CONFIG, REWARD_FUNCTION_FILE, build_overrides, hydra_value
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def verl_config_dir() -> Path:
-    import verl
-
-    return Path(verl.__file__).parent / "trainer" / "config"
-
-
-def compose_verl(overrides: list[str]):
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
-            return compose(config_name="ppo_trainer", overrides=overrides)
-    finally:
-        GlobalHydra.instance().clear()
 
 
 @pytest.fixture()

@@ -21,10 +21,15 @@ Design decisions:
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from verl.workers.rollout.replica import TokenOutput
 
 
@@ -72,3 +77,54 @@ class InProcessActor:
 
     def __getattr__(self, name: str) -> SimpleNamespace:
         return SimpleNamespace(remote=getattr(self._target, name))
+
+
+def verl_config_dir():
+    """verl's packaged Hydra config folder (`ppo_trainer.yaml` and its defaults)."""
+    from pathlib import Path
+
+    import verl
+
+    return Path(verl.__file__).parent / "trainer" / "config"
+
+
+def compose_verl(overrides: list[str]):
+    """verl's own `ppo_trainer.yaml` composed with `overrides`, as `python -m verl.trainer.main_ppo` does."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
+            return compose(config_name="ppo_trainer", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def verl_worker_rollout(config: Any, tokenizer: Any, llm_client: Any, rows: int) -> Any:
+    """One rollout step as verl's trainer takes it, minus Ray and the GPU; returns the trainer's DataProto.
+
+    `data.train_files` (our build stage's rows) → verl's RLHFDataset + collate_fn → DataProto with uids →
+    `RayPPOTrainer._get_gen_batch`, repeat(n, interleave) → `AgentLoopWorker.generate_sequences` (our
+    `prompt_r1` loop, generating through `llm_client`) → verl's `RewardLoopWorker` with our reward function.
+    """
+    from torch.utils.data import DataLoader
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    dataset = RLHFDataset(data_files=config.data.train_files, tokenizer=tokenizer, config=config.data)
+    batch_dict = next(iter(DataLoader(dataset, batch_size=rows, shuffle=False, collate_fn=collate_fn)))
+    batch = DataProto.from_single_dict(batch_dict)
+    batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+    gen_batch = RayPPOTrainer._get_gen_batch(None, batch)  # the trainer's own split (it uses no state)
+    gen_batch.meta_info["global_steps"] = 1
+    gen_batch = gen_batch.repeat(repeat_times=config.actor_rollout_ref.rollout.n, interleave=True)
+
+    async def one_step():
+        # Built inside the running loop, as in their Ray actors: the reward manager keeps the loop it saw.
+        reward_worker = RewardLoopWorker(config)
+        worker = AgentLoopWorker(config, llm_client=llm_client,
+                                 reward_loop_worker_handles=[InProcessActor(reward_worker)])
+        return await worker.generate_sequences(gen_batch)
+
+    return asyncio.run(one_step())

@@ -36,6 +36,10 @@ Design decisions:
   so a whole-conversation re-render is shorter than what the agent saw: we never re-render, and the verl
   agent loop appends tokens the same way; (2) a sampled token sequence need not be the tokenizer's canonical
   encoding of its text (e.g. `\\n\\n` as one or two tokens): we keep the sampled ids, never re-tokenise text.
+- **One set of turn rules** (`TurnRules`): what ends a trajectory after each turn and how much of an
+  environment reply fits. The local rollout and verl's agent loop both call it; neither writes a rule of
+  its own (they once disagreed on a turn cut by the token budget: `token_budget` locally, `no_action` in
+  verl).
 - **Closing the agent turn.** Generation stops on a stop string (`STOP_STRINGS`), not on the end-of-turn
   token, so the env ids start with the template's assistant-closing text (`<|im_end|>\\n` for ChatML), minus
   the end-of-turn token when the agent did emit it.
@@ -45,9 +49,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from pipeline.types import ParsedTurn
+from pipeline.types import ParsedTurn, StopReason
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 PROMPT_OPEN, PROMPT_CLOSE = "<interaction_prompt>", "</interaction_prompt>"
@@ -186,6 +191,70 @@ def environment_prompt_for(turn: ParsedTurn) -> str | None:
     if turn.interaction_prompt:
         return turn.interaction_prompt
     return None
+
+
+@dataclass(frozen=True)
+class TurnDecision:
+    """What follows one agent turn: the trajectory stops (`stop` set) or `prompt` goes to the environment."""
+
+    stop: StopReason | None
+    """Why the trajectory ends after this turn; None while it goes on."""
+    prompt: str | None = None
+    """The interaction prompt to send to the environment (set exactly when `stop` is None)."""
+
+
+@dataclass(frozen=True)
+class TurnRules:
+    """The per-turn rules of a Prompt-R1 conversation, shared by every loop that rolls one out.
+
+    The local rollout (`pipeline.agent.rollout`: training on CPU, evaluation, `promptr1 ask`) and verl's
+    agent loop (`pipeline.train.verl_agent_loop`: GPU training) both ask these three questions and nothing
+    else decides a trajectory's shape, so the two backends cannot drift apart (tests/test_protocol_parity.py
+    drives the same scripted conversations through both):
+
+    - `token_limit`: how many tokens the next agent turn may generate: `max_turn_tokens`, clipped to what
+      is left of `max_response_tokens` (which counts agent and environment tokens alike, as verl's
+      `data.max_response_length`).
+    - `after_agent_turn`: the decision, in this order: `answer` (closed answer tags); `token_budget` (the
+      response is full, or a turn with no usable interaction prompt was cut by the budget rather than by
+      the per-turn limit); `no_action` (neither an answer nor a non-empty closed interaction prompt);
+      `max_turns` (the last allowed turn never calls the environment: its reply could not be used);
+      otherwise the interaction prompt goes to the environment.
+    - `fit_reply`: the environment's ids are cut to the room left; a reply that fills it ends the
+      trajectory with `token_budget` (the released code likewise truncates at the maximum length).
+    """
+
+    max_turns: int
+    max_turn_tokens: int
+    max_response_tokens: int
+
+    def token_limit(self, response_tokens: int) -> int:
+        """Generation limit of the next agent turn when `response_tokens` are already in the response."""
+        return max(0, min(self.max_turn_tokens, self.max_response_tokens - response_tokens))
+
+    def after_agent_turn(self, turn: ParsedTurn, *, turn_number: int, hit_limit: bool, limit: int,
+                         response_tokens: int) -> TurnDecision:
+        """Decide what follows agent turn `turn_number` (1-based), generated under `limit` (`token_limit`'s
+        value for it); `hit_limit`: the generator stopped because of that limit (the local policies report
+        it as finish reason `length`; verl's `TokenOutput` folds vLLM's `length` into `completed`, so its
+        adapter reads it off the sampled ids: as many as the limit). `response_tokens` counts the response
+        including this turn."""
+        if turn.answer is not None:
+            return TurnDecision("answer")
+        prompt = environment_prompt_for(turn)
+        cut_by_budget = hit_limit and limit < self.max_turn_tokens
+        if response_tokens >= self.max_response_tokens or (prompt is None and cut_by_budget):
+            return TurnDecision("token_budget")
+        if prompt is None:
+            return TurnDecision("no_action")
+        if turn_number >= self.max_turns:
+            return TurnDecision("max_turns")
+        return TurnDecision(None, prompt)
+
+    def fit_reply(self, env_ids: Sequence[int], response_tokens: int) -> tuple[list[int], StopReason | None]:
+        """The environment ids that fit after `response_tokens`, and `token_budget` when they fill the room."""
+        room = max(0, self.max_response_tokens - response_tokens)
+        return list(env_ids[:room]), ("token_budget" if len(env_ids) >= room else None)
 
 
 def format_env_reply(reply: str, max_chars: int) -> str:

@@ -12,15 +12,12 @@ One loop serves training (local backend), evaluation and `promptr1 ask`:
     reward_fn(trajectory) for each
 
 Design decisions:
-- **Token budget.** `max_response_tokens` counts every response token, agent and environment alike (verl's
-  `data.max_response_length`). Each turn's generation limit is `min(max_turn_tokens, budget left)`, so the
-  last turn is clipped to what is left; an environment reply that does not fit is cut at the budget and the
-  trajectory ends with `token_budget` (the released code likewise truncates responses at the maximum).
-- **The last allowed turn never calls the environment**: its reply could not be used.
-- **Stop reasons** (pipeline.types.StopReason): `answer` for closed `<answer>` tags; `no_action` for a turn
-  with neither a closed answer nor a non-empty closed interaction prompt (the authors' loop also stops a
-  trajectory whose turn has no interaction prompt), `token_budget` instead when that turn was cut by the
-  budget; `max_turns`; `prompt_too_long` when `max_prompt_tokens` is given and the prompt alone exceeds it.
+- **Turn rules are `pipeline.agent.protocol.TurnRules`**, the same object verl's agent loop uses: each
+  turn's generation limit (`max_turn_tokens` clipped to what is left of `max_response_tokens`, which counts
+  agent and environment tokens alike), the decision after each turn (`answer`, `token_budget`,
+  `no_action`, `max_turns` or ask the environment; the last allowed turn never calls it) and how much of a
+  reply fits. Only `prompt_too_long` is decided here: when `max_prompt_tokens` is given and the prompt
+  alone exceeds it, the trajectory is not rolled out (verl's loop truncates instead, verl's own rule).
 - **Generation runs in a worker thread** (`asyncio.to_thread`), so the event loop stays free for anything
   else in flight; the environment calls of one round run concurrently, and a round's generation waits for
   them (the agent needs the replies).
@@ -41,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.agent.policy import Generation, Policy
-from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder, environment_prompt_for, parse_turn
+from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder, TurnRules, parse_turn
 from pipeline.progress import LogProgress
 from pipeline.progress import progress as progress_bar
 from pipeline.types import EnvironmentReply, PromptItem, RewardBreakdown, StopReason, Trajectory, Turn
@@ -101,6 +98,7 @@ async def rollout(
     and gets one count per finished trajectory (the evaluation's one report per system).
     """
     builder = ConversationBuilder(policy.tokenizer, env_reply_max_chars)
+    rules = TurnRules(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_response_tokens=max_response_tokens)
     lives: list[_Live] = []
     for item in items:
         prompt_ids = builder.start(item.messages)
@@ -129,7 +127,7 @@ async def rollout(
             if not active:
                 break
             bar.set_postfix(turn=turn_index, active=len(active))
-            limits = [min(max_turn_tokens, max_response_tokens - len(live.traj.response_ids)) for live in active]
+            limits = [rules.token_limit(len(live.traj.response_ids)) for live in active]
             start = time.perf_counter()
             generations: list[Generation] = await asyncio.to_thread(
                 policy.generate, [live.context for live in active], limits, temperature, top_p,
@@ -146,18 +144,12 @@ async def rollout(
                             generation_s=elapsed)
                 traj.turns.append(turn)
                 _append(traj, gen.token_ids, 1, gen.logprobs)
-                prompt = environment_prompt_for(parsed)
-                budget_cut = gen.finish_reason == "length" and limit < max_turn_tokens
-                if parsed.answer is not None:
-                    _finish(live, "answer", bar)
-                elif len(traj.response_ids) >= max_response_tokens or (prompt is None and budget_cut):
-                    _finish(live, "token_budget", bar)
-                elif prompt is None:
-                    _finish(live, "no_action", bar)
-                elif turn_index == max_turns:
-                    _finish(live, "max_turns", bar)
+                decision = rules.after_agent_turn(parsed, turn_number=turn_index, hit_limit=gen.finish_reason == "length",
+                                                  limit=limit, response_tokens=len(traj.response_ids))
+                if decision.stop is not None:
+                    _finish(live, decision.stop, bar)
                 else:
-                    asking.append((live, turn, prompt))
+                    asking.append((live, turn, decision.prompt))
 
             if not asking:
                 continue
@@ -170,13 +162,13 @@ async def rollout(
                 traj.usage.add(reply)
                 live.env_history += [{"role": "user", "content": prompt},
                                      {"role": "assistant", "content": reply.text}]
-                env_ids = builder.env_turn_ids(reply.text, turn.agent_token_ids)
-                room = max_response_tokens - len(traj.response_ids)
+                env_ids, stop = rules.fit_reply(builder.env_turn_ids(reply.text, turn.agent_token_ids),
+                                                len(traj.response_ids))
                 turn.env_reply = reply
-                turn.env_token_ids = env_ids[:room]
-                _append(traj, turn.env_token_ids, 0, None)
-                if len(env_ids) >= room:
-                    _finish(live, "token_budget", bar)
+                turn.env_token_ids = env_ids
+                _append(traj, env_ids, 0, None)
+                if stop is not None:
+                    _finish(live, stop, bar)
 
         for live in lives:  # only reachable with max_turns < 1
             if not live.done:

@@ -7,7 +7,7 @@ dataset columns (`raw_prompt`, `reward_model`, `extra_info`, `data_source`, …)
     repeat up to max_turns:
         agent ids  = server_manager.generate(prompt + response)     stop at </interaction_prompt> or </answer>
         turn       = parse_turn("<think>\\n" + decoded agent ids)                                (mask 1)
-        stop if the turn answered, gave no interaction prompt, was the last allowed, or the budget is spent
+        TurnRules.after_agent_turn: stop (answer / token budget / no action / turn limit) or ask
         reply      = EnvironmentClient.reply(env history, interaction prompt)
         env ids    = ConversationBuilder.env_turn_ids(reply, agent ids)                          (mask 0)
 
@@ -23,11 +23,14 @@ Design decisions:
   both append-only (sampled ids are never re-tokenised) and is tested against the whole-conversation
   rendering for SmolLM2 and Qwen3. The result is the same contract CT gives: append-only ids, mask 1 exactly
   on sampled tokens, rollout log-probs aligned (0.0 on mask-0 tokens).
-- **Reward.** The loop leaves `reward_score` unset, so verl's reward loop calls our
-  `verl_reward.compute_score`; the turn texts travel in `extra_fields["prompt_r1_turns"]` (verl hands
-  `extra_fields` to the reward function as `extra_info`), so the reward is computed from the exact turns
-  and not from a re-parse of the decoded response. The reward parts computed here are also put in
-  `extra_fields` (`prompt_r1_reward/*`) for trajectory dumps.
+- **Turn rules** are `pipeline.agent.protocol.TurnRules`, the object the local rollout uses: this loop
+  only adapts it to verl's token-in/token-out server (tests/test_protocol_parity.py drives both loops
+  through the same scripted conversations and compares labels, masks and rewards).
+- **Reward, once.** The loop leaves `reward_score` unset, so verl's reward loop calls our
+  `verl_reward.compute_score` (its parts become verl's reward extra info, in metrics and dumps); the turn
+  texts travel in `extra_fields["prompt_r1_turns"]` (verl hands `extra_fields` to the reward function as
+  `extra_info`), so the reward is computed from the exact turns and not from a re-parse of the decoded
+  response.
 - **Configuration and the environment client** come from `pipeline.train.verl_worker_client` (no verl
   there): `LoopSettings` from the trainer config's `prompt_r1` block, one client per worker process whose
   calls in flight are an even share of `environment.concurrency` and whose spend goes to the project's
@@ -47,13 +50,7 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
 from verl.utils.profiler import simple_timer
 
-from pipeline.agent.protocol import (
-    STOP_STRINGS,
-    ConversationBuilder,
-    environment_prompt_for,
-    parse_turn,
-)
-from pipeline.reward import compute_reward, reward_parts
+from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder, TurnRules, parse_turn
 from pipeline.train.verl_reward import TURNS_FIELD, as_answer_list
 from pipeline.train.verl_worker_client import PARAMS_ENV_VAR, LoopSettings, environment_client
 from pipeline.types import ParsedTurn, StopReason, UsageStats
@@ -88,7 +85,6 @@ class PromptR1AgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         messages = [dict(m) for m in kwargs["raw_prompt"]]
-        gold_answers = gold_answers_of(kwargs)
         prompt_ids = self._cap_text_prompt_length(self.builder.start(messages))
         want_logprobs = bool(sampling_params.get("logprobs"))
         stop_ids = self.builder.stop_token_ids(self.tokenizer.eos_token_id)
@@ -103,14 +99,13 @@ class PromptR1AgentLoop(AgentLoopBase):
         metrics: dict[str, Any] = {}
         stop_reason: StopReason = "max_turns"
 
-        for turn_index in range(self.max_turns):
-            budget = self.response_length - len(response_mask)
-            if budget <= 0:
-                stop_reason = "token_budget"
-                break
+        rules = TurnRules(max_turns=self.max_turns, max_turn_tokens=self.settings.max_turn_tokens,
+                          max_response_tokens=self.response_length)
+        for turn_number in range(1, self.max_turns + 1):
+            limit = rules.token_limit(len(response_mask))  # >= 1: a full response has ended the loop
             turn_params = {
                 **sampling_params,
-                "max_tokens": min(self.settings.max_turn_tokens, budget),
+                "max_tokens": limit,
                 "stop": list(STOP_STRINGS),
                 "include_stop_str_in_output": True,
                 "stop_token_ids": sorted(set(sampling_params.get("stop_token_ids") or []) | set(stop_ids)),
@@ -121,7 +116,7 @@ class PromptR1AgentLoop(AgentLoopBase):
                 )
             num_preempted = output.num_preempted if output.num_preempted is not None else 0
             metrics["num_preempted"] = metrics.get("num_preempted", 0) + num_preempted
-            agent_ids = list(output.token_ids)[:budget]
+            agent_ids = list(output.token_ids)[:limit]
             response_ids += agent_ids
             response_mask += [1] * len(agent_ids)
             if want_logprobs:
@@ -131,37 +126,26 @@ class PromptR1AgentLoop(AgentLoopBase):
             text = self.tokenizer.decode(agent_ids, skip_special_tokens=True)
             turn = parse_turn(self.builder.think_opener + text)
             turns.append(turn)
-            prompt = environment_prompt_for(turn)
-            if turn.answer is not None:
-                stop_reason = "answer"
-                break
-            if len(response_mask) >= self.response_length:
-                stop_reason = "token_budget"
-                break
-            if prompt is None:
-                stop_reason = "no_action"  # neither an answer nor a usable interaction prompt (as the local rollout)
-                break
-            if turn_index == self.max_turns - 1:
-                stop_reason = "max_turns"
+            decision = rules.after_agent_turn(turn, turn_number=turn_number, hit_limit=len(agent_ids) >= limit,
+                                              limit=limit, response_tokens=len(response_mask))
+            if decision.stop is not None:
+                stop_reason = decision.stop
                 break
 
             with simple_timer("tool_calls", metrics):
-                reply = await self.env.reply(history, prompt)
+                reply = await self.env.reply(history, decision.prompt)
             usage.add(reply)
-            history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply.text}]
-            env_ids = self.builder.env_turn_ids(reply.text, agent_ids)
-            # As the local rollout: a reply that does not fit is cut at the budget and the episode ends.
-            room = self.response_length - len(response_mask)
-            env_ids = env_ids[:room]
+            history += [{"role": "user", "content": decision.prompt},
+                        {"role": "assistant", "content": reply.text}]
+            env_ids, stop = rules.fit_reply(self.builder.env_turn_ids(reply.text, agent_ids), len(response_mask))
             response_ids += env_ids
             response_mask += [0] * len(env_ids)
             if want_logprobs:
                 response_logprobs += [0.0] * len(env_ids)
-            if len(response_mask) >= self.response_length:
-                stop_reason = "token_budget"
+            if stop is not None:
+                stop_reason = stop
                 break
 
-        breakdown = compute_reward(turns, gold_answers, self.settings.reward)
         extra_fields: dict[str, Any] = {
             TURNS_FIELD: [t.text for t in turns],
             "prompt_r1_stop_reason": stop_reason,
@@ -171,7 +155,6 @@ class PromptR1AgentLoop(AgentLoopBase):
             "prompt_r1_env_truncated": usage.truncated,
             "prompt_r1_env_empty_after_length": usage.empty_after_length,
             "prompt_r1_env_cost_usd": usage.cost_usd,
-            **reward_parts(breakdown, prefix="prompt_r1_reward/"),
         }
         metrics.setdefault("num_preempted", -1)
         return AgentLoopOutput(

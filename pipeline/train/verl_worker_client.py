@@ -4,9 +4,9 @@ Split from `verl_agent_loop` so that it imports no verl (nor torch): the client 
 tested, and reasoned about, on its own. Design decisions:
 
 - **Settings from the trainer config.** verl carries the `prompt_r1` block that `verl_backend.build_overrides`
-  writes (environment endpoint, turn limits, cache path) and `reward.custom_reward_function.reward_kwargs`
-  to every agent-loop worker, on any node. Without that block (verl run by hand) the params file named by
-  `PROMPTR1_PARAMS`, else the nearest params.yaml, is read.
+  writes (environment endpoint, turn limits, cache path) to every agent-loop worker, on any node. The
+  reward is not the loop's business: verl's reward loop computes it. Without that block (verl run by hand)
+  the params file named by `PROMPTR1_PARAMS`, else the nearest params.yaml, is read.
 - **One client per worker process**, kept at module level (a loop object lives for one trajectory), keyed
   by its configuration. `environment.concurrency` is split evenly over verl's agent-loop workers
   (`rollout.agent.num_workers`) so the cluster-wide number of calls in flight matches params.
@@ -33,7 +33,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import EnvironmentConfig, RewardConfig
+from pipeline.config import EnvironmentConfig
 from pipeline.environment.client import CACHE_FILE, LEDGER_FILE, EnvironmentClient
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ class LoopSettings:
     """What one agent-loop worker needs besides verl's own rollout config."""
 
     environment: EnvironmentConfig
-    reward: RewardConfig
     max_turns: int
     max_turn_tokens: int
     env_reply_max_chars: int
@@ -54,17 +53,15 @@ class LoopSettings:
 
     @classmethod
     def from_trainer_config(cls, config: DictConfig) -> LoopSettings:
-        """From the `prompt_r1` block and reward kwargs of the trainer config, else from params.yaml."""
+        """From the `prompt_r1` block of the trainer config, else from params.yaml."""
         block = config.get("prompt_r1")
         if block is None:
             return cls.from_params_file(os.environ.get(PARAMS_ENV_VAR))
         data = _plain(block)
-        reward_kwargs = _plain(OmegaConf.select(config, "reward.custom_reward_function.reward_kwargs") or {})
         agent = data.get("agent", {})
         cache_dir = data.get("cache_dir")
         return cls(
             environment=EnvironmentConfig.model_validate(data["environment"]),
-            reward=RewardConfig.model_validate(reward_kwargs),
             max_turns=int(agent.get("max_turns", 5)),
             max_turn_tokens=int(agent.get("max_turn_tokens", 1024)),
             env_reply_max_chars=int(agent.get("env_reply_max_chars", 2048)),
@@ -78,7 +75,6 @@ class LoopSettings:
         params = load_params(path)
         return cls(
             environment=params.environment,
-            reward=params.reward,
             max_turns=params.agent.max_turns,
             max_turn_tokens=params.agent.max_turn_tokens,
             env_reply_max_chars=params.agent.env_reply_max_chars,
