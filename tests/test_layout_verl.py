@@ -117,8 +117,8 @@ def test_shipped_gpu_profiles_fit_and_smoke_declares_its_gpu():
 @pytest.mark.parametrize(("sets", "fix"), [
     # one shared 32 GiB GPU: 0.3 x 32 = 9.6 GiB < 11.2 GiB; offloading the actor makes it fit
     (["profile=smoke-1gpu", "train.verl.gpu_memory_gb=32"],
-     "train.verl.extra_overrides=[trainer.total_training_steps=3,"
-     "actor_rollout_ref.actor.fsdp_config.param_offload=true,actor_rollout_ref.actor.fsdp_config.optimizer_offload=true]"),
+     ("train.verl.extra_overrides=[trainer.total_training_steps=3,actor_rollout_ref.actor.fsdp_config.param_offload"
+      "=true,actor_rollout_ref.actor.fsdp_config.optimizer_offload=true]")),
     # fractions that sum to 1.0 leave the actor nothing (the case)
     (["profile=smoke-1gpu", "environment.server.gpu_memory_utilization=0.5",
       "train.verl.rollout_gpu_memory_utilization=0.5"], "train.verl.rollout_gpu_memory_utilization=0.2"),
@@ -145,8 +145,8 @@ def test_parameter_count_from_a_local_config_matches_the_model(tiny_llama_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     assert memory.parameter_count(str(tiny_llama_dir))[1] == "its config.json"
-    shapes = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
+    shapes = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
     for model_type, extra in (("llama", {"tie_word_embeddings": True}), ("qwen2", {"tie_word_embeddings": False}),
                               ("qwen3", {"tie_word_embeddings": True, "head_dim": 32})):
         config = AutoConfig.for_model(model_type, **shapes, **extra)

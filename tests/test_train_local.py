@@ -460,10 +460,8 @@ def test_stage_dispatches_verl_backend_inside_the_train_run(tmp_path, monkeypatc
     """backend verl → train_verl(params, run) with the active MLflow child run (verl itself needs GPUs)."""
     import mlflow
 
-    from pipeline.train import verl_backend
+    from pipeline.train import resources, verl_backend
     from pipeline.train.stage import run_train
-
-    from pipeline.train import resources
 
     calls = []
 
