@@ -156,7 +156,7 @@ def test_parameter_count_from_a_local_config_matches_the_model(tiny_llama_dir):
 
 
 def test_published_counts_are_found_by_hub_id():
-    assert memory.parameter_count("Qwen/Qwen3-4B") == (4_000_000_000, "the published count (pipeline/train/memory.py)")
+    assert memory.parameter_count("Qwen/Qwen3-4B") == (4_000_000_000, "published count, pipeline/train/memory.py")
     assert memory.parameter_count("Qwen/Qwen2.5-7B-Instruct")[0] == 7_610_000_000
     assert memory.parameter_count("example-org/unlisted-7b") is None
 
