@@ -69,7 +69,7 @@ from pipeline.placement import (  # re-exported: the layout's vocabulary
 from pipeline.train import memory
 from pipeline.train.verl_config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_run
 
-__all__ = ["LayoutError", "LayoutProblem", "assert_runnable", "cuda_visible_devices", "describe",
+__all__ = ["LayoutError", "LayoutProblem", "actor_estimate", "assert_runnable", "cuda_visible_devices", "describe",
            "environment_gpus", "environment_started_here", "is_loopback", "layout_problems", "training_gpus"]
 
 GPUS = ("trainer.n_gpus_per_node", "trainer.nnodes")

@@ -280,9 +280,10 @@ def test_cli_exit_codes():
     bad = run_check("profile=paper", "environment.server.gpus=[0,1,2,3,4,5,6,7]", "train.verl.nnodes=2")
     assert bad.returncode == 2
     lines = [line for line in bad.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 2, bad.stderr
+    assert len(lines) == 3, bad.stderr
     assert any("environment.server.gpus" in line and "train.verl.rollout_gpu_memory_utilization" in line
                for line in lines)
+    assert any("train.verl.gpu_memory_gb" in line and "leave 0.0 of 80 GiB" in line for line in lines)  # no room
     assert any("train.verl.nnodes" in line and "environment.host" in line for line in lines)
 
     invalid = run_check("train.verl.gpus=notalist")
