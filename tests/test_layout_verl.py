@@ -7,6 +7,7 @@ layout produces."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -258,3 +259,28 @@ def test_verl_validation_runs_on_the_composed_config():
     assert verl_validation_error(compose_run(merged("profile=paper"))) is None
     refused = verl_validation_error(compose_run(merged("profile=paper", "train.mini_batch_size=256")))
     assert refused and "ppo_mini_batch_size" in refused
+
+
+def test_free_bytes_reads_the_nearest_existing_folder(tmp_path):
+    from pipeline.train.resources import free_bytes
+
+    free = free_bytes(tmp_path / "not" / "yet" / "created")
+    assert 0 < free <= shutil.disk_usage(tmp_path).total
+
+
+@pytest.mark.slow  # verl's validation imports verl: ~20 s warm on 2 cores
+def test_stage_start_refuses_a_machine_without_the_layouts_gpus(tmp_path):
+    """The real stage-start check on this machine: no GPU here, so smoke-1gpu's device 0 is missing; the disk
+    (a tmp folder) and verl's validation pass."""
+    import torch
+
+    from pipeline.errors import UserError
+    from pipeline.train.resources import assert_resources
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs: the refusal needs one without")
+    params = merged("profile=smoke-1gpu", "train.verl.ray_address=", f"paths.checkpoint_dir={tmp_path / 'ckpt'}")
+    with pytest.raises(UserError) as err:
+        assert_resources(params)
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 1 and "environment.server.gpus, train.verl.gpus" in lines[0] and "0 GPU(s)" in lines[0]

@@ -128,11 +128,16 @@ def verl_validation_error(run: VerlRun) -> str | None:
     """verl 0.9.1's own config validation (`verl/utils/config.py::validate_config`, which also validates the
     actor's dataclass, `verl/workers/config/actor.py::ActorConfig.validate`) on the composed config; its
     message, or None when it passes. Imports verl (seconds): for stage start, not `promptr1 check`."""
+    import warnings
+
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
     try:
-        validate_config(run.cfg, use_reference_policy=need_reference_policy(run.cfg), use_critic=need_critic(run.cfg))
+        with warnings.catch_warnings():  # need_critic warns that GRPO has no critic: by design
+            warnings.simplefilter("ignore", UserWarning)
+            use_critic = need_critic(run.cfg)
+        validate_config(run.cfg, use_reference_policy=need_reference_policy(run.cfg), use_critic=use_critic)
     except (AssertionError, ValueError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
