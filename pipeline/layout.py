@@ -3,8 +3,8 @@
 `layout_problems(params)` returns every problem found (each naming the param keys to change);
 `assert_runnable(params)` raises `LayoutError` listing them. `promptr1 check [-S key=value …]` prints them
 (exit 2) and every stage and the flow call `assert_runnable` before starting anything, so a layout that
-would fail after an hour of model downloads and server start-ups fails in a second, on any machine, CI
-included: nothing here touches the network, a GPU or the data.
+would fail after an hour of model downloads and server start-ups fails in seconds, on any machine, CI
+included: nothing here touches the network, a GPU or the data (verl's Hydra composition reads YAML: ~1 s).
 
 Design decisions:
 - **Only the components the active backends use are judged.** The local backend, a llama.cpp environment
@@ -13,7 +13,8 @@ Design decisions:
   `environment.server.gpus` (the vLLM server's CUDA_VISIBLE_DEVICES) name CUDA device ids; an empty list
   means what the tools do unasked — Ray takes the first `n_gpus_per_node` devices and vLLM the first
   `tensor_parallel_size` — so two empty lists overlap, as they do on a real node. An environment at a
-  `base_url` other than its own host/port runs elsewhere and shares no GPU with training.
+  `base_url` other than its own host/port runs elsewhere and shares no GPU with training (the helpers live
+  in `pipeline.placement`, re-exported here).
 - **The composed config is judged, not the params**: with backend verl, `pipeline.train.verl_config`
   composes what `train` hands verl (params, `pipeline/train/verl_overrides.yaml`, `train.verl.extra_overrides`)
   with verl's own `ppo_trainer.yaml`, and the rules below read verl's keys from it; each problem names verl's
