@@ -1,10 +1,10 @@
-"""Layout check: can the merged params run at all on the machines they describe? Params only, no I/O.
+"""Layout check: can the merged params run at all on the machines they describe? Params only: no network, no GPU.
 
 `layout_problems(params)` returns every problem found (each naming the param keys to change);
 `assert_runnable(params)` raises `LayoutError` listing them. `promptr1 check [-S key=value …]` prints them
 (exit 2) and every stage and the flow call `assert_runnable` before starting anything, so a layout that
-would fail after an hour of model downloads and server start-ups fails in a second, on any machine, CI
-included: nothing here touches the network, a GPU or the data.
+would fail after an hour of model downloads and server start-ups fails in seconds, on any machine, CI
+included: nothing here touches the network, a GPU or the data (verl's Hydra composition reads YAML: ~1 s).
 
 Design decisions:
 - **Only the components the active backends use are judged.** The local backend, a llama.cpp environment
@@ -13,10 +13,16 @@ Design decisions:
   `environment.server.gpus` (the vLLM server's CUDA_VISIBLE_DEVICES) name CUDA device ids; an empty list
   means what the tools do unasked — Ray takes the first `n_gpus_per_node` devices and vLLM the first
   `tensor_parallel_size` — so two empty lists overlap, as they do on a real node. An environment at a
-  `base_url` other than its own host/port runs elsewhere and shares no GPU with training.
+  `base_url` other than its own host/port runs elsewhere and shares no GPU with training (the helpers live
+  in `pipeline.placement`, re-exported here).
+- **The composed config is judged, not the params**: with backend verl, `pipeline.train.verl_config`
+  composes what `train` hands verl (params, `pipeline/train/verl_overrides.yaml`, `train.verl.extra_overrides`)
+  with verl's own `ppo_trainer.yaml`, and the rules below read verl's keys from it; each problem names verl's
+  key and ours (`train.verl.extra_overrides` when that list set the key).
 - **verl's own arithmetic, copied with its source cited**, for FSDP without dynamic batch size or
-  sequence parallelism (what `pipeline.train.verl_backend.build_overrides` sets). `n` = `train.group_size`
-  (`rollout.n`), world = `n_gpus_per_node × nnodes` (the actor, reference and rollout are colocated):
+  sequence parallelism (what `pipeline.train.verl_backend.build_overrides` sets; with
+  `use_dynamic_bsz` the micro-batch rules are skipped). `n` = `rollout.n` (`train.group_size`),
+  world = `trainer.n_gpus_per_node × trainer.nnodes` (the actor, reference and rollout are colocated):
   1. `verl/utils/config.py::validate_config`: `train_batch_size × n` divisible by world ("minimal
      possible batch size" = n_gpus for FSDP).
   2. `verl/workers/config/actor.py::ActorConfig.validate`: `train_batch_size >= ppo_mini_batch_size`.
@@ -28,20 +34,52 @@ Design decisions:
   5. `verl/workers/rollout/llm_server.py` (replicas = world // TP) and `verl/workers/engine_workers.py`
      ("rollout world_size … not divisible by infer_world_size"): world divisible by the rollout TP;
      `verl/workers/rollout/replica.py`: a TP wider than a node must be a multiple of `n_gpus_per_node`.
+  6. `verl/utils/tensordict_utils.py::make_iterator` (called by `engine_workers.py::train_mini_batch`):
+     each GPU's share of the batch must be a whole number of its mini-batch shares, i.e. `train_batch_size`
+     divisible by `ppo_mini_batch_size`; it asserts at the first actor update, after rollout.
+  7. `verl/experimental/agent_loop/agent_loop.py::AgentLoopManager.generate_sequences` splits the
+     `train_batch_size × n` trajectories over `rollout.agent.num_workers` agent-loop workers with
+     `DataProto.chunk` (`verl/protocol.py`: "only support equal chunk"), unpadded at training time. Validation
+     batches are padded to that divisor first (`ray_trainer.py::_validate`, `pad_dataproto_to_divisor`), so
+     they need no rule.
 - **GPU memory is judged by fractions**, as vLLM and verl's rollout take it: on a GPU that both the
   environment server and verl's rollout use, `gpu_memory_utilization` + `rollout_gpu_memory_utilization`
-  must not exceed 1 (vLLM refuses to start, or the second one runs out of memory).
+  must not exceed 1 (vLLM refuses to start, or the second one runs out of memory). What the fractions leave
+  of `train.verl.gpu_memory_gb` must hold the FSDP actor's weights, gradients and Adam states and the
+  reference model, which verl keeps on the GPU during rollout (`pipeline.train.memory`, a floor: activations
+  are not counted); a model whose parameter count is unknown offline is not judged (`describe` says so).
+- **What only the machine knows** (its GPUs, a Ray cluster's GPUs, free disk for checkpoints) is checked at
+  the verl stage's start, by `pipeline.train.resources`, not here.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pipeline.config import ConfigError, Params
+from pipeline.errors import UserError
+from pipeline.modelref import ModelRefError
+from pipeline.placement import (  # re-exported: the layout's vocabulary
+    cuda_visible_devices,
+    environment_gpus,
+    environment_started_here,
+    is_loopback,
+    training_gpus,
+)
+from pipeline.train import memory
+from pipeline.train.verl_config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_run
 
-LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", ""})
+__all__ = ["LayoutError", "LayoutProblem", "actor_estimate", "assert_runnable", "cuda_visible_devices", "describe",
+           "environment_gpus", "environment_started_here", "is_loopback", "layout_problems", "training_gpus"]
+
+GPUS = ("trainer.n_gpus_per_node", "trainer.nnodes")
+BATCH, N, MINI = "data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_mini_batch_size"
+MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+LOG_PROB_MICRO = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
+TP, ROLLOUT_FRACTION = "actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.rollout.gpu_memory_utilization"
+AGENT_WORKERS = "actor_rollout_ref.rollout.agent.num_workers"
 
 
 @dataclass(frozen=True)
@@ -71,55 +109,25 @@ def assert_runnable(params: Params) -> None:
 
 
 def layout_problems(params: Params) -> list[LayoutProblem]:
-    """Every problem with the placement, parallelism and batch arithmetic of the active backends."""
+    """Every problem with the placement, parallelism, batch arithmetic and memory of the active backends."""
     problems = _environment_problems(params)
     if params.train.backend == "verl":
-        problems += _verl_problems(params)
-        problems += _sharing_problems(params)
+        try:
+            run = compose_run(params)
+        except (ModelRefError, UserError) as exc:
+            return [*problems, LayoutProblem(("agent.model",), str(exc))]
+        except ComposeError as exc:
+            return [*problems, LayoutProblem((EXTRA_OVERRIDES,), str(exc))]
+        problems += _verl_problems(params, run)
+        problems += _batch_problems(run)
+        problems += _sharing_problems(params, run)
+        problems += _memory_problems(params, run)
     return problems
 
 
-# --------------------------------------------------------------------------------------------- placement
-def is_loopback(host: str) -> bool:
-    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost, 0.0.0.0, ::)."""
-    host = host.strip("[]").lower()
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return address.is_loopback or address.is_unspecified
-
-
-def environment_started_here(params: Params) -> bool:
-    """Whether the pipeline starts the environment server on this machine (vllm/llamacpp at its own
-    host:port) rather than using one at a `base_url` elsewhere."""
-    env = params.environment
-    if env.backend == "api":
-        return False
-    return not env.base_url or env.url == f"http://{env.host}:{env.port}/v1"
-
-
-def environment_gpus(params: Params) -> list[int]:
-    """CUDA device ids the environment server takes on this machine ([] when it takes none here)."""
-    server = params.environment.server
-    if params.environment.backend != "vllm" or not environment_started_here(params):
-        return []
-    return list(server.gpus) or list(range(server.tensor_parallel_size))
-
-
-def training_gpus(params: Params) -> list[int]:
-    """CUDA device ids verl takes on each node ([] with the local backend, which is not placed here)."""
-    verl = params.train.verl
-    if params.train.backend != "verl":
-        return []
-    return list(verl.gpus) or list(range(verl.n_gpus_per_node))
-
-
-def cuda_visible_devices(gpus: list[int]) -> str:
-    """The CUDA_VISIBLE_DEVICES value for a device list."""
-    return ",".join(str(g) for g in gpus)
+def _keys(run: VerlRun, *verl_keys: str, ours: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Our keys for a problem: those that set `verl_keys` (or extra_overrides), then `ours`, no repeats."""
+    return tuple(dict.fromkeys((*run.ours(*verl_keys), *ours)))
 
 
 # --------------------------------------------------------------------------------------------- rules
@@ -149,81 +157,139 @@ def _environment_problems(params: Params) -> list[LayoutProblem]:
     return problems
 
 
-def _verl_problems(params: Params) -> list[LayoutProblem]:
+def _verl_problems(params: Params, run: VerlRun) -> list[LayoutProblem]:
     v = params.train.verl
+    per_node, nnodes, tp = run.value(GPUS[0]), run.value(GPUS[1]), run.value(TP)
     problems = _device_list_problems("train.verl.gpus", v.gpus)
-    problems += _fraction_problem("train.verl.rollout_gpu_memory_utilization", v.rollout_gpu_memory_utilization)
-    if v.gpus and len(v.gpus) != v.n_gpus_per_node:
+    for p in _fraction_problem(ROLLOUT_FRACTION, run.value(ROLLOUT_FRACTION)):
+        problems.append(LayoutProblem(run.ours(ROLLOUT_FRACTION), f"{ROLLOUT_FRACTION}: {p.message}"))
+    if v.gpus and len(v.gpus) != per_node:
+        problems.append(LayoutProblem(("train.verl.gpus", *run.ours(GPUS[0])),
+                                      f"{len(v.gpus)} device ids given for {run.show(GPUS[0])} GPUs per node"))
+    world = per_node * nnodes
+    tp_keys = _keys(run, TP, *GPUS)
+    where = f"({run.show(TP)}, {run.show(GPUS[0])}, {run.show(GPUS[1])})"
+    if tp > world:
+        problems.append(LayoutProblem(tp_keys, f"rollout tensor parallel {tp} is larger than the {world} training "
+                                               f"GPUs {where}"))
+    elif world % tp:
+        problems.append(LayoutProblem(tp_keys, f"the {world} training GPUs do not split into rollout replicas of "
+                                               f"tensor parallel {tp} {where}"))
+    elif tp > per_node and tp % per_node:
+        problems.append(LayoutProblem(tp_keys, f"rollout tensor parallel {tp} spans nodes of {per_node} GPUs "
+                                               f"unevenly {where}"))
+    if (run.value("trainer.test_freq") > 0 or run.value("trainer.val_before_train")) and not run.value(
+            "data.val_files"):
         problems.append(LayoutProblem(
-            ("train.verl.gpus", "train.verl.n_gpus_per_node"),
-            f"{len(v.gpus)} device ids given for {v.n_gpus_per_node} GPUs per node"))
-    world = v.n_gpus_per_node * v.nnodes
-    tp_keys = ("train.verl.rollout_tp", "train.verl.n_gpus_per_node", "train.verl.nnodes")
-    if v.rollout_tp > world:
-        problems.append(LayoutProblem(tp_keys, f"rollout tensor parallel {v.rollout_tp} is larger than the "
-                                               f"{world} training GPUs"))
-    elif world % v.rollout_tp:
-        problems.append(LayoutProblem(tp_keys, f"the {world} training GPUs do not split into rollout "
-                                               f"replicas of tensor parallel {v.rollout_tp}"))
-    elif v.rollout_tp > v.n_gpus_per_node and v.rollout_tp % v.n_gpus_per_node:
-        problems.append(LayoutProblem(tp_keys, f"rollout tensor parallel {v.rollout_tp} spans nodes of "
-                                               f"{v.n_gpus_per_node} GPUs unevenly"))
-    problems += _batch_problems(params, world)
-    if (v.test_freq > 0 or v.val_before_train) and not params.eval_datasets:
-        problems.append(LayoutProblem(
-            ("data.id_eval_datasets", "data.ood_eval_datasets", "train.verl.test_freq",
-             "train.verl.val_before_train"),
+            ("data.id_eval_datasets", "data.ood_eval_datasets",
+             *_keys(run, "trainer.test_freq", "trainer.val_before_train")),
             "validation is requested but the validation set is empty: name evaluation datasets, or set "
             "test_freq: -1 and val_before_train: false"))
-    if v.nnodes > 1 and is_loopback(urlsplit(params.environment.url).hostname or ""):
+    if nnodes > 1 and is_loopback(urlsplit(params.environment.url).hostname or ""):
         problems.append(LayoutProblem(
-            ("train.verl.nnodes", "environment.base_url" if params.environment.base_url else "environment.host"),
-            f"agent-loop workers on {v.nnodes} nodes cannot reach the environment at {params.environment.url}: "
-            "give an address the other nodes reach"))
+            (*run.ours(GPUS[1]), "environment.base_url" if params.environment.base_url else "environment.host"),
+            f"agent-loop workers on {nnodes} nodes ({run.show(GPUS[1])}) cannot reach the environment at "
+            f"{params.environment.url}: give an address the other nodes reach"))
     return problems
 
 
-def _batch_problems(params: Params, world: int) -> list[LayoutProblem]:
-    """verl's divisibility checks (module docstring, items 1-4), in questions × group size."""
-    t = params.train
-    n, batch, mini, micro = t.group_size, t.batch_size, t.mini_batch_size, t.micro_batch_size
-    gpus = ("train.verl.n_gpus_per_node", "train.verl.nnodes")
+def _batch_problems(run: VerlRun) -> list[LayoutProblem]:
+    """verl's divisibility checks (module docstring, items 1-4, 6, 7), in questions × rollout.n."""
+    n, batch, mini, micro = run.value(N), run.value(BATCH), run.value(MINI), run.value(MICRO)
+    world = run.value(GPUS[0]) * run.value(GPUS[1])
+    gpus = f"{world} training GPUs ({run.show(GPUS[0])} x {run.show(GPUS[1])})"
     problems: list[LayoutProblem] = []
+
+    def problem(verl_keys: tuple[str, ...], message: str, ours: tuple[str, ...] = ()) -> None:
+        problems.append(LayoutProblem(_keys(run, *verl_keys, ours=ours), message))
+
     if (batch * n) % world:
-        problems.append(LayoutProblem(("train.batch_size", "train.group_size", *gpus),
-                                      f"batch {batch} x group {n} = {batch * n} trajectories do not split "
-                                      f"over {world} training GPUs"))
+        problem((BATCH, N, *GPUS), f"batch {batch} x group {n} = {batch * n} trajectories ({BATCH} x {N}) do not "
+                                   f"split over {gpus}")
     if batch < mini:
-        problems.append(LayoutProblem(("train.batch_size", "train.mini_batch_size"),
-                                      f"mini-batch {mini} is larger than the batch {batch}"))
+        problem((BATCH, MINI), f"mini-batch {mini} ({MINI}) is larger than the batch {batch} ({BATCH})")
+    elif batch % mini:
+        problem((BATCH, MINI), f"batch {batch} ({BATCH}) is not a whole number of mini-batches of {mini} ({MINI}): "
+                               "verl's make_iterator asserts at the first actor update")
+    workers = run.value(AGENT_WORKERS)
+    if workers and (batch * n) % workers:
+        problem((BATCH, N, AGENT_WORKERS),
+                f"batch {batch} x group {n} = {batch * n} trajectories do not split over {run.show(AGENT_WORKERS)} "
+                f"agent-loop workers (verl's DataProto.chunk asserts at the first rollout; set {AGENT_WORKERS} "
+                f"through {EXTRA_OVERRIDES} to a divisor)", ours=(EXTRA_OVERRIDES,))
     if (mini * n) % world:
-        problems.append(LayoutProblem(("train.mini_batch_size", "train.group_size", *gpus),
-                                      f"mini-batch {mini} x group {n} = {mini * n} trajectories do not split "
-                                      f"over {world} training GPUs"))
-    elif (mini * n // world) % micro:
-        problems.append(LayoutProblem(("train.micro_batch_size", "train.mini_batch_size", "train.group_size"),
-                                      f"each GPU's {mini * n // world} trajectories per mini-batch do not split "
-                                      f"into micro-batches of {micro}"))
-    if not (batch * n) % world and (batch * n // world) % micro:
-        problems.append(LayoutProblem(("train.micro_batch_size", "train.batch_size", "train.group_size"),
-                                      f"each GPU's {batch * n // world} trajectories per batch do not split into "
-                                      f"micro-batches of {micro} (log-prob passes)"))
+        problem((MINI, N, *GPUS), f"mini-batch {mini} x group {n} = {mini * n} trajectories ({MINI} x {N}) do not "
+                                  f"split over {gpus}")
+    if run.value("actor_rollout_ref.actor.use_dynamic_bsz"):
+        return problems  # micro-batches are sized by tokens, not counts
+    if not (mini * n) % world and (mini * n // world) % micro:
+        problem((MICRO, MINI, N), f"each GPU's {mini * n // world} trajectories per mini-batch do not split "
+                                  f"into micro-batches of {micro} ({MICRO})")
+    share = batch * n // world
+    failing = [key for key in LOG_PROB_MICRO if not (batch * n) % world and share % run.value(key)]
+    if failing:
+        problem((*failing, BATCH, N), f"each GPU's {share} trajectories per batch do not split into micro-batches "
+                                      f"of {', '.join(map(run.show, failing))} (log-prob passes)")
     return problems
 
 
-def _sharing_problems(params: Params) -> list[LayoutProblem]:
+def _sharing_problems(params: Params, run: VerlRun) -> list[LayoutProblem]:
     """Environment server and verl's rollout on the same GPU: their memory fractions must fit in one."""
     shared = sorted(set(environment_gpus(params)) & set(training_gpus(params)))
     env_fraction = params.environment.server.gpu_memory_utilization
-    rollout_fraction = params.train.verl.rollout_gpu_memory_utilization
+    rollout_fraction = run.value(ROLLOUT_FRACTION)
     if not shared or env_fraction + rollout_fraction <= 1:
         return []
     return [LayoutProblem(
         ("environment.server.gpus", "train.verl.gpus", "environment.server.gpu_memory_utilization",
-         "train.verl.rollout_gpu_memory_utilization"),
-        f"GPUs {shared} hold the environment server ({env_fraction}) and verl's rollout ({rollout_fraction}): "
-        f"{env_fraction + rollout_fraction:g} of their memory; give them disjoint GPUs or fractions that sum to "
-        "at most 1")]
+         *run.ours(ROLLOUT_FRACTION)),
+        f"GPUs {shared} hold the environment server ({env_fraction}) and verl's rollout ({ROLLOUT_FRACTION}="
+        f"{rollout_fraction}): {env_fraction + rollout_fraction:g} of their memory; give them disjoint GPUs or "
+        "fractions that sum to at most 1")]
+
+
+# --------------------------------------------------------------------------------------------- memory
+def actor_estimate(params: Params, run: VerlRun) -> tuple[memory.ActorMemory, float, str] | None:
+    """(the FSDP actor's per-GPU memory, the GiB the memory fractions leave it, where the parameter count
+    comes from), or None when the parameter count is unknown offline or the strategy is not FSDP."""
+    actor, ref = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
+    found = memory.parameter_count(params.agent.model, params.root)
+    if found is None or run.value(f"{actor}.strategy") not in ("fsdp", "fsdp2"):
+        return None
+    world = run.value(GPUS[0]) * run.value(GPUS[1])
+    fsdp_size = run.value(f"{actor}.fsdp_config.fsdp_size")
+    reference = bool(run.value(f"{actor}.use_kl_loss") or run.value("algorithm.use_kl_in_reward"))
+    estimate = memory.actor_memory(
+        found[0], shards=fsdp_size if fsdp_size and fsdp_size > 0 else world,
+        model_dtype=run.value(f"{actor}.fsdp_config.model_dtype"),
+        param_offload=bool(run.value(f"{actor}.fsdp_config.param_offload")),
+        optimizer_offload=bool(run.value(f"{actor}.fsdp_config.optimizer_offload")),
+        lora=bool(run.value("actor_rollout_ref.model.lora_rank")), reference=reference,
+        ref_dtype=run.value(f"{ref}.fsdp_config.model_dtype") or "fp32",
+        ref_offload=bool(run.value(f"{ref}.fsdp_config.param_offload")))
+    shared = set(environment_gpus(params)) & set(training_gpus(params))
+    taken = run.value(ROLLOUT_FRACTION) + (params.environment.server.gpu_memory_utilization if shared else 0)
+    return estimate, max(0.0, 1 - taken) * params.train.verl.gpu_memory_gb, found[1]
+
+
+def _memory_problems(params: Params, run: VerlRun) -> list[LayoutProblem]:
+    found = actor_estimate(params, run)
+    if found is None:
+        return []
+    estimate, left_gib, source = found
+    if estimate.total / memory.GIB <= left_gib:
+        return []
+    shared = set(environment_gpus(params)) & set(training_gpus(params))
+    offload = "actor_rollout_ref.actor.fsdp_config.param_offload/optimizer_offload"
+    return [LayoutProblem(
+        ("train.verl.gpu_memory_gb", *run.ours(ROLLOUT_FRACTION),
+         *(("environment.server.gpu_memory_utilization",) if shared else ()), "agent.model",
+         *run.ours(*GPUS, "actor_rollout_ref.actor.fsdp_config.param_offload")),
+        f"verl's FSDP actor for {params.agent.model} ({source}) holds ~{estimate.describe()} per training GPU "
+        f"during rollout, but the memory fractions leave {left_gib:.1f} of {params.train.verl.gpu_memory_gb:g} GiB "
+        f"({ROLLOUT_FRACTION}={run.value(ROLLOUT_FRACTION)}"
+        f"{', plus the environment server' if shared else ''}): use more GPUs, lower the fractions, or offload "
+        f"({offload}=true through {EXTRA_OVERRIDES})")]
 
 
 def describe(params: Params) -> str:
@@ -232,6 +298,9 @@ def describe(params: Params) -> str:
     if t.backend == "verl":
         train = (f"verl on {v.nnodes} node(s) x GPUs {training_gpus(params)}, rollout TP {v.rollout_tp}, "
                  f"batch {t.batch_size} x group {t.group_size}")
+        found = actor_estimate(params, compose_run(params))
+        train += (f", actor ~{found[0].total / memory.GIB:.1f} of {found[1]:.1f} GiB left per GPU" if found else
+                  f", actor memory not estimated (no parameter count for {params.agent.model} offline)")
     else:
         train = "local backend"
     if env.backend == "vllm" and environment_started_here(params):

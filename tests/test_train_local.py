@@ -460,7 +460,7 @@ def test_stage_dispatches_verl_backend_inside_the_train_run(tmp_path, monkeypatc
     """backend verl → train_verl(params, run) with the active MLflow child run (verl itself needs GPUs)."""
     import mlflow
 
-    from pipeline.train import verl_backend
+    from pipeline.train import resources, verl_backend
     from pipeline.train.stage import run_train
 
     calls = []
@@ -468,10 +468,16 @@ def test_stage_dispatches_verl_backend_inside_the_train_run(tmp_path, monkeypatc
     def fake_train_verl(params, run):
         calls.append((params.train.backend, run.info.run_id, mlflow.active_run().info.run_id))
 
+    def fake_assert_resources(params):  # the machine checks need GPUs and a Ray cluster (test_layout_verl.py)
+        calls.append(("resources", mlflow.active_run()))
+
     monkeypatch.setattr(verl_backend, "train_verl", fake_train_verl)
+    monkeypatch.setattr(resources, "assert_resources", fake_assert_resources)
     params = load_params(REPO_ROOT / "params.yaml", {
         **tiny_overrides(tmp_path, tiny_llama_dir, "http://127.0.0.1:9/v1"), "train": {"backend": "verl"}})
     run_train(params)
+    assert calls[0] == ("resources", None)  # checked before the MLflow run opens
+    calls = calls[1:]
     assert len(calls) == 1 and calls[0][0] == "verl" and calls[0][1] == calls[0][2]
     assert json.loads((tmp_path / "reports/mlflow_run.json").read_text())["run_id"]
 

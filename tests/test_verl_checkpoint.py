@@ -119,6 +119,13 @@ def test_verl_fsdp_checkpoint_resumes_and_merges_on_cpu(tmp_path, tiny_llama_dir
     for name in ("model_world_size_1_rank_0.pt", "optim_world_size_1_rank_0.pt",
                  "extra_state_world_size_1_rank_0.pt", "fsdp_config.json", "huggingface/config.json"):
         assert (actor / name).is_file(), name
+    # The stage's disk check (pipeline/train/memory.py) estimates what verl's checkpoint manager just wrote.
+    from pipeline.train import memory
+
+    written = sum((actor / f"{part}_world_size_1_rank_0.pt").stat().st_size for part in ("model", "optim", "extra_state"))
+    estimate = memory.checkpoint_bytes(memory.parameter_count(str(tiny_llama_dir))[0],
+                                       save_contents=["model", "optimizer", "extra"], model_dtype="fp32", lora=False)
+    assert abs(written - estimate) / estimate < 0.05, (written, estimate)
     # Resume: our lookup and verl's find the same checkpoint; verl's manager restores it exactly.
     assert ckpt.latest_verl_step(root) == actor
     assert Path(find_latest_ckpt_path(str(root))) / "actor" == actor

@@ -193,6 +193,9 @@ class VerlConfig(_Section):
     val_before_train: bool = True
     ray_address: str = Field("auto", description='Ray cluster to join ("auto": the one on this machine); "" = private local Ray.')
     use_v1: bool = Field(False, description="verl's V1 trainer; needs TransferQueue (pip install 'verl[verl-core]').")
+    gpu_memory_gb: float = Field(80.0, gt=0, le=4096, description="Memory of one training GPU in GiB (80: A100/H100 "
+                                 "80GB): what the rollout's memory fraction leaves of it must hold the FSDP actor "
+                                 "(pipeline/train/memory.py; `promptr1 check`).")
     extra_overrides: list[str] = Field(default_factory=list)
 
 
@@ -248,7 +251,8 @@ class TrainConfig(_Section):
     loss_agg_mode: LossAggMode = "token-mean"
     total_epochs: int = Field(1, ge=1)
     save_every: int = Field(2, gt=0)
-    keep_checkpoints: int = Field(2, ge=1, description="Local backend: newest checkpoints kept on disk.")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk (local backend; verl: "
+                                  "trainer.max_actor_ckpt_to_keep, whose stage refuses to start without the disk).")
     keep_stale_checkpoints: int = Field(
         1, ge=0, le=100, description="Checkpoint folders of changed params set aside (not deleted), newest kept.")
     gradient_checkpointing: bool = False

@@ -81,7 +81,7 @@ from pipeline.environment.ledger import LEDGER_FILE, CostLedger
 from pipeline.environment.sanitize import redact_secrets, register_secret
 from pipeline.environment.wire import MalformedReply, parse_completion, retry_after_seconds, shorten
 from pipeline.errors import EnvironmentUnavailable, EnvironmentUnhealthy
-from pipeline.layout import is_loopback
+from pipeline.placement import is_loopback
 from pipeline.types import EnvironmentReply, UsageStats
 
 if TYPE_CHECKING:

@@ -51,9 +51,9 @@ from pipeline.environment.guard import guarded
 from pipeline.environment.knowledge import knowledge_command
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.hardware import server_threads
-from pipeline.layout import cuda_visible_devices, environment_gpus
 from pipeline.modelref import ModelRefError, resolve_model
 from pipeline.paths import display_path
+from pipeline.placement import cuda_visible_devices, environment_gpus
 from pipeline.weights import model_status
 
 if TYPE_CHECKING:

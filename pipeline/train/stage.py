@@ -39,6 +39,10 @@ def run_train(params: Params) -> None:
             log.info("train: already complete at %d steps (checkpoints in %s); nothing to do",
                      params.train.steps, params.paths.checkpoint_dir)
             return
+    if params.train.backend == "verl":  # GPUs here and in Ray, disk, verl's validation: before anything starts
+        from pipeline.train.resources import assert_resources
+
+        assert_resources(params)
     with tracking.stage_run(params, "train", new_parent=True) as run:
         import mlflow
 

@@ -73,7 +73,7 @@ import yaml
 from pipeline.config import EnvironmentConfig, Params
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, UserError
-from pipeline.layout import cuda_visible_devices, training_gpus
+from pipeline.placement import cuda_visible_devices, training_gpus
 
 log = logging.getLogger(__name__)
 

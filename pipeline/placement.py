@@ -1,0 +1,61 @@
+"""Where things run: the CUDA device ids verl and the environment server take, and which addresses are local.
+
+Pure functions of the params (no I/O), shared by the layout check (`pipeline.layout`), the environment
+client and servers, and the verl launcher. They live apart from the layout check so that the environment
+code (imported by most stages) does not import the check's verl config composition.
+
+- `train.verl.gpus` (per node, Ray's CUDA_VISIBLE_DEVICES) and `environment.server.gpus` (the vLLM server's
+  CUDA_VISIBLE_DEVICES) name CUDA device ids; an empty list means what the tools do unasked: Ray takes the
+  first `n_gpus_per_node` devices and vLLM the first `tensor_parallel_size`.
+- An environment at a `base_url` other than its own host/port runs elsewhere and shares no GPU with training.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pipeline.config import Params
+
+LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", ""})
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost, 0.0.0.0, ::)."""
+    host = host.strip("[]").lower()
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified
+
+
+def environment_started_here(params: Params) -> bool:
+    """Whether the pipeline starts the environment server on this machine (vllm/llamacpp at its own
+    host:port) rather than using one at a `base_url` elsewhere."""
+    env = params.environment
+    if env.backend == "api":
+        return False
+    return not env.base_url or env.url == f"http://{env.host}:{env.port}/v1"
+
+
+def environment_gpus(params: Params) -> list[int]:
+    """CUDA device ids the environment server takes on this machine ([] when it takes none here)."""
+    server = params.environment.server
+    if params.environment.backend != "vllm" or not environment_started_here(params):
+        return []
+    return list(server.gpus) or list(range(server.tensor_parallel_size))
+
+
+def training_gpus(params: Params) -> list[int]:
+    """CUDA device ids verl takes on each node ([] with the local backend, which is not placed here)."""
+    verl = params.train.verl
+    if params.train.backend != "verl":
+        return []
+    return list(verl.gpus) or list(range(verl.n_gpus_per_node))
+
+
+def cuda_visible_devices(gpus: list[int]) -> str:
+    """The CUDA_VISIBLE_DEVICES value for a device list."""
+    return ",".join(str(g) for g in gpus)
