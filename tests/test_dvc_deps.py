@@ -142,9 +142,12 @@ CLI_STAGE_PATH = ("main", "_load", "_load_runnable", "_run", "_run_stage", "_par
 """The functions of pipeline/cli.py every stage command runs through before and after its own module."""
 
 
-def cli_modules() -> set[str]:
-    """Repo modules the CLI runs for every stage: cli.py's module-level imports and those inside the
-    functions of CLI_STAGE_PATH (the layout check, the closing key figure), not other commands' imports."""
+def cli_modules(verb: str) -> set[str]:
+    """Repo modules the CLI runs for stage `verb`: cli.py's module-level imports and those inside the
+    functions of CLI_STAGE_PATH (the layout check, the closing key figure), not other commands' imports;
+    the stages that place nothing (`pipeline.cli.UNPLACED_STAGES`) skip the layout check."""
+    from pipeline.cli import UNPLACED_STAGES
+
     tree = ast.parse((ROOT / "pipeline" / "cli.py").read_text(encoding="utf-8"))
     nodes = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
     for fn in tree.body:
@@ -157,6 +160,8 @@ def cli_modules() -> set[str]:
         elif node.module:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    if verb in UNPLACED_STAGES:
+        names = {n for n in names if not n.startswith("pipeline.layout")}
     return {n for n in names if module_file(n)}
 
 
@@ -164,7 +169,7 @@ def stage_closure(verb: str) -> set[Path]:
     """Repo files `promptr1 <verb>` executes: the CLI's stage path, then the verb's own module."""
     # Not cli.py itself: it only dispatches (a new option or another command's help text must not rerun
     # training), and its other commands' lazy imports (`ask`, `flow …`) are not run by this verb.
-    modules = verb_modules()[verb] | cli_modules()
+    modules = verb_modules()[verb] | cli_modules(verb)
     return set().union(*(import_closure(m) for m in modules))
 
 
