@@ -58,6 +58,7 @@ from pipeline.config import Params
 from pipeline.hardware import resolve_autocast
 from pipeline.train.batch import RolloutBatch, collate, response_log_probs, shared_prompt_log_probs
 from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
+from pipeline.train.health import ZERO_VARIANCE_METRIC, zero_variance_share
 from pipeline.train.models import PolicyModels
 from pipeline.train.questions import QuestionSampler, prompt_item_from_row
 from pipeline.train.rollout_engine import rollout_engine
@@ -303,6 +304,7 @@ class LocalTrainer:
         t_update = time.perf_counter() - t0
 
         metrics = rollout_metrics(trajectories, scores, advantages, mask)
+        metrics[ZERO_VARIANCE_METRIC] = zero_variance_share(scores.tolist(), group_ids)
         metrics.update(update.metrics)
         metrics.update(self.sampler_metrics())
         # The rollout alternates batched generation rounds and environment rounds; the trajectory that

@@ -31,6 +31,9 @@ Decisions:
 - **MLflow**: `trainer.logger=[console,mlflow]`; verl's logger runs inside Ray actors, so
   `MLFLOW_TRACKING_URI` and `MLFLOW_RUN_ID` (our active child run) are set both in the launcher's
   environment and in the Ray job's `runtime_env`, and verl logs into our run instead of opening its own.
+- **Health gate** (`train.health`, pipeline/train/verl_health.py): every output line goes to a watch that
+  judges each step from verl's step line and its rollout dump (`trainer.rollout_data_dir`); a breach stops
+  verl's process group, sets the breaching step's checkpoints aside and fails the stage with one line.
 - **Secrets** (the environment API key) never go into overrides (verl prints its whole config): the
   variable named by `environment.api_key_env` must be set where `ray start` ran on every node, because
   Ray workers inherit the raylet's environment.
@@ -64,6 +67,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -74,6 +78,8 @@ from pipeline.config import EnvironmentConfig, Params
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, UserError
 from pipeline.layout import cuda_visible_devices, training_gpus
+from pipeline.train import health
+from pipeline.train.verl_health import BreachSeen, VerlHealthWatch
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +141,13 @@ def train_file(params: Params) -> Path:
     return params.path(params.paths.rl_dir).resolve() / "train.parquet"
 
 
+def rollout_dump_dir(params: Params) -> Path:
+    """Where verl dumps each step's trajectories for the health gate (pipeline/train/verl_health.py)."""
+    from pipeline.train.verl_health import ROLLOUT_DIR
+
+    return params.path(params.paths.reports_dir).resolve() / "train" / ROLLOUT_DIR
+
+
 def eval_files(params: Params) -> list[Path]:
     """The evaluation sets the build stage writes, in params' order (ID then OOD)."""
     eval_dir = params.path(params.paths.rl_dir).resolve() / "eval"
@@ -160,6 +173,8 @@ def build_overrides(params: Params, *, val_files: list[Path] | None = None,
         "trainer.project_name": params.mlflow.experiment,
         "trainer.experiment_name": f"prompt-r1-{params.profile}",
     }
+    if params.train.health.enabled:  # each step's trajectories, for the health gate's group figures
+        computed["trainer.rollout_data_dir"] = str(rollout_dump_dir(params))
     overrides = [
         *(_kv(key, param_value(params, value)) for key, value in _override_table().items()),
         *(_kv(key, value) for key, value in computed.items()),
@@ -310,7 +325,15 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
     command = guarded([sys.executable, "-m", "verl.trainer.main_ppo", *overrides])
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
              reports / "verl_overrides.txt", params.train.verl.ray_address or "local")
-    rc, tail = _stream(command, env=env, cwd=params.root, log_file=reports / "verl.log")
+    watch = VerlHealthWatch(params.train.health, rollout_dump_dir(params) if params.train.health.enabled else None)
+    try:
+        rc, tail = _stream(command, env=env, cwd=params.root, log_file=reports / "verl.log", on_line=watch)
+    except BreachSeen as seen:  # verl's process group is already stopped (_stream)
+        from pipeline.train.checkpoint import set_aside_verl_steps
+
+        kept = set_aside_verl_steps(params.path(params.paths.checkpoint_dir), seen.breach.step)
+        raise health.stop_training(seen.breach, f"kept checkpoint {kept.parent.name}" if kept is not None
+                                   else "no checkpoint kept (none was saved before the breach)") from None
     if rc != 0:
         hint = ""
         if "Could not find any running Ray instance" in tail:
@@ -328,8 +351,12 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
     mlflow.log_artifact(str(reports / "verl_overrides.txt"), artifact_path="train")
 
 
-def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path) -> tuple[int, str]:
-    """Run `command`, mirroring its output to the log and `log_file`; (exit code, last lines)."""
+def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path,
+            on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
+    """Run `command`, mirroring its output to the log and `log_file`; (exit code, last lines).
+
+    `on_line` sees every line (the health gate); an exception it raises stops the process group and propagates.
+    """
     tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
     child_log = logging.getLogger("verl")
     with open(log_file, "w", encoding="utf-8") as sink:
@@ -342,6 +369,8 @@ def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Pat
                 line = line.rstrip("\n")
                 tail.append(line)
                 child_log.info("%s", line)
+                if on_line is not None:
+                    on_line(line)
             rc = process.wait()
         except BaseException:
             # Ctrl-C or a failure here: take the whole verl process group down with us.
