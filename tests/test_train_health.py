@@ -285,7 +285,7 @@ def test_verl_overrides_dump_rollouts_only_with_the_gate(tmp_path):
     (tmp_path / "models").mkdir()
     overrides = {"agent": {"model": str(tmp_path / "models")}, "train": {"backend": "verl"}}
     on = build_overrides(load_params(tmp_path / "params.yaml", overrides))
-    dump = f"trainer.rollout_data_dir='{tmp_path.resolve()}/reports/train/verl_rollouts'"
+    dump = f"trainer.rollout_data_dir='{tmp_path.resolve()}/.cache/verl_rollouts'"
     assert dump in on
     off = build_overrides(load_params(tmp_path / "params.yaml", {**overrides, "train": {
         "backend": "verl", "health": {"enabled": False}}}))

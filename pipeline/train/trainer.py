@@ -8,7 +8,8 @@ A step reads top to bottom:
    `pipeline.train.rollout_engine`);
 3. GRPO update (`pipeline.train.grpo`: verl's advantage, clipped loss, low-var KL, token-mean), over
    PPO mini-batches of `mini_batch_size` questions, in micro-batches of `micro_batch_size` trajectories;
-4. its metrics under verl's names (`pipeline.train.step_metrics`); the caller logs and checkpoints them.
+4. its metrics under verl's names (`pipeline.train.step_metrics`), with the share of groups whose G
+   trajectories all scored the same (`pipeline.train.health`); the caller judges, logs and checkpoints them.
 
 Design decisions:
 - **old_log_prob is recomputed by the training forward, not taken from the sampler.** The sampler's

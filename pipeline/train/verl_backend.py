@@ -142,10 +142,10 @@ def train_file(params: Params) -> Path:
 
 
 def rollout_dump_dir(params: Params) -> Path:
-    """Where verl dumps each step's trajectories for the health gate (pipeline/train/verl_health.py)."""
+    """Where verl dumps each step's trajectories for the health gate (verl_health.py): the git-ignored cache."""
     from pipeline.train.verl_health import ROLLOUT_DIR
 
-    return params.path(params.paths.reports_dir).resolve() / "train" / ROLLOUT_DIR
+    return params.path(params.paths.cache_dir).resolve() / ROLLOUT_DIR
 
 
 def eval_files(params: Params) -> list[Path]:

@@ -38,7 +38,7 @@ from pipeline.train.health import VERL_METRICS, ZERO_VARIANCE_METRIC, Breach, He
 log = logging.getLogger(__name__)
 
 ROLLOUT_DIR = "verl_rollouts"
-"""Folder under reports/train where verl dumps each step's trajectories (`trainer.rollout_data_dir`)."""
+"""Folder under `paths.cache_dir` where verl dumps each step's trajectories (`trainer.rollout_data_dir`)."""
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.+)$")
 _DUMP_LINE = re.compile(r"Dumped generations to (\S*?(\d+)\.jsonl)")
 _NUMBER = re.compile(r"^(?:np\.\w+\(|tensor\()?\s*([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+|nan|inf))")
