@@ -148,12 +148,12 @@ def test_recorded_learn_run_never_trips_the_defaults():
         assert judge(rows[:end], CFG, LOCAL_METRICS) is None, rows[end - 1][0]
     # the check can fail: a stricter share (0.7) trips on the stretch of flat steps 15-21, and the answer rule
     # at 0.15 on the answer dip around it (0.215 -> 0.054 while the format rose 0.877 -> 0.967)
-    strict = CFG.model_copy(update={"max_zero_variance_share": 0.7})
-    assert [b.figure for end in range(1, 41) if (b := judge(rows[:end], strict, LOCAL_METRICS))][0] == (
-        "zero_variance_share")
-    touchy = CFG.model_copy(update={"max_answer_drop": 0.15})
-    assert [(b.figure, b.step) for end in range(1, 41) if (b := judge(rows[:end], touchy, LOCAL_METRICS))][0] == (
-        "answer_drop", 20)
+    def first_breach(cfg: HealthConfig):
+        return next(b for end in range(1, 41) if (b := judge(rows[:end], cfg, LOCAL_METRICS)) is not None)
+
+    assert first_breach(CFG.model_copy(update={"max_zero_variance_share": 0.7})).figure == "zero_variance_share"
+    touchy = first_breach(CFG.model_copy(update={"max_answer_drop": 0.15}))
+    assert (touchy.figure, touchy.step) == ("answer_drop", 20)
 
 
 def test_a_resumed_run_judges_with_its_history():
@@ -228,6 +228,38 @@ def test_verl_watch_trips_on_dumped_flat_groups_and_on_kl(tmp_path):
     with pytest.raises(BreachSeen) as seen:
         feed_verl(tmp_path, flat_from=10**9, kl_from=21)
     assert seen.value.breach.figure == "kl" and seen.value.breach.step == 22
+
+
+@pytest.mark.slow
+def test_verl_s_own_line_and_dump_writers_feed_the_watch(tmp_path, capsys):
+    """verl 0.9.1's console logger (`concat_dict_to_str`) and rollout dump writer (`_write_generations`, which
+    prints the dump line) produce what the watch reads: the format assumptions pinned to verl's code (slow only
+    because importing verl's trainer takes ~30-50 s here)."""
+    import numpy as np
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils.logger.aggregate_logger import concat_dict_to_str
+
+    watch = VerlHealthWatch(CFG, tmp_path)
+    for step in range(1, 19):
+        flat = step > 10
+        scores = [0.5] * 10 if flat else [0.1 * g for g in range(5)] * 2
+        extra = {"score": scores, "answer": [0.3] * 10, "format": [1.2] * 10, "gated": [1.0] * 10}
+        RayPPOTrainer._write_generations([f"question {i // 5}" for i in range(10)], ["<think>"] * 10, [["x"]] * 10,
+                                         scores, extra, str(tmp_path), step)
+        metrics = {"training/global_step": step, "critic/score/mean": np.float32(np.mean(scores)),
+                   "actor/kl_loss": np.float64(0.004), "response_length/mean": np.float64(700.0)}
+        lines = capsys.readouterr().out.splitlines() + [concat_dict_to_str(metrics, step=step)]
+        assert any(line.startswith("Dumped generations to ") for line in lines)
+        if step == 18:
+            with pytest.raises(BreachSeen) as seen:
+                for line in lines:
+                    watch(f"(TaskRunner pid=7) {line}")
+            assert seen.value.breach.figure == "zero_variance_share" and seen.value.breach.step == 18
+        else:
+            for line in lines:
+                watch(f"(TaskRunner pid=7) {line}")
+    assert watch.gate.steps[-1][1]["actor/kl_loss"] == 0.004
+    assert watch.gate.steps[-1][1]["reward/format/mean"] == 1.2
 
 
 def test_verl_watch_judges_a_step_without_its_dump_when_the_next_step_arrives(tmp_path):
