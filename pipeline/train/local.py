@@ -148,6 +148,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
                 if breach is not None:
                     # Judged before the save: the breaching step's weights never become a checkpoint.
                     steps_log.append(step, metrics)
+                    trajectory_log.append(step, trainer.last_trajectories)
                     log_mlflow_metrics(metrics, step)
                     raise health.stop_training(breach, _kept(root))
                 t0 = time.perf_counter()
