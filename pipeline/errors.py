@@ -20,3 +20,8 @@ class BudgetExceeded(UserError):
 class EnvironmentUnhealthy(UserError):
     """Too many environment calls failed in a row window (`environment.max_failure_rate`): training would learn
     from error notes instead of replies, so the run stops; the last good checkpoint stays."""
+
+
+class TrainingUnhealthy(UserError):
+    """The training health gate (`train.health`, pipeline/train/health.py) saw a breach: the run stops with one
+    line naming the figure, its value, the threshold and the step; the last healthy checkpoint is kept."""

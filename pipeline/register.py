@@ -39,6 +39,8 @@ Fail closed (the alias is what serving trusts, so doubt keeps the champion):
   (the kill came after the alias moved, on a decision already taken with its `eval.*` tags): then it is
   tagged `promoted` with the reason "recovered". The rerun registers its own version as usual.
 
+A model whose train run the health gate stopped (tag `health.breach`, pipeline/train/health.py) is refused first.
+
 Experiment profiles never touch production: for a profile in `EXPERIMENT_PROFILES` (`learn`, the learning
 experiment) the stage refuses to run when `register.alias` is the production `champion`, before anything is
 logged; those profiles register under their own model name and alias (profiles/learn.yaml).
@@ -85,6 +87,18 @@ def check_production_alias(params: Params) -> None:
         raise UserError(f"profile {params.profile!r} is an experiment: it may not move the production alias "
                         f"{PRODUCTION_ALIAS!r} (set register.alias to another name, as profiles/{params.profile}.yaml "
                         "does)")
+
+
+def check_training_health(params: Params) -> None:
+    """Raise UserError, before anything is logged, when this execution's train run breached the health gate."""
+    from pipeline.tracking import HEALTH_BREACH_TAG, breached_train_run
+
+    run = breached_train_run(params)
+    if run is not None:
+        tags = run.data.tags
+        raise UserError(f"train run {run.info.run_id} was stopped by the training health gate "
+                        f"({HEALTH_BREACH_TAG}={tags[HEALTH_BREACH_TAG]} at step {tags.get('health.breach_step', '?')}):"
+                        " its model is never registered or promoted; fix the run (or train.health) and train again")
 
 
 # --- the rule ----------------------------------------------------------------------------------------
@@ -352,6 +366,7 @@ def run_register(params: Params) -> dict[str, Any]:
         raise UserError(f"{metrics_file} is missing: run `promptr1 evaluate` first")
     candidate = EvalAverages.from_metrics_json(json.loads(metrics_file.read_text()))
     check_metric(candidate, cfg.metric)  # before a model version is registered
+    check_training_health(params)
 
     with (promotion_lock(params, cfg.model_name, "registering"), stage_run(params, "register") as run,
           tempfile.TemporaryDirectory() as tmp):

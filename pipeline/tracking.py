@@ -35,6 +35,8 @@ from pipeline.config import Params, flatten
 log = logging.getLogger(__name__)
 
 RUN_FILE = "mlflow_run.json"
+HEALTH_BREACH_TAG = "health.breach"
+"""Tag of a train run the training health gate stopped (pipeline/train/health.py); register refuses it."""
 
 
 def tracking_uri(params: Params) -> str:
@@ -112,6 +114,28 @@ def parent_run_id(params: Params) -> str | None:
     if path.is_file():
         return json.loads(path.read_text()).get("run_id")
     return None
+
+
+def breached_train_run(params: Params) -> Any | None:
+    """The newest train run of the recorded parent when the health gate stopped it (`HEALTH_BREACH_TAG`), else None.
+
+    A train stage rerun after a breach may continue the same parent (`_gepa_parent`), so only its newest train
+    run counts.
+    """
+    import mlflow
+
+    parent = parent_run_id(params)
+    if parent is None:
+        return None
+    configure(params)
+    client = mlflow.MlflowClient()
+    try:
+        experiment = client.get_run(parent).info.experiment_id
+    except Exception:  # noqa: BLE001 - a stale run file from another store: no train run recorded here
+        return None
+    runs = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}' and tags.stage = 'train'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs and HEALTH_BREACH_TAG in runs[0].data.tags else None
 
 
 def _start_parent(params: Params) -> str:

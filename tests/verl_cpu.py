@@ -40,6 +40,7 @@ class TransformersServerManager:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.calls: list[dict[str, Any]] = []
+        self._one_at_a_time = asyncio.Lock()
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        **kwargs: Any) -> TokenOutput:
@@ -47,6 +48,13 @@ class TransformersServerManager:
             raise ValueError("TransformersServerManager is greedy only: set rollout temperature 0")
         self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
                            "sampling_params": dict(sampling_params)})
+        # Off the event loop, one request at a time, as a vLLM server generates in a process of its own: run
+        # inline, a slow CPU blocked the loop for seconds and other trajectories' environment calls, awaiting
+        # on the same loop, hit their timeout although the server had answered ("[environment error: ...]").
+        async with self._one_at_a_time:
+            return await asyncio.to_thread(self._generate, list(prompt_ids), sampling_params)
+
+    def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
         prompt = torch.tensor([prompt_ids], dtype=torch.long)
         with torch.no_grad():
             out = self.model.generate(

@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.config.health import HealthConfig
+
 # The values verl 0.9.1's core_algos accept (kl_penalty; agg_loss); a "+" suffix means straight-through k2.
 KlLossType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
                      "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
@@ -288,6 +290,7 @@ class TrainConfig(_Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     verl: VerlConfig = Field(default_factory=VerlConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
     @property
     def shares_prompts(self) -> bool:

@@ -207,3 +207,33 @@ def save_checkpoint(
         shutil.rmtree(step_dir(root, old), ignore_errors=True)
     log.info("checkpoint %s written", display_path(final, Path.cwd()))
     return final
+
+
+def set_aside_verl_steps(root: Path, from_step: int) -> Path | None:
+    """After a health breach at `from_step`: hide verl's checkpoints of that step and later from merge and resume.
+
+    verl saves a step's checkpoint before it logs the step, so the breaching step's `global_step_N/` may exist.
+    Each such folder is renamed `breached-global_step_N/` (kept for inspection, invisible to `latest_verl_step`
+    and verl's `resume_mode=auto`) and verl's marker is pointed at the newest remaining step, or removed.
+    Returns the newest remaining `global_step_N/actor`, or None.
+    """
+    if not root.is_dir():
+        return None
+    for child in sorted(root.iterdir()):
+        m = _VERL_STEP_DIR.match(child.name)
+        if m and int(m.group(1)) >= from_step:
+            target = root / f"breached-{child.name}"
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(child, target)
+            log.warning("health gate: %s set aside as %s", child.name, target.name)
+    remaining = sorted(int(m.group(1)) for child in root.iterdir()
+                       if (m := _VERL_STEP_DIR.match(child.name)) and (child / "actor").is_dir())
+    marker = root / "latest_checkpointed_iteration.txt"
+    if remaining:
+        tmp = root / ".latest_checkpointed_iteration.tmp"
+        tmp.write_text(str(remaining[-1]))
+        os.replace(tmp, marker)
+        return root / f"global_step_{remaining[-1]}" / "actor"
+    marker.unlink(missing_ok=True)
+    return None

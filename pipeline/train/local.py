@@ -9,7 +9,8 @@
 4. GRPO steps (`pipeline.train.trainer.LocalTrainer.step`), each logged to `reports/train/steps.csv` and
    MLflow (`pipeline.train.step_metrics`), its trajectories to `reports/train/trajectories.jsonl` and a
    sample of them as MLflow traces (`pipeline.train.trajectory_log`), checkpointed every `save_every`
-   (`pipeline.train.checkpoint`).
+   (`pipeline.train.checkpoint`); each step is first judged by the health gate (`pipeline.train.health`):
+   a breach logs the step, tags the run and raises `TrainingUnhealthy` before the step is checkpointed.
 
 Design decisions:
 - **Reference policy** (`pipeline.train.models`): a frozen base copy for a full fine-tune, overwritten with
@@ -41,7 +42,7 @@ import torch
 from pipeline.config import Params
 from pipeline.errors import BudgetExceeded, EnvironmentUnhealthy, UserError
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import warmup
+from pipeline.train import health, warmup
 from pipeline.train.models import (
     PolicyModels,
     load_full_weights,
@@ -115,6 +116,8 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
         ckpt.save_checkpoint(root, st, partial(write_weights, models), trainer.optimizer, keep=cfg.keep_checkpoints)
 
     last: dict[str, float] = dict(state.metrics) if state else {}
+    gate = health.HealthGate(cfg.health, health.LOCAL_METRICS,
+                             [(int(r["step"]), r) for r in steps_log.rows])  # a resume judges the same windows
     end = cfg.steps if max_steps is None else min(cfg.steps, start + max_steps)
     with environment_server(params):
         if need_warmup:
@@ -141,6 +144,13 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
                     if step - 1 > start and (step - 1) % cfg.save_every != 0:
                         save(step - 1, last)
                     raise
+                breach = gate.observe(step, metrics)
+                if breach is not None:
+                    # Judged before the save: the breaching step's weights never become a checkpoint.
+                    steps_log.append(step, metrics)
+                    trajectory_log.append(step, trainer.last_trajectories)
+                    log_mlflow_metrics(metrics, step)
+                    raise health.stop_training(breach, _kept(root))
                 t0 = time.perf_counter()
                 if step % cfg.save_every == 0 or step == cfg.steps or step == end:
                     save(step, metrics)
@@ -156,6 +166,13 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
             bar.close()
             _close_env(env)
     return last
+
+
+def _kept(root: Path) -> str:
+    folder = ckpt.latest_checkpoint(root)
+    if folder is None:
+        return "no checkpoint kept (none was saved before the breach)"
+    return f"kept checkpoint {folder.name} (the last saved at or before the last healthy step)"
 
 
 def _refuse_warmup_with_lora(params: Params) -> None:

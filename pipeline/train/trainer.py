@@ -8,7 +8,8 @@ A step reads top to bottom:
    `pipeline.train.rollout_engine`);
 3. GRPO update (`pipeline.train.grpo`: verl's advantage, clipped loss, low-var KL, token-mean), over
    PPO mini-batches of `mini_batch_size` questions, in micro-batches of `micro_batch_size` trajectories;
-4. its metrics under verl's names (`pipeline.train.step_metrics`); the caller logs and checkpoints them.
+4. its metrics under verl's names (`pipeline.train.step_metrics`), with the share of groups whose G
+   trajectories all scored the same (`pipeline.train.health`); the caller judges, logs and checkpoints them.
 
 Design decisions:
 - **old_log_prob is recomputed by the training forward, not taken from the sampler.** The sampler's
@@ -58,6 +59,7 @@ from pipeline.config import Params
 from pipeline.hardware import resolve_autocast
 from pipeline.train.batch import RolloutBatch, collate, response_log_probs, shared_prompt_log_probs
 from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
+from pipeline.train.health import ZERO_VARIANCE_METRIC, zero_variance_share
 from pipeline.train.models import PolicyModels
 from pipeline.train.questions import QuestionSampler, prompt_item_from_row
 from pipeline.train.rollout_engine import rollout_engine
@@ -303,6 +305,7 @@ class LocalTrainer:
         t_update = time.perf_counter() - t0
 
         metrics = rollout_metrics(trajectories, scores, advantages, mask)
+        metrics[ZERO_VARIANCE_METRIC] = zero_variance_share(scores.tolist(), group_ids)
         metrics.update(update.metrics)
         metrics.update(self.sampler_metrics())
         # The rollout alternates batched generation rounds and environment rounds; the trajectory that

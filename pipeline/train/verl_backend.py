@@ -31,6 +31,9 @@ Decisions:
 - **MLflow**: `trainer.logger=[console,mlflow]`; verl's logger runs inside Ray actors, so
   `MLFLOW_TRACKING_URI` and `MLFLOW_RUN_ID` (our active child run) are set both in the launcher's
   environment and in the Ray job's `runtime_env`, and verl logs into our run instead of opening its own.
+- **Health gate** (`train.health`, pipeline/train/verl_health.py): every output line goes to a watch that
+  judges each step from verl's step line and its rollout dump (`trainer.rollout_data_dir`); a breach stops
+  verl's process group, sets the breaching step's checkpoints aside and fails the stage with one line.
 - **Secrets** (the environment API key) never go into overrides (verl prints its whole config): the
   variable named by `environment.api_key_env` must be set where `ray start` ran on every node, because
   Ray workers inherit the raylet's environment.
@@ -60,171 +63,47 @@ import csv
 import importlib.util
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
-from pipeline.config import EnvironmentConfig, Params
+from pipeline.config import Params
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, UserError
 from pipeline.placement import cuda_visible_devices, training_gpus
+from pipeline.train import health
+from pipeline.train.verl_health import BreachSeen, VerlHealthWatch
+from pipeline.train.verl_overrides import (
+    AGENT_LOOP_CONFIG,
+    AGENT_NAME,
+    OVERRIDE_TABLE,
+    REWARD_FUNCTION_FILE,
+    REWARD_FUNCTION_NAME,
+    _kv,
+    agent_loop_overrides,
+    build_overrides,
+    eval_files,
+    hydra_value,
+    model_location,
+    param_value,
+    reward_kwargs_overrides,
+    rollout_dump_dir,
+    train_file,
+)
+
+__all__ = [  # the override mapping lives in verl_overrides; re-exported for callers of this module
+    "AGENT_LOOP_CONFIG", "AGENT_NAME", "OVERRIDE_TABLE", "REWARD_FUNCTION_FILE", "REWARD_FUNCTION_NAME",
+    "agent_loop_overrides", "build_overrides", "eval_files", "export_steps_csv", "hydra_value", "model_location",
+    "param_value", "reward_kwargs_overrides", "rollout_dump_dir", "train_file", "train_verl",
+]
 
 log = logging.getLogger(__name__)
 
-AGENT_NAME = "prompt_r1"
-AGENT_LOOP_CONFIG = Path(__file__).with_name("agent_loop.yaml")
-OVERRIDE_TABLE = Path(__file__).with_name("verl_overrides.yaml")
-REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
-REWARD_FUNCTION_NAME = "compute_score"
 LOG_TAIL_LINES = 60
-
-_ENVIRONMENT_FIELDS_FOR_WORKERS = tuple(name for name in EnvironmentConfig.model_fields
-                                        if name not in ("server", "knowledge"))
-"""What the agent-loop workers need to build an `EnvironmentClient`: every field but the server launch blocks."""
-
-
-# ------------------------------------------------------------------------------------------- overrides
-def hydra_value(value: Any) -> str:
-    """Render a Python value as a Hydra override value (strings always quoted, so any text round-trips)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(hydra_value(v) for v in value) + "]"
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if isinstance(value, str):
-        # Inside a quoted Hydra string only backslashes before a quote or at the end need escaping;
-        # "${" would start an OmegaConf interpolation, so it is escaped too.
-        text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
-        text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
-        text = text.replace("${", "\\${")
-        return f"'{text}'"
-    raise TypeError(f"cannot render {value!r} ({type(value).__name__}) as a Hydra override")
-
-
-def _kv(key: str, value: Any) -> str:
-    return f"{key}={hydra_value(value)}"
-
-
-def model_location(params: Params) -> str:
-    """The agent model as verl can load it: a local Hugging Face directory or a Hub id (not a GGUF file)."""
-    from pipeline.modelref import resolve_model
-
-    resolved = resolve_model(params.agent.model, params.root)
-    if resolved.gguf_file:
-        raise UserError(
-            f"agent.model {params.agent.model!r} is a GGUF file; the verl backend needs a Hugging Face model "
-            "directory or Hub id (e.g. the paper profile's Qwen/Qwen3-4B), or use train.backend=local"
-        )
-    if resolved.is_local:
-        return str(Path(resolved.location).resolve())
-    return resolved.location
-
-
-def train_file(params: Params) -> Path:
-    return params.path(params.paths.rl_dir).resolve() / "train.parquet"
-
-
-def eval_files(params: Params) -> list[Path]:
-    """The evaluation sets the build stage writes, in params' order (ID then OOD)."""
-    eval_dir = params.path(params.paths.rl_dir).resolve() / "eval"
-    return [eval_dir / f"{name}.parquet" for name in params.eval_datasets]
-
-
-def build_overrides(params: Params, *, val_files: list[Path] | None = None,
-                    environment_url: str | None = None) -> list[str]:
-    """verl Hydra overrides for `ppo_trainer.yaml` from our typed params, then `train.verl.extra_overrides`.
-
-    `val_files` defaults to every evaluation set named by params (`train_verl` passes the existing ones).
-    """
-    val = [str(p) for p in (val_files if val_files is not None else eval_files(params))]
-    computed = {
-        "data.train_files": str(train_file(params)),
-        "data.val_files": val,
-        "actor_rollout_ref.model.path": model_location(params),
-        "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(AGENT_LOOP_CONFIG),
-        "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_NAME,
-        "reward.custom_reward_function.path": str(REWARD_FUNCTION_FILE),
-        "reward.custom_reward_function.name": REWARD_FUNCTION_NAME,
-        "trainer.default_local_dir": str(params.path(params.paths.checkpoint_dir).resolve()),
-        "trainer.project_name": params.mlflow.experiment,
-        "trainer.experiment_name": f"prompt-r1-{params.profile}",
-    }
-    overrides = [
-        *(_kv(key, param_value(params, value)) for key, value in _override_table().items()),
-        *(_kv(key, value) for key, value in computed.items()),
-        *reward_kwargs_overrides(params),
-        *_lora_overrides(params),
-        *agent_loop_overrides(params, environment_url),
-    ]
-    return [*overrides, *params.train.verl.extra_overrides]
-
-
-def _override_table() -> dict[str, Any]:
-    """verl key → "$our.param" or a fixed value (pipeline/train/verl_overrides.yaml)."""
-    return yaml.safe_load(OVERRIDE_TABLE.read_text(encoding="utf-8"))
-
-
-def param_value(params: Params, value: Any) -> Any:
-    """`"$a.b"` → the value of param `a.b`; anything else unchanged."""
-    if not (isinstance(value, str) and value.startswith("$")):
-        return value
-    node: Any = params
-    for part in value[1:].split("."):
-        node = getattr(node, part)
-    return node
-
-
-def reward_kwargs_overrides(params: Params) -> list[str]:
-    """`+reward.custom_reward_function.reward_kwargs.*`: the preset and every non-null coefficient."""
-    r = params.reward
-    prefix = "+reward.custom_reward_function.reward_kwargs"
-    out = [_kv(f"{prefix}.preset", r.preset)]
-    for name in ("alpha", "beta", "gamma", "delta", "eps"):
-        value = getattr(r, name)
-        if value is not None:
-            out.append(_kv(f"{prefix}.{name}", float(value)))
-    return out
-
-
-def agent_loop_overrides(params: Params, environment_url: str | None = None) -> list[str]:
-    """The `+prompt_r1.*` block the agent-loop workers read (see verl_worker_client.LoopSettings).
-
-    `environment_url` is the endpoint the stage started or health-checked; workers get exactly that one as
-    `base_url`, so they never guess a host (on several nodes it must not be loopback: `promptr1 check`).
-    """
-    env = params.environment
-    if environment_url:
-        env = env.model_copy(update={"base_url": environment_url})
-    out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
-    out += [
-        _kv("+prompt_r1.agent.max_turns", params.agent.max_turns),
-        _kv("+prompt_r1.agent.max_turn_tokens", params.agent.max_turn_tokens),
-        _kv("+prompt_r1.agent.env_reply_max_chars", params.agent.env_reply_max_chars),
-        _kv("+prompt_r1.cache_dir", str(params.path(params.paths.cache_dir).resolve())),
-    ]
-    return out
-
-
-def _lora_overrides(params: Params) -> list[str]:
-    lora = params.train.lora
-    if not lora.enabled:
-        return []
-    return [
-        _kv("actor_rollout_ref.model.lora_rank", lora.r),
-        _kv("actor_rollout_ref.model.lora_alpha", lora.alpha),
-        _kv("actor_rollout_ref.model.target_modules", list(lora.target_modules)),
-    ]
 
 
 def _mlflow_runtime_env_overrides(tracking_uri: str, run_id: str) -> list[str]:
@@ -310,7 +189,15 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
     command = guarded([sys.executable, "-m", "verl.trainer.main_ppo", *overrides])
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
              reports / "verl_overrides.txt", params.train.verl.ray_address or "local")
-    rc, tail = _stream(command, env=env, cwd=params.root, log_file=reports / "verl.log")
+    watch = VerlHealthWatch(params.train.health, rollout_dump_dir(params) if params.train.health.enabled else None)
+    try:
+        rc, tail = _stream(command, env=env, cwd=params.root, log_file=reports / "verl.log", on_line=watch)
+    except BreachSeen as seen:  # verl's process group is already stopped (_stream)
+        from pipeline.train.checkpoint import set_aside_verl_steps
+
+        kept = set_aside_verl_steps(params.path(params.paths.checkpoint_dir), seen.breach.step)
+        raise health.stop_training(seen.breach, f"kept checkpoint {kept.parent.name}" if kept is not None
+                                   else "no checkpoint kept (none was saved before the breach)") from None
     if rc != 0:
         hint = ""
         if "Could not find any running Ray instance" in tail:
@@ -328,8 +215,12 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
     mlflow.log_artifact(str(reports / "verl_overrides.txt"), artifact_path="train")
 
 
-def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path) -> tuple[int, str]:
-    """Run `command`, mirroring its output to the log and `log_file`; (exit code, last lines)."""
+def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path,
+            on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
+    """Run `command`, mirroring its output to the log and `log_file`; (exit code, last lines).
+
+    `on_line` sees every line (the health gate); an exception it raises stops the process group and propagates.
+    """
     tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
     child_log = logging.getLogger("verl")
     with open(log_file, "w", encoding="utf-8") as sink:
@@ -342,6 +233,8 @@ def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Pat
                 line = line.rstrip("\n")
                 tail.append(line)
                 child_log.info("%s", line)
+                if on_line is not None:
+                    on_line(line)
             rc = process.wait()
         except BaseException:
             # Ctrl-C or a failure here: take the whole verl process group down with us.

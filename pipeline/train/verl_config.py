@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, Params
-from pipeline.train.verl_backend import OVERRIDE_TABLE, build_overrides
+from pipeline.train.verl_overrides import OVERRIDE_TABLE, build_overrides
 
 EXTRA_OVERRIDES = "train.verl.extra_overrides"
 COMPUTED_KEYS = {

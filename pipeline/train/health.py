@@ -1,0 +1,167 @@
+"""The training health gate: judge each GRPO step's figures against `train.health`, stop the run on a breach.
+
+Four figures, each the mean over the last `train.health.window` steps after `grace_steps` (why: see
+pipeline/config/health.py):
+- `zero_variance_share`: the share of groups whose G trajectories all scored the same. GRPO's advantage is 0
+  for such a group, so a window of them taught nothing (all failed: the policy lost the format; all solved
+  at every step: nothing left to learn from these questions either).
+- `answer_drop`: how far the answer reward's window mean fell from the window before, judged only while the
+  format reward's window mean rose by at least `min_format_rise`: the policy learns the tags, not the task.
+- `length_ratio`: the window's mean response length over the first window's: responses collapsing.
+- `kl`: the window's mean KL to the reference (`actor/kl_loss`): the policy running away.
+
+Design decisions:
+- **A pure function over a sequence of per-step metric dicts** (`judge`), with one `MetricNames` per backend:
+  the local trainer's dicts (pipeline/train/step_metrics.py) and verl's (its console step lines plus the
+  figures our process computes from verl's rollout dump, pipeline/train/verl_health.py) differ only in the
+  response length (agent tokens locally; verl's `response_length/mean` counts the environment's tokens too).
+  A figure whose metrics a backend lacks is not judged.
+- **The breaching step is never the kept checkpoint.** The local loop judges a step before it checkpoints it
+  (pipeline/train/local.py); verl checkpoints before it logs, so its folders from the breaching step on are
+  set aside (pipeline/train/checkpoint.py `set_aside_verl_steps`). Merge and a resume then use the newest
+  checkpoint at or before the last healthy step.
+- **One line** (`Breach.line`): figure, value, threshold, step, and the kept checkpoint; the MLflow train run
+  gets tags `health.breach=<figure>` (+ value, threshold, step) and ends FAILED (the stage raises
+  `TrainingUnhealthy`, a UserError: the CLI prints the line and exits 1, so `dvc repro` and the Prefect flow
+  fail and the flow's failure automation fires). The register stage refuses a train run with the tag.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config.health import HealthConfig
+from pipeline.errors import TrainingUnhealthy
+from pipeline.tracking import HEALTH_BREACH_TAG
+
+BREACH_TAG = HEALTH_BREACH_TAG
+"""MLflow tag on the train run naming the breached figure (pipeline/register.py refuses such a run)."""
+ZERO_VARIANCE_METRIC = "critic/score/zero_variance_group_frac"
+"""Per-step share of groups whose trajectories all scored the same (both backends compute it with
+`zero_variance_share`)."""
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """Where one backend's per-step metric dict keeps each figure's input."""
+
+    zero_variance: str
+    answer: str
+    format: str
+    length: str
+    kl: str
+
+
+LOCAL_METRICS = MetricNames(ZERO_VARIANCE_METRIC, "reward/answer/mean", "reward/format/mean",
+                            "response_length/agent_tokens_mean", "actor/kl_loss")
+VERL_METRICS = MetricNames(ZERO_VARIANCE_METRIC, "reward/answer/mean", "reward/format/mean",
+                           "response_length/mean", "actor/kl_loss")
+"""verl logs `response_length/mean` and `actor/kl_loss` itself (verl/trainer/ppo/metric_utils.py,
+ray_trainer.py); the zero-variance share and the reward parts come from its rollout dump."""
+
+
+@dataclass(frozen=True)
+class Breach:
+    figure: str
+    value: float
+    threshold: float
+    step: int
+    detail: str
+
+    def line(self, kept: str) -> str:
+        """The one line a breach prints: figure, value, threshold, step, what is kept."""
+        return (f"training health gate: {self.figure} {self.value:.4g} breaches {self.threshold:g} at step "
+                f"{self.step} ({self.detail}); training stopped, {kept}")
+
+
+def zero_variance_share(scores: Sequence[float], group_ids: Sequence[Any]) -> float:
+    """Share of groups whose scores are all equal (to 1e-9), over the groups present; 0.0 for no groups."""
+    groups: dict[Any, list[float]] = {}
+    for score, group in zip(scores, group_ids, strict=True):
+        groups.setdefault(group, []).append(float(score))
+    if not groups:
+        return 0.0
+    flat = sum(1 for values in groups.values() if max(values) - min(values) <= 1e-9)
+    return flat / len(groups)
+
+
+def _mean(rows: Sequence[dict[str, float]], key: str) -> float | None:
+    values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return statistics.fmean(values) if values else None
+
+
+def judge(steps: Sequence[tuple[int, dict[str, float]]], cfg: HealthConfig, names: MetricNames) -> Breach | None:
+    """Judge the last of `steps` ((step, metrics), ascending): the first breached figure, or None.
+
+    Nothing is judged until `cfg.window` steps after `cfg.grace_steps` have run; earlier steps still serve as
+    the answer/format comparison's previous window and the length baseline.
+    """
+    if not cfg.enabled or not steps:
+        return None
+    step = steps[-1][0]
+    rows = [m for _, m in steps]
+    judged = [m for s, m in steps if s > cfg.grace_steps]
+    if len(judged) < cfg.window:
+        return None
+    window = judged[-cfg.window:]
+    before = rows[: len(rows) - cfg.window][-cfg.window:]
+
+    share = _mean(window, names.zero_variance)
+    if share is not None and share > cfg.max_zero_variance_share:
+        return Breach("zero_variance_share", share, cfg.max_zero_variance_share, step,
+                      f"mean share of groups whose trajectories all scored the same over the last {cfg.window} steps")
+    if len(before) == cfg.window:
+        answer_now, answer_then = _mean(window, names.answer), _mean(before, names.answer)
+        format_now, format_then = _mean(window, names.format), _mean(before, names.format)
+        if None not in (answer_now, answer_then, format_now, format_then):
+            drop = answer_then - answer_now  # type: ignore[operator]
+            rise = format_now - format_then  # type: ignore[operator]
+            if rise >= cfg.min_format_rise and drop > cfg.max_answer_drop:
+                return Breach("answer_drop", drop, cfg.max_answer_drop, step,
+                              f"answer reward {answer_then:.3f} -> {answer_now:.3f} while format reward rose "
+                              f"{format_then:.3f} -> {format_now:.3f}, windows of {cfg.window} steps")
+    baseline, length = _mean(rows[: cfg.window], names.length), _mean(window, names.length)
+    if baseline and length is not None and baseline > 0:
+        ratio = length / baseline
+        if ratio < cfg.min_length_ratio:
+            return Breach("length_ratio", ratio, cfg.min_length_ratio, step,
+                          f"mean response length {length:.1f} vs {baseline:.1f} over the first {cfg.window} steps")
+    kl = _mean(window, names.kl)
+    if kl is not None and kl > cfg.max_kl:
+        return Breach("kl", kl, cfg.max_kl, step, f"mean {names.kl} over the last {cfg.window} steps")
+    return None
+
+
+class HealthGate:
+    """Keeps a run's per-step metrics and judges each new step (`observe`)."""
+
+    def __init__(self, cfg: HealthConfig, names: MetricNames,
+                 history: Sequence[tuple[int, dict[str, float]]] = ()) -> None:
+        self.cfg = cfg
+        self.names = names
+        self.steps: list[tuple[int, dict[str, float]]] = sorted(history, key=lambda item: item[0])
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Breach | None:
+        self.steps = [s for s in self.steps if s[0] < step]
+        self.steps.append((step, dict(metrics)))
+        return judge(self.steps, self.cfg, self.names)
+
+
+def record_breach(breach: Breach) -> None:
+    """Tag the active MLflow run (the train child) with the breach; no-op without one."""
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return
+    mlflow.set_tags({BREACH_TAG: breach.figure, "health.breach_step": str(breach.step),
+                     "health.breach_value": f"{breach.value:.6g}", "health.breach_threshold": f"{breach.threshold:g}"})
+
+
+def stop_training(breach: Breach, kept: str) -> TrainingUnhealthy:
+    """Record the breach on the MLflow run and return the error whose message is the one line."""
+    record_breach(breach)
+    return TrainingUnhealthy(breach.line(kept))

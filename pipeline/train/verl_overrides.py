@@ -1,0 +1,181 @@
+"""Our params as verl 0.9.1 Hydra overrides of its `ppo_trainer.yaml`: the mapping, nothing that runs verl.
+
+Split from `verl_backend` (which launches verl) so that the layout check (`pipeline.layout` through
+`pipeline.train.verl_config`) composes exactly the overrides the launch uses without importing the launcher,
+its health watch or the environment servers: the stages that run the check then do not depend on them in
+dvc.yaml. `verl_backend` re-exports every public name here.
+
+- `pipeline/train/verl_overrides.yaml` maps verl keys to our params (`"$a.b"`) or fixed values;
+- values computed here: file paths, the model location, reward kwargs, LoRA, the `prompt_r1` block that
+  the agent-loop workers read (`verl_worker_client.LoopSettings`), then `train.verl.extra_overrides` last.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import EnvironmentConfig, Params
+from pipeline.errors import UserError
+
+ROLLOUT_DIR = "verl_rollouts"
+"""Folder under `paths.cache_dir` where verl dumps each step's trajectories for the health gate."""
+
+AGENT_NAME = "prompt_r1"
+AGENT_LOOP_CONFIG = Path(__file__).with_name("agent_loop.yaml")
+OVERRIDE_TABLE = Path(__file__).with_name("verl_overrides.yaml")
+REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
+REWARD_FUNCTION_NAME = "compute_score"
+
+_ENVIRONMENT_FIELDS_FOR_WORKERS = tuple(name for name in EnvironmentConfig.model_fields
+                                        if name not in ("server", "knowledge"))
+"""What the agent-loop workers need to build an `EnvironmentClient`: every field but the server launch blocks."""
+
+
+# ------------------------------------------------------------------------------------------- overrides
+def hydra_value(value: Any) -> str:
+    """Render a Python value as a Hydra override value (strings always quoted, so any text round-trips)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str):
+        # Inside a quoted Hydra string only backslashes before a quote or at the end need escaping;
+        # "${" would start an OmegaConf interpolation, so it is escaped too.
+        text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+        text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
+        text = text.replace("${", "\\${")
+        return f"'{text}'"
+    raise TypeError(f"cannot render {value!r} ({type(value).__name__}) as a Hydra override")
+
+
+def _kv(key: str, value: Any) -> str:
+    return f"{key}={hydra_value(value)}"
+
+
+def model_location(params: Params) -> str:
+    """The agent model as verl can load it: a local Hugging Face directory or a Hub id (not a GGUF file)."""
+    from pipeline.modelref import resolve_model
+
+    resolved = resolve_model(params.agent.model, params.root)
+    if resolved.gguf_file:
+        raise UserError(
+            f"agent.model {params.agent.model!r} is a GGUF file; the verl backend needs a Hugging Face model "
+            "directory or Hub id (e.g. the paper profile's Qwen/Qwen3-4B), or use train.backend=local"
+        )
+    if resolved.is_local:
+        return str(Path(resolved.location).resolve())
+    return resolved.location
+
+
+def train_file(params: Params) -> Path:
+    return params.path(params.paths.rl_dir).resolve() / "train.parquet"
+
+
+def rollout_dump_dir(params: Params) -> Path:
+    """Where verl dumps each step's trajectories for the health gate (verl_health.py): the git-ignored cache."""
+    return params.path(params.paths.cache_dir).resolve() / ROLLOUT_DIR
+
+
+def eval_files(params: Params) -> list[Path]:
+    """The evaluation sets the build stage writes, in params' order (ID then OOD)."""
+    eval_dir = params.path(params.paths.rl_dir).resolve() / "eval"
+    return [eval_dir / f"{name}.parquet" for name in params.eval_datasets]
+
+
+def build_overrides(params: Params, *, val_files: list[Path] | None = None,
+                    environment_url: str | None = None) -> list[str]:
+    """verl Hydra overrides for `ppo_trainer.yaml` from our typed params, then `train.verl.extra_overrides`.
+
+    `val_files` defaults to every evaluation set named by params (`train_verl` passes the existing ones).
+    """
+    val = [str(p) for p in (val_files if val_files is not None else eval_files(params))]
+    computed = {
+        "data.train_files": str(train_file(params)),
+        "data.val_files": val,
+        "actor_rollout_ref.model.path": model_location(params),
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(AGENT_LOOP_CONFIG),
+        "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_NAME,
+        "reward.custom_reward_function.path": str(REWARD_FUNCTION_FILE),
+        "reward.custom_reward_function.name": REWARD_FUNCTION_NAME,
+        "trainer.default_local_dir": str(params.path(params.paths.checkpoint_dir).resolve()),
+        "trainer.project_name": params.mlflow.experiment,
+        "trainer.experiment_name": f"prompt-r1-{params.profile}",
+    }
+    if params.train.health.enabled:  # each step's trajectories, for the health gate's group figures
+        computed["trainer.rollout_data_dir"] = str(rollout_dump_dir(params))
+    overrides = [
+        *(_kv(key, param_value(params, value)) for key, value in _override_table().items()),
+        *(_kv(key, value) for key, value in computed.items()),
+        *reward_kwargs_overrides(params),
+        *_lora_overrides(params),
+        *agent_loop_overrides(params, environment_url),
+    ]
+    return [*overrides, *params.train.verl.extra_overrides]
+
+
+def _override_table() -> dict[str, Any]:
+    """verl key → "$our.param" or a fixed value (pipeline/train/verl_overrides.yaml)."""
+    return yaml.safe_load(OVERRIDE_TABLE.read_text(encoding="utf-8"))
+
+
+def param_value(params: Params, value: Any) -> Any:
+    """`"$a.b"` → the value of param `a.b`; anything else unchanged."""
+    if not (isinstance(value, str) and value.startswith("$")):
+        return value
+    node: Any = params
+    for part in value[1:].split("."):
+        node = getattr(node, part)
+    return node
+
+
+def reward_kwargs_overrides(params: Params) -> list[str]:
+    """`+reward.custom_reward_function.reward_kwargs.*`: the preset and every non-null coefficient."""
+    r = params.reward
+    prefix = "+reward.custom_reward_function.reward_kwargs"
+    out = [_kv(f"{prefix}.preset", r.preset)]
+    for name in ("alpha", "beta", "gamma", "delta", "eps"):
+        value = getattr(r, name)
+        if value is not None:
+            out.append(_kv(f"{prefix}.{name}", float(value)))
+    return out
+
+
+def agent_loop_overrides(params: Params, environment_url: str | None = None) -> list[str]:
+    """The `+prompt_r1.*` block the agent-loop workers read (see verl_worker_client.LoopSettings).
+
+    `environment_url` is the endpoint the stage started or health-checked; workers get exactly that one as
+    `base_url`, so they never guess a host (on several nodes it must not be loopback: `promptr1 check`).
+    """
+    env = params.environment
+    if environment_url:
+        env = env.model_copy(update={"base_url": environment_url})
+    out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
+    out += [
+        _kv("+prompt_r1.agent.max_turns", params.agent.max_turns),
+        _kv("+prompt_r1.agent.max_turn_tokens", params.agent.max_turn_tokens),
+        _kv("+prompt_r1.agent.env_reply_max_chars", params.agent.env_reply_max_chars),
+        _kv("+prompt_r1.cache_dir", str(params.path(params.paths.cache_dir).resolve())),
+    ]
+    return out
+
+
+def _lora_overrides(params: Params) -> list[str]:
+    lora = params.train.lora
+    if not lora.enabled:
+        return []
+    return [
+        _kv("actor_rollout_ref.model.lora_rank", lora.r),
+        _kv("actor_rollout_ref.model.lora_alpha", lora.alpha),
+        _kv("actor_rollout_ref.model.target_modules", list(lora.target_modules)),
+    ]

@@ -1,0 +1,359 @@
+"""The training health gate (pipeline/train/health.py, verl_health.py): scripted degenerate and healthy runs,
+the recorded healthy runs replayed against the defaults, verl's metric lines and rollout dumps, stopping a real
+streamed process, the verl checkpoints set aside, and register refusing a breached train run.
+
+The real micro run of the local backend that trips the gate is tests/test_train_health_run.py (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipeline.config import load_params
+from pipeline.config.health import HealthConfig
+from pipeline.train.health import (
+    LOCAL_METRICS,
+    VERL_METRICS,
+    ZERO_VARIANCE_METRIC,
+    HealthGate,
+    judge,
+    zero_variance_share,
+)
+from pipeline.train.verl_health import BreachSeen, VerlHealthWatch, parse_step_line, rollout_figures
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+CFG = HealthConfig()  # the defaults params.yaml ships
+
+
+def healthy(step: int, **change: float) -> dict[str, float]:
+    """A local-backend step's health figures as a healthy run logs them (names of step_metrics.py)."""
+    metrics = {ZERO_VARIANCE_METRIC: 0.5, "reward/answer/mean": 0.3, "reward/format/mean": 1.0,
+               "response_length/agent_tokens_mean": 120.0, "actor/kl_loss": 0.01}
+    metrics.update(change)
+    return metrics
+
+
+def run(steps: list[dict[str, float]], cfg: HealthConfig = CFG):
+    """Feed `steps` (1, 2, ...) to a gate; the first breach, or None."""
+    gate = HealthGate(cfg, LOCAL_METRICS)
+    for step, metrics in enumerate(steps, start=1):
+        if (breach := gate.observe(step, metrics)) is not None:
+            return breach
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ figures
+
+
+def test_zero_variance_share_worked_examples():
+    # two questions x G=4: one group all 0 (no signal), one with a spread -> half the groups are flat
+    assert zero_variance_share([0, 0, 0, 0, 0, 1, 0.5, 0], ["a"] * 4 + ["b"] * 4) == 0.5
+    assert zero_variance_share([-1.5] * 8, ["a"] * 4 + ["b"] * 4) == 1.0  # all-same scores, as a random model
+    assert zero_variance_share([1, 1, 1, 1, 0, 0, 0, 0], ["a"] * 4 + ["b"] * 4) == 1.0  # solved / failed
+    assert zero_variance_share([0.2, 0.2 + 1e-12, 0.3], ["a", "a", "b"]) == 1.0  # float noise is "the same"
+    assert zero_variance_share([], []) == 0.0
+
+
+def test_healthy_run_never_trips():
+    assert run([healthy(s) for s in range(1, 41)]) is None
+
+
+def test_flat_early_steps_within_the_grace_period_do_not_trip_but_after_it_they_do():
+    flat = {ZERO_VARIANCE_METRIC: 1.0, "reward/answer/mean": 0.0}
+    early = [healthy(s, **flat) for s in range(1, 11)] + [healthy(s) for s in range(11, 41)]
+    assert run(early) is None
+    # the same flat stretch once the grace period is over: judged when the window is full of it
+    late = [healthy(s) for s in range(1, 11)] + [healthy(s, **flat) for s in range(11, 41)]
+    breach = run(late)
+    assert breach is not None and breach.figure == "zero_variance_share" and breach.step == 18
+    assert breach.value == 1.0 and breach.threshold == 0.95
+
+
+def test_mixed_flat_steps_in_a_window_do_not_trip():
+    """learn's pattern after its grace period (steps 15-21: flat, spread, flat, ...): a mean below 0.95."""
+    steps = [healthy(s, **{ZERO_VARIANCE_METRIC: 1.0 if s % 2 else 0.5}) for s in range(1, 41)]
+    assert run(steps) is None
+
+
+def test_format_rising_while_answers_fall_trips():
+    steps = [healthy(s, **{"reward/answer/mean": 0.6, "reward/format/mean": 0.9}) for s in range(1, 19)]
+    steps += [healthy(s, **{"reward/answer/mean": 0.1, "reward/format/mean": 1.1}) for s in range(19, 41)]
+    breach = run(steps)
+    # m steps into the new regime the answer window mean has fallen by 0.5 * m/8 and the format's risen 0.2 * m/8:
+    # step 22 (m=4) 0.25, step 23 (m=5) 0.3125 > 0.3
+    assert breach is not None and breach.figure == "answer_drop" and breach.threshold == 0.3
+    assert breach.step == 23 and breach.value == pytest.approx(0.3125)
+    # answers falling with the format flat is a harder task or noise, not reward hacking
+    flat_format = [dict(m, **{"reward/format/mean": 1.0}) for m in steps]
+    assert run(flat_format) is None
+
+
+def test_collapsing_lengths_trip():
+    steps = [healthy(s) for s in range(1, 21)]
+    steps += [healthy(s, **{"response_length/agent_tokens_mean": 8.0}) for s in range(21, 41)]
+    breach = run(steps)
+    # baseline: the first 8 steps' 120 tokens; step 26: (2*120 + 6*8)/8 = 36 -> 0.30; step 27: 22 -> 0.183
+    assert breach is not None and breach.figure == "length_ratio" and breach.threshold == 0.25
+    assert breach.step == 27 and breach.value == pytest.approx(22 / 120)
+
+
+def test_kl_runaway_trips():
+    steps = [healthy(s) for s in range(1, 21)] + [healthy(s, **{"actor/kl_loss": 5.0}) for s in range(21, 41)]
+    breach = run(steps)
+    assert breach is not None and breach.figure == "kl" and breach.step == 22  # (6*0.01 + 2*5)/8 = 1.26 > 1
+    line = breach.line("kept checkpoint step_20")
+    assert "\n" not in line and line.startswith("training health gate: kl 1.25")
+    assert " breaches 1 at step 22 (mean actor/kl_loss over the last 8 steps)" in line
+    assert line.endswith("kept checkpoint step_20")
+
+
+def test_disabled_gate_never_trips():
+    steps = [healthy(s, **{"actor/kl_loss": 5.0, ZERO_VARIANCE_METRIC: 1.0}) for s in range(1, 41)]
+    assert run(steps) is not None
+    assert run(steps, HealthConfig(enabled=False)) is None
+
+
+def test_recorded_default_profile_runs_are_never_judged():
+    """The default profile trains 2 steps: the gate has nothing to judge (grace 10 + window 8)."""
+    for csv in sorted(RESULTS.glob("*train_steps*.csv")):
+        frame = pd.read_csv(csv)
+        steps = [(int(r.pop("step")), r) for r in frame.to_dict("records")]
+        assert judge(steps, CFG, LOCAL_METRICS) is None, csv.name
+
+
+def test_recorded_learn_run_never_trips_the_defaults():
+    """benchmarks/results/learning.json: the learn profile's 40 GRPO steps (held-out F1 42 -> 80), its early flat
+    steps included. The record has each step's answer and format reward; its zero-variance share is bounded
+    from the reward's CI: a step whose 8 trajectories all scored the same (CI of width 0) has both groups flat
+    (1.0); otherwise we take 0.5, what one flat group of two gives (a spread step's groups are rarely both
+    flat: they would have to be uniform at different values)."""
+    steps = json.loads((RESULTS / "learning.json").read_text())["steps"]
+    assert len(steps) == 40
+    rows = []
+    for s in steps:
+        low, high = s["reward_ci95"]
+        rows.append((s["step"], {ZERO_VARIANCE_METRIC: 1.0 if low == high else 0.5,
+                                 "reward/answer/mean": s["reward_parts"]["answer"],
+                                 "reward/format/mean": s["reward_parts"]["format"]}))
+    assert sum(1 for _, m in rows if m[ZERO_VARIANCE_METRIC] == 1.0) == 6  # steps 2, 15, 17, 20, 21, 38
+    for end in range(1, 41):
+        assert judge(rows[:end], CFG, LOCAL_METRICS) is None, rows[end - 1][0]
+    # the check can fail: a stricter share (0.7) trips on the stretch of flat steps 15-21, and the answer rule
+    # at 0.15 on the answer dip around it (0.215 -> 0.054 while the format rose 0.877 -> 0.967)
+    def first_breach(cfg: HealthConfig):
+        return next(b for end in range(1, 41) if (b := judge(rows[:end], cfg, LOCAL_METRICS)) is not None)
+
+    assert first_breach(CFG.model_copy(update={"max_zero_variance_share": 0.7})).figure == "zero_variance_share"
+    touchy = first_breach(CFG.model_copy(update={"max_answer_drop": 0.15}))
+    assert (touchy.figure, touchy.step) == ("answer_drop", 20)
+
+
+def test_a_resumed_run_judges_with_its_history():
+    """The local loop seeds the gate with steps.csv's rows: a resume at step 20 judges the same windows."""
+    steps = [healthy(s) for s in range(1, 21)] + [healthy(s, **{"actor/kl_loss": 5.0}) for s in range(21, 41)]
+    gate = HealthGate(CFG, LOCAL_METRICS, [(s, m) for s, m in enumerate(steps[:20], start=1)])
+    assert gate.observe(21, steps[20]) is None
+    assert gate.observe(22, steps[21]).step == 22
+
+
+# ------------------------------------------------------------------------------------------------ verl
+
+VERL_LINE = ("(TaskRunner pid=52731) step:{step} - global_seqlen/mean:9043.0 - actor/pg_loss:np.float64(-0.0123) - "
+             "actor/kl_loss:{kl} - actor/kl_coef:0.001 - actor/grad_norm:np.float64(0.41) - actor/lr:1e-06 - "
+             "training/global_step:{step} - training/epoch:0 - critic/score/mean:0.41 - critic/score/max:1.55 - "
+             "critic/score/min:-1.5 - critic/advantages/mean:np.float64(-2.1e-09) - response_length/mean:{length} - "
+             "response_length/max:2048.0 - response_length/clip_ratio:0.0 - prompt_length/mean:412.5 - "
+             "num_turns/mean:5.2 - timing_s/gen:95.43 - perf/throughput:1532.7 - val-core/hotpotqa/reward/mean@1:nan")
+
+
+def verl_line(step: int, kl: float = 0.004, length: float = 780.5) -> str:
+    return VERL_LINE.format(step=step, kl=kl, length=length)
+
+
+def test_verl_step_line_is_parsed_with_its_names():
+    step, metrics = parse_step_line(verl_line(7, kl=0.0042))
+    assert step == 7 and metrics[VERL_METRICS.kl] == 0.0042 and metrics[VERL_METRICS.length] == 780.5
+    assert metrics["actor/pg_loss"] == -0.0123 and metrics["actor/grad_norm"] == 0.41  # numpy 2 reprs
+    assert metrics["critic/advantages/mean"] == -2.1e-09 and metrics["actor/lr"] == 1e-06
+    assert metrics["training/global_step"] == 7.0
+    assert str(metrics["val-core/hotpotqa/reward/mean@1"]) == "nan"
+    assert parse_step_line("(TaskRunner pid=1) Training Progress:  10%|#  | 7/70") is None
+
+
+def dump_rows(step: int, flat: bool, answer: float = 0.3, fmt: float = 1.2) -> list[dict]:
+    """verl's `<step>.jsonl` rows for 2 questions x G=5 (ray_trainer._write_generations + our reward parts)."""
+    rows = []
+    for q in range(2):
+        for g in range(5):
+            score = 0.5 if flat else 0.1 * g
+            rows.append({"input": f"system ... question {q}", "output": "<think>...", "gts": ["x"], "score": score,
+                         "step": step, "answer": answer, "format": fmt, "gated": 1.0})
+    return rows
+
+
+def test_verl_rollout_dump_gives_the_group_figures():
+    figures = rollout_figures(dump_rows(3, flat=True, answer=0.25, fmt=1.1))
+    assert figures == {ZERO_VARIANCE_METRIC: 1.0, "reward/answer/mean": 0.25, "reward/format/mean": 1.1}
+    assert rollout_figures(dump_rows(3, flat=False))[ZERO_VARIANCE_METRIC] == 0.0
+    assert rollout_figures([]) == {}
+
+
+def feed_verl(tmp_path: Path, flat_from: int, steps: int = 30, kl_from: int = 10**9):
+    """Lines as verl prints them: the dump line before or after its step line (a background thread writes it)."""
+    dump_dir = tmp_path / "verl_rollouts"
+    dump_dir.mkdir(exist_ok=True)
+    watch = VerlHealthWatch(CFG, dump_dir)
+    for step in range(1, steps + 1):
+        path = dump_dir / f"{step}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in dump_rows(step, flat=step >= flat_from)) + "\n")
+        dump = f"(TaskRunner pid=52731) Dumped generations to {path}"
+        step_line = verl_line(step, kl=5.0 if step >= kl_from else 0.004)
+        for line in ((dump, step_line) if step % 2 else (step_line, dump)):
+            watch(line)
+
+
+def test_verl_watch_trips_on_dumped_flat_groups_and_on_kl(tmp_path):
+    feed_verl(tmp_path, flat_from=10**9)  # healthy: no exception
+    with pytest.raises(BreachSeen) as seen:
+        feed_verl(tmp_path, flat_from=11)
+    assert seen.value.breach.figure == "zero_variance_share" and seen.value.breach.step == 18
+    with pytest.raises(BreachSeen) as seen:
+        feed_verl(tmp_path, flat_from=10**9, kl_from=21)
+    assert seen.value.breach.figure == "kl" and seen.value.breach.step == 22
+
+
+@pytest.mark.slow
+def test_verl_s_own_line_and_dump_writers_feed_the_watch(tmp_path, capsys):
+    """verl 0.9.1's console logger (`concat_dict_to_str`) and rollout dump writer (`_write_generations`, which
+    prints the dump line) produce what the watch reads: the format assumptions pinned to verl's code (slow only
+    because importing verl's trainer takes ~30-50 s here)."""
+    import numpy as np
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils.logger.aggregate_logger import concat_dict_to_str
+
+    watch = VerlHealthWatch(CFG, tmp_path)
+    for step in range(1, 19):
+        flat = step > 10
+        scores = [0.5] * 10 if flat else [0.1 * g for g in range(5)] * 2
+        extra = {"score": scores, "answer": [0.3] * 10, "format": [1.2] * 10, "gated": [1.0] * 10}
+        RayPPOTrainer._write_generations([f"question {i // 5}" for i in range(10)], ["<think>"] * 10, [["x"]] * 10,
+                                         scores, extra, str(tmp_path), step)
+        metrics = {"training/global_step": step, "critic/score/mean": np.float32(np.mean(scores)),
+                   "actor/kl_loss": np.float64(0.004), "response_length/mean": np.float64(700.0)}
+        lines = capsys.readouterr().out.splitlines() + [concat_dict_to_str(metrics, step=step)]
+        assert any(line.startswith("Dumped generations to ") for line in lines)
+        if step == 18:
+            with pytest.raises(BreachSeen) as seen:
+                for line in lines:
+                    watch(f"(TaskRunner pid=7) {line}")
+            assert seen.value.breach.figure == "zero_variance_share" and seen.value.breach.step == 18
+        else:
+            for line in lines:
+                watch(f"(TaskRunner pid=7) {line}")
+    assert watch.gate.steps[-1][1]["actor/kl_loss"] == 0.004
+    assert watch.gate.steps[-1][1]["reward/format/mean"] == 1.2
+
+
+def test_verl_watch_judges_a_step_without_its_dump_when_the_next_step_arrives(tmp_path):
+    watch = VerlHealthWatch(CFG, tmp_path / "never_written")
+    for step in range(1, 19):
+        watch(verl_line(step, kl=5.0 if step >= 17 else 0.004))  # no dump lines at all
+    assert watch.judged == set(range(1, 18)) and list(watch.pending) == [18]
+    with pytest.raises(BreachSeen) as seen:  # step 18: (6*0.004 + 2*5)/8 = 1.25 > 1, judged when 19 arrives
+        watch(verl_line(19, kl=5.0))
+    assert seen.value.breach.step == 18 and seen.value.breach.figure == "kl"
+    ignored = VerlHealthWatch(CFG.model_copy(update={"enabled": False}), None)
+    for step in range(1, 30):
+        ignored(verl_line(step, kl=5.0))
+    assert ignored.judged == set()
+
+
+def test_stream_stops_the_process_group_on_a_breach(tmp_path):
+    """A real child printing verl's step lines: the watch raises inside the stream loop, the child is killed."""
+    from pipeline.train.verl_backend import _stream
+
+    script = tmp_path / "fake_verl.py"
+    script.write_text("import sys, time\nline = sys.argv[1]\n"
+                      "for step in range(1, 100):\n"
+                      "    print(line.replace('STEP', str(step)), flush=True)\n    time.sleep(0.02)\n"
+                      "time.sleep(60)\n")
+    template = VERL_LINE.format(step="STEP", kl=5.0, length=700.0)
+    watch = VerlHealthWatch(CFG, None)
+    t0 = time.monotonic()
+    with pytest.raises(BreachSeen) as seen:
+        _stream([sys.executable, str(script), template], env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path,
+                log_file=tmp_path / "verl.log", on_line=watch)
+    assert seen.value.breach.step == 18 and time.monotonic() - t0 < 30
+    assert "step:18 -" in (tmp_path / "verl.log").read_text()
+
+
+def test_verl_checkpoints_of_the_breaching_step_are_set_aside(tmp_path):
+    from pipeline.train.checkpoint import latest_verl_step, set_aside_verl_steps
+
+    for step in (10, 20, 30):
+        (tmp_path / f"global_step_{step}" / "actor").mkdir(parents=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("30")
+    kept = set_aside_verl_steps(tmp_path, 20)
+    assert kept == tmp_path / "global_step_10" / "actor" == latest_verl_step(tmp_path)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "10"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "breached-global_step_20", "breached-global_step_30", "global_step_10"]
+    assert set_aside_verl_steps(tmp_path, 1) is None and latest_verl_step(tmp_path) is None
+    assert not (tmp_path / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_verl_overrides_dump_rollouts_only_with_the_gate(tmp_path):
+    from pipeline.train.verl_backend import build_overrides
+
+    shutil.copy(REPO_ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "models").mkdir()
+    overrides = {"agent": {"model": str(tmp_path / "models")}, "train": {"backend": "verl"}}
+    on = build_overrides(load_params(tmp_path / "params.yaml", overrides))
+    dump = f"trainer.rollout_data_dir='{tmp_path.resolve()}/.cache/verl_rollouts'"
+    assert dump in on
+    off = build_overrides(load_params(tmp_path / "params.yaml", {**overrides, "train": {
+        "backend": "verl", "health": {"enabled": False}}}))
+    assert not any(o.startswith("trainer.rollout_data_dir") for o in off)
+
+
+# ------------------------------------------------------------------------------------------------ register
+
+
+def test_register_refuses_a_train_run_the_gate_stopped(tmp_path, repo_root, monkeypatch):
+    import mlflow
+
+    from pipeline.errors import UserError
+    from pipeline.register import check_training_health, run_register
+    from pipeline.tracking import HEALTH_BREACH_TAG, configure, stage_run
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "agent").mkdir()
+    params = load_params(tmp_path / "params.yaml", {"paths": {"model_dir": str(tmp_path / "agent")}})
+    metrics = {"mode": "ours", "rows_per_dataset": 4, "averages": {"prompt_r1": {
+        "id": {m: {"mean": 30.0, "low": 29.0, "high": 31.0} for m in ("em", "f1", "ssim")},
+        "ood": {m: {"mean": 40.0, "low": 39.0, "high": 41.0} for m in ("em", "f1", "ssim")}}}}
+    (tmp_path / "reports" / "eval").mkdir(parents=True)
+    (tmp_path / "reports" / "eval" / "metrics.json").write_text(json.dumps(metrics))
+
+    with pytest.raises(RuntimeError), stage_run(params, "train", new_parent=True):
+        mlflow.set_tags({HEALTH_BREACH_TAG: "kl", "health.breach_step": "22"})
+        raise RuntimeError("stopped")
+    with pytest.raises(UserError, match=r"stopped by the training health gate \(health.breach=kl at step 22\)"):
+        run_register(params)
+    configure(params)
+    assert mlflow.MlflowClient().search_registered_models() == []
+    assert not (tmp_path / "reports" / "promotion.json").exists()
+    # a later, healthy train run under the same parent (a rerun continues it) is not refused
+    time.sleep(0.05)
+    with stage_run(params, "train"):
+        pass
+    check_training_health(params)
