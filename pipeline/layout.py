@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pipeline.config import ConfigError, Params
+from pipeline.environment.budget import reply_budget_problems
 
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", ""})
 
@@ -73,6 +74,7 @@ def assert_runnable(params: Params) -> None:
 def layout_problems(params: Params) -> list[LayoutProblem]:
     """Every problem with the placement, parallelism and batch arithmetic of the active backends."""
     problems = _environment_problems(params)
+    problems += [LayoutProblem(keys, message) for keys, message in reply_budget_problems(params)]
     if params.train.backend == "verl":
         problems += _verl_problems(params)
         problems += _sharing_problems(params)
