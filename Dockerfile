@@ -50,8 +50,7 @@ FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS gpu-build
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    MAX_JOBS=8
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential cmake \
@@ -63,9 +62,15 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 COPY . .
 # The one GPU install route (docs/gpu.md uses it too): verl's declared set, then flash-attn without build
-# isolation. FLASH_ATTN_WHEEL (build arg) may name a prebuilt flash-attn 2.8.3 wheel to skip its compile.
+# isolation. FLASH_ATTN_WHEEL (build arg) may name a prebuilt flash-attn 2.8.3 wheel to skip its compile
+# (the fast path). A build has no GPU to ask, so the compile targets FLASH_ATTN_CUDA_ARCHS: A100 (80) and
+# H100/H200 (90) by default, one of them to halve the compile (--build-arg FLASH_ATTN_CUDA_ARCHS=90).
+# MAX_JOBS empty: the script derives it from the build machine's memory (~9 GB per compile job).
 ARG FLASH_ATTN_WHEEL=""
-RUN FLASH_ATTN_WHEEL="${FLASH_ATTN_WHEEL}" PYTHON=python scripts/install-gpu.sh \
+ARG FLASH_ATTN_CUDA_ARCHS="80;90"
+ARG MAX_JOBS=""
+RUN FLASH_ATTN_WHEEL="${FLASH_ATTN_WHEEL}" FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
+    PYTHON=python scripts/install-gpu.sh \
  && git init -q . \
  && if [ ! -d .dvc ]; then dvc init -q; fi
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pipeline.config import ConfigError, Params
+from pipeline.environment.budget import reply_budget_problems
 from pipeline.errors import UserError
 from pipeline.modelref import ModelRefError
 from pipeline.placement import (  # re-exported: the layout's vocabulary
@@ -111,6 +112,7 @@ def assert_runnable(params: Params) -> None:
 def layout_problems(params: Params) -> list[LayoutProblem]:
     """Every problem with the placement, parallelism, batch arithmetic and memory of the active backends."""
     problems = _environment_problems(params)
+    problems += [LayoutProblem(keys, message) for keys, message in reply_budget_problems(params)]
     if params.train.backend == "verl":
         try:
             run = compose_run(params)

@@ -14,6 +14,12 @@ Decisions:
   shard an `*.index.json` lists, or at least one `*.safetensors`/`*.bin`); a GGUF must be a non-empty file
   starting with the `GGUF` magic. A load would cost minutes and GPU memory; a missing shard is what breaks.
 - **Local forms** (`pkg://…`, a path) are verified where they are; only Hub ids are fetched.
+- **Only what the loaders read** (`HUB_PATTERNS` minus `HUB_IGNORE`): openai/gpt-oss-20b also carries
+  `original/` (the checkpoint in OpenAI's own format, ~13.8 GB) and `metal/` (Apple Metal), which neither
+  vLLM nor transformers read; its top-level safetensors are what they load.
+- **GPT-OSS's harmony encoding** (`o200k_base.tiktoken`, not in the model repository) is fetched and checked
+  with the weights when vLLM serves a GPT-OSS environment (pipeline/environment/harmony.py), reported as
+  one more line under `environment.model`; without it vLLM cannot start offline.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ log = logging.getLogger(__name__)
 State = Literal["present", "fetched", "missing", "invalid"]
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*"]
 """Files fetched from a Hub repository: config, tokenizer, safetensors weights (no *.bin / *.pth copies)."""
+HUB_IGNORE = ["original/*", "metal/*"]
+"""Folders no loader reads: GPT-OSS's original-format checkpoint (~13.8 GB) and its Metal weights."""
+HARMONY_KEY = "environment.model"
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,8 @@ def _hub_snapshot(repo_id: str, *, fetch: bool) -> Path | None:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=not fetch))
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORE,
+                                      local_files_only=not fetch))
     except LocalEntryNotFoundError:
         if fetch:
             raise
@@ -120,9 +130,32 @@ def model_status(key: str, ref: str, params: Params, *, fetch: bool) -> ModelSta
     return ModelStatus(key, ref, "invalid" if problem else state, problem or str(snapshot))
 
 
+def harmony_status(*, fetch: bool) -> ModelStatus:
+    """GPT-OSS's harmony encoding file(s) for vLLM: present, fetched, or missing (pipeline.environment.harmony)."""
+    from pipeline.environment import harmony
+
+    folder = harmony.encodings_dir()
+    ref = "harmony encoding " + ", ".join(harmony.ENCODING_FILES)
+    problem = harmony.verify_encodings(folder)
+    if problem is None:
+        return ModelStatus(HARMONY_KEY, ref, "present", str(folder))
+    if not fetch:
+        return ModelStatus(HARMONY_KEY, ref, "missing", f"{problem} (run `promptr1 weights`)")
+    try:
+        harmony.fetch_encodings(folder)
+    except (OSError, ValueError) as exc:
+        return ModelStatus(HARMONY_KEY, ref, "missing", f"download failed: {exc}")
+    return ModelStatus(HARMONY_KEY, ref, "fetched", str(folder))
+
+
 def ensure_weights(params: Params, *, fetch: bool = True) -> list[ModelStatus]:
     """Every model the params need: present, fetched, missing or invalid (never raises for one model)."""
-    return [model_status(key, ref, params, fetch=fetch) for key, ref in required_models(params).items()]
+    from pipeline.environment.harmony import needs_harmony
+
+    statuses = [model_status(key, ref, params, fetch=fetch) for key, ref in required_models(params).items()]
+    if needs_harmony(params):
+        statuses.append(harmony_status(fetch=fetch))
+    return statuses
 
 
 def run_weights(params: Params, *, check_only: bool = False) -> list[ModelStatus]:

@@ -223,6 +223,45 @@ def test_vllm_server_gets_only_its_gpus_and_starts_offline(local_params, tiny_ll
         server_env(local_params)
 
 
+def test_gpt_oss_vllm_starts_offline_with_harmony_reading_the_fetched_encoding(repo_root, tmp_path, monkeypatch):
+    """vLLM's GPT-OSS path loads harmony's o200k_base.tiktoken at start, outside the Hub cache: the server
+    gets TIKTOKEN_ENCODINGS_BASE (what harmony reads) pointing at the verified copy, and refuses to start
+    without it, naming `promptr1 weights`."""
+    import hashlib
+
+    from pipeline.environment import harmony
+    from pipeline.environment.servers import server_env
+
+    model = tmp_path / "gpt-oss-20b"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"x")
+    folder = tmp_path / "encodings"
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(folder))
+    vocab = b"IQ== 0\n"
+    monkeypatch.setattr(harmony, "ENCODING_FILES", {"o200k_base.tiktoken": hashlib.sha256(vocab).hexdigest()})
+    params = load_params(repo_root / "params.yaml", {"profile": "paper", "environment": {"model": str(model)}})
+
+    with pytest.raises(EnvironmentUnavailable, match=r"GPT-OSS, whose harmony encoding .*o200k_base\.tiktoken is "
+                                                     r"missing\. Run `promptr1 weights`"):
+        server_env(params)
+    folder.mkdir()
+    (folder / "o200k_base.tiktoken").write_bytes(vocab + b"tampered")
+    with pytest.raises(EnvironmentUnavailable, match="sha256"):
+        server_env(params)
+    (folder / "o200k_base.tiktoken").write_bytes(vocab)
+    env = server_env(params)
+    assert env["TIKTOKEN_ENCODINGS_BASE"] == str(folder.resolve())
+    assert env["HF_HUB_OFFLINE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15"
+    assert server_command(params)[:3] == ["vllm", "serve", str(model)]
+
+    # Not GPT-OSS: no harmony file needed, none pointed at
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
+    params.environment.served_name = "qwen"
+    params.environment.model = str(model.rename(tmp_path / "qwen"))
+    assert "TIKTOKEN_ENCODINGS_BASE" not in server_env(params)
+
+
 def test_llama_server_extra_args_set_llama_cpp_fields_by_name_and_type():
     """`environment.server.extra_args` for the llama.cpp engine: `--name value` onto llama.cpp's params,
     converted to the field's type; unknown names and bad values stop with one line naming them."""

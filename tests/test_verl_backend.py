@@ -76,6 +76,36 @@ def test_composed_config_passes_verl_validation(paper_params):
     validate_config(cfg, use_reference_policy=True, use_critic=False)
 
 
+def test_every_fsdp_role_runs_the_pinned_fsdp2(paper_params):
+    """The strategy the checkpoint test exercises (tests/test_verl_checkpoint.py) is the one verl runs: each
+    role's dataclass (what verl's workers build) hands fsdp2 to its FSDP engine config."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = compose_verl(build_overrides(paper_params))
+    arr = cfg.actor_rollout_ref
+    assert arr.actor.strategy == arr.ref.strategy == cfg.critic.strategy == "fsdp2"
+    # the reference's config as verl's engine_workers.ActorRolloutRefWorker.init_model rewrites it
+    ref = OmegaConf.create(OmegaConf.to_container(arr.ref, resolve=True))
+    ref.ppo_mini_batch_size = arr.actor.ppo_mini_batch_size
+    for old, new in (("log_prob_micro_batch_size", "ppo_micro_batch_size"),
+                     ("log_prob_micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu"),
+                     ("log_prob_use_dynamic_bsz", "use_dynamic_bsz"),
+                     ("log_prob_max_token_len_per_gpu", "ppo_max_token_len_per_gpu")):
+        ref[new] = ref.pop(old, None)
+    for role in (arr.actor, ref):  # (the critic's dataclass would load its model: GRPO never builds one)
+        assert omega_conf_to_dataclass(role).engine.strategy == "fsdp2"
+
+
+def test_driver_offline_variables_reach_every_ray_worker():
+    driver = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": "/cache/hf",
+              "TIKTOKEN_ENCODINGS_BASE": "/cache/hf/tiktoken-encodings", "HF_DATASETS_OFFLINE": "",
+              "PATH": "/usr/bin", "PROMPTR1_ENV_API_KEY": "sk-secret"}
+    overrides = verl_backend.offline_runtime_env_overrides(driver)
+    env_vars = OmegaConf.to_container(compose_verl(overrides).ray_kwargs.ray_init.runtime_env.env_vars)
+    assert env_vars == {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": "/cache/hf",
+                        "TIKTOKEN_ENCODINGS_BASE": "/cache/hf/tiktoken-encodings"}
+
+
 def test_agent_loop_yaml_registers_our_loop():
     entries = OmegaConf.load(AGENT_LOOP_CONFIG)
     assert [e.name for e in entries] == ["prompt_r1"]
@@ -132,7 +162,7 @@ def test_preflight_errors(paper_params, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path):
+def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path, monkeypatch):
     """The real `python -m verl.trainer.main_ppo` parses every override and passes verl's config validation;
     an unknown `ray.init` argument then stops it before any Ray instance is started or joined. The launcher
     must stream the log and turn the non-zero exit into a UserError carrying the log tail."""
@@ -144,6 +174,8 @@ def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path)
     p.train.verl.ray_address = ""
     p.train.verl.extra_overrides = ["+ray_kwargs.ray_init.promptr1_stop_here=1"]
     run = SimpleNamespace(info=SimpleNamespace(run_id="0" * 32))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path / "encodings"))
     # The stage owns the environment: a server already serving the configured model at the URL is reused.
     with FaultServer(model=p.environment.served_name) as environment, pytest.raises(UserError) as excinfo:
         p.environment.base_url = environment.url
@@ -154,6 +186,9 @@ def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path)
     assert "All configuration checks passed" in log_text  # our overrides survived the real CLI parser
     # verl hands our MLflow run to every Ray worker through the job's runtime_env
     assert "'MLFLOW_RUN_ID': '" + "0" * 32 + "'" in log_text
+    # ... and the driver's offline variables (Ray workers inherit the raylet's environment, not ours)
+    assert "'HF_HUB_OFFLINE': '1'" in log_text
+    assert f"'TIKTOKEN_ENCODINGS_BASE': '{tmp_path / 'encodings'}'" in log_text
     assert (tmp_path / "reports/train/verl_overrides.txt").read_text().count("\n") > 50
 
 

@@ -1,30 +1,33 @@
-"""verl's FSDP checkpoint path, run for real on CPU: the path the paper profile takes after training.
+"""verl's FSDP2 checkpoint path, run for real on CPU at 2 ranks: the path the GPU profiles take after training.
 
-A worker process (torch.distributed over gloo, world size 1, a device mesh named as verl names it) wraps a
-tiny Llama with verl's own `apply_fsdp2`, trains two AdamW steps and saves each with verl's
-`FSDPCheckpointManager`, writing the tracker file as verl's trainer does. Then:
+The profiles pin `strategy: fsdp2` for the actor and the reference (pipeline/train/verl_overrides.yaml);
+this is that strategy, at a world size above one so each rank holds only a shard. Two processes
+(`torch.multiprocessing.spawn`, torch.distributed over gloo, a device mesh named as verl names it) build a
+tiny Llama as verl's FSDP engine builds the fsdp2 actor, train two AdamW steps on their own batches and
+save each with verl's `FSDPCheckpointManager` (`tests/verl_cpu.py: fsdp_checkpoint_worker`). Then:
+- each rank's file holds a shard (half the rows of a sharded weight), so the merge has to concatenate;
 - our checkpoint lookup (`latest_verl_step`, what `promptr1 merge` reads) agrees with verl's own
   (`find_latest_ckpt_path`, what `trainer.resume_mode=auto` reads);
-- a fresh FSDP actor loads the checkpoint through the same manager (verl's resume) and has the trained
-  weights, optimizer steps and logits back;
-- `promptr1 merge` (`run_merge`, backend verl) runs `python -m verl.model_merger merge --backend fsdp` and
-  its verification passes; every merged tensor is the trained actor's rounded to bfloat16 (verl's merger
-  always writes bfloat16), and its logits match the trained actor's within bfloat16 rounding;
-- a checkpoint without its model shard makes the merge fail loudly and leaves the previous model in place.
+- a fresh 2-rank FSDP2 actor loads the checkpoint through the same manager (verl's resume) and has the
+  trained weights, optimizer steps and logits back;
+- `promptr1 merge` (`run_merge`, backend verl) runs `python -m verl.model_merger merge --backend fsdp`,
+  which concatenates the 2 shards, and its verification passes; every merged tensor is the trained
+  actor's rounded to bfloat16 (verl's merger always writes bfloat16), and its logits match the trained
+  actor's within bfloat16 rounding;
+- a checkpoint without its model shards makes the merge fail loudly and leaves the previous model in place.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from demo_project import free_port
 from safetensors.torch import load_file
+from verl_cpu import fsdp_checkpoint_worker
 
 from pipeline.config import load_params
 from pipeline.layout import assert_runnable
@@ -33,67 +36,7 @@ from pipeline.train.merge import MergeVerificationError, probe_input, probe_logi
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-WORKER = r'''
-import json, os, sys
-
-import torch
-import torch.distributed as dist
-
-model_dir, root, port, out, repo = sys.argv[1:6]
-sys.path.insert(0, repo)
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-dist.init_process_group("gloo", rank=0, world_size=1)
-
-from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
-from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
-from verl.utils.fsdp_utils import apply_fsdp2
-
-from pipeline.train.merge import probe_input, probe_logits
-
-# verl's create_device_mesh (workers/engine/fsdp/utils.py) with the device "cpu": one dimension, "fsdp".
-mesh = init_device_mesh("cpu", mesh_shape=(1,), mesh_dim_names=["fsdp"])
-tokenizer = AutoTokenizer.from_pretrained(model_dir)
-
-
-def fsdp_actor():
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    apply_fsdp2(model, {"mesh": mesh}, {})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    manager = FSDPCheckpointManager(model=model, optimizer=optimizer, lr_scheduler=None, processing_class=tokenizer)
-    return model, optimizer, manager
-
-
-def full(tensor):  # a DTensor shard (FSDP2) or a plain tensor
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-model, optimizer, manager = fsdp_actor()
-batch = tokenizer(["Question: who wrote Hamlet? <search>author of Hamlet</search>"], return_tensors="pt")
-for step in (1, 2):
-    model.train()
-    model(**batch, labels=batch["input_ids"]).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    manager.save_checkpoint(os.path.join(root, f"global_step_{step}", "actor"), global_step=step)
-    with open(get_checkpoint_tracker_filename(root), "w") as f:  # as verl's trainer does after a save
-        f.write(str(step))
-expected = probe_logits(model, probe_input(tokenizer))
-torch.save(expected, os.path.join(out, "expected_logits.pt"))
-torch.save({name: full(t).detach().clone() for name, t in model.state_dict().items()},
-           os.path.join(out, "trained_state.pt"))
-
-fresh, fresh_optimizer, fresh_manager = fsdp_actor()
-fresh_manager.load_checkpoint(os.path.join(root, "global_step_2", "actor"))
-weights = max(float((full(a) - full(b)).abs().max())
-              for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
-steps = sorted({int(s["step"]) for s in fresh_optimizer.state_dict()["state"].values()})
-logits = float((probe_logits(fresh, probe_input(tokenizer)) - expected).abs().max())
-with open(os.path.join(out, "resume.json"), "w") as f:
-    json.dump({"weights_max_diff": weights, "optimizer_steps": steps, "logits_max_diff": logits}, f)
-dist.destroy_process_group()
-'''
+WORLD_SIZE = 2
 
 
 def merge_params(tmp: Path, model_dir: Path):
@@ -106,23 +49,32 @@ def merge_params(tmp: Path, model_dir: Path):
 
 
 @pytest.mark.slow
-def test_verl_fsdp_checkpoint_resumes_and_merges_on_cpu(tmp_path, tiny_llama_dir):
+def test_verl_fsdp2_checkpoint_of_2_ranks_resumes_and_merges_on_cpu(tmp_path, tiny_llama_dir):
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
     root = tmp_path / "ckpt"
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER, str(tiny_llama_dir), str(root), str(free_port()), str(tmp_path),
-         str(REPO_ROOT)], capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.multiprocessing.spawn(fsdp_checkpoint_worker, nprocs=WORLD_SIZE, join=True, args=(
+        WORLD_SIZE, str(tiny_llama_dir), str(root), free_port(), str(tmp_path)))
 
     actor = root / "global_step_2" / "actor"
-    for name in ("model_world_size_1_rank_0.pt", "optim_world_size_1_rank_0.pt",
-                 "extra_state_world_size_1_rank_0.pt", "fsdp_config.json", "huggingface/config.json"):
-        assert (actor / name).is_file(), name
+    for rank in range(WORLD_SIZE):
+        for kind in ("model", "optim", "extra_state"):
+            assert (actor / f"{kind}_world_size_{WORLD_SIZE}_rank_{rank}.pt").is_file(), (kind, rank)
+    assert json.loads((actor / "fsdp_config.json").read_text())["world_size"] == WORLD_SIZE
+    assert (actor / "huggingface/config.json").is_file()
+    # Each rank saved a shard: the merger must concatenate them (fsdp_model_merger.py, Shard placement).
+    trained = torch.load(tmp_path / "trained_state.pt")
+    shards = [torch.load(actor / f"model_world_size_{WORLD_SIZE}_rank_{r}.pt", weights_only=False)
+              for r in range(WORLD_SIZE)]
+    name = "model.embed_tokens.weight"
+    local = [shard[name].to_local() for shard in shards]
+    assert [t.shape[0] for t in local] == [trained[name].shape[0] // WORLD_SIZE] * WORLD_SIZE
+    assert torch.equal(torch.cat(local), trained[name])
     # The stage's disk check (pipeline/train/memory.py) estimates what verl's checkpoint manager just wrote.
     from pipeline.train import memory
 
-    written = sum((actor / f"{part}_world_size_1_rank_0.pt").stat().st_size for part in ("model", "optim", "extra_state"))
+    written = sum((actor / f"{part}_world_size_{WORLD_SIZE}_rank_{r}.pt").stat().st_size
+                  for part in ("model", "optim", "extra_state") for r in range(WORLD_SIZE))
     estimate = memory.checkpoint_bytes(memory.parameter_count(str(tiny_llama_dir))[0],
                                        save_contents=["model", "optimizer", "extra"], model_dtype="fp32", lora=False)
     assert abs(written - estimate) / estimate < 0.05, (written, estimate)
@@ -144,7 +96,6 @@ def test_verl_fsdp_checkpoint_resumes_and_merges_on_cpu(tmp_path, tiny_llama_dir
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     assert tokenizer.chat_template
     # verl's merger writes bfloat16 (fsdp_model_merger.py): every tensor is the trained one, rounded so.
-    trained = torch.load(tmp_path / "trained_state.pt")
     written = load_file(str(next(out.glob("*.safetensors"))))
     assert set(written) <= set(trained) and len(written) >= len(trained) - 1  # lm_head may be tied
     for name, tensor in written.items():

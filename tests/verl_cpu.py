@@ -24,13 +24,15 @@ from __future__ import annotations
 import asyncio
 import uuid
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from verl.workers.rollout.replica import TokenOutput
+
+if TYPE_CHECKING:  # imported where used: the FSDP rank processes below need none of verl's rollout side
+    from verl.workers.rollout.replica import TokenOutput
 
 
 class TransformersServerManager:
@@ -69,6 +71,8 @@ class TransformersServerManager:
                 return_dict_in_generate=True,
                 output_logits=True,
             )
+        from verl.workers.rollout.replica import TokenOutput
+
         token_ids = out.sequences[0, prompt.shape[1]:].tolist()
         log_probs = None
         if sampling_params.get("logprobs"):
@@ -136,3 +140,81 @@ def verl_worker_rollout(config: Any, tokenizer: Any, llm_client: Any, rows: int)
         return await worker.generate_sequences(gen_batch)
 
     return asyncio.run(one_step())
+
+
+# -- verl's FSDP2 actor checkpoint, N gloo ranks on CPU ------------------------------------------------------
+
+
+def fsdp_checkpoint_worker(rank: int, world_size: int, model_dir: str, root: str, port: int, out: str) -> None:
+    """One rank of verl's FSDP2 actor on CPU (run under `torch.multiprocessing.spawn`, one process per rank).
+
+    As verl's FSDP engine builds the `fsdp2` strategy (workers/engine/fsdp/transformer_impl.py): a device mesh
+    named "fsdp" over the world (its `create_device_mesh`), then `apply_fsdp2`. The engine's next call,
+    `fsdp2_load_full_state_dict` (rank 0's weights broadcast), moves the model to `get_device_id()`, which is
+    `torch.cuda.current_device()` on a machine without an accelerator (verl falls back to its CUDA platform),
+    so here every rank loads the same pretrained weights itself before sharding. Each rank trains on its own batch (data parallel; FSDP2 averages the gradients) for two AdamW
+    steps, saving each with verl's `FSDPCheckpointManager` (one shard per rank) and writing the tracker file
+    as verl's trainer does. Then a fresh actor resumes from the last checkpoint through the same manager.
+    Rank 0 writes into `out`: the trained full state dict, the trained logits on the merge probe, and the
+    resume figures (largest weight and logit difference, the optimizer's step counts).
+    """
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    from pipeline.train.merge import probe_input, probe_logits
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", mesh_shape=(world_size,), mesh_dim_names=["fsdp"])
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+        def fsdp_actor():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            apply_fsdp2(model, {"mesh": mesh}, {})
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            manager = FSDPCheckpointManager(model=model, optimizer=optimizer, lr_scheduler=None,
+                                            processing_class=tokenizer)
+            return model, optimizer, manager
+
+        def full(tensor):  # collective: every rank calls it
+            return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+        model, optimizer, manager = fsdp_actor()
+        questions = ["Question: who wrote Hamlet? <search>author of Hamlet</search>",
+                     "Question: where is the Eiffel Tower? <search>Eiffel Tower city</search>"]
+        batch = tokenizer([questions[rank % len(questions)]], return_tensors="pt")
+        for step in (1, 2):
+            model.train()
+            model(**batch, labels=batch["input_ids"]).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            manager.save_checkpoint(os.path.join(root, f"global_step_{step}", "actor"), global_step=step)
+            if rank == 0:
+                with open(get_checkpoint_tracker_filename(root), "w") as f:
+                    f.write(str(step))
+            dist.barrier()
+        expected = probe_logits(model, probe_input(tokenizer))
+        trained = {name: full(t).detach().clone() for name, t in model.state_dict().items()}
+
+        fresh, fresh_optimizer, fresh_manager = fsdp_actor()
+        fresh_manager.load_checkpoint(os.path.join(root, "global_step_2", "actor"))
+        weights = max(float((full(a) - full(b)).abs().max())
+                      for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+        steps = sorted({int(s["step"]) for s in fresh_optimizer.state_dict()["state"].values()})
+        logits = float((probe_logits(fresh, probe_input(tokenizer)) - expected).abs().max())
+        if rank == 0:
+            torch.save(expected, os.path.join(out, "expected_logits.pt"))
+            torch.save(trained, os.path.join(out, "trained_state.pt"))
+            with open(os.path.join(out, "resume.json"), "w") as f:
+                json.dump({"weights_max_diff": weights, "optimizer_steps": steps, "logits_max_diff": logits}, f)
+    finally:
+        dist.destroy_process_group()

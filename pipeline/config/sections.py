@@ -130,6 +130,8 @@ class EnvironmentConfig(_Section):
     temperature: float = Field(0.0, ge=0, le=2)
     max_tokens: int = Field(128, ge=1, le=131_072)
     timeout_s: float = Field(60.0, gt=0, le=3600, description="Per call; every network wait is bounded.")
+    decode_tokens_per_s: float = Field(10.0, gt=0, description="Declared slowest per-request decode speed of the "
+                                       "environment under the run's load; pipeline/environment/budget.py.")
     max_retries: int = Field(5, ge=0, le=20)
     backoff_base_s: float = Field(0.5, ge=0, le=60)
     concurrency: int = Field(8, ge=1, le=1024, description="Environment calls in flight at once (0 would hang).")

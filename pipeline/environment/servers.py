@@ -48,6 +48,7 @@ import httpx
 
 from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
+from pipeline.environment.harmony import encodings_dir, harmony_env, needs_harmony, verify_encodings
 from pipeline.environment.knowledge import knowledge_command
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.hardware import server_threads
@@ -235,7 +236,9 @@ def server_env(params: Params) -> dict[str, str]:
 
     vLLM is given only the devices the layout assigns it, so it cannot land on verl's GPUs. Its weights
     must already be in the Hugging Face cache (`promptr1 weights`), so it starts with `HF_HUB_OFFLINE=1`
-    instead of downloading ~13 GB inside its startup timeout while the GPUs wait.
+    instead of downloading ~13 GB inside its startup timeout while the GPUs wait. A GPT-OSS model also needs
+    harmony's encoding file, which `HF_HUB_OFFLINE` does not cover: `TIKTOKEN_ENCODINGS_BASE` points harmony
+    at the copy `promptr1 weights` fetched (pipeline/environment/harmony.py), so it never downloads.
     """
     env = dict(os.environ)
     gpus = environment_gpus(params)
@@ -247,6 +250,13 @@ def server_env(params: Params) -> dict[str, str]:
             raise EnvironmentUnavailable(f"environment.model={params.environment.model!r} is {status.state} on this "
                                          f"machine ({status.detail}): run `promptr1 weights` before starting vLLM")
         env["HF_HUB_OFFLINE"] = "1"
+        if needs_harmony(params):
+            problem = verify_encodings(encodings_dir())
+            if problem:
+                raise EnvironmentUnavailable(f"environment.model={params.environment.model!r} is GPT-OSS, whose "
+                                             f"harmony encoding vLLM loads at start: {problem}. Run `promptr1 "
+                                             "weights` before starting vLLM")
+            env.update(harmony_env())
     return env
 
 

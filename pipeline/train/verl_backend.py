@@ -34,6 +34,9 @@ Decisions:
 - **Health gate** (`train.health`, pipeline/train/verl_health.py): every output line goes to a watch that
   judges each step from verl's step line and its rollout dump (`trainer.rollout_data_dir`); a breach stops
   verl's process group, sets the breaching step's checkpoints aside and fails the stage with one line.
+- **Offline workers**: the driver's `HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE`, `HF_HOME`, tiktoken folders
+  and the like (`OFFLINE_VARIABLES`, those set) go into the Ray job's `runtime_env` too, since Ray workers
+  inherit the raylet's environment, not the driver's.
 - **Secrets** (the environment API key) never go into overrides (verl prints its whole config): the
   variable named by `environment.api_key_env` must be set where `ray start` ran on every node, because
   Ray workers inherit the raylet's environment.
@@ -106,13 +109,29 @@ log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 60
 
 
+RUNTIME_ENV_PREFIX = "+ray_kwargs.ray_init.runtime_env.env_vars"
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HOME", "HF_HUB_CACHE",
+                     "TIKTOKEN_ENCODINGS_BASE", "TIKTOKEN_RS_CACHE_DIR")
+"""Where models and encodings load from, and whether the network may be asked: the driver's values reach
+every Ray worker (`offline_runtime_env_overrides`)."""
+
+
 def _mlflow_runtime_env_overrides(tracking_uri: str, run_id: str) -> list[str]:
-    prefix = "+ray_kwargs.ray_init.runtime_env.env_vars"
     return [
-        _kv(f"{prefix}.MLFLOW_TRACKING_URI", tracking_uri),
-        _kv(f"{prefix}.MLFLOW_RUN_ID", run_id),
-        _kv(f"{prefix}.MLFLOW_DISABLE_TELEMETRY", "true"),
+        _kv(f"{RUNTIME_ENV_PREFIX}.MLFLOW_TRACKING_URI", tracking_uri),
+        _kv(f"{RUNTIME_ENV_PREFIX}.MLFLOW_RUN_ID", run_id),
+        _kv(f"{RUNTIME_ENV_PREFIX}.MLFLOW_DISABLE_TELEMETRY", "true"),
     ]
+
+
+def offline_runtime_env_overrides(env: dict[str, str]) -> list[str]:
+    """The driver's offline and cache variables (`OFFLINE_VARIABLES` that are set) for the Ray job's runtime_env.
+
+    Ray workers inherit the environment of the raylet (`ray start` on each node), not the driver's: a
+    driver run with `HF_HUB_OFFLINE=1` and its `HF_HOME` would otherwise have workers that look for the
+    weights elsewhere, or try the Hub from an offline node and hang until their timeouts.
+    """
+    return [_kv(f"{RUNTIME_ENV_PREFIX}.{name}", env[name]) for name in OFFLINE_VARIABLES if env.get(name)]
 
 
 # ------------------------------------------------------------------------------------------- launch
@@ -166,7 +185,7 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
     run_id = run.info.run_id
     uri = tracking_uri(params)
     overrides = (build_overrides(params, val_files=val_files, environment_url=environment_url)
-                 + _mlflow_runtime_env_overrides(uri, run_id))
+                 + _mlflow_runtime_env_overrides(uri, run_id) + offline_runtime_env_overrides(dict(os.environ)))
 
     reports = params.path(params.paths.reports_dir) / "train"
     reports.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,109 @@
+"""GPT-OSS's harmony encoding file, fetched with the weights so a vLLM server starts on an offline node.
+
+vLLM renders and parses GPT-OSS conversations with `openai_harmony`, whose `load_harmony_encoding(
+HARMONY_GPT_OSS)` needs tiktoken's `o200k_base.tiktoken` vocabulary. That file is not in the model's Hub
+repository and `HF_HUB_OFFLINE` does not cover it: harmony (Rust) downloads it from
+openaipublic.blob.core.windows.net when the server starts and fails without network ("error downloading or
+loading vocab file", vLLM issue 22525). Read from openai/harmony's `src/tiktoken_ext/public_encodings.rs`:
+- with `TIKTOKEN_ENCODINGS_BASE` set, harmony loads `<that folder>/o200k_base.tiktoken` and checks its
+  sha256 (below), never the network; without it, it downloads into `TIKTOKEN_RS_CACHE_DIR` (default: a
+  folder under the system temp dir) under a hash of the URL;
+- the GPT-OSS encoding (`O200kHarmony`, `src/registry.rs`) reads `o200k_base.tiktoken` only; `cl100k_base`
+  is another encoding, not fetched.
+
+So `promptr1 weights` fetches the file (when vLLM serves a GPT-OSS environment), verifies its sha256, and the
+server is started with `TIKTOKEN_ENCODINGS_BASE` pointing at it (pipeline/environment/servers.py). Where:
+`$TIKTOKEN_ENCODINGS_BASE` if the operator set it (a shared or pre-filled folder), else
+`<HF_HOME>/tiktoken-encodings`, beside the Hub cache that holds the weights, so a copied or shared cache
+brings it along.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from pipeline.config import Params
+from pipeline.environment.budget import is_gpt_oss
+
+log = logging.getLogger(__name__)
+
+ENCODINGS_VARIABLE = "TIKTOKEN_ENCODINGS_BASE"
+"""The variable harmony reads the folder of local encoding files from."""
+ENCODINGS_URL = "https://openaipublic.blob.core.windows.net/encodings/"
+"""Where harmony itself downloads them from (public_encodings.rs: DEFAULT_TIKTOKEN_BASE_URL)."""
+ENCODING_FILES = {"o200k_base.tiktoken": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"}
+"""File → sha256, as harmony checks it (public_encodings.rs: Encoding::expected_hash)."""
+DOWNLOAD_TIMEOUT_S = 120.0
+
+
+def needs_harmony(params: Params) -> bool:
+    """Whether the server the pipeline starts loads the harmony encoding: vLLM serving a GPT-OSS model."""
+    return params.environment.backend == "vllm" and is_gpt_oss(params)
+
+
+def encodings_dir() -> Path:
+    """The folder holding the encoding files (see module docstring)."""
+    configured = os.environ.get(ENCODINGS_VARIABLE)
+    if configured:
+        return Path(configured)
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "tiktoken-encodings"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_encodings(folder: Path) -> str | None:
+    """None when every encoding file is in `folder` with harmony's sha256, else what is missing or wrong."""
+    problems = []
+    for name, expected in ENCODING_FILES.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif _sha256(path) != expected:
+            problems.append(f"{path} does not have harmony's sha256 {expected[:12]}…")
+    return "; ".join(problems) or None
+
+
+def fetch_encodings(folder: Path) -> None:
+    """Download every missing or wrong encoding file into `folder` (atomically: a temp file, checked, renamed).
+
+    Raises OSError (network, disk) or ValueError (the download has another sha256).
+    """
+    import httpx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, expected in ENCODING_FILES.items():
+        target = folder / name
+        if target.is_file() and _sha256(target) == expected:
+            continue
+        partial = folder / f".{name}.partial-{os.getpid()}"
+        url = ENCODINGS_URL + name
+        log.info("fetching %s (GPT-OSS harmony encoding) into %s", url, folder)
+        try:
+            with httpx.stream("GET", url, timeout=DOWNLOAD_TIMEOUT_S, follow_redirects=True) as response:
+                response.raise_for_status()
+                with open(partial, "wb") as handle:
+                    handle.writelines(response.iter_bytes())
+        except httpx.HTTPError as exc:
+            partial.unlink(missing_ok=True)
+            raise OSError(f"{url}: {type(exc).__name__}: {exc}") from exc
+        got = _sha256(partial)
+        if got != expected:
+            partial.unlink(missing_ok=True)
+            raise ValueError(f"{url} has sha256 {got}, not harmony's {expected}")
+        os.replace(partial, target)
+
+
+def harmony_env() -> dict[str, str]:
+    """The server environment that makes harmony read the local files instead of the network."""
+    return {ENCODINGS_VARIABLE: str(encodings_dir().resolve())}
