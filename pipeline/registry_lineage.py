@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TAG = "lineage."
+SQLITE = "sqlite:///"
 PROMOTION_DATE_TAG = "promotion.date"
 
 
@@ -198,7 +199,6 @@ def champion_status(params: Params) -> dict[str, Any]:
     Returns {"new_version": False, "alias", "champion_version", "promoted_by_run", "promoted_on"} or, when
     the registry cannot say, {"new_version": False, "alias", "note": why}. Never raises (a report).
     """
-    from pipeline.mlflow_links import SQLITE
     from pipeline.tracking import tracking_uri
 
     cfg = params.register
