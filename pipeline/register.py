@@ -48,13 +48,11 @@ Where the decision goes: `reports/promotion.json`, tags `promotion.*` on the new
 candidate's averages as `eval.*` tags, which is where the next run reads the champion's numbers from), the
 register run's tags/metrics, and one printed line.
 
-Models: one copy per version. The pyfunc `agent` (pipeline/pyfunc_agent.py) bundles the merged directory
-(MLflow copies the checkpoint files from the *path*, without loading the model), the environment
-configuration (key variable name only) and the pipeline code; it is the registered model, since it is what
-answers questions, and the Hugging Face directory inside it (`artifacts/agent`) is the plain model for
-anyone who wants it. A second, transformers-flavor log of the same directory used to double every
-registration (1.1 GB a run for the CPU agent) for nothing the registry used. The log pins
-`pip_requirements` so MLflow does not load the model again to infer them.
+Models: one copy per version. The registered pyfunc `agent` (pipeline/pyfunc_agent.py) bundles the merged
+directory (copied from the *path*, never loaded), the environment configuration (key variable name only) and
+the pipeline code; its `artifacts/agent` is the plain Hugging Face model. A second, transformers-flavor log
+of the same directory used to double every registration (1.1 GB a run) for nothing the registry used.
+`pip_requirements` are pinned so MLflow does not load the model again to infer them.
 """
 
 from __future__ import annotations
