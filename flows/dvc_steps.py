@@ -27,7 +27,8 @@ Design decisions:
   flow exists to update *this* workspace's outputs, dvc.lock and experiments: a copy would have to link
   gigabytes of data and checkpoints in and copy the results back, a second place to lose state in.
   `apply_overrides` refuses to run while a journal exists, so no run can stack its overrides on a dead
-  run's.
+  run's, and every `promptr1` stage command refuses while a dead run's journal exists
+  (flows/override_guard.py), so a plain `dvc repro` cannot run on them either.
 - **An experiment per run that changed something.** After the stages, `save_experiment()` runs
   `dvc exp save -n <name>`: a git ref holding params.yaml, dvc.lock and metrics as they were for this run, so
   `dvc exp show` lists every scheduled retraining and `dvc exp apply <name>` brings one back. That needs
@@ -254,7 +255,7 @@ def apply_overrides(root: Path, overrides: Iterable[str]) -> dict[Path, bytes]:
     journal = root / OVERRIDE_JOURNAL
     if journal.exists():
         raise UserError(f"{OVERRIDE_JOURNAL} holds the params of a run that did not finish: restore them "
-                        "first (the next flow run does, or flows.dvc_steps.recover_overrides)")
+                        "first (the next flow run does, or `promptr1 flow restore`)")
     originals: dict[Path, bytes] = {}
     try:
         targets: dict[Path, list[str]] = {}

@@ -7,6 +7,13 @@ MLflow link is a real UI link only for an http(s) tracking server; for the defau
 gives the `mlflow ui` command that opens it (pipeline.mlflow_links, re-exported here under the names this
 module always had).
 
+The summary says what *this* run did, never what an earlier one left in those files: the promotion decision
+comes from promotion.json only when this run reproduced `register`; otherwise it reads "no new version;
+champion is vN, promoted by run … on …" from the MLflow registry (pipeline.registry_lineage.champion_status).
+Likewise the MLflow run is linked only when a stage that logs to MLflow (`MLFLOW_STAGES`) was reproduced;
+otherwise the summary says no stage of this run logged one and names the last pipeline run without linking
+it as this run's.
+
 A stage task's artifact (`stage_markdown`, published by flows/artifacts.py) holds its result, key figure and
 MLflow run, or its error when it failed.
 """
@@ -20,13 +27,18 @@ from typing import Any
 
 from pipeline.config import Params
 from pipeline.mlflow_links import MlflowRunInfo, mlflow_line, mlflow_run_info, strip_credentials
+from pipeline.registry_lineage import champion_status
 from pipeline.stage_figures import promotion_line
+from pipeline.tracking import DESCRIBED_STAGES
 
 __all__ = ["MlflowRunInfo", "RunReport", "mlflow_line", "mlflow_run_info", "promotion_line", "read_eval_summary",
            "read_promotion", "stage_markdown", "strip_credentials", "to_markdown"]
 
 EVAL_SUMMARY = Path("eval") / "summary.md"
 PROMOTION = Path("promotion.json")
+MLFLOW_STAGES = DESCRIBED_STAGES
+"""The stages that log an MLflow run (each a child of the pipeline run; pipeline.tracking)."""
+REPRODUCED = "reproduced"
 
 
 @dataclass
@@ -49,11 +61,21 @@ class RunReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def reproduced(self, stage: str) -> bool:
+        """True when this run executed `stage` (not skipped as up to date; `sample@x` counts as `sample`)."""
+        return any(str(s.get("stage", "")).split("@", 1)[0] == stage and s.get("result") == REPRODUCED
+                   for s in self.stages)
+
     def read_results(self, params: Params) -> None:
-        """Fill the evaluation table, promotion decision and MLflow run from the files the stages wrote."""
+        """Fill the evaluation table, promotion decision and MLflow run: this run's (module docstring)."""
         self.eval_summary = read_eval_summary(params)
-        self.promotion = read_promotion(params)
-        self.mlflow = mlflow_run_info(params)
+        self.promotion = read_promotion(params) if self.reproduced("register") else champion_status(params)
+        if any(self.reproduced(stage) for stage in MLFLOW_STAGES):
+            self.mlflow = mlflow_run_info(params)
+        else:
+            last = mlflow_run_info(params).run_id
+            self.mlflow = MlflowRunInfo(open_hint="none: no stage of this run logs to MLflow (nothing was trained, "
+                                        "evaluated or registered)" + (f"; the last pipeline run is {last}" if last else ""))
 
 
 def read_promotion(params: Params) -> dict[str, Any] | None:

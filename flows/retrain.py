@@ -86,7 +86,7 @@ from flows.environment_tasks import (
     stop_environment,
     stop_live_environments,
 )
-from flows.report import RunReport, mlflow_line, mlflow_run_info, promotion_line
+from flows.report import MlflowRunInfo, RunReport, mlflow_line, promotion_line
 from flows.run_lock import run_lock
 from pipeline.config import PARAMS_FILE, Params, find_root, load_params
 from pipeline.errors import UserError
@@ -361,8 +361,7 @@ def cli_flow_run(profile: str | None, sets: list[str], force: bool,
     if not state.is_completed():
         raise UserError(f"pipeline flow {state.name.lower()}: {state.message or 'see the Prefect logs'}")
     summary = state.result()
-    params = load_params(root / PARAMS_FILE)
-    info = mlflow_run_info(params)
+    info = MlflowRunInfo(**summary["mlflow"])  # this run's (flows/report.py), not whatever the files name now
     typer.echo(f"flow run:   {summary.get('flow_run')}")
     for stage in summary.get("stages", []):
         typer.echo(f"  {stage['stage']:<10} {stage['result']} ({stage['seconds']:.1f} s): {stage.get('key_figure')}")

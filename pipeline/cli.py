@@ -19,11 +19,12 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from pipeline.config import ConfigError, Params, deep_merge, load_params, parse_override
+from pipeline.config import ConfigError, Params, deep_merge, find_root, load_params, parse_override
 from pipeline.errors import UserError
 from pipeline.runtime import configure_logging, quiet_telemetry
 from pipeline.stage_figures import key_figure
@@ -55,7 +56,14 @@ reruns) do not follow the GPU layout code (pipeline/layout.py composes verl's co
 
 def _load_runnable(params_file: str | None, sets: list[str] | None, stage: str | None = None) -> Params:
     """`_load`, then the layout check (`promptr1 check`): a stage never starts on a layout that cannot run
-    (UNPLACED_STAGES excepted)."""
+    (UNPLACED_STAGES excepted).
+
+    First of all, no stage runs on the overrides a killed flow run left in the params files
+    (flows/override_guard.py: it refuses and names `promptr1 flow restore`).
+    """
+    from flows.override_guard import refuse_dead_run_overrides
+
+    refuse_dead_run_overrides(Path(params_file).resolve().parent if params_file else find_root())
     params = _load(params_file, sets)
     if stage is None or stage.split("@")[0] not in UNPLACED_STAGES:
         from pipeline.layout import assert_runnable
@@ -212,6 +220,20 @@ def flow_run(
     from flows.retrain import cli_flow_run
 
     _run(lambda: cli_flow_run(profile, set_ or [], force))
+
+
+@flow_app.command("restore")
+def flow_restore() -> None:
+    """Put back the params a killed flow run left overridden (what its next run would do first)."""
+    from flows.override_guard import restore_dead_run_overrides
+
+    def restore() -> None:
+        root = find_root()
+        restored = restore_dead_run_overrides(root)
+        names = ", ".join(str(p.relative_to(root.resolve())) for p in restored)
+        typer.echo(f"restored {names}" if restored else "nothing to restore: no killed flow run left overrides")
+
+    _run(restore)
 
 
 @flow_app.command("serve")

@@ -1,9 +1,10 @@
 """Stage `register`: log the merged agent to MLflow, register a version, and move `champion` by a stated rule.
 
 The straight path (`run_register`): read the candidate's evaluation averages (reports/eval/metrics.json)
-→ inside the `register` child run, log the merged model (transformers flavor) and the pyfunc `agent`
-model, registering a new version of `register.model_name` → read the current champion's averages from
-its version tags → decide → set the alias (or not) → write reports/promotion.json, tag the version, print.
+→ inside the `register` child run, log the pyfunc `agent` model, registering a new version of
+`register.model_name` → read the current champion's averages from its version tags → decide → set the alias
+(or not) → write reports/promotion.json, tag and describe the version (lineage: pipeline/registry_lineage.py),
+delete never-champion versions beyond `register.keep_versions`, print.
 
 Promotion rule (all numbers in points, the evaluation's headline metrics mode; `m` = `register.metric`):
 - `m` must be one of the candidate's ID averages; this is checked before anything is logged or
@@ -49,11 +50,11 @@ Where the decision goes: `reports/promotion.json`, tags `promotion.*` on the new
 candidate's averages as `eval.*` tags, which is where the next run reads the champion's numbers from), the
 register run's tags/metrics, and one printed line.
 
-Models: the transformers flavor is logged from the merged directory *path* (MLflow copies the checkpoint
-files without loading the model into memory). The pyfunc `agent` (pipeline/pyfunc_agent.py) bundles the
-same directory, the environment configuration (key variable name only) and the pipeline code; that is
-the registered model, since it is what answers questions. Both logs pin `pip_requirements` so MLflow does
-not load the model again to infer them.
+Models: one copy per version. The registered pyfunc `agent` (pipeline/pyfunc_agent.py) bundles the merged
+directory (copied from the *path*, never loaded), the environment configuration (key variable name only) and
+the pipeline code; its `artifacts/agent` is the plain Hugging Face model. A second, transformers-flavor log
+of the same directory used to double every registration (1.1 GB a run) for nothing the registry used.
+`pip_requirements` are pinned so MLflow does not load the model again to infer them.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def environment_json(params: Params) -> dict[str, Any]:
 
 
 def log_models(params: Params, model_dir: Path, tmp_dir: Path) -> Any:
-    """Log the transformers flavor and the registered pyfunc agent in the active run; return the pyfunc's ModelInfo."""
+    """Log the registered pyfunc agent (one copy of the model) in the active run; return its ModelInfo."""
     import mlflow
     import mlflow.pyfunc
 
@@ -256,14 +257,6 @@ def log_models(params: Params, model_dir: Path, tmp_dir: Path) -> Any:
     from pipeline.pyfunc_agent import AGENT_ARTIFACT, ENVIRONMENT_ARTIFACT, PromptR1Agent, signature
 
     reqs = _pip_requirements()
-    if (model_dir / "config.json").is_file():
-        import mlflow.transformers
-
-        mlflow.transformers.log_model(transformers_model=str(model_dir), name="agent_transformers",
-                                      task="text-generation", pip_requirements=reqs)
-    else:
-        log.warning("%s has no config.json (not a Hugging Face model directory): transformers flavor skipped",
-                    model_dir)
     env_file = tmp_dir / "environment.json"
     env_file.write_text(json.dumps(environment_json(params), indent=2))
     return mlflow.pyfunc.log_model(
@@ -354,7 +347,8 @@ def run_register(params: Params) -> dict[str, Any]:
 
     import mlflow
 
-    from pipeline.tracking import describe_stage, stage_run
+    from pipeline import registry_lineage as lineage
+    from pipeline.tracking import describe_stage, parent_run_id, stage_run
 
     cfg = params.register
     check_production_alias(params)
@@ -391,6 +385,14 @@ def run_register(params: Params) -> dict[str, Any]:
                                      f"{cfg.ci_rule}; metric={cfg.metric}; margin={cfg.margin}; "
                                      f"ood_tolerance={cfg.ood_tolerance}")
         client.set_model_version_tag(cfg.model_name, version, "source_run_id", run.info.run_id)
+        if decision.promote:
+            client.set_model_version_tag(cfg.model_name, version, lineage.PROMOTION_DATE_TAG, lineage.promotion_date())
+        tags = lineage.lineage_tags(client, params, parent_run_id(params))
+        for key, value in tags.items():
+            client.set_model_version_tag(cfg.model_name, version, key, value)
+        client.update_model_version(cfg.model_name, version,
+                                    lineage.version_description(tags, params, candidate.id, verdict, reason))
+        pruned = lineage.prune_never_champion(client, cfg.model_name, cfg.keep_versions)
         mlflow.set_tags({"promotion.decision": verdict, "registered_model": cfg.model_name,
                          "registered_version": version})
         mlflow.log_metric("promoted", float(decision.promote))
@@ -405,7 +407,7 @@ def run_register(params: Params) -> dict[str, Any]:
                      "ci_rule": cfg.ci_rule},
             "reasons": decision.reasons, "checks": decision.checks,
             "candidate": asdict(candidate), "champion": asdict(champion) if champion is not None else None,
-            "run_id": run.info.run_id,
+            "run_id": run.info.run_id, "lineage": tags, "pruned_versions": pruned,
         }
         out = params.path(params.paths.reports_dir) / PROMOTION_FILE
         write_json_atomic(result, out)

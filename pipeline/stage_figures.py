@@ -207,6 +207,12 @@ def promotion_line(promotion: dict[str, Any] | None) -> str:
     """One line: promoted or not, and why (keys written by register; unknown shapes shown as JSON)."""
     if promotion is None:
         return "no promotion decision (reports/promotion.json missing)"
+    if promotion.get("new_version") is False:  # a run that registered nothing (registry_lineage.champion_status)
+        alias = promotion.get("alias", "champion")
+        if "champion_version" not in promotion:
+            return f"no new version; {promotion.get('note') or f'no @{alias} found'}"
+        return (f"no new version; {alias} is v{promotion['champion_version']}, promoted by run "
+                f"{promotion.get('promoted_by_run') or 'unknown'} on {promotion.get('promoted_on') or 'an unknown date'}")
     promoted = promotion.get("promoted", promotion.get("promote"))
     reason = promotion.get("reason") or promotion.get("reasons") or promotion.get("message")
     if isinstance(reason, list):

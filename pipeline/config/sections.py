@@ -396,6 +396,8 @@ class RegisterConfig(_Section):
         description="confident: the candidate's ID CI lower bound must be >= the champion's ID mean + margin, "
         "and each OOD CI lower bound >= the champion's OOD mean - ood_tolerance; point: compare means only.",
     )
+    keep_versions: int | None = Field(5, ge=1, description="Never-champion versions kept (the newest); older "
+                                      "ones are deleted with their files (pipeline/registry_lineage.py); null = all.")
 
 
 class MlflowConfig(_Section):

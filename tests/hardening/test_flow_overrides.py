@@ -182,3 +182,59 @@ def test_real_flow_killed_mid_stage_then_next_flow_run_restores_params(tmp_path)
     assert done.returncode != 0 and "build" in done.stdout + done.stderr  # it ran until the failing stage
     assert _snapshot(demo) == before
     assert not (demo / dvc_steps.OVERRIDE_JOURNAL).exists()
+
+
+# --- every stage command refuses to run on a dead run's overrides (flows/override_guard.py) ----------------
+
+APPLY_LOCKED_AND_WAIT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from flows import dvc_steps
+    from flows.run_lock import workspace_lock
+    root = Path(sys.argv[1])
+    with workspace_lock(root, 0, flow_run="live-run"):
+        dvc_steps.apply_overrides(root, sys.argv[2:])
+        print("applied", flush=True)
+        time.sleep(600)
+""")
+
+
+def _promptr1(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "promptr1"), *args], cwd=root, capture_output=True,
+                          text=True, timeout=180, check=False)
+
+
+def test_stage_refuses_a_dead_runs_overrides_until_restored(tmp_path):
+    root = _project(tmp_path)
+    before = _snapshot(root)
+    _kill(_start(APPLY_AND_WAIT, root, "applied"))  # a flow run SIGKILLed with its overrides applied
+
+    refused = _promptr1(root, "register")
+    assert refused.returncode == 1
+    message = " ".join(refused.stderr.split())
+    assert "was killed with its overrides `train.steps=3 profile=paper profiles/paper.yaml:train.lr=2.0e-6`" in message
+    assert "params.yaml, profiles/paper.yaml" in message and "`promptr1 flow restore`" in message
+    assert "Traceback" not in refused.stderr
+    assert (root / dvc_steps.OVERRIDE_JOURNAL).is_file()  # nothing restored behind the user's back
+
+    restored = _promptr1(root, "flow", "restore")
+    assert restored.returncode == 0, restored.stderr
+    assert restored.stdout.strip() == "restored params.yaml, profiles/paper.yaml"
+    assert _snapshot(root) == before and not (root / dvc_steps.OVERRIDE_JOURNAL).exists()
+
+    after = _promptr1(root, "register")  # past the guard: the stage itself now says what it misses
+    assert after.returncode == 1 and "no merged agent" in after.stderr and "killed" not in after.stderr
+    assert _promptr1(root, "flow", "restore").stdout.strip().startswith("nothing to restore")
+
+
+def test_stage_of_a_live_run_is_not_refused(tmp_path):
+    root = _project(tmp_path)
+    live = _start(APPLY_LOCKED_AND_WAIT, root, "applied")  # a live flow run: it holds the workspace lock
+    try:
+        stage = _promptr1(root, "register")  # what DVC runs for that live flow
+        assert stage.returncode == 1 and "no merged agent" in stage.stderr and "killed" not in stage.stderr
+        busy = _promptr1(root, "flow", "restore")  # the live run's overrides are its own
+        assert busy.returncode == 1 and "another pipeline run is using" in busy.stderr
+        assert load_params(root / "params.yaml").train.steps == 3
+    finally:
+        _kill(live)
