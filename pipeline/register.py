@@ -340,7 +340,7 @@ def run_register(params: Params) -> dict[str, Any]:
 
     import mlflow
 
-    from pipeline.tracking import describe_stage, stage_run
+    from pipeline.tracking import describe_stage, log_parent_metrics, stage_run
 
     cfg = params.register
     check_production_alias(params)
@@ -379,6 +379,7 @@ def run_register(params: Params) -> dict[str, Any]:
         mlflow.set_tags({"promotion.decision": verdict, "registered_model": cfg.model_name,
                          "registered_version": version})
         mlflow.log_metric("promoted", float(decision.promote))
+        log_parent_metrics({"promoted": float(decision.promote)})  # a headline figure of the pipeline run
         describe_stage("register", f"Registered {cfg.model_name} v{version}: {verdict} by the {cfg.ci_rule} rule "
                                    f"on ID {cfg.metric} ({cfg.alias} → v{after}).")
 
