@@ -98,6 +98,7 @@ def test_two_micro_runs_compare_on_their_parent_runs(tmp_path, repo_root, tiny_l
     project = tmp_path / "project"
     project.mkdir()
     shutil.copy(repo_root / "params.yaml", project / "params.yaml")
+    (project / ".gitignore").write_text("mlflow.db\nmlartifacts/\nreports/\ndata/\n.cache/\n")  # outputs
     _git(project, "init", "-q")
     ids = {label: _micro_run(project, label, tiny_llama_dir) for label in RECORDED}
     assert ids["a"] != ids["b"]
