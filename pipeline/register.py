@@ -348,7 +348,7 @@ def run_register(params: Params) -> dict[str, Any]:
     import mlflow
 
     from pipeline import registry_lineage as lineage
-    from pipeline.tracking import describe_stage, parent_run_id, stage_run
+    from pipeline.tracking import describe_stage, log_parent_metrics, parent_run_id, stage_run
 
     cfg = params.register
     check_production_alias(params)
@@ -396,6 +396,7 @@ def run_register(params: Params) -> dict[str, Any]:
         mlflow.set_tags({"promotion.decision": verdict, "registered_model": cfg.model_name,
                          "registered_version": version})
         mlflow.log_metric("promoted", float(decision.promote))
+        log_parent_metrics({"promoted": float(decision.promote)})  # a headline figure of the pipeline run
         describe_stage("register", f"Registered {cfg.model_name} v{version}: {verdict} by the {cfg.ci_rule} rule "
                                    f"on ID {cfg.metric} ({cfg.alias} → v{after}).")
 

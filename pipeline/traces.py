@@ -10,13 +10,20 @@ Design decisions:
   `environment`), not from spans opened around the live calls: a rollout runs many trajectories at once in
   worker threads and several event loops, where an ambient span context would file a call under the wrong
   trajectory; a trace made once the answer is scored can also carry the scores. The spans get a timeline
-  rebuilt from the recorded durations (the agent's generation, the environment's latency), ending now.
+  rebuilt from the recorded times, ending now: the root lasts the trajectory's own wall time (`seconds`:
+  the rollout's start to its last turn, not the batch's), each turn starts when it started (`started_s`,
+  when recorded; else right after the previous one).
+- **Queueing apart from latency**: a turn that asked the environment has two child spans, `environment
+  queue` (waiting for a free connection: `env_wait_s` minus the request's `latency_s`) and `environment`
+  (the request itself, `latency_s`), so a slow turn shows whether the environment or the client's
+  concurrency limit made it slow. A cached reply takes no time: its `environment` span is empty.
 - **Shape.** Root span `<system> · <dataset> #<row>` (type AGENT): inputs = question and gold answers,
   outputs = prediction, stop reason and scores. Child span `turn <i>` per agent turn: CHAT_MODEL when the
   turn asked the environment (inputs = the agent's turn and its interaction prompt, outputs = the reply,
   attributes = agent tokens, environment tokens, latency, cost, cache hit, error), LLM for the final turn
   (outputs = the answer). Trace tags (strings) name system, dataset, row and whatever the caller adds, so
-  `mlflow.search_traces(filter_string="tags.system = 'prompt_r1'")` finds them.
+  `mlflow.search_traces(filter_string="tags.system = 'prompt_r1'")` finds them. Under an environment turn:
+  the `environment queue` and `environment` spans (above).
 - **Every text passes `clean_text`**, the project's one sanitiser for untrusted text
   (`pipeline.environment.sanitize.sanitize_text`: secrets redacted, ANSI sequences removed, other control
   characters escaped as `\\xNN`, newlines and tabs kept) with a span-sized cap of `MAX_TEXT_CHARS`, so an
@@ -43,8 +50,32 @@ def clean_text(text: object, limit: int = MAX_TEXT_CHARS) -> str:
 
 
 def _turn_seconds(turn: Mapping[str, Any]) -> tuple[float, float]:
+    """(the agent's generation, the environment's part: asking to reply, queueing included)."""
     env = turn.get("environment") or {}
-    return float(turn.get("generation_s") or 0.0), float(env.get("latency_s") or 0.0)
+    latency = float(env.get("latency_s") or 0.0)
+    return float(turn.get("generation_s") or 0.0), max(latency, float(turn.get("env_wait_s") or 0.0))
+
+
+def _environment_spans(turn_span: Any, env: Mapping[str, Any], start_ns: int, wait_s: float) -> None:
+    """The `environment queue` and `environment` spans of one turn, from `start_ns` (the generation's end)."""
+    import mlflow
+    from mlflow.entities import SpanType
+
+    latency_s = float(env.get("latency_s") or 0.0)
+    queue_ns = int(max(0.0, wait_s - latency_s) * 1e9)
+    queue = mlflow.start_span_no_context("environment queue", span_type=SpanType.UNKNOWN, parent_span=turn_span,
+                                         attributes={"queue_s": round(queue_ns / 1e9, 4)}, start_time_ns=start_ns)
+    queue.end(end_time_ns=start_ns + queue_ns)
+    call = mlflow.start_span_no_context(
+        "environment", span_type=SpanType.CHAT_MODEL, parent_span=turn_span, start_time_ns=start_ns + queue_ns,
+        attributes={"latency_s": round(latency_s, 4), "cached": bool(env.get("cached")),
+                    "retries": int(env.get("retries") or 0)})
+    call.end(status="ERROR" if env.get("error") else "OK", end_time_ns=start_ns + queue_ns + int(latency_s * 1e9))
+
+
+def _offset_ns(turn: Mapping[str, Any]) -> int:
+    """When the turn started, in ns since the trajectory's start (0 when not recorded)."""
+    return int(float(turn.get("started_s") or 0.0) * 1e9)
 
 
 def _turn_span(parent: Any, index: int, turn: Mapping[str, Any], start_ns: int) -> int:
@@ -67,6 +98,7 @@ def _turn_span(parent: Any, index: int, turn: Mapping[str, Any], start_ns: int) 
             "env.prompt_tokens": int(env.get("prompt_tokens") or 0),
             "env.completion_tokens": int(env.get("completion_tokens") or 0),
             "env.latency_s": round(float(env.get("latency_s") or 0.0), 4),
+            "env.queue_s": round(max(0.0, _turn_seconds(turn)[1] - float(env.get("latency_s") or 0.0)), 4),
             "env.cost_usd": float(env.get("cost_usd") or 0.0),
             "env.cached": bool(env.get("cached")),
             "env.retries": int(env.get("retries") or 0),
@@ -79,8 +111,10 @@ def _turn_span(parent: Any, index: int, turn: Mapping[str, Any], start_ns: int) 
     span = mlflow.start_span_no_context(
         f"turn {index}", span_type=SpanType.CHAT_MODEL if env else SpanType.LLM, parent_span=parent,
         inputs=inputs, attributes=attributes, start_time_ns=start_ns)
-    generation_s, latency_s = _turn_seconds(turn)
-    end_ns = start_ns + int((generation_s + latency_s) * 1e9)
+    generation_s, env_s = _turn_seconds(turn)
+    if env:
+        _environment_spans(span, env, start_ns + int(generation_s * 1e9), env_s)
+    end_ns = start_ns + int((generation_s + env_s) * 1e9)
     span.end(outputs=outputs, status="ERROR" if env and env.get("error") else "OK", end_time_ns=end_ns)
     return end_ns
 
@@ -90,17 +124,19 @@ def log_trajectory_trace(*, name: str, tags: Mapping[str, object], question: str
                          stop_reason: str = "", seconds: float = 0.0) -> str | None:
     """Log one trajectory as one MLflow trace (in the active run's experiment, linked to the active run).
 
-    `turns` are the trajectory's turn records; `scores` the final answer's scores; `seconds` its wall time
-    (the root span lasts at least the sum of the turns). Returns the trace id, or None when MLflow handed
-    back a no-op span (tracing disabled or failed).
+    `turns` are the trajectory's turn records; `scores` the final answer's scores; `seconds` its own wall
+    time (the root span lasts at least until its last turn ends). Returns the trace id, or None when MLflow
+    handed back a no-op span (tracing disabled or failed).
     """
     import mlflow
     from mlflow.entities import SpanType
     from mlflow.entities.span import NO_OP_SPAN_TRACE_ID
 
-    turn_ns = [int(sum(_turn_seconds(t)) * 1e9) for t in turns]
+    turn_end_ns = 0
+    for turn in turns:  # each turn's offset from the start: recorded, or right after the previous turn
+        turn_end_ns = max(turn_end_ns, _offset_ns(turn)) + int(sum(_turn_seconds(turn)) * 1e9)
     end_ns = time.time_ns()
-    start_ns = end_ns - max(sum(turn_ns), int(seconds * 1e9))
+    start_ns = end_ns - max(turn_end_ns, int(seconds * 1e9))
     root = mlflow.start_span_no_context(
         name, span_type=SpanType.AGENT, start_time_ns=start_ns,
         inputs={"question": clean_text(question), "gold_answers": [clean_text(g, 500) for g in gold_answers]},
@@ -110,7 +146,7 @@ def log_trajectory_trace(*, name: str, tags: Mapping[str, object], question: str
         return None
     at = start_ns
     for index, turn in enumerate(turns, start=1):
-        at = _turn_span(root, index, turn, at)
+        at = _turn_span(root, index, turn, max(at, start_ns + _offset_ns(turn)))
     root.end(outputs={"prediction": clean_text(prediction), "stop_reason": stop_reason,
                       "scores": {k: round(float(v), 4) for k, v in scores.items()}},
              end_time_ns=end_ns)

@@ -11,7 +11,11 @@ Design decisions:
   and params), so one repro is one parent run with gepa, train, evaluate and register under it.
 - Tracking store: SQLite file plus a local artifact folder in the project (both ignored by git);
   `MLFLOW_TRACKING_URI` overrides params. Telemetry is off.
-- The parent is tagged with the git commit, the profile and the DVC hashes of the data it used.
+- The parent is tagged with the git commit, the profile and the DVC hashes of the data it used. Its params
+  are every param plus `git_commit`, so the `KEY_PARAMS` a person compares runs on are all params there;
+  its metrics are the headline figures the stages add (`log_parent_metrics`, `pipeline.headline`).
+- **Inputs as datasets**: each stage logs the files it read as MLflow dataset inputs
+  (`log_dataset_inputs`), each tagged with the md5 DVC records for that file (`dvc_md5`).
 - **Descriptions.** Each stage ends by saying in one sentence what it did and what came out
   (`describe_stage`): the sentence becomes the stage run's description and a `summary.<stage>` tag of the
   parent, and the parent's description (`mlflow.note.content`, shown on its run page) is rewritten from
@@ -21,10 +25,13 @@ Design decisions:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +44,10 @@ log = logging.getLogger(__name__)
 RUN_FILE = "mlflow_run.json"
 HEALTH_BREACH_TAG = "health.breach"
 """Tag of a train run the training health gate stopped (pipeline/train/health.py); register refuses it."""
+
+KEY_PARAMS = ("profile", "git_commit", "agent.model", "environment.model", "train.steps", "train.group_size",
+              "train.lr", "reward.preset")
+"""The parent run's params a person compares two pipeline runs on (all of them are logged; these first)."""
 
 
 def tracking_uri(params: Params) -> str:
@@ -149,7 +160,7 @@ def _start_parent(params: Params) -> str:
         **{f"dvc.{k}": v for k, v in dvc_data_hashes(root).items()},
     }
     with mlflow.start_run(run_name=f"pipeline-{params.profile}", tags=tags) as run:
-        for chunk in _chunks(flatten(params), 100):
+        for chunk in _chunks(_parent_params(params), 100):
             mlflow.log_params(chunk)
         run_id = run.info.run_id
     _record_parent(params, run_id)
@@ -187,10 +198,15 @@ def _gepa_parent(params: Params) -> str | None:
         return None
     if tags.get("git_commit") != git_commit(params.root) or tags.get("profile") != params.profile:
         return None
-    expected = {k: v for chunk in _chunks(flatten(params), 100) for k, v in chunk.items()}
+    expected = {k: v for chunk in _chunks(_parent_params(params), 100) for k, v in chunk.items()}
     if run.data.params != expected:
         return None
     return run.info.run_id
+
+
+def _parent_params(params: Params) -> dict[str, Any]:
+    """Every param, plus the commit the run was made at (a tag too; a param so runs compare on it)."""
+    return {**flatten(params), "git_commit": git_commit(params.root)}
 
 
 def _chunks(d: dict[str, Any], n: int) -> Iterator[dict[str, Any]]:
@@ -266,11 +282,46 @@ def log_dataset_inputs(frames: dict[str, tuple[Any, Path]], context: str) -> Non
     """Log each (DataFrame, source file) as a named MLflow dataset input of the active run.
 
     `mlflow.data.from_pandas` computes the dataset's digest from its content, so two runs that scored the
-    same rows show the same digest in the UI; the source is the file the rows came from.
+    same rows show the same digest in the UI; the source is the file the rows came from, and the input's
+    `dvc.md5` tag the md5 DVC records for that file (`dvc_md5`), when it exists.
     """
     import mlflow
     import mlflow.data
 
     for name, (frame, source) in frames.items():
         dataset = mlflow.data.from_pandas(frame, source=str(source), name=name)
-        mlflow.log_input(dataset, context=context)
+        md5 = dvc_md5(Path(source))
+        mlflow.log_input(dataset, context=context, tags={"dvc.md5": md5, "path": str(source)} if md5 else None)
+
+
+def dvc_md5(path: Path) -> str | None:
+    """The md5 DVC records for a file (dvc.lock's deps/outs, and the entries of a `.dir` manifest): DVC 3
+    hashes a file's bytes with md5, so it is computed here from the file itself. None when it is absent."""
+    if not path.is_file():
+        return None
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def log_parent_metrics(metrics: dict[str, float]) -> str | None:
+    """Log `metrics` (finite numbers only) on the parent of the active stage run: the figures a person
+    compares pipeline runs on (`pipeline.headline`). Returns the parent's id, None without a parent."""
+    import mlflow
+    from mlflow.entities import Metric
+
+    child = mlflow.active_run()
+    if child is None:
+        return None
+    client = mlflow.MlflowClient()
+    parent = client.get_run(child.info.run_id).data.tags.get("mlflow.parentRunId")
+    if parent is None:
+        return None
+    now = int(time.time() * 1000)
+    entries = [Metric(key, float(v), now, 0) for key, v in metrics.items()
+               if isinstance(v, (int, float)) and math.isfinite(float(v))]
+    for i in range(0, len(entries), 500):
+        client.log_batch(parent, metrics=entries[i : i + 500])
+    return parent

@@ -121,6 +121,11 @@ class Turn:
     """Template + environment reply tokens appended after this turn (mask 0)."""
     generation_s: float = 0.0
     """Wall time of the policy batch that generated this turn (shared by the batch's trajectories)."""
+    started_s: float = 0.0
+    """When this turn's generation began, in seconds since the rollout started (the trace's timeline)."""
+    env_wait_s: float = 0.0
+    """Wall time from asking the environment to its reply: queueing for a free connection (the client's
+    concurrency limit) plus the request itself (`env_reply.latency_s`)."""
 
 
 @dataclass
@@ -205,6 +210,9 @@ class Trajectory:
     usage: UsageStats = field(default_factory=UsageStats)
     generation_s: float = 0.0
     environment_s: float = 0.0
+    wall_s: float = 0.0
+    """This trajectory's own wall time: from the rollout's start to the moment it finished (it shares the
+    batch's generation rounds, but stops at its own last turn)."""
 
     @property
     def answer(self) -> str:

@@ -141,13 +141,15 @@ STAGES = stages()
 CLI_STAGE_PATH = ("main", "_load", "_load_runnable", "_run", "_run_stage", "_params_command")
 """The functions of pipeline/cli.py every stage command runs through before and after its own module."""
 
+REFUSAL_GUARDS = ("pipeline.layout", "flows.override_guard")
+"""Modules the CLI runs before a stage only to refuse it (the layout check, a killed flow's overrides): they
+change no output, so they are not deps (editing the GPU layout rules must not rerun sampling)."""
 
-def cli_modules(verb: str) -> set[str]:
-    """Repo modules the CLI runs for stage `verb`: cli.py's module-level imports and those inside the
-    functions of CLI_STAGE_PATH (the layout check, the closing key figure), not other commands' imports;
-    the stages that place nothing (`pipeline.cli.UNPLACED_STAGES`) skip the layout check."""
-    from pipeline.cli import UNPLACED_STAGES
 
+def cli_modules() -> set[str]:
+    """Repo modules the CLI runs for every stage and that can shape what it writes: cli.py's module-level
+    imports and those inside the functions of CLI_STAGE_PATH (the params loading, logging, the closing key
+    figure), not other commands' imports and not REFUSAL_GUARDS."""
     tree = ast.parse((ROOT / "pipeline" / "cli.py").read_text(encoding="utf-8"))
     nodes = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
     for fn in tree.body:
@@ -160,8 +162,7 @@ def cli_modules(verb: str) -> set[str]:
         elif node.module:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    if verb in UNPLACED_STAGES:
-        names = {n for n in names if not n.startswith("pipeline.layout")}
+    names = {n for n in names if not n.startswith(REFUSAL_GUARDS)}
     return {n for n in names if module_file(n)}
 
 
@@ -169,7 +170,7 @@ def stage_closure(verb: str) -> set[Path]:
     """Repo files `promptr1 <verb>` executes: the CLI's stage path, then the verb's own module."""
     # Not cli.py itself: it only dispatches (a new option or another command's help text must not rerun
     # training), and its other commands' lazy imports (`ask`, `flow …`) are not run by this verb.
-    modules = verb_modules()[verb] | cli_modules(verb)
+    modules = verb_modules()[verb] | cli_modules()
     return set().union(*(import_closure(m) for m in modules))
 
 

@@ -144,6 +144,18 @@ def test_gepa_stage_accepts_a_proposal_and_reports_held_out_scores(gepa_params):
     assert said.startswith("GEPA optimised the environment's instruction: held-out F1 ") and "→ 100.00" in said
     parent = client.get_run(runs[0].data.tags["mlflow.parentRunId"]).data.tags
     assert parent["summary.gepa"] == said and said in parent["mlflow.note.content"]
+    # the run lasts the whole search (it used to open after it: 65 ms for a 114 s stage) ...
+    info = runs[0].info
+    assert info.end_time - info.start_time >= 1000 * cost["wall_s"] - 100, (info.end_time - info.start_time, cost)
+    # ... and logs the three slices it read as datasets, each with the DVC md5 of train.parquet
+    from pipeline.tracking import dvc_md5
+
+    inputs = {i.dataset.name: ({t.key: t.value for t in i.tags}, json.loads(i.dataset.profile))
+              for i in runs[0].inputs.dataset_inputs}
+    assert set(inputs) == {"gepa/train", "gepa/val", "gepa/holdout"}
+    md5 = dvc_md5(params.path(params.paths.rl_dir) / "train.parquet")
+    assert all(tags["dvc.md5"] == md5 for tags, _ in inputs.values()) and md5
+    assert inputs["gepa/holdout"][1]["num_rows"] == saved["holdout"]["rows"]
 
     # The train stage of the same execution continues this parent (one repro, one parent run) ...
     from pipeline.tracking import parent_run_id, stage_run

@@ -108,12 +108,17 @@ def test_micro_evaluation_traces_table_and_description(tmp_path, repo_root, shar
         assert root.outputs["scores"]["f1"] == pytest.approx(row.f1, abs=1e-4)
         turns = [s for s in trace.data.spans[1:] if s.parent_id == root.span_id]
         assert [s.name for s in turns] == [f"turn {i}" for i in range(1, row.turns + 1)]
-        assert len(trace.data.spans) == 1 + row.turns
         env_spans = [s for s in turns if "env.prompt_tokens" in s.attributes]
+        # under each environment turn: its queue and the environment's own latency
+        assert len(trace.data.spans) == 1 + row.turns + 2 * len(env_spans)
+        for turn in env_spans:
+            assert sorted(s.name for s in trace.data.spans if s.parent_id == turn.span_id) == [
+                "environment", "environment queue"]
         assert sum(s.attributes["env.prompt_tokens"] for s in env_spans) == row.env_prompt_tokens
     env_only = [by_id[t] for t in table[table.system == "env_only"].trace_id]
     for trace in env_only:
-        (turn,) = trace.data.spans[1:]
+        (turn,) = [s for s in trace.data.spans if s.name == "turn 1"]
+        assert len(trace.data.spans) == 1 + 1 + 2  # root, the one turn, its queue and environment spans
         assert turn.outputs["environment_reply"].startswith("echo: ")
         assert turn.attributes["env.completion_tokens"] > 0 and turn.attributes["env.latency_s"] > 0
 
@@ -185,7 +190,7 @@ def test_spans_per_turn_hold_prompt_reply_tokens_latency_cost_sanitised(store, t
     trace = mlflow.get_trace(trace_id)
     assert trace.info.trace_metadata["mlflow.sourceRun"] == run.info.run_id
     spans = _spans_by_name(trace)
-    assert set(spans) == {"prompt_r1 · hotpotqa #0", "turn 1", "turn 2", "turn 3"}
+    assert set(spans) == {"prompt_r1 · hotpotqa #0", "turn 1", "turn 2", "turn 3", "environment queue", "environment"}
     for n, turn in ((1, traj.turns[0]), (2, traj.turns[1])):
         span = spans[f"turn {n}"]
         assert span.span_type == "CHAT_MODEL"
@@ -204,6 +209,75 @@ def test_spans_per_turn_hold_prompt_reply_tokens_latency_cost_sanitised(store, t
     assert final.span_type == "LLM" and final.outputs == {"answer": "William Shakespeare"}
     assert spans["turn 1"].end_time_ns <= spans["turn 2"].start_time_ns <= spans["turn 3"].start_time_ns
     assert json.loads(trace.info.response_preview)["prediction"] == "William Shakespeare"
+
+
+class AsksThenAnswers:
+    """Question A: ask once, then answer; question B: ask twice, then answer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.builder = ConversationBuilder(tokenizer)
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p, stop, return_logprobs):
+        out = []
+        for prompt in prompts:
+            decoded = self.tokenizer.decode(prompt)
+            n = decoded.count("<interaction_response>") + 1
+            asks = 1 if "Question: A" in decoded else 2
+            text = ASK.format(n=n) if n <= asks else ANSWER
+            ids = self.builder.encode(text)
+            out.append(Generation(ids, None, text, "stop"))
+        return out
+
+
+def test_traces_time_each_trajectory_and_separate_queueing_from_latency(store, tiny_llama_dir):
+    """Two trajectories ask a 0.3 s environment at once through one connection: one waits for the other.
+    Each keeps its own wall time (A finishes a round before B), and the waiting one's turn shows 0.3 s of
+    queue before the environment's own 0.3 s."""
+    import mlflow
+    from fault_server import Behaviour
+    from transformers import AutoTokenizer
+
+    from pipeline.traces import flush_traces, log_trajectory_trace
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    items = [PromptItem(uid=q, messages=[{"role": "user", "content": f"Question: {q}?\n"}], gold_answers=["x"],
+                        data_source="hotpotqa", question=f"{q}?") for q in ("A", "B")]
+    with FaultServer(default=Behaviour(delay_s=0.3)) as server:
+        env = EnvironmentClient(EnvironmentConfig(model="fault-model", served_name="fault-model",
+                                                  base_url=server.url, cache=False, max_retries=0, concurrency=1,
+                                                  system_prompt="You are a helpful assistant."))
+        a, b = run_rollout(AsksThenAnswers(tokenizer), env, items, group_size=1, max_turns=5, max_turn_tokens=64,
+                           max_response_tokens=8192, env_reply_max_chars=2048, temperature=1.0, top_p=1.0,
+                           return_logprobs=False, reward_fn=None)
+    assert (a.num_turns, b.num_turns) == (2, 3)
+    assert b.wall_s - a.wall_s >= 0.25  # B's second question: its own time, not the batch's
+    first = [a.turns[0], b.turns[0]]
+    waited = max(first, key=lambda t: t.env_wait_s)
+    assert waited.env_wait_s >= 0.55 and 0.25 <= waited.env_reply.latency_s < 0.5  # queued behind the other
+
+    mlflow.set_tracking_uri(store)
+    mlflow.set_experiment("trace-times")
+    with mlflow.start_run():
+        ids = [log_trajectory_trace(name=t.item.uid, tags={}, question=t.item.question, gold_answers=["x"],
+                                    turns=trajectory_record(t), prediction=t.answer, scores={},
+                                    seconds=t.wall_s) for t in (a, b)]
+        flush_traces()
+    for traj, trace_id in zip((a, b), ids, strict=True):
+        spans = mlflow.get_trace(trace_id).data.spans
+        root = spans[0]
+        assert (root.end_time_ns - root.start_time_ns) / 1e9 == pytest.approx(traj.wall_s, abs=0.01)
+        turn1 = next(s for s in spans if s.name == "turn 1")
+        queue, call = (next(s for s in spans if s.parent_id == turn1.span_id and s.name == n)
+                       for n in ("environment queue", "environment"))
+        record = trajectory_record(traj)[0]
+        queue_s = (queue.end_time_ns - queue.start_time_ns) / 1e9
+        assert queue_s == pytest.approx(record["env_wait_s"] - record["environment"]["latency_s"], abs=0.01)
+        assert (call.end_time_ns - call.start_time_ns) / 1e9 == pytest.approx(record["environment"]["latency_s"],
+                                                                               abs=0.01)
+        assert queue.end_time_ns == call.start_time_ns and call.end_time_ns <= turn1.end_time_ns
+        if traj.turns[0] is waited:
+            assert queue_s >= 0.2 and turn1.attributes["env.queue_s"] >= 0.2
 
 
 def test_a_sample_of_each_training_step_becomes_traces_of_the_train_run(store, two_turn_trajectories):
@@ -226,7 +300,7 @@ def test_a_sample_of_each_training_step_becomes_traces_of_the_train_run(store, t
         reward = two_turn_trajectories[int(trace.info.tags["sample"])].reward
         assert root.outputs["scores"] == {"reward": round(reward.total, 4), "format": round(reward.format, 4),
                                           "answer": round(reward.answer, 4)}
-        assert len(trace.data.spans) == 1 + 3
+        assert len(trace.data.spans) == 1 + 3 + 2 * 2  # 3 turns, 2 of them with queue and environment spans
 
 
 def test_parent_description_lists_each_stage_in_pipeline_order(store, params):

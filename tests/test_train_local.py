@@ -200,6 +200,16 @@ def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_ll
                                f"tags.mlflow.parentRunId = '{run_file['run_id']}'")[0]
     history = client.get_metric_history(child.info.run_id, "critic/score/mean")
     assert sorted(m.step for m in history) == [1, 2]
+    # the reward under its own name (verl's critic/score/mean stays as an alias), on the run and in steps.csv
+    assert steps["reward/mean"].tolist() == steps["critic/score/mean"].tolist()
+    assert sorted(m.step for m in client.get_metric_history(child.info.run_id, "reward/mean")) == [1, 2]
+    # the train run logs its params and its input; the parent gets the last step's reward
+    assert child.data.params["train.steps"] == "2" and child.data.params["agent.model"] == str(tiny_llama_dir)
+    (train_input,) = child.inputs.dataset_inputs
+    assert train_input.dataset.name == "train" and {t.key for t in train_input.tags} >= {"dvc.md5"}
+    parent = client.get_run(run_file["run_id"])
+    assert parent.data.metrics["reward/last_step_mean"] == steps["reward/mean"].iloc[-1]
+    assert parent.data.params["git_commit"] and parent.data.params["train.group_size"]
 
     # Done: a rerun is a no-op that leaves the outputs in place.
     before = (tmp_path / "reports/train/steps.csv").read_text()

@@ -204,8 +204,11 @@ def test_export_steps_csv_from_a_real_mlflow_run(tmp_path, monkeypatch):
     rows = verl_backend.export_steps_csv(run.info.run_id, tmp_path / "steps.csv")
     assert rows == 2
     lines = (tmp_path / "steps.csv").read_text().splitlines()
-    assert lines[0] == "step,actor/kl_loss,critic/score/mean"
-    assert lines[1:] == ["1,0.01,-0.5", "2,0.02,0.25"]
+    # verl's critic/score/mean is GRPO's reward: steps.csv and the run also name it reward/mean
+    assert lines[0] == "step,actor/kl_loss,critic/score/mean,reward/mean"
+    assert lines[1:] == ["1,0.01,-0.5,-0.5", "2,0.02,0.25,0.25"]
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "reward/mean")
+    assert sorted((m.step, m.value) for m in history) == [(1, -0.5), (2, 0.25)]
 
 
 def test_tracking_uri_with_credentials_never_reaches_verl_overrides(tmp_path, monkeypatch, params):

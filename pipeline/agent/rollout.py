@@ -22,7 +22,11 @@ Design decisions:
   else in flight; the environment calls of one round run concurrently, and a round's generation waits for
   them (the agent needs the replies).
 - **Timings per trajectory:** `generation_s` adds the wall time of every batch the trajectory was part of
-  (it waited that long); `environment_s` adds its own environment calls' wall time (queueing included).
+  (it waited that long); `environment_s` adds its own environment calls' wall time (queueing included);
+  `wall_s` runs from the rollout's start to the moment the trajectory finished, its own wall time. Each turn
+  records when it started (`started_s`) and how long its environment call took from asking to reply
+  (`env_wait_s`, queueing for a free connection included; the reply's `latency_s` is the request alone), so
+  a trace can show the queue apart from the environment's latency.
 - **Grouping:** trajectories are returned item-major (item0 x G, item1 x G, ...), the order GRPO groups in.
 - **One record of a trajectory** (`trajectory_record`): the JSON shape that evaluation predictions and the
   served pyfunc model both output, kept beside the loop that fills the trajectory.
@@ -56,6 +60,8 @@ class _Live:
     traj: Trajectory
     env_history: list[dict[str, str]] = field(default_factory=list)
     done: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    """perf_counter at the rollout's start."""
 
     @property
     def context(self) -> list[int]:
@@ -65,6 +71,7 @@ class _Live:
 def _finish(live: _Live, reason: StopReason, bar: Any) -> None:
     live.done = True
     live.traj.stop_reason = reason
+    live.traj.wall_s = time.perf_counter() - live.started
     bar.update(1)
 
 
@@ -100,12 +107,13 @@ async def rollout(
     builder = ConversationBuilder(policy.tokenizer, env_reply_max_chars)
     rules = TurnRules(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_response_tokens=max_response_tokens)
     lives: list[_Live] = []
+    started = time.perf_counter()
     for item in items:
         prompt_ids = builder.start(item.messages)
         for _ in range(group_size):
             traj = Trajectory(item=item, prompt_ids=list(prompt_ids),
                               response_logprobs=[] if return_logprobs else None)
-            lives.append(_Live(traj))
+            lives.append(_Live(traj, started=started))
 
     own_bar = isinstance(progress, bool)
     if not own_bar:  # the caller's bar (evaluation): one count per finished trajectory, not closed here
@@ -141,7 +149,7 @@ async def rollout(
                 traj.generation_s += elapsed
                 parsed = parse_turn(builder.think_opener + gen.text)
                 turn = Turn(parsed=parsed, agent_token_ids=list(gen.token_ids), agent_logprobs=gen.logprobs,
-                            generation_s=elapsed)
+                            generation_s=elapsed, started_s=start - live.started)
                 traj.turns.append(turn)
                 _append(traj, gen.token_ids, 1, gen.logprobs)
                 decision = rules.after_agent_turn(parsed, turn_number=turn_index, hit_limit=gen.finish_reason == "length",
@@ -159,6 +167,7 @@ async def rollout(
             for (live, turn, prompt), (reply, seconds) in zip(asking, replies, strict=True):
                 traj = live.traj
                 traj.environment_s += seconds
+                turn.env_wait_s = seconds
                 traj.usage.add(reply)
                 live.env_history += [{"role": "user", "content": prompt},
                                      {"role": "assistant", "content": reply.text}]
@@ -212,8 +221,10 @@ def trajectory_record(traj: Trajectory) -> list[dict[str, Any]]:
             "text": p.text, "think": p.think, "interaction_prompt": p.interaction_prompt, "answer": p.answer,
             "valid_intermediate": p.valid_intermediate, "complete_final": p.complete_final, "issues": p.issues,
             "agent_tokens": len(turn.agent_token_ids), "generation_s": round(turn.generation_s, 4),
+            "started_s": round(turn.started_s, 4),
         }
         if turn.env_reply is not None:
             rec["environment"] = asdict(turn.env_reply)
+            rec["env_wait_s"] = round(turn.env_wait_s, 4)
         out.append(rec)
     return out

@@ -10,8 +10,11 @@
   the run is comparable.
 - `traces`: what MLflow shows of the answers: one trace per evaluated trajectory (spans per turn, scores on
   the root) and the predictions table.
-- `report`: turn that content into files (metrics.json, predictions, plot data, PNG plots, summary.md)
-  and MLflow records.
+- `verdict`: summary.md's opening: which system wins and by how much, why when the setup is not the
+  paper's, each metric's definition and its one spelling.
+- `report`: turn that content into files (metrics.json, headline.json, predictions, plot data, PNG plots,
+  summary.md) and MLflow records.
 
-Imports point one way inside the package: `report` → `costs`, `paper`, `traces` → `scores` → `systems`.
+Imports point one way inside the package: `report` → `costs`, `paper`, `traces`, `verdict` → `scores` →
+`systems`; `paper` → `verdict`.
 """

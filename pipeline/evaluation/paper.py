@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from pipeline.evaluation.verdict import metric_label
+
 if TYPE_CHECKING:
     from pipeline.config import Params
 
@@ -91,5 +93,5 @@ def paper_markdown(comparison: dict[str, Any]) -> list[str]:
             delta = f"{r['delta']:+.2f}"
         else:
             delta = "no score of ours" if r["ours"] is None else f"not comparable ({', '.join(comparison['differs'])})"
-        lines.append(f"| {r['system']} | {r['scope']} | {r['metric'].upper()} | {r['paper']:.2f} | {ours} | {delta} |")
+        lines.append(f"| {r['system']} | {r['scope']} | {metric_label(r['metric'])} | {r['paper']:.2f} | {ours} | {delta} |")
     return lines

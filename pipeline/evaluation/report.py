@@ -1,7 +1,8 @@
 """The evaluation report: metrics.json's content turned into files and MLflow records.
 
 Outputs, all under `reports/eval/`:
-- `metrics.json`: the content `scores.aggregate` builds plus environment usage and wall time (DVC metrics);
+- `metrics.json`: the content `scores.aggregate` builds plus environment usage and wall time (a DVC output);
+- `headline.json`: the few figures two runs are compared on (`pipeline.headline`; the one DVC metric);
 - `plot_data.csv`: F1, the one metric every dataset reports, per dataset × system with CI bounds (the DVC
   bar plot);
 - `plots/<dataset>.png`: bars with CI error bars for every metric the dataset reports;
@@ -9,8 +10,9 @@ Outputs, all under `reports/eval/`:
   modes, the trajectory as JSON, environment usage;
 - `quality_cost.csv` and `plots/quality_vs_cost.png`: one point per system and split, F1 against the
   environment tokens per question (the DVC scatter plot and its labelled PNG);
-- `summary.md`: the averages, deltas, per-dataset means, cost beside quality (per question and one-off),
-  environment usage, and the paper's numbers beside ours (`paper`), in tables.
+- `summary.md`: the verdict and the metrics' definitions first (`verdict`), then the averages, deltas,
+  per-dataset means, cost beside quality (per question and one-off), environment usage, and the paper's
+  numbers beside ours (`paper`), in tables.
 
 Design decisions:
 - **Atomic writes** (temporary file + rename): a killed stage never leaves a half-written output.
@@ -20,7 +22,8 @@ Design decisions:
 - **MLflow** gets one sentence for the run's description (`describe_evaluation`: systems, rows, F1 per
   system and split), the same numbers under flat keys (`flat_metrics`), the evaluation rows as dataset inputs,
   the predictions as a table (`evaluation.traces.evaluation_table`, each row naming its trace), and the
-  files above as artifacts of the evaluate run. The table's text (predictions and turns that may quote the
+  files above as artifacts of the evaluate run; the parent run gets the headline figures
+  (`headline.parent_metrics`), so two pipeline runs compare on their parents alone. The table's text (predictions and turns that may quote the
   environment's replies) is sanitised first (`pipeline.environment.sanitize`): secrets redacted, control
   characters escaped, each string capped (`evaluation_table`).
 - Plots are drawn with matplotlib's Agg backend (no display), imported only when plotting.
@@ -39,11 +42,13 @@ import pyarrow as pa
 from pipeline import metrics as M
 from pipeline.data.schema import write_json_atomic, write_parquet_atomic, write_text_atomic
 from pipeline.environment.sanitize import redact_value
-from pipeline.evaluation.costs import quality_cost_rows
+from pipeline.evaluation.costs import STEPS_CSV, gepa_prompt_path, quality_cost_rows
 from pipeline.evaluation.paper import paper_markdown
 from pipeline.evaluation.scores import SPLITS, Scores, other_mode
 from pipeline.evaluation.systems import SYSTEM_LABELS, Answer
 from pipeline.evaluation.traces import TraceIds, evaluation_table
+from pipeline.evaluation.verdict import gepa_kept_seed, metric_label, system_label, verdict_markdown
+from pipeline.headline import HEADLINE_FILE, headline, last_step_reward, parent_metrics
 from pipeline.types import EvalRow
 
 if TYPE_CHECKING:
@@ -111,7 +116,7 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
             means = np.array([c["mean"] for c in cis])
             err = np.array([[c["mean"] - c["low"] for c in cis], [c["high"] - c["mean"] for c in cis]])
             ax.bar(x + (k - (len(systems) - 1) / 2) * width, means, width, yerr=err, capsize=3, label=system)
-        ax.set_xticks(x, [m.upper() for m in metrics_])
+        ax.set_xticks(x, [metric_label(m) for m in metrics_])
         ax.set_ylim(0, 105)
         ax.set_ylabel("score (points)")
         ax.set_title(f"{d} ({summary['mode']} mode, {int(summary['confidence'] * 100)}% bootstrap CI)", fontsize=9)
@@ -140,7 +145,7 @@ def write_quality_cost_plot(points: pd.DataFrame, path: Path) -> Path:
             ax.annotate(r["system"], (r["env_tokens_per_question"], r[PLOT_METRIC]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("environment tokens per question")
-    ax.set_ylabel(f"{PLOT_METRIC.upper()} (points)")
+    ax.set_ylabel(f"{metric_label(PLOT_METRIC)} (points)")
     ax.set_title("Quality against cost (one point per system and split)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -149,7 +154,7 @@ def write_quality_cost_plot(points: pd.DataFrame, path: Path) -> Path:
     return path
 
 
-def cost_markdown(summary: dict[str, Any]) -> list[str]:
+def cost_markdown(summary: dict[str, Any], kept_seed: bool = False) -> list[str]:
     """summary.md's cost section: per-question cost beside the average F1, then the one-off costs."""
     prices = summary["cost"]["prices"]
     lines = ["## Cost beside quality", "",
@@ -171,7 +176,7 @@ def cost_markdown(summary: dict[str, Any]) -> list[str]:
             once_cells = [once["what"], str(once["env_requests"]),
                           str(once["prompt_tokens"] + once["completion_tokens"]), f"{once['usd']:.4f}",
                           f"{once['hours']:.4f}"]
-        lines.append(f"| {s} | {f1[0]} | {f1[1]} | {inf['env_requests_per_question']:.2f} | "
+        lines.append(f"| {system_label(s, kept_seed)} | {f1[0]} | {f1[1]} | {inf['env_requests_per_question']:.2f} | "
                      f"{inf['env_tokens_per_question']:.1f} | {inf['usd_per_question']:.6f} | {inf['usd']:.4f} | "
                      + " | ".join(once_cells) + " |")
     return lines
@@ -194,16 +199,29 @@ def describe_evaluation(summary: dict[str, Any]) -> str:
             f"{PLOT_METRIC.upper()} ID / OOD in points: " + "; ".join(scores) + ".")
 
 
+def _gepa_record(summary: dict[str, Any], params: Params) -> dict[str, Any] | None:
+    """data/gepa/prompt.json when gepa was evaluated and the file is there (its seed/optimised instructions)."""
+    path = gepa_prompt_path(params)
+    if "gepa" not in summary["systems"] or not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def summary_markdown(summary: dict[str, Any], params: Params) -> str:
-    """A short human-readable report of metrics.json."""
+    """A short human-readable report of metrics.json: the verdict first (`verdict`), then the tables."""
     mode = summary["mode"]
     systems = summary["systems"]
+    gepa_record = _gepa_record(summary, params)
+    kept = gepa_kept_seed(gepa_record)
     lines = [
         "# Evaluation summary",
         "",
-        (f"{summary['rows_per_dataset']} rows per dataset; scores in points; metrics mode `{mode}` "
-        f"(the `{other_mode(mode)}` numbers are in metrics.json); {int(summary['confidence'] * 100)}% bootstrap CIs "
-        f"in brackets."),
+        *verdict_markdown(summary, params, gepa_record),
+        "",
+        "## Setup",
+        "",
+        (f"{summary['rows_per_dataset']} rows per dataset; metrics mode `{mode}` "
+        f"(the `{other_mode(mode)}` numbers are in metrics.json)."),
         "",
         "Systems: " + "; ".join(f"`{s}` = {SYSTEM_LABELS.get(s, s)}" for s in systems) + ".",
         f"env_only prompt: the question, a blank line, then: \"{params.evaluate.env_only_instruction}\"",
@@ -216,7 +234,8 @@ def summary_markdown(summary: dict[str, Any], params: Params) -> str:
     for s in systems:
         for split in SPLITS:
             av = summary["averages"][s][split]
-            lines.append(f"| {s} | {split} | " + " | ".join(format_ci(av.get(m)) for m in SUMMARY_METRICS) + " |")
+            lines.append(f"| {system_label(s, kept)} | {split} | "
+                         + " | ".join(format_ci(av.get(m)) for m in SUMMARY_METRICS) + " |")
     if summary["deltas"]:
         lines += ["", "## Deltas of prompt_r1 (paired bootstrap)", "", "| vs | split | EM | F1 | SSim | SM |",
                   "|---|---|---|---|---|---|"]
@@ -226,19 +245,19 @@ def summary_markdown(summary: dict[str, Any], params: Params) -> str:
                 for m in SUMMARY_METRICS:
                     c = per_split[split].get(m)
                     cells.append("–" if c is None else f"{c['delta']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]")
-                lines.append(f"| {vs.removeprefix('vs_')} | {split} | " + " | ".join(cells) + " |")
+                lines.append(f"| {system_label(vs.removeprefix('vs_'), kept)} | {split} | " + " | ".join(cells) + " |")
     lines += ["", "## Per dataset (mean)", "", "| dataset | metric | " + " | ".join(systems) + " |",
               "|---|---|" + "---|" * len(systems)]
     for d, per_system in summary["per_dataset"].items():
         for m in M.reported_metrics(d):
-            lines.append(f"| {d} | {m.upper()} | " + " | ".join(f"{per_system[s][m]['mean']:.2f}" for s in systems)
+            lines.append(f"| {d} | {metric_label(m)} | " + " | ".join(f"{per_system[s][m]['mean']:.2f}" for s in systems)
                          + " |")
     if "cost" in summary:
-        lines += ["", *cost_markdown(summary)]
+        lines += ["", *cost_markdown(summary, kept)]
     lines += ["", "## Environment usage (calls this run sent)", "", ("| system | calls | cache hits | prompt tok | completion tok | errors |"
               " cost USD |"), "|---|---|---|---|---|---|---|"]
     for s, u in summary["env_usage"].items():
-        lines.append(f"| {s} | {u['calls']} | {u['cache_hits']} | {u['prompt_tokens']} | {u['completion_tokens']} |"
+        lines.append(f"| {system_label(s, kept)} | {u['calls']} | {u['cache_hits']} | {u['prompt_tokens']} | {u['completion_tokens']} |"
                      f" {u['errors']} | {u['cost_usd']:.4f} |")
     if "paper" in summary:
         lines += ["", *paper_markdown(summary["paper"])]
@@ -294,6 +313,8 @@ def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, params: Pa
             redacted[column] = redacted[column].map(redact_value, na_action="ignore")
     write_parquet_atomic(pa.Table.from_pandas(redacted, preserve_index=False), out_dir / "predictions.parquet")
     write_json_atomic(summary, out_dir / "metrics.json")
+    steps_csv = params.path(params.paths.reports_dir) / STEPS_CSV
+    write_json_atomic(headline(summary, last_step_reward(steps_csv)), out_dir / HEADLINE_FILE)
     write_text_atomic(plot_rows(summary).to_csv(index=False), out_dir / "plot_data.csv")
     plots = write_plots(summary, out_dir / "plots")
     if "cost" in summary:
@@ -318,18 +339,19 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
     and the report files, to the active run."""
     import mlflow
 
-    from pipeline.tracking import log_dataset_inputs
+    from pipeline.tracking import log_dataset_inputs, log_parent_metrics
 
     mlflow.log_params({"evaluate.rows_per_dataset": params.evaluate.rows_per_dataset,
                        "evaluate.systems": ",".join(summary["systems"]),
                        "evaluate.metrics_mode": params.evaluate.metrics_mode,
                        "evaluate.agent_engine": summary.get("agent_engine", params.evaluate.agent_engine)})
     mlflow.log_metrics(flat_metrics(summary))
+    log_parent_metrics(parent_metrics(summary))
     eval_dir = params.path(params.paths.rl_dir) / "eval"
     log_dataset_inputs({f"eval/{d}": (_input_frame(rows), eval_dir / f"{d}.parquet")
                         for d, rows in rows_by_ds.items()}, context="evaluation")
     mlflow.log_table(evaluation_table(predictions, trace_ids or {}), artifact_file="eval/predictions.json")
-    for name in ("metrics.json", "summary.md", "plot_data.csv", "quality_cost.csv"):
+    for name in ("metrics.json", HEADLINE_FILE, "summary.md", "plot_data.csv", "quality_cost.csv"):
         if (out_dir / name).is_file():
             mlflow.log_artifact(str(out_dir / name), artifact_path="eval")
     for path in plots:

@@ -127,7 +127,7 @@ def run_system(system: str, answer_batch: AnswerBatch, rows_by_ds: dict[str, lis
 def _answer_from(traj: Trajectory) -> Answer:
     return Answer(prediction=traj.answer, turns=traj.num_turns, stop_reason=traj.stop_reason,
                   trajectory=trajectory_record(traj), usage=traj.usage,
-                  seconds=traj.generation_s + traj.environment_s)
+                  seconds=traj.wall_s or traj.generation_s + traj.environment_s)
 
 
 def _prompt_items(rows: Sequence[EvalRow]) -> list[PromptItem]:
@@ -204,13 +204,15 @@ def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
 
     async def one(row: EvalRow) -> Answer:
         prompt = env_only_prompt(row.question, instruction)
+        start = time.perf_counter()
         reply = await env.reply([], prompt)
+        waited = time.perf_counter() - start  # queueing for a free connection included (a cache hit: ~0)
         usage = UsageStats()
         usage.add(reply)
         prediction = "" if reply.error else reply.text.strip()
         return Answer(prediction=prediction, turns=1, stop_reason="error" if reply.error else "answer",
-                      trajectory=[{"prompt": prompt, "environment": asdict(reply)}], usage=usage,
-                      seconds=reply.latency_s)
+                      trajectory=[{"prompt": prompt, "environment": asdict(reply), "env_wait_s": round(waited, 4)}],
+                      usage=usage, seconds=waited)
 
     async def answer_batch(chunk: Sequence[EvalRow], _bar: Any) -> list[Answer]:
         return list(await asyncio.gather(*(one(r) for r in chunk)))

@@ -6,7 +6,8 @@
 Both run inside `tracking.stage_run(params, "train", new_parent=True)`: a trained model starts a new
 pipeline execution (parent run), recorded in `reports/mlflow_run.json` for the later stages.
 
-The stage ends by describing itself (`tracking.describe_stage`): model, backend, steps, last reward.
+The stage ends by describing itself (`tracking.describe_stage`): model, backend, steps, last reward; and
+by logging its params, its input dataset and the last step's reward on the parent (`pipeline.train.record`).
 The trajectory log reaches MLflow as a sanitised copy (`pipeline.environment.sanitize`): it holds the
 environment's replies, untrusted text.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from pipeline import tracking
 from pipeline.config import Params
 from pipeline.environment.sanitize import sanitized_json_copy
+from pipeline.train.record import log_training_record
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ def run_train(params: Params) -> None:
                 log.warning("train.warmup is a local-backend feature: ignored with backend verl")
 
             train_verl(params, run)
+            log_training_record(params)
             tracking.describe_stage("train", describe_training(params, {}))
             # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.
             from pipeline.train.step_metrics import steps_csv_path
@@ -70,8 +73,10 @@ def run_train(params: Params) -> None:
 
         if training_complete(params):
             _relog_curve(params)
+            log_training_record(params)
             return
         final = train_local(params, run)
+        log_training_record(params)
         tracking.describe_stage("train", describe_training(params, final))
         csv = steps_csv_path(params)
         if csv.is_file():
@@ -93,7 +98,7 @@ def describe_training(params: Params, final: dict[str, float]) -> str:
            else f"GRPO (local backend{', LoRA' if cfg.lora.enabled else ''})")
     sentence = (f"Trained the agent {params.agent.model} with {how} for {cfg.steps} steps of {cfg.batch_size} "
                 f"questions × {cfg.group_size} trajectories")
-    reward = final.get("critic/score/mean")
+    reward = final.get("reward/mean", final.get("critic/score/mean"))
     if reward is not None and math.isfinite(reward):
         sentence += f"; mean reward at the last step {reward:.3f}"
     return sentence + "."

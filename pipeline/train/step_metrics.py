@@ -3,7 +3,9 @@
 Design decisions:
 - **verl's metric names** (`critic/score/mean`, `response_length/mean`, `actor/…`, `timing_s/…`) so local and
   verl curves compare directly; reward parts, stop reasons and environment usage are added under `reward/`,
-  `rollout/` and `env/`.
+  `rollout/` and `env/`. The reward also goes by its own name, `reward/mean` (`/max`, `/min`, `/std`): GRPO
+  has no critic, and a person looking for the reward finds it there (verl's runs get it from
+  `verl_backend.export_steps_csv`).
 - **steps.csv is rewritten atomically** (temp file + replace) after every step, one row per finished step.
   On resume, rows after the resumed checkpoint are dropped: those steps run again, and no step appears twice.
 - **MLflow only inside an active run** and only finite numbers (NaN/inf would fail the logging call).
@@ -46,6 +48,11 @@ def rollout_metrics(trajectories: list[Trajectory], scores: torch.Tensor, advant
     turns = [t.num_turns for t in trajectories]
     adv_mean, adv_max, adv_min = masked_stats(advantages, mask)
     m: dict[str, float] = {
+        # The reward under its own name (GRPO has no critic); verl's names stay as aliases below.
+        "reward/mean": float(scores.mean()),
+        "reward/max": float(scores.max()),
+        "reward/min": float(scores.min()),
+        "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
         "critic/score/mean": float(scores.mean()),
         "critic/score/max": float(scores.max()),
         "critic/score/min": float(scores.min()),

@@ -266,16 +266,31 @@ def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Pat
     return rc, "\n".join(tail)
 
 
+VERL_REWARD_ALIASES = {"critic/score/mean": "reward/mean", "critic/score/max": "reward/max",
+                       "critic/score/min": "reward/min"}
+"""verl names GRPO's reward `critic/score/*`; the run and steps.csv also get it as `reward/*` (step_metrics)."""
+
+
 def export_steps_csv(run_id: str, path: Path) -> int:
-    """Write the run's per-step metrics (verl's names) as `step,<metric>,…`; returns the number of steps."""
+    """Write the run's per-step metrics (verl's names, plus `reward/*` for verl's `critic/score/*`, also logged
+    to the run) as `step,<metric>,…`; returns the number of steps."""
     import mlflow
+    from mlflow.entities import Metric
 
     client = mlflow.MlflowClient()
-    keys = sorted(client.get_run(run_id).data.metrics)
+    logged = client.get_run(run_id).data.metrics
     by_step: dict[int, dict[str, float]] = collections.defaultdict(dict)
-    for key in keys:
+    aliases: list[Metric] = []
+    for key in sorted(logged):
         for m in client.get_metric_history(run_id, key):
             by_step[m.step][key] = m.value
+            alias = VERL_REWARD_ALIASES.get(key)
+            if alias is not None and alias not in logged:
+                by_step[m.step][alias] = m.value
+                aliases.append(Metric(alias, m.value, m.timestamp, m.step))
+    for i in range(0, len(aliases), 500):
+        client.log_batch(run_id, metrics=aliases[i : i + 500])
+    keys = sorted({k for row in by_step.values() for k in row})
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=["step", *keys])

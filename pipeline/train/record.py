@@ -1,0 +1,66 @@
+"""What the train stage's MLflow run says besides its curves: its params, its input, its headline figure.
+
+Design decisions:
+- **Params on the train run**: the sections the stage reads (dvc.yaml's `train` params: seed, agent,
+  environment, reward, train), flattened as on the parent run, so the train run can be compared on its own
+  (the parent run keeps every param). Secrets never are params (the environment's key is named by
+  `api_key_env`, never held).
+- **The input as an MLflow dataset**: `data/rl/train.parquet`, tagged with its DVC md5
+  (`tracking.log_dataset_inputs`). The dataset is a light view (data source, question, gold answers as
+  JSON): MLflow infers a schema from it, which the nested chat-message columns would not give.
+- **The headline figure on the parent run**: the last step's mean reward (`pipeline.headline`), read back
+  from `reports/train/steps.csv`, which both backends write (verl's through `export_steps_csv`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from pipeline.config import flatten_dict
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from pipeline.config import Params
+
+TRAIN_SECTIONS = ("seed", "agent", "environment", "reward", "train")
+"""The params the train stage reads (dvc.yaml), logged on its run."""
+
+
+def training_params(params: Params) -> dict[str, Any]:
+    """The train run's params: `TRAIN_SECTIONS` flattened (`train.lr`, `agent.model`, …), plus the profile."""
+    dumped = params.model_dump(mode="json")
+    return {"profile": params.profile, **flatten_dict({k: dumped[k] for k in TRAIN_SECTIONS})}
+
+
+def train_input_frame(path: Any) -> pd.DataFrame:
+    """train.parquet as MLflow shows it: data source, question (the prompt's last message), golds as JSON."""
+    import pandas as pd
+
+    frame = pd.read_parquet(path, columns=["data_source", "prompt", "reward_model"])
+    return pd.DataFrame({
+        "data_source": frame["data_source"].astype(str),
+        "question": [str(list(p)[-1]["content"]) for p in frame["prompt"]],
+        "gold_answers": [json.dumps([str(g) for g in list(r["ground_truth"])], ensure_ascii=False)
+                         for r in frame["reward_model"]],
+    })
+
+
+def log_training_record(params: Params) -> None:
+    """Into the active train run: its params and its input dataset; onto the parent: the last step's reward."""
+    import mlflow
+
+    from pipeline import tracking
+    from pipeline.headline import LAST_REWARD_METRIC, last_step_reward
+    from pipeline.train.step_metrics import steps_csv_path
+
+    items = [(k, "" if v is None else str(v)[:500]) for k, v in training_params(params).items()]
+    for i in range(0, len(items), 100):
+        mlflow.log_params(dict(items[i : i + 100]))
+    train_file = params.path(params.paths.rl_dir) / "train.parquet"
+    if train_file.is_file():
+        tracking.log_dataset_inputs({"train": (train_input_frame(train_file), train_file)}, context="training")
+    reward = last_step_reward(steps_csv_path(params))
+    if reward is not None:
+        tracking.log_parent_metrics({LAST_REWARD_METRIC: reward})

@@ -1,0 +1,86 @@
+"""summary.md says what it found: the verdict first (who wins, by how much, with the CI, and why when the setup
+is not the paper's), each metric defined once, one spelling (SSim), and gepa's rows saying when GEPA kept the
+seed instruction. On evaluation outputs real runs recorded (benchmarks/results)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.evaluation.paper import paper_comparison
+from pipeline.evaluation.report import summary_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = ROOT / "benchmarks" / "results" / "pipeline_avx512_final_eval_metrics.json"
+"""A default-profile run: env_only ID F1 5.64 against prompt_r1's 1.09, Δ −4.55 [−7.66, −2.01]."""
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+@pytest.fixture()
+def recorded(params, tmp_path):
+    params.paths.gepa_dir = str(FIXTURES / "gepa")  # a gepa record that kept the seed (candidate 0)
+    params.paths.reports_dir = str(tmp_path / "reports")
+    return json.loads(RECORDED.read_text()), params
+
+
+def _section(md: str, title: str) -> str:
+    return md.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_verdict_opens_the_summary_with_the_winner_the_difference_and_why(recorded):
+    summary, params = recorded
+    md = summary_markdown(summary, params)
+    assert md.startswith("# Evaluation summary\n\n## Verdict\n\n")
+    verdict = _section(md, "Verdict")
+    assert ("ID: `env_only` wins with F1 5.64 [3.31, 8.86]; `prompt_r1` has 1.09 [0.30, 2.06]: Δ -4.55 "
+            "[-7.66, -2.01] points (`prompt_r1` − `env_only`, paired bootstrap); the CI excludes 0") in verdict
+    assert "OOD: `env_only` wins" in verdict
+    # why this run is not the paper's: what differs, and what it does to the ordering
+    assert "This is not the paper's setup (agent is smollm2-135m-instruct.q4_1, not Qwen3-4B;" in verdict
+    assert "a 135M-parameter environment instead of GPT-4o-mini" in verdict
+    assert "4 rows per set instead of 128" in verdict
+    assert "GEPA kept the seed instruction" in verdict
+
+
+def test_each_metric_is_defined_once_and_spelled_one_way(recorded):
+    summary, params = recorded
+    md = summary_markdown(summary, params)
+    for name in ("EM", "SM", "F1", "SSim"):
+        assert md.count(f"- **{name}**:") == 1, name
+    assert "SSIM" not in md and "| SSim |" in md
+    assert "| booksum | SSim |" in md  # the per-dataset table
+    assert "| prompt_r1 | writingprompts | SSim |" in md  # the paper's table
+
+
+def test_gepa_rows_say_when_gepa_kept_the_seed(recorded, tmp_path):
+    summary, params = recorded
+    md = summary_markdown(summary, params)
+    averages = _section(md, "Averages")
+    assert "| gepa (kept the seed) | id |" in averages and "| gepa | id |" not in averages
+    assert "| gepa (kept the seed) | id |" in _section(md, "Deltas of prompt_r1 (paired bootstrap)")
+    # a record whose optimised instruction is a proposal: plain `gepa`, and no such sentence
+    record = json.loads((FIXTURES / "gepa" / "prompt.json").read_text())
+    record["optimised"] = {**record["optimised"], "candidate": 2, "instruction": "Reply with the answer only."}
+    (tmp_path / "gepa").mkdir()
+    (tmp_path / "gepa" / "prompt.json").write_text(json.dumps(record))
+    params.paths.gepa_dir = str(tmp_path / "gepa")
+    md = summary_markdown(summary, params)
+    assert "| gepa | id |" in _section(md, "Averages") and "kept the seed" not in md
+
+
+def test_verdict_when_prompt_r1_wins_on_the_papers_setup(recorded):
+    summary, params = copy.deepcopy(recorded[0]), recorded[1]
+    summary["averages"]["prompt_r1"]["id"]["f1"] = {"mean": 42.45, "low": 40.0, "high": 45.0}
+    summary["deltas"]["vs_env_only"]["id"]["f1"] = {"delta": 1.2, "low": -0.5, "high": 2.9}
+    params.agent.model = "Qwen/Qwen3-4B"
+    params.environment.model = params.environment.served_name = "gpt-4o-mini"
+    summary["rows_per_dataset"] = 128
+    summary["paper"] = paper_comparison(summary, params)
+    verdict = _section(summary_markdown(summary, params), "Verdict")
+    assert ("ID: `prompt_r1` wins with F1 42.45 [40.00, 45.00], ahead of `env_only` (5.64 [3.31, 8.86]): "
+            "Δ +1.20 [-0.50, +2.90] points (`prompt_r1` − `env_only`, paired bootstrap); the CI includes 0: "
+            "within noise") in verdict
+    assert "not the paper's setup" not in verdict
