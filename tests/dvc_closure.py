@@ -91,13 +91,17 @@ def verb_modules() -> dict[str, set[str]]:
             verbs[verb] = {target.split(":")[0]}
             continue
         body = ast.parse(textwrap.dedent(inspect.getsource(command)))
-        verbs[verb] = {n.module for n in ast.walk(body)
-                       if isinstance(n, ast.ImportFrom) and n.module and module_file(n.module)}
+        verbs[verb] = {
+            n.module
+            for n in ast.walk(body)
+            if isinstance(n, ast.ImportFrom) and n.module and module_file(n.module)
+        }
     return verbs
 
 
 def render(text: str, params: dict, item: str | None) -> str:
     """DVC's `${paths.x}` / `${item}` templating, enough for dvc.yaml's use of it."""
+
     def lookup(match: re.Match) -> str:
         key = match.group(1)
         if key == "item":
@@ -118,15 +122,19 @@ def stages() -> list[tuple[str, str, list[str]]]:
     for name, stage in dvc["stages"].items():
         item = None
         if "foreach" in stage:
-            items = render(stage["foreach"], params, None) if isinstance(stage["foreach"], str) else stage["foreach"]
+            items = (
+                render(stage["foreach"], params, None)
+                if isinstance(stage["foreach"], str)
+                else stage["foreach"]
+            )
             item = yaml.safe_load(items)[0] if isinstance(items, str) else items[0]
             stage = stage["do"]
-        deps = [render(next(iter(d)) if isinstance(d, dict) else d, params, item) for d in stage.get("deps", [])]
+        deps = [
+            render(next(iter(d)) if isinstance(d, dict) else d, params, item) for d in stage.get("deps", [])
+        ]
         verb = render(stage["cmd"], params, item).split()[1]
         out.append((name, verb, deps))
     return out
-
-
 
 
 CLI_STAGE_PATH = ("main", "_load", "_load_runnable", "_run", "_run_stage", "_params_command")

@@ -1,0 +1,179 @@
+"""dvc.yaml's `params:` lists are exact: each stage lists the keys its code reads, and only those.
+
+DVC reruns a stage when a listed param changes. A key the code reads but the stage does not list lets
+`dvc repro` call a changed result "up to date"; a listed key the code does not read (a whole `mlflow` section
+for the sake of one key) reruns training when `mlflow.trace_evaluation`, which only evaluate's MLflow traces
+read, is edited. The keys a stage reads are computed from its code (tests/param_reads.py: attribute chains on
+`Params` and its section models in the functions the stage's command reaches); a section may be listed whole
+only when the stage reads every key of it, and `environment`, `mlflow` and `paths` never whole (they hold keys
+for every stage: listed leaf by leaf, a key added later reruns only the stages that read it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from code_index import NODES, dotted, leaves, parse_key
+from dvc_closure import ROOT
+from param_reads import code_reads, overdeclared, stage_reads, uncovered
+
+LEAF_ONLY_SECTIONS = ("environment", "mlflow", "paths")
+"""Sections no stage may list whole."""
+
+
+def declared_params() -> list[tuple[str, str, list[str]]]:
+    """(stage, verb, its `params:` list) for every stage of dvc.yaml (a foreach stage: its `do` block)."""
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))
+    out = []
+    for name, stage in dvc["stages"].items():
+        body = stage.get("do", stage)
+        verb = body["cmd"].split()[1]
+        keys = [k if isinstance(k, str) else next(iter(k)) for k in body.get("params", [])]
+        out.append((name, verb, keys))
+    return out
+
+
+STAGES = declared_params()
+READS = {verb: stage_reads(verb) for verb in {verb for _, verb, _ in STAGES}}
+
+
+def _hint(verb: str, key: str) -> str:
+    """Where a read comes from when it is a whole-section read (they are the surprising ones)."""
+    whole = [
+        f"{dotted(k)} read whole at {', '.join(sorted(set(w))[:3])}"
+        for k, w in READS[verb].whole.items()
+        if parse_key(key)[: len(k)] == k
+    ]
+    return f"{key} ({'; '.join(whole)})" if whole else key
+
+
+@pytest.mark.parametrize(("stage", "verb", "declared"), STAGES, ids=[s[0] for s in STAGES])
+def test_stage_declares_every_key_its_code_reads(stage: str, verb: str, declared: list[str]) -> None:
+    missing = uncovered(READS[verb].keys, declared)
+    assert not missing, (
+        f"dvc.yaml stage {stage!r}: its code reads params it does not list, so editing them "
+        f"would not rerun it: {[_hint(verb, k) for k in missing]}"
+    )
+
+
+@pytest.mark.parametrize(("stage", "verb", "declared"), STAGES, ids=[s[0] for s in STAGES])
+def test_stage_declares_no_key_its_code_does_not_read(stage: str, verb: str, declared: list[str]) -> None:
+    extra = overdeclared(READS[verb].keys, declared)
+    assert not extra, (
+        f"dvc.yaml stage {stage!r} lists params its code does not read (editing them reruns it "
+        f"for nothing): {extra}"
+    )
+
+
+@pytest.mark.parametrize(("stage", "verb", "declared"), STAGES, ids=[s[0] for s in STAGES])
+def test_no_stage_lists_a_whole_shared_section(stage: str, verb: str, declared: list[str]) -> None:
+    whole = [k for k in declared if k in LEAF_ONLY_SECTIONS]
+    assert not whole, f"dvc.yaml stage {stage!r} lists whole sections {whole}: list the keys it reads instead"
+
+
+def test_every_stage_depends_on_the_profile() -> None:
+    """Profiles are merged over params.yaml by pipeline.config, which DVC cannot see."""
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))
+    for name, stage in dvc["stages"].items():
+        body = stage.get("do", stage)
+        assert "profile" in body.get("params", []), (
+            f"dvc.yaml stage {name!r} does not list the `profile` param"
+        )
+        assert "profiles" in body.get("deps", []), f"dvc.yaml stage {name!r} does not depend on profiles/"
+
+
+def test_trace_evaluation_reruns_only_evaluate() -> None:
+    """The MLflow-display key that started this: only evaluate's code reads it and only evaluate lists it."""
+    key = ("mlflow", "trace_evaluation")
+    listing = sorted(
+        name
+        for name, _, declared in STAGES
+        if any(key[: len(parse_key(d))] == parse_key(d) for d in declared)
+    )
+    reading = sorted(name for name, verb, _ in STAGES if key in READS[verb].keys)
+    assert listing == reading == ["evaluate"]
+    # Likewise the training-trace key: train alone.
+    key = ("mlflow", "trace_train_samples")
+    assert sorted(name for name, _, declared in STAGES if dotted(key) in declared) == ["train"]
+
+
+def test_a_missing_param_is_reported() -> None:
+    """The check can fail: drop a key evaluate reads, or a section train reads, and it is named."""
+    _, verb, declared = next(s for s in STAGES if s[0] == "evaluate")
+    assert uncovered(READS[verb].keys, [d for d in declared if d != "mlflow.trace_evaluation"]) == [
+        "mlflow.trace_evaluation"
+    ]
+    _, verb, declared = next(s for s in STAGES if s[0] == "train")
+    assert uncovered(READS[verb].keys, [d for d in declared if d != "reward"]) == sorted(
+        dotted(k) for k in leaves(("reward",))
+    )
+
+
+def test_an_unread_param_is_reported() -> None:
+    """The other direction: a whole `mlflow` (what train listed before) and a misspelt key are both named."""
+    _, verb, declared = next(s for s in STAGES if s[0] == "train")
+    extra = overdeclared(READS[verb].keys, [*declared, "mlflow", "train.lrr"])
+    assert extra == {
+        "mlflow": ["mlflow.trace_evaluation"],
+        "train.lrr": ["(no such key in pipeline.config.Params)"],
+    }
+
+
+SAMPLE = """
+import json
+from pipeline.config import EnvironmentConfig, Params
+
+
+class Runner:
+    def __init__(self, params: Params) -> None:
+        self.params = params
+
+    def go(self) -> float:
+        return self.params.train.lr
+
+
+def run(params: Params) -> None:
+    t = params.train
+    env = params.environment
+    helper(env, params.agent.max_turns)
+    print(t.warmup.steps, params.mirror, Runner(params).go())
+    json.dumps(params.reward)                       # handed to a library: every reward key
+    g, a = params.gepa, params.agent
+    print(g.seed)
+
+
+def helper(cfg: EnvironmentConfig, turns: int) -> None:
+    quiet = cfg.model_copy(update={"temperature": 0.0})
+    print(quiet.url, quiet.server.n_ctx)
+
+
+def never_called(params: Params) -> None:
+    print(params.register.alias)
+"""
+
+
+def test_the_analysis_follows_aliases_sections_and_properties(tmp_path: Path) -> None:
+    """The checker itself, on a file it has never seen: aliases (`t = params.train`, tuple unpacking), a
+    section handed to a function annotated to take it, `model_copy`, properties of `Params` and of a section
+    (`mirror`, `url`), an attribute set in `__init__`, a section handed to a library (read whole), and a
+    function nothing calls (not read)."""
+    module = tmp_path / "sample_stage.py"
+    module.write_text(SAMPLE, encoding="utf-8")
+    reads = code_reads({module}, {"run"}).keys
+    expected = {
+        ("profile",),
+        ("train", "lr"),
+        ("train", "warmup", "steps"),
+        ("agent", "max_turns"),
+        ("paths", "mirror"),
+        ("environment", "base_url"),
+        ("environment", "host"),
+        ("environment", "port"),
+        ("environment", "server", "n_ctx"),
+        ("gepa", "seed"),
+        *leaves(("reward",)),
+    }
+    assert reads == expected, {"missing": sorted(expected - reads), "extra": sorted(reads - expected)}
+    assert all(k in NODES for k in reads)
