@@ -11,12 +11,15 @@ for every stage: listed leaf by leaf, a key added later reruns only the stages t
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 from code_index import NODES, dotted, leaves, parse_key
-from dvc_closure import ROOT
+from dvc_closure import ROOT, render
 from param_reads import code_reads, overdeclared, stage_reads, uncovered
 
 LEAF_ONLY_SECTIONS = ("environment", "mlflow", "paths")
@@ -177,3 +180,54 @@ def test_the_analysis_follows_aliases_sections_and_properties(tmp_path: Path) ->
     }
     assert reads == expected, {"missing": sorted(expected - reads), "extra": sorted(reads - expected)}
     assert all(k in NODES for k in reads)
+
+
+def _placeholder_project(project: Path) -> None:
+    """A git+DVC copy of the project (params, profiles, code, dvc.yaml) whose data deps and outs are
+    placeholder files, locked with `dvc commit` as if every stage had run: no data, no model, no training."""
+    for name in ("params.yaml", "dvc.yaml", "profiles", "pipeline"):
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, project / name)
+    params = yaml.safe_load((project / "params.yaml").read_text(encoding="utf-8"))
+    for stage in yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8"))["stages"].values():
+        items = yaml.safe_load(render(stage["foreach"], params, None)) if "foreach" in stage else [None]
+        body = stage.get("do", stage)
+        for item in items:
+            for entry in [
+                e for section in ("deps", "outs", "metrics", "plots") for e in body.get(section, [])
+            ]:
+                path = project / render(next(iter(entry)) if isinstance(entry, dict) else entry, params, item)
+                if not path.exists():
+                    folder = path.parent if path.suffix else path
+                    folder.mkdir(parents=True, exist_ok=True)
+                    (path if path.suffix else path / "placeholder.txt").write_text("{}\n", encoding="utf-8")
+    for command in (["git", "init", "-q"], ["dvc", "init", "-q"], ["dvc", "commit", "-f", "-q"]):
+        subprocess.run(command, cwd=project, check=True, capture_output=True, text=True)
+
+
+def _changed_stages(project: Path) -> list[str]:
+    out = subprocess.run(["dvc", "status", "--json"], cwd=project, check=True, capture_output=True, text=True)
+    return sorted(name for name in json.loads(out.stdout) if name != "sources")  # sources: always_changed
+
+
+def _set(project: Path, section: str, key: str, value: str) -> None:
+    """Edit one `section.key` line of params.yaml in place (comments and order kept, as a person would)."""
+    lines = (project / "params.yaml").read_text(encoding="utf-8").split("\n")
+    start = lines.index(f"{section}:")
+    at = next(i for i in range(start + 1, len(lines)) if lines[i].strip().startswith(f"{key}:"))
+    lines[at] = f"  {key}: {value}"
+    (project / "params.yaml").write_text("\n".join(lines), encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("dvc") is None, reason="needs the dvc command")
+def test_dvc_status_after_editing_an_mlflow_display_key(tmp_path: Path) -> None:
+    """Real DVC on a locked placeholder copy of the project: editing `mlflow.trace_evaluation` marks evaluate
+    alone as changed (with whole `mlflow` sections it marked gepa, train, evaluate and register), and
+    `mlflow.trace_train_samples` adds train alone."""
+    _placeholder_project(tmp_path)
+    assert _changed_stages(tmp_path) == []
+    _set(tmp_path, "mlflow", "trace_evaluation", "false")
+    assert _changed_stages(tmp_path) == ["evaluate"]
+    _set(tmp_path, "mlflow", "trace_train_samples", "0")
+    assert _changed_stages(tmp_path) == ["evaluate", "train"]
