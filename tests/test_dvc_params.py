@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,9 @@ import yaml
 from code_index import NODES, dotted, leaves, parse_key
 from dvc_closure import ROOT, render
 from param_reads import code_reads, overdeclared, stage_reads, uncovered
+from pydantic import BaseModel
+
+from pipeline.config import Params
 
 LEAF_ONLY_SECTIONS = ("environment", "mlflow", "paths")
 """Sections no stage may list whole."""
@@ -231,3 +236,75 @@ def test_dvc_status_after_editing_an_mlflow_display_key(tmp_path: Path) -> None:
     assert _changed_stages(tmp_path) == ["evaluate"]
     _set(tmp_path, "mlflow", "trace_train_samples", "0")
     assert _changed_stages(tmp_path) == ["evaluate", "train"]
+
+
+@contextmanager
+def recording(params: Params) -> Iterator[set[tuple[str, ...]]]:
+    """Every params leaf read through attribute access on `params`' own section objects while inside.
+
+    Copies (`model_copy`) and pydantic's own serialisation (`model_dump`) are not seen: what this records is
+    a lower bound, for checking that the static analysis misses nothing on the paths a test can run."""
+    keys_of: dict[int, tuple[str, ...]] = {}
+
+    def walk(obj: BaseModel, key: tuple[str, ...]) -> None:
+        keys_of[id(obj)] = key
+        for name in type(obj).model_fields:
+            if isinstance(value := obj.__dict__.get(name), BaseModel):
+                walk(value, (*key, name))
+
+    walk(params, ())
+    read: set[tuple[str, ...]] = set()
+    classes = {type(params)} | {m for m in NODES.values() if m is not None}
+
+    def recorder(original: Callable[[object, str], object]) -> Callable[[object, str], object]:
+        def __getattribute__(self: object, name: str) -> object:
+            key = keys_of.get(id(self))
+            if key is not None and (*key, name) in NODES and NODES[(*key, name)] is None:
+                read.add((*key, name))
+            return original(self, name)
+
+        return __getattribute__
+
+    for cls in classes:
+        cls.__getattribute__ = recorder(cls.__getattribute__)
+    try:
+        yield read
+    finally:
+        for cls in classes:
+            del cls.__getattribute__  # back to BaseModel's (no section model defines its own)
+
+
+def test_what_stage_code_reads_at_run_time_is_in_the_static_reads(
+    shared_datasets: Path, tmp_path: Path
+) -> None:
+    """The analysis against the running code, where that is cheap: the sources stage and one sample stage on
+    the mirror, and the pure parts of two heavy stages (verl's overrides for train, the pyfunc's environment
+    for register). Every key they read is in the stage's static reads."""
+    from pipeline.config import load_params
+    from pipeline.data.fingerprint import run_sources
+    from pipeline.data.sample import run_sample
+    from pipeline.register import environment_json
+    from pipeline.train.verl_backend import build_overrides
+
+    folders = {k: str(tmp_path / k) for k in ("sampled_dir", "rl_dir", "reports_dir", "cache_dir")}
+    data = load_params(
+        ROOT / "params.yaml",
+        {"paths": {"mirror": str(shared_datasets), **folders}, "data": {"sample_size": 8}},
+    )
+    paper = load_params(ROOT / "params.yaml", {"profile": "paper"})
+    runs = {
+        "sources": (data, lambda: run_sources(data)),
+        "sample": (data, lambda: run_sample(data, "gsm8k")),
+        "train": (paper, lambda: build_overrides(paper)),
+        "register": (paper, lambda: environment_json(paper)),
+    }
+    recorded = {}
+    for verb, (params, call) in runs.items():
+        with recording(params) as recorded[verb]:
+            call()
+        missed = sorted(dotted(k) for k in recorded[verb] - READS[verb].keys)
+        assert not missed, (
+            f"`promptr1 {verb}` read {missed} at run time, which tests/param_reads.py did not find"
+        )
+    # The comparison can fail: what sample reads at run time is not all in what sources' code reads.
+    assert {("data", "sample_size"), ("seed",)} <= recorded["sample"] - READS["sources"].keys
