@@ -148,6 +148,19 @@ def _module_aliases(tree: ast.Module) -> set[str]:
     return out
 
 
+def _field_init(cls: ast.ClassDef) -> ast.FunctionDef | None:
+    """The `__init__` a class without one gets from its annotated fields (dataclass, NamedTuple, pydantic),
+    so that `Plan(env=params.environment)` hands the section to a field annotated to hold it."""
+    if any(isinstance(n, ast.FunctionDef) and n.name == "__init__" for n in cls.body):
+        return None
+    fields = [n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    if not fields:
+        return None
+    args = [ast.arg(arg="self"), *(ast.arg(arg=n.target.id, annotation=n.annotation) for n in fields)]
+    signature = ast.arguments(posonlyargs=[], args=args, kwonlyargs=[], kw_defaults=[], defaults=[])
+    return ast.FunctionDef(name="__init__", args=signature, body=[], decorator_list=[], type_params=[])
+
+
 @functools.cache
 def _parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -197,6 +210,9 @@ def build_index(files: set[Path]) -> Index:
                     ):
                         index.self_attrs.setdefault((node.name, item.target.id), set()).update(keys)
                         index.field_attrs.setdefault(item.target.id, set()).update(keys)
+                if node.name not in index.functions and (init := _field_init(node)):
+                    index.functions[node.name] = [init]  # a dataclass/NamedTuple: its generated __init__
+                    index.defined_in.setdefault(path, set()).add(init)
             elif isinstance(node, ast.Assign | ast.AnnAssign):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 if isinstance(node.value, ast.Dict):

@@ -131,7 +131,14 @@ def test_an_unread_param_is_reported() -> None:
 
 SAMPLE = """
 import json
-from pipeline.config import EnvironmentConfig, Params
+from dataclasses import dataclass
+from pipeline.config import EnvironmentConfig, Params, RewardConfig
+
+
+@dataclass(frozen=True)
+class Plan:
+    seed: int
+    reward: RewardConfig
 
 
 class Runner:
@@ -147,9 +154,11 @@ def run(params: Params) -> None:
     env = params.environment
     helper(env, params.agent.max_turns)
     print(t.warmup.steps, params.mirror, Runner(params).go())
-    json.dumps(params.reward)                       # handed to a library: every reward key
+    json.dumps(params.register)                     # handed to a library: every register key
     g, a = params.gepa, params.agent
     print(g.seed)
+    plan = Plan(seed=params.seed, reward=params.reward)
+    print(plan.reward.preset)
 
 
 def helper(cfg: EnvironmentConfig, turns: int) -> None:
@@ -158,15 +167,15 @@ def helper(cfg: EnvironmentConfig, turns: int) -> None:
 
 
 def never_called(params: Params) -> None:
-    print(params.register.alias)
+    print(params.evaluate.confidence)
 """
 
 
 def test_the_analysis_follows_aliases_sections_and_properties(tmp_path: Path) -> None:
     """The checker itself, on a file it has never seen: aliases (`t = params.train`, tuple unpacking), a
     section handed to a function annotated to take it, `model_copy`, properties of `Params` and of a section
-    (`mirror`, `url`), an attribute set in `__init__`, a section handed to a library (read whole), and a
-    function nothing calls (not read)."""
+    (`mirror`, `url`), an attribute set in `__init__`, a section kept in a dataclass field, a section handed
+    to a library (read whole), and a function nothing calls (not read)."""
     module = tmp_path / "sample_stage.py"
     module.write_text(SAMPLE, encoding="utf-8")
     reads = code_reads({module}, {"run"}).keys
@@ -181,7 +190,9 @@ def test_the_analysis_follows_aliases_sections_and_properties(tmp_path: Path) ->
         ("environment", "port"),
         ("environment", "server", "n_ctx"),
         ("gepa", "seed"),
-        *leaves(("reward",)),
+        ("seed",),
+        ("reward", "preset"),
+        *leaves(("register",)),
     }
     assert reads == expected, {"missing": sorted(expected - reads), "extra": sorted(reads - expected)}
     assert all(k in NODES for k in reads)
