@@ -18,8 +18,15 @@ and no key it does not (else editing `mlflow.trace_evaluation` reruns training).
   a property or method of a section model reads what its body reads (`env.url` → base_url, host, port).
 - **Whole reads.** A section read as a whole (`model_dump`, `getattr` with a computed name, passed to a
   library function or to a repo function whose parameter is not annotated as a section, returned unannotated,
-  put in a container) reads every key below it. `flatten` (pipeline.config) is MLflow's params view of a run:
-  it shows every key and changes no output, so it is not counted (DISPLAY_ONLY).
+  put in a container) reads every key below it. `getattr` over a literal tuple of names reads those names;
+  `param_value` reads the `$a.b` keys of pipeline/train/verl_overrides.yaml (DATA_READERS). `flatten`
+  (pipeline.config) is MLflow's params view of a run: it shows every key and changes no output, so it is
+  not counted (DISPLAY_ONLY).
+
+Limits: code that another process imports by name is not followed (verl's agent-loop workers: the keys
+`verl_worker_client.LoopSettings.from_params_file` reads are among train's anyway, but a new reader there
+would be missed); a key overwritten in a copy (`model_copy(update=…)`) and read back counts as read (errs
+towards listing it). tests/test_dvc_params.py checks the result against the running code where that is cheap.
 """
 
 from __future__ import annotations
