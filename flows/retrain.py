@@ -127,6 +127,19 @@ STAGE_POLICIES: dict[str, StagePolicy] = {
 }
 DEFAULT_POLICY = StagePolicy()
 
+HEALTH_GATE_MARK = "training health gate"
+"""Start of the line a stage prints when the training health gate stopped it (pipeline/train/health.py)."""
+
+
+def retry_unless_unhealthy(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's retry condition: retry a failed stage unless the training health gate stopped it (a resumed
+    run would train from the same last healthy checkpoint into the same breach, hours of GPU later)."""
+    try:
+        state.result()
+    except Exception as exc:  # noqa: BLE001 - the stage's failure, whatever it is, is what we judge
+        return HEALTH_GATE_MARK not in str(exc)
+    return True
+
 
 @dataclass
 class _Hooks:
@@ -294,7 +307,8 @@ def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> di
                 report.environment_url = start_environment(session)
                 check_environment(report.environment_url, params.environment.api_key_env)
             task_ = run_stage.with_options(name=f"dvc-{stage}", retries=policy.retries,
-                                           retry_delay_seconds=list(policy.retry_delays_s) or 0)
+                                           retry_delay_seconds=list(policy.retry_delays_s) or 0,
+                                           retry_condition_fn=retry_unless_unhealthy)
             report.stages.append(task_(str(root), stage, force, skip=skip))
     except BaseException as exc:
         report.stages.append({"stage": "(failed)", "result": f"{type(exc).__name__}: {str(exc)[:300]}",

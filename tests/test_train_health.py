@@ -357,3 +357,16 @@ def test_register_refuses_a_train_run_the_gate_stopped(tmp_path, repo_root, monk
     with stage_run(params, "train"):
         pass
     check_training_health(params)
+
+
+def test_the_flow_does_not_retry_a_stage_the_health_gate_stopped():
+    """flows/retrain.py retries train once (it resumes); after a breach it must not: same weights, same breach."""
+    from prefect.states import Failed
+
+    from flows.dvc_steps import StageFailed
+    from flows.retrain import retry_unless_unhealthy
+
+    breach = StageFailed("train", 1, "error: training health gate: kl 2.1 breaches 1 at step 14 (...)")
+    crash = StageFailed("train", 1, "RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert retry_unless_unhealthy(None, None, Failed(data=breach)) is False
+    assert retry_unless_unhealthy(None, None, Failed(data=crash)) is True
