@@ -184,7 +184,8 @@ def check(params: ParamsOption = None, set_: SetOption = None) -> None:
 
 @app.command()
 def doctor(
-    rows: Annotated[int, typer.Option("--rows", help="Evaluation rows sent through the environment client.")] = 64,
+    rows: Annotated[int | None, typer.Option(
+        "--rows", help="Evaluation rows sent through the environment client (default 64; 16 with llamacpp).")] = None,
     params: ParamsOption = None,
     set_: SetOption = None,
 ) -> None:

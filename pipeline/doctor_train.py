@@ -53,8 +53,11 @@ def one_step_params(params: Params) -> Params:
     p.mlflow.experiment = f"{params.mlflow.experiment}-doctor"
     v = p.train.verl
     v.save_freq, v.test_freq, v.val_before_train = 1, -1, False
-    v.extra_overrides = [*v.extra_overrides, "trainer.total_training_steps=1",
-                         f"trainer.rollout_data_dir={rollout_dir(params).resolve()}"]
+    v.extra_overrides = [
+        *v.extra_overrides,
+        "trainer.total_training_steps=1",
+        f"trainer.rollout_data_dir={rollout_dir(params).resolve()}",
+    ]
     return p
 
 
@@ -90,14 +93,22 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
         train_verl(p, run)
     actor = ckpt.latest_verl_step(p.path(p.paths.checkpoint_dir))
     dumps = sorted(rollout_dir(doc.params).glob("*.jsonl"))
-    figures = {"checkpoint": str(actor) if actor else None, "rollout_dumps": [d.name for d in dumps],
-               "log": str(p.path(p.paths.reports_dir) / "train" / "verl.log")}
+    figures = {
+        "checkpoint": str(actor) if actor else None,
+        "rollout_dumps": [d.name for d in dumps],
+        "log": str(p.path(p.paths.reports_dir) / "train" / "verl.log"),
+    }
     if actor is None:
-        return failed(f"verl ran but saved no global_step_N/actor under {p.paths.checkpoint_dir}: see "
-                      f"{figures['log']}", **figures)
+        return failed(
+            f"verl ran but saved no global_step_N/actor under {p.paths.checkpoint_dir}: see {figures['log']}",
+            **figures,
+        )
     if not dumps:
-        return failed(f"verl saved {actor.parent.name} but dumped no rollout data into {rollout_dir(doc.params)} "
-                      "(trainer.rollout_data_dir)", **figures)
+        return failed(
+            f"verl saved {actor.parent.name} but dumped no rollout data into {rollout_dir(doc.params)} "
+            "(trainer.rollout_data_dir)",
+            **figures,
+        )
     return passed(f"1 step saved {actor.parent.name}/actor; rollouts dumped to {dumps[-1].name}", **figures)
 
 
@@ -108,9 +119,14 @@ def step_merge(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
         return skipped("no verl checkpoint (the verl step did not run)")
     p = one_step_params(doc.params)
     report = run_merge(p)
-    return passed(f"{report.checkpoint} merged into {p.paths.model_dir}: generated {report.generated_tokens} tokens "
-                  f"({report.sample!r})", source=report.source, step=report.step,
-                  generated_tokens=report.generated_tokens, sample=report.sample)
+    return passed(
+        f"{report.checkpoint} merged into {p.paths.model_dir}: generated {report.generated_tokens} tokens "
+        f"({report.sample!r})",
+        source=report.source,
+        step=report.step,
+        generated_tokens=report.generated_tokens,
+        sample=report.sample,
+    )
 
 
 def masked_segments(output: str) -> list[dict[str, Any]]:
@@ -139,19 +155,32 @@ def decoded_trajectories(dump: Path, n: int = TRAJECTORIES_SHOWN) -> list[dict[s
     for line in dump.read_text(encoding="utf-8").splitlines()[:n]:
         entry = json.loads(line)
         segments = masked_segments(str(entry.get("output", "")))
-        out.append({"score": entry.get("score"), "gts": entry.get("gts"), "input_tail": str(entry.get("input", ""))[-200:],
-                    "segments": [{"mask": s["mask"], "chars": len(s["text"]), "text": s["text"][:SEGMENT_CHARS]}
-                                 for s in segments]})
+        out.append(
+            {
+                "score": entry.get("score"),
+                "gts": entry.get("gts"),
+                "input_tail": str(entry.get("input", ""))[-200:],
+                "segments": [
+                    {"mask": s["mask"], "chars": len(s["text"]), "text": s["text"][:SEGMENT_CHARS]}
+                    for s in segments
+                ],
+            }
+        )
     return out
 
 
 def step_trajectories(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     if doc.status("verl step") != "pass":
         return skipped("no rollout data (the verl step did not run)")
-    dump = sorted(rollout_dir(doc.params).glob("*.jsonl"))[-1]
+    dump = max(rollout_dir(doc.params).glob("*.jsonl"))
     trajectories = decoded_trajectories(dump)
     if len(trajectories) < TRAJECTORIES_SHOWN:
-        return failed(f"{dump.name} holds {len(trajectories)} trajectories, expected at least {TRAJECTORIES_SHOWN}")
+        return failed(
+            f"{dump.name} holds {len(trajectories)} trajectories, expected at least {TRAJECTORIES_SHOWN}"
+        )
     shapes = ["".join(str(s["mask"]) for s in t["segments"]) for t in trajectories]
-    return passed(f"{dump.name}: masks by segment {', '.join(shapes)} (1 agent, 0 environment; text in doctor.json)",
-                  dump=str(dump), trajectories=trajectories)
+    return passed(
+        f"{dump.name}: masks by segment {', '.join(shapes)} (1 agent, 0 environment; text in doctor.json)",
+        dump=str(dump),
+        trajectories=trajectories,
+    )

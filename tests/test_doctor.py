@@ -36,9 +36,11 @@ def project(tmp_path, repo_root) -> Path:
 
 
 def doctor(project: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, list[str], dict]:
-    """`promptr1 doctor --params <project>/params.yaml ARGS` in this process: (exit code, step lines, report)."""
+    """`promptr1 doctor --params <project>/params.yaml ARGS` in this process: (exit code, lines, report)."""
     result = CliRunner().invoke(app, ["doctor", "--params", str(project / "params.yaml"), *args], env=env)
-    lines = [line for line in result.stdout.splitlines() if line.split(":", 1)[0] in ("pass", "fail", "skipped")]
+    lines = [
+        line for line in result.stdout.splitlines() if line.split(":", 1)[0] in ("pass", "fail", "skipped")
+    ]
     report = json.loads((project / "reports" / "doctor" / "doctor.json").read_text())
     return result.exit_code, lines, report
 
@@ -48,14 +50,25 @@ def statuses(lines: list[str]) -> dict[str, str]:
 
 
 def api_environment(url: str) -> list[str]:
-    return ["-S", "environment.backend=api", "-S", f"environment.base_url={url}", "-S", f"environment.api_key_env={KEY_ENV}",
-            "-S", "environment.served_name=fault-model", "-S", "environment.max_retries=0"]
+    return [
+        "-S",
+        "environment.backend=api",
+        "-S",
+        f"environment.base_url={url}",
+        "-S",
+        f"environment.api_key_env={KEY_ENV}",
+        "-S",
+        "environment.served_name=fault-model",
+        "-S",
+        "environment.max_retries=0",
+    ]
 
 
 def test_layout_the_check_refuses_stops_the_doctor_at_step_3(project):
     # smoke-1gpu shares GPU 0 between vLLM and verl's rollout: 0.7 + 0.4 of its memory cannot both be had.
-    code, lines, report = doctor(project, "-S", "profile=smoke-1gpu", "-S",
-                                 "environment.server.gpu_memory_utilization=0.7")
+    code, lines, report = doctor(
+        project, "-S", "profile=smoke-1gpu", "-S", "environment.server.gpu_memory_utilization=0.7"
+    )
     assert code == 1
     assert [line.split(": ")[1] for line in lines] == ["driver", "imports", "check"]
     assert lines[2].startswith("fail: check: ") and "environment.server.gpu_memory_utilization" in lines[2]
@@ -69,8 +82,13 @@ def test_unreachable_environment_fails_at_the_environment_step_naming_the_url(pr
     url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     code, lines, report = doctor(project, *api_environment(url), env={KEY_ENV: "sk-doctor-test-0000"})
     assert code == 1
-    assert statuses(lines) == {"driver": "skipped" if NO_GPU else "pass", "imports": "pass", "check": "pass",
-                               "weights": "pass", "environment": "fail"}
+    assert statuses(lines) == {
+        "driver": "skipped" if NO_GPU else "pass",
+        "imports": "pass",
+        "check": "pass",
+        "weights": "pass",
+        "environment": "fail",
+    }
     assert lines[-1].startswith("fail: environment: ") and url in lines[-1]
     assert report["not_run"] == STEPS[5:]
     assert "sk-doctor-test-0000" not in json.dumps(report)
@@ -87,22 +105,46 @@ def test_rows_through_the_environment_client_with_their_figures(project, shared_
     # sent one at a time so the scripted replies land on known requests: an empty reply cut at max_tokens
     # (asked again, then answered) and a 400 (failed, not retried).
     with FaultServer(model="fault-model") as server:
-        server.script(Behaviour(kind="empty", finish_reason="length"), Behaviour(), Behaviour(kind="status", status=400))
-        code, lines, report = doctor(project, *api_environment(server.url), "-S", f"paths.mirror={shared_datasets}",
-                                     "-S", "environment.concurrency=1", "--rows", "24",
-                                     env={KEY_ENV: "sk-doctor-test-0000"})
+        server.script(
+            Behaviour(kind="empty", finish_reason="length"), Behaviour(), Behaviour(kind="status", status=400)
+        )
+        code, lines, report = doctor(
+            project,
+            *api_environment(server.url),
+            "-S",
+            f"paths.mirror={shared_datasets}",
+            "-S",
+            "environment.concurrency=1",
+            "--rows",
+            "24",
+            env={KEY_ENV: "sk-doctor-test-0000"},
+        )
         sent = [r.body["messages"][-1]["content"] for r in server.chat_requests]
     assert code == 0, lines
-    assert statuses(lines) == {"driver": "skipped" if NO_GPU else "pass", "imports": "pass", "check": "pass",
-                               "weights": "pass", "environment": "pass", "rows": "pass",
-                               "verl step": "skipped", "merge": "skipped", "trajectories": "skipped"}
+    assert statuses(lines) == {
+        "driver": "skipped" if NO_GPU else "pass",
+        "imports": "pass",
+        "check": "pass",
+        "weights": "pass",
+        "environment": "pass",
+        "rows": "pass",
+        "verl step": "skipped",
+        "merge": "skipped",
+        "trajectories": "skipped",
+    }
     rows = report["steps"][5]["figures"]
     assert rows["rows"] == 24 and rows["source"] == "mirror" and len(rows["datasets"]) == 12
     assert rows["rows_by_task_type"]["math"] == 6  # gsm8k, dapo_math, mathqa first: 2 rows each
-    assert rows["failures"] == 1 and rows["empty_after_length"] == 1 and rows["first_error"].startswith("HTTP 400")
+    assert (
+        rows["failures"] == 1
+        and rows["empty_after_length"] == 1
+        and rows["first_error"].startswith("HTTP 400")
+    )
     assert 0 <= rows["p50_s"] <= rows["p95_s"] <= rows["max_s"]
     assert len(sent) == 25  # 24 rows + the one asked again after the empty reply
-    assert "Janet" in sent[0] and sent[0].endswith("reply with only that answer and no explanation.")  # gsm8k row 0
+    assert sent[0].startswith("An alien invades Earth.") and sent[0].endswith(
+        "reply with only that answer and no explanation."
+    )  # the authors' gsm8k row 0
     assert "1 failed, 1 empty after length" in lines[5]
     verl = next(line for line in lines if line.startswith("skipped: verl step: "))
     assert "train.backend=local" in verl
@@ -111,8 +153,9 @@ def test_rows_through_the_environment_client_with_their_figures(project, shared_
 
 def test_rows_are_skipped_until_the_data_is_built(project):
     with FaultServer(model="fault-model") as server:
-        code, lines, report = doctor(project, *api_environment(server.url), "-S", "paths.mirror=",
-                                     env={KEY_ENV: "sk-doctor-test-0000"})
+        code, lines, _ = doctor(
+            project, *api_environment(server.url), "-S", "paths.mirror=", env={KEY_ENV: "sk-doctor-test-0000"}
+        )
         assert server.chat_requests == []
     assert code == 0
     assert "skipped: rows: no evaluation rows: run dvc repro build first" in "\n".join(lines)
@@ -120,16 +163,23 @@ def test_rows_are_skipped_until_the_data_is_built(project):
 
 def test_too_many_failed_rows_fail_the_rows_step(project, shared_datasets):
     with FaultServer(model="fault-model", default=Behaviour(kind="status", status=400)) as server:
-        code, lines, report = doctor(project, *api_environment(server.url), "-S", f"paths.mirror={shared_datasets}",
-                                     "--rows", "8", env={KEY_ENV: "sk-doctor-test-0000"})
+        code, lines, report = doctor(
+            project,
+            *api_environment(server.url),
+            "-S",
+            f"paths.mirror={shared_datasets}",
+            "--rows",
+            "8",
+            env={KEY_ENV: "sk-doctor-test-0000"},
+        )
     assert code == 1 and lines[-1].startswith("fail: rows: 8 rows") and "8 failed" in lines[-1]
     assert "environment.max_failure_rate" in lines[-1] and report["not_run"] == STEPS[6:]
 
 
 @pytest.mark.skipif(not NO_GPU, reason="the GPU count is compared on a machine with GPUs")
 def test_gpu_profile_without_gpu_passes_the_check_without_count_then_needs_its_weights(project):
-    # paper's layout passes the check here (its GPU count cannot be compared without GPUs); its Hub weights are
-    # not in this machine's cache, which the weights step reports before any GPU time would be spent.
+    # paper's layout passes the check here (its GPU count cannot be compared without GPUs); its Hub weights
+    # are not in this machine's cache, which the weights step reports before any GPU time would be spent.
     code, lines, report = doctor(project, "-S", "profile=paper")
     assert code == 1
     assert lines[2].startswith("pass: check: layout ok: profile paper")
@@ -142,11 +192,18 @@ def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_pat
     from pipeline.doctor_train import decoded_trajectories
 
     # One line as verl 0.9.1's RayPPOTrainer._write_generations writes it (input, output, gts, score, step).
-    output = ("<think>\nI should ask.\n</think>\n<interaction_prompt>Who wrote Hamlet?</interaction_prompt>"
-              "user\n<interaction_response>Shakespeare wrote it.</interaction_response>\nassistant\n"
-              "<think>\nIt says Shakespeare.\n</think>\n<answer>Shakespeare</answer>")
-    entry = {"input": "user\nQuestion: Who wrote Hamlet?", "output": output, "gts": ["Shakespeare"], "score": 1.0,
-             "step": 1}
+    output = (
+        "<think>\nI should ask.\n</think>\n<interaction_prompt>Who wrote Hamlet?</interaction_prompt>"
+        "user\n<interaction_response>Shakespeare wrote it.</interaction_response>\nassistant\n"
+        "<think>\nIt says Shakespeare.\n</think>\n<answer>Shakespeare</answer>"
+    )
+    entry = {
+        "input": "user\nQuestion: Who wrote Hamlet?",
+        "output": output,
+        "gts": ["Shakespeare"],
+        "score": 1.0,
+        "step": 1,
+    }
     (tmp_path / "1.jsonl").write_text((json.dumps(entry) + "\n") * 3)
     trajectories = decoded_trajectories(tmp_path / "1.jsonl")
     assert len(trajectories) == 2
@@ -160,20 +217,46 @@ def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_default_profile_on_cpu_ends_in_time_with_exit_0(project, shared_datasets):
-    """The whole doctor as a user runs it (`promptr1 doctor` in the project), with the real llama.cpp server."""
+    """The whole doctor as a user runs it (`promptr1 doctor` in the project), with the real llama.cpp
+    server."""
     env = project_env()
     env.pop(KEY_ENV, None)
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "doctor", "-S", f"paths.mirror={shared_datasets}",
-                             "-S", f"environment.port={free_port()}"], cwd=project, env=env, capture_output=True,
-                            text=True, timeout=280)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "doctor",
+            "-S",
+            f"paths.mirror={shared_datasets}",
+            "-S",
+            f"environment.port={free_port()}",
+        ],
+        check=False,
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     wall = time.perf_counter() - started
-    lines = [line for line in result.stdout.splitlines() if line.split(":", 1)[0] in ("pass", "fail", "skipped")]
+    lines = [
+        line for line in result.stdout.splitlines() if line.split(":", 1)[0] in ("pass", "fail", "skipped")
+    ]
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert [line.split(": ")[1] for line in lines] == STEPS
-    assert statuses(lines) == {"driver": "skipped" if NO_GPU else "pass", "imports": "pass", "check": "pass",
-                               "weights": "pass", "environment": "pass", "rows": "pass",
-                               "verl step": "skipped", "merge": "skipped", "trajectories": "skipped"}
+    assert statuses(lines) == {
+        "driver": "skipped" if NO_GPU else "pass",
+        "imports": "pass",
+        "check": "pass",
+        "weights": "pass",
+        "environment": "pass",
+        "rows": "pass",
+        "verl step": "skipped",
+        "merge": "skipped",
+        "trajectories": "skipped",
+    }
     report = json.loads((project / "reports" / "doctor" / "doctor.json").read_text())
     rows = report["steps"][5]["figures"]
     assert rows["rows"] == 64 and rows["failures"] == 0 and rows["rows_by_task_type"]["math"] >= 3
