@@ -48,6 +48,10 @@ CPU_ROWS = 16
 """`--rows` unset with a llama.cpp environment (a CPU server): 16 rows of up to 128 tokens keep the whole doctor
 within five minutes on 2 cores, where 64 rows alone took minutes (a CPU answers one row in seconds)."""
 BUILD_FIRST = "run dvc repro build first"
+ROWS_DEADLINE_S = 180.0
+"""Rows still unanswered this long after the first was sent count as failed (their calls are cancelled), so the
+doctor ends in bounded time (within five minutes on a CPU) even against a server that hangs or a machine busy
+with other work; a healthy server answers the rows well inside it."""
 
 
 @dataclass
@@ -83,6 +87,7 @@ class Doctor:
 
     params: Params
     rows: int = DEFAULT_ROWS
+    rows_deadline_s: float = ROWS_DEADLINE_S
     gpus: list[dict[str, str]] = field(default_factory=list)
     """nvidia-smi's GPUs (index, name, driver, memory); empty on a machine without one."""
     environment_url: str | None = None
@@ -284,12 +289,17 @@ def default_rows(params: Params) -> int:
     return CPU_ROWS if params.environment.backend == "llamacpp" else DEFAULT_ROWS
 
 
-def run_doctor(params: Params, rows: int | None = None, echo: Callable[[str], None] = print) -> int:
+def run_doctor(
+    params: Params,
+    rows: int | None = None,
+    echo: Callable[[str], None] = print,
+    rows_deadline_s: float = ROWS_DEADLINE_S,
+) -> int:
     """Run the steps, echo one line each, write the JSON report; 0 when nothing failed, else 1."""
     from pipeline.data.schema import write_json_atomic
 
     rows = default_rows(params) if rows is None else rows
-    doc = Doctor(params=params, rows=rows)
+    doc = Doctor(params=params, rows=rows, rows_deadline_s=rows_deadline_s)
     started = time.perf_counter()
     exit_code = 0
     with doc.stack:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from asyncio import FIRST_EXCEPTION
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Params
@@ -92,10 +93,15 @@ def evaluation_rows(params: Params, n: int) -> tuple[list[dict[str, Any]], str] 
     return rows, source
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+def _percentile(values: list[float], q: int) -> float | None:
+    """The q-th percentile (inclusive method) of the latencies; None when no row was answered."""
+    if len(values) <= 1:
+        return values[0] if values else None
+    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 3)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
 
 
 def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
@@ -116,21 +122,30 @@ def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     instruction = params.evaluate.env_only_instruction
 
     async def send_all() -> list[Any]:
+        """Every row's reply, or None for a row still unanswered at the deadline (its call cancelled)."""
+        tasks = [asyncio.ensure_future(client.reply([], f"{r['question']}\n\n{instruction}")) for r in rows]
         try:
-            return list(
-                await asyncio.gather(*(client.reply([], f"{r['question']}\n\n{instruction}") for r in rows))
+            done, pending = await asyncio.wait(
+                tasks, timeout=doc.rows_deadline_s, return_when=FIRST_EXCEPTION
             )
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            # task.result() re-raises EnvironmentUnhealthy (the client's failure window), caught below
+            return [task.result() if task in done else None for task in tasks]
         finally:
             await client.aclose()
 
     started = time.perf_counter()
     try:
-        replies = asyncio.run(send_all())
+        answered = asyncio.run(send_all())
     except EnvironmentUnhealthy as exc:
         return failed(f"{exc}", url=doc.environment_url)
     wall = time.perf_counter() - started
+    replies = [r for r in answered if r is not None]
+    late = len(answered) - len(replies)
     latencies = sorted(r.latency_s for r in replies)
-    errors = [r.error for r in replies if r.error]
+    errors = [r.error for r in replies if r.error] + [f"not answered within {doc.rows_deadline_s:g} s"] * late
     by_type: dict[str, int] = {}
     for row in rows:
         by_type[row["task_type"]] = by_type.get(row["task_type"], 0) + 1
@@ -139,10 +154,11 @@ def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
         "source": source,
         "rows_by_task_type": by_type,
         "datasets": sorted({r["dataset"] for r in rows}),
-        "p50_s": round(_percentile(latencies, 50), 3),
-        "p95_s": round(_percentile(latencies, 95), 3),
-        "max_s": round(latencies[-1], 3),
+        "p50_s": _percentile(latencies, 50),
+        "p95_s": _percentile(latencies, 95),
+        "max_s": round(latencies[-1], 3) if latencies else None,
         "failures": len(errors),
+        "unanswered_at_deadline": late,
         "empty_after_length": sum(r.empty_after_length for r in replies),
         "truncated": sum(r.truncated for r in replies),
         "retries": sum(r.retries for r in replies),
@@ -154,8 +170,9 @@ def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     detail = (
         f"{len(rows)} rows from {source} ({by_type.get('math', 0)} math, "
         f"{len(figures['datasets'])} datasets) "
-        f"in {wall:.1f} s: p50 {figures['p50_s']:.2f} s, p95 {figures['p95_s']:.2f} s, "
-        f"{len(errors)} failed, {figures['empty_after_length']} empty after length, "
+        f"in {wall:.1f} s: p50 {_seconds(figures['p50_s'])}, p95 {_seconds(figures['p95_s'])}, "
+        f"{len(errors)} failed{f' ({late} unanswered at the deadline)' if late else ''}, "
+        f"{figures['empty_after_length']} empty after length, "
         f"{figures['truncated']} cut at max_tokens"
     )
     if len(errors) > params.environment.max_failure_rate * len(rows):

@@ -176,6 +176,31 @@ def test_too_many_failed_rows_fail_the_rows_step(project, shared_datasets):
     assert "environment.max_failure_rate" in lines[-1] and report["not_run"] == STEPS[6:]
 
 
+def test_rows_unanswered_at_the_deadline_fail_the_step_in_bounded_time(project, shared_datasets, monkeypatch):
+    # A server that takes 5 s a reply against a 1 s deadline: the doctor cancels the calls and says so.
+    from pipeline.config import load_params
+    from pipeline.doctor import run_doctor
+
+    lines: list[str] = []
+    with FaultServer(model="fault-model", default=Behaviour(delay_s=5.0)) as server:
+        environment = {
+            "backend": "api",
+            "base_url": server.url,
+            "api_key_env": KEY_ENV,
+            "served_name": "fault-model",
+        }
+        params = load_params(
+            project / "params.yaml", {"environment": environment, "paths": {"mirror": str(shared_datasets)}}
+        )
+        monkeypatch.setenv(KEY_ENV, "sk-doctor-test-0000")
+        started = time.perf_counter()
+        code = run_doctor(params, rows=4, echo=lines.append, rows_deadline_s=1.0)
+        wall = time.perf_counter() - started
+    assert code == 1 and lines[-1].startswith("fail: rows: 4 rows")
+    assert "4 failed (4 unanswered at the deadline)" in lines[-1] and "not answered within 1 s" in lines[-1]
+    assert wall < 60  # not 4 x 5 s x retries
+
+
 @pytest.mark.skipif(not NO_GPU, reason="the GPU count is compared on a machine with GPUs")
 def test_gpu_profile_without_gpu_passes_the_check_without_count_then_needs_its_weights(project):
     # paper's layout passes the check here (its GPU count cannot be compared without GPUs); its Hub weights
