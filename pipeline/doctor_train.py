@@ -11,18 +11,21 @@
   then the load-and-generate check).
 - `trajectories`: two trajectories of the dump, each split into its agent turns (mask 1) and the
   environment's replies (mask 0). verl's dump holds decoded text, not the token mask, so the split is at
-  the protocol's `<interaction_response>` blocks, which are exactly what the agent loop masks with 0
-  (pipeline/train/verl_agent_loop.py): a reply that leaked into a mask-1 segment, or an agent turn inside
-  a reply block, shows here as a wrong segment.
+  the protocol's `<interaction_response>` blocks with the template text around them (the role words and
+  the next `<think>` opener), which is exactly what the agent loop masks with 0 (`ConversationBuilder.
+  env_text`, pipeline/train/verl_agent_loop.py): a reply that leaked into a mask-1 segment, or an agent turn
+  inside a reply block, shows here as a wrong segment.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN, THINK_OPENER
 from pipeline.config import Params
 from pipeline.doctor import BUILD_FIRST, Status, failed, passed, skipped
 
@@ -53,11 +56,14 @@ def one_step_params(params: Params) -> Params:
     p.mlflow.experiment = f"{params.mlflow.experiment}-doctor"
     v = p.train.verl
     v.save_freq, v.test_freq, v.val_before_train = 1, -1, False
-    v.extra_overrides = [
-        *v.extra_overrides,
-        "trainer.total_training_steps=1",
-        f"trainer.rollout_data_dir={rollout_dir(params).resolve()}",
-    ]
+    ours = {
+        "trainer.total_training_steps": "1",
+        "trainer.rollout_data_dir": str(rollout_dir(params).resolve()),
+    }
+    kept = [
+        o for o in v.extra_overrides if o.split("=", 1)[0].lstrip("+") not in ours
+    ]  # a profile's own step count
+    v.extra_overrides = [*kept, *(f"{key}={value}" for key, value in ours.items())]
     return p
 
 
@@ -129,23 +135,33 @@ def step_merge(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     )
 
 
-def masked_segments(output: str) -> list[dict[str, Any]]:
-    """A decoded response split into agent text (mask 1) and environment replies (mask 0), in order."""
-    from pipeline.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN
+_ENV_SEGMENT = re.compile(
+    r"\s*(?:user|human)?\s*"
+    + re.escape(RESPONSE_OPEN)
+    + r".*?"
+    + re.escape(RESPONSE_CLOSE)
+    + r"\s*(?:(?:assistant|model)\s*)?(?:"
+    + re.escape(THINK_OPENER)
+    + r")?",
+    re.DOTALL | re.IGNORECASE,
+)
+"""The decoded mask-0 text after an agent turn (`ConversationBuilder.env_text` with special tokens skipped):
+the end of the assistant turn and the user role word, the reply block, the next assistant header and the
+`<think>` opener."""
 
+
+def masked_segments(output: str) -> list[dict[str, Any]]:
+    """A decoded response split into agent text (mask 1) and environment text (mask 0), in order; the
+    segments' texts join back to `output`."""
     segments: list[dict[str, Any]] = []
-    rest = output
-    while rest:
-        start = rest.find(RESPONSE_OPEN)
-        end = rest.find(RESPONSE_CLOSE, start) if start >= 0 else -1
-        if start < 0 or end < 0:
-            segments.append({"mask": 1, "text": rest})
-            break
-        if rest[:start].strip():
-            segments.append({"mask": 1, "text": rest[:start]})
-        stop = end + len(RESPONSE_CLOSE)
-        segments.append({"mask": 0, "text": rest[start:stop]})
-        rest = rest[stop:]
+    position = 0
+    for match in _ENV_SEGMENT.finditer(output):
+        if match.start() > position:
+            segments.append({"mask": 1, "text": output[position : match.start()]})
+        segments.append({"mask": 0, "text": match.group(0)})
+        position = match.end()
+    if position < len(output):
+        segments.append({"mask": 1, "text": output[position:]})
     return segments
 
 

@@ -213,15 +213,29 @@ def test_gpu_profile_without_gpu_passes_the_check_without_count_then_needs_its_w
     assert report["steps"][2]["figures"]["gpus_needed"] == 16
 
 
-def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_path):
+def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_path, tiny_llama_dir):
+    """verl dumps decoded text, not masks: the doctor's split must give back exactly the text of the tokens the
+    agent loop masks 1 (agent) and 0 (environment), built by the real ConversationBuilder and SmolLM2 tokenizer."""
+    from transformers import AutoTokenizer
+
+    from pipeline.agent.protocol import ConversationBuilder
     from pipeline.doctor_train import decoded_trajectories
 
-    # One line as verl 0.9.1's RayPPOTrainer._write_generations writes it (input, output, gts, score, step).
-    output = (
-        "<think>\nI should ask.\n</think>\n<interaction_prompt>Who wrote Hamlet?</interaction_prompt>"
-        "user\n<interaction_response>Shakespeare wrote it.</interaction_response>\nassistant\n"
-        "<think>\nIt says Shakespeare.\n</think>\n<answer>Shakespeare</answer>"
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    builder = ConversationBuilder(tokenizer)
+    agent_1 = builder.encode(
+        "I should ask.\n</think>\n<interaction_prompt>Who wrote Hamlet?</interaction_prompt>"
     )
+    environment = builder.env_turn_ids("Shakespeare wrote it. Ask the user about Hamlet.", agent_1)
+    agent_2 = builder.encode("It says Shakespeare.\n</think>\n<answer>Shakespeare</answer>")
+    agent_2.append(builder.end_of_turn_id)
+    pieces = [(1, agent_1), (0, environment), (1, agent_2)]
+
+    def decode(ids):  # as verl's RayPPOTrainer._log_rollout_data decodes responses
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    output = decode([i for _, ids in pieces for i in ids])
+    # One line as verl 0.9.1's RayPPOTrainer._write_generations writes it (input, output, gts, score, step).
     entry = {
         "input": "user\nQuestion: Who wrote Hamlet?",
         "output": output,
@@ -233,10 +247,36 @@ def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_pat
     trajectories = decoded_trajectories(tmp_path / "1.jsonl")
     assert len(trajectories) == 2
     segments = trajectories[0]["segments"]
-    assert [s["mask"] for s in segments] == [1, 0, 1]
-    assert segments[1]["text"] == "<interaction_response>Shakespeare wrote it.</interaction_response>"
-    assert "<interaction_prompt>Who wrote Hamlet?</interaction_prompt>" in segments[0]["text"]
-    assert segments[2]["text"].endswith("<answer>Shakespeare</answer>")
+    assert [(s["mask"], s["text"]) for s in segments] == [(mask, decode(ids)) for mask, ids in pieces]
+    assert segments[1]["text"].startswith("\nuser\n<interaction_response>")
+
+
+def test_the_verl_step_runs_one_step_saved_and_dumped_under_reports_doctor(repo_root):
+    """What the GPU-only verl step hands `train_verl`, composed with verl 0.9.1's own Hydra config and validated
+    by verl: one step (smoke-1gpu's own 3 replaced), saved, rollouts dumped, all under reports/doctor/."""
+    from test_verl_backend import compose_verl
+    from verl.utils.config import validate_config
+
+    from pipeline.config import load_params
+    from pipeline.doctor_train import one_step_params
+    from pipeline.train.verl_backend import build_overrides
+
+    params = load_params(repo_root / "params.yaml", {"profile": "smoke-1gpu"})
+    one = one_step_params(params)
+    cfg = compose_verl(build_overrides(one))
+    doctor_dir = (repo_root / "reports" / "doctor").resolve()
+    assert cfg.trainer.total_training_steps == 1 and cfg.trainer.save_freq == 1
+    assert cfg.trainer.test_freq == -1 and cfg.trainer.val_before_train is False
+    assert cfg.trainer.rollout_data_dir == str(doctor_dir / "rollout")
+    assert cfg.trainer.default_local_dir == str(doctor_dir / "checkpoints")
+    assert cfg.trainer.project_name == "prompt-r1-doctor"
+    assert [o for o in one.train.verl.extra_overrides if "total_training_steps" in o] == [
+        "trainer.total_training_steps=1"
+    ]
+    validate_config(cfg, use_reference_policy=True, use_critic=False)
+    # the project's own params are left as they were
+    assert params.train.verl.save_freq == 3 and params.paths.checkpoint_dir == "checkpoints/agent"
+    assert params.train.verl.extra_overrides == ["trainer.total_training_steps=3"]
 
 
 @pytest.mark.slow
