@@ -1,4 +1,4 @@
-"""`promptr1`: one subcommand per pipeline stage (what dvc.yaml calls), plus `ask`, `env`, `flow` and `doctor`.
+"""`promptr1`: one subcommand per pipeline stage (what dvc.yaml calls), plus `ask`, `env`, `flow`, `doctor`.
 
 Every command reads params through `pipeline.config.load_params` (params.yaml + the profile it names,
 then any `--set key=value` overrides), so the CLI, DVC and Prefect all see one configuration.
@@ -185,7 +185,7 @@ def check(params: ParamsOption = None, set_: SetOption = None) -> None:
 @app.command()
 def doctor(
     rows: Annotated[int | None, typer.Option(
-        "--rows", help="Evaluation rows sent through the environment client (default 64; 16 with llamacpp).")] = None,
+        "--rows", help="Evaluation rows sent to the environment (default 64; 16 with llamacpp).")] = None,
     params: ParamsOption = None,
     set_: SetOption = None,
 ) -> None:

@@ -45,13 +45,14 @@ MIN_DRIVER = 580
 """The CUDA 13.0 runtime of torch 2.11's wheels needs an NVIDIA driver of the 580 series or newer."""
 DEFAULT_ROWS = 64
 CPU_ROWS = 16
-"""`--rows` unset with a llama.cpp environment (a CPU server): 16 rows of up to 128 tokens keep the whole doctor
-within five minutes on 2 cores, where 64 rows alone took minutes (a CPU answers one row in seconds)."""
+"""`--rows` unset with a llama.cpp environment (a CPU server). Estimate from the measured ~48 completion
+tokens/s of the SmolLM2 server saturated on 2 cores (pipeline/hardware.py): 64 rows x up to 128 tokens is up
+to ~170 s, most of the five minutes; 16 rows up to ~45 s."""
 BUILD_FIRST = "run dvc repro build first"
 ROWS_DEADLINE_S = 180.0
-"""Rows still unanswered this long after the first was sent count as failed (their calls are cancelled), so the
-doctor ends in bounded time (within five minutes on a CPU) even against a server that hangs or a machine busy
-with other work; a healthy server answers the rows well inside it."""
+"""Rows still unanswered this long after the first was sent count as failed (their calls are cancelled), so
+the doctor ends in bounded time (within five minutes on a CPU) even against a server that hangs or a machine
+busy with other work."""
 
 
 @dataclass

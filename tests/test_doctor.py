@@ -214,8 +214,9 @@ def test_gpu_profile_without_gpu_passes_the_check_without_count_then_needs_its_w
 
 
 def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_path, tiny_llama_dir):
-    """verl dumps decoded text, not masks: the doctor's split must give back exactly the text of the tokens the
-    agent loop masks 1 (agent) and 0 (environment), built by the real ConversationBuilder and SmolLM2 tokenizer."""
+    """verl dumps decoded text, not masks: the doctor's split must give back exactly the text of the tokens
+    the agent loop masks 1 (agent) and 0 (environment), built by the real ConversationBuilder and the SmolLM2
+    tokenizer."""
     from transformers import AutoTokenizer
 
     from pipeline.agent.protocol import ConversationBuilder
@@ -252,8 +253,9 @@ def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_pat
 
 
 def test_the_verl_step_runs_one_step_saved_and_dumped_under_reports_doctor(repo_root):
-    """What the GPU-only verl step hands `train_verl`, composed with verl 0.9.1's own Hydra config and validated
-    by verl: one step (smoke-1gpu's own 3 replaced), saved, rollouts dumped, all under reports/doctor/."""
+    """What the GPU-only verl step hands `train_verl`, composed with verl 0.9.1's own Hydra config and
+    validated by verl: one step (smoke-1gpu's own 3 replaced), saved, rollouts dumped, all under
+    reports/doctor/."""
     from test_verl_backend import compose_verl
     from verl.utils.config import validate_config
 
