@@ -47,9 +47,10 @@ def step_environment(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     except EnvironmentUnavailable as exc:
         return failed(f"{exc}", url=env.url)
     if models is None:
+        key = f", or it refuses the key in ${env.api_key_env}" if env.backend == "api" else ""
         return failed(
-            f"nothing answers at {url}/models (environment.backend={env.backend}): start the server there "
-            "or fix environment.base_url / host / port",
+            f"no answer (HTTP 200) from {url}/models (environment.backend={env.backend}){key}: start the server "
+            "there or fix environment.base_url / host / port",
             url=url,
         )
     doc.environment_url = url
