@@ -7,7 +7,9 @@ profile (slow). This machine has no GPU, so the GPU steps must say `skipped: …
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -62,6 +64,41 @@ def api_environment(url: str) -> list[str]:
         "-S",
         "environment.max_retries=0",
     ]
+
+
+def stand_in_nvidia_smi(folder: Path, driver: str, gpus: int = 8) -> str:
+    """A PATH with an `nvidia-smi` that answers the doctor's two calls as the real one does on a GPU node
+    (this machine has none): the CSV query, and the banner with the driver's CUDA version."""
+    rows = "\\n".join(f"{i}, NVIDIA H100 80GB HBM3, {driver}, 81559" for i in range(gpus))
+    script = folder / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in --query-gpu*) printf "{rows}\\n" ;; '
+        f'*) echo "| NVIDIA-SMI {driver}   Driver Version: {driver}   CUDA Version: 12.8 |" ;; esac\n'
+    )
+    script.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_a_driver_older_than_580_stops_the_doctor_at_step_1(project, tmp_path):
+    path = stand_in_nvidia_smi(tmp_path, "570.86.15")
+    code, lines, report = doctor(project, env={"PATH": path})
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith(
+        "fail: driver: driver 570.86.15 (CUDA 12.8), 8 x NVIDIA H100 80GB HBM3 (81559 MiB)"
+    )
+    assert "need NVIDIA driver >= 580" in lines[0]
+    assert report["steps"][0]["figures"]["gpus"] == 8 and report["not_run"] == STEPS[1:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="the GPU extra is installed here")
+def test_a_gpu_node_without_the_gpu_extra_stops_at_the_imports(project, tmp_path):
+    # A new enough driver; but this install has no vLLM / flash-attn, which a GPU node needs.
+    path = stand_in_nvidia_smi(tmp_path, "580.65.06", gpus=1)
+    code, lines, _ = doctor(project, env={"PATH": path})
+    assert code == 1 and [line.split(": ")[0] for line in lines] == ["pass", "fail"]
+    assert lines[0] == "pass: driver: driver 580.65.06 (CUDA 12.8), 1 x NVIDIA H100 80GB HBM3 (81559 MiB)"
+    assert "GPU extra not installed" in lines[1] and "scripts/install-gpu.sh" in lines[1]
 
 
 def test_layout_the_check_refuses_stops_the_doctor_at_step_3(project):
