@@ -363,7 +363,9 @@ def test_default_profile_on_cpu_ends_in_time_with_exit_0(project, shared_dataset
     }
     report = json.loads((project / "reports" / "doctor" / "doctor.json").read_text())
     rows = report["steps"][5]["figures"]
-    assert rows["rows"] == 64 and rows["failures"] == 0 and rows["rows_by_task_type"]["math"] >= 3
+    assert (
+        rows["rows"] == 16 and rows["failures"] == 0 and rows["rows_by_task_type"]["math"] == 6
+    )  # CPU default
     assert "smollm2-135m-instruct" in lines[4] and "started here" in lines[4]
     assert wall < 300 and report["wall_s"] < 300
     with pytest.raises(httpx.ConnectError):  # the server it started is stopped again
