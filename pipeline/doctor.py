@@ -45,9 +45,10 @@ MIN_DRIVER = 580
 """The CUDA 13.0 runtime of torch 2.11's wheels needs an NVIDIA driver of the 580 series or newer."""
 DEFAULT_ROWS = 64
 CPU_ROWS = 16
-"""`--rows` unset with a llama.cpp environment (a CPU server). Estimate from the measured ~48 completion
-tokens/s of the SmolLM2 server saturated on 2 cores (pipeline/hardware.py): 64 rows x up to 128 tokens is up
-to ~170 s, most of the five minutes; 16 rows up to ~45 s."""
+"""`--rows` unset with a llama.cpp environment (a CPU server). Measured on a 2-core machine shared with other
+work (load average 4-7): 16 rows took 29-120 s (the whole doctor 42-139 s); of 64 rows only 12 were answered
+within the 180 s deadline (long-form rows decode 128 tokens at 3-4 tokens/s a slot, pass the 60 s call
+timeout and are sent again)."""
 BUILD_FIRST = "run dvc repro build first"
 ROWS_DEADLINE_S = 180.0
 """Rows still unanswered this long after the first was sent count as failed (their calls are cancelled), so
