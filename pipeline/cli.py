@@ -1,4 +1,4 @@
-"""`promptr1`: one subcommand per pipeline stage (what dvc.yaml calls), plus `ask`, `env` and `flow`.
+"""`promptr1`: one subcommand per pipeline stage (what dvc.yaml calls), plus `ask`, `env`, `flow`, `doctor`.
 
 Every command reads params through `pipeline.config.load_params` (params.yaml + the profile it names,
 then any `--set key=value` overrides), so the CLI, DVC and Prefect all see one configuration.
@@ -195,6 +195,28 @@ def check(params: ParamsOption = None, set_: SetOption = None) -> None:
     if problems:
         raise typer.Exit(2)
     typer.echo(f"layout ok: {describe(merged)}")
+
+
+@app.command()
+def doctor(
+    rows: Annotated[int | None, typer.Option(
+        "--rows", help="Evaluation rows sent to the environment (default 64; 16 with llamacpp).")] = None,
+    params: ParamsOption = None,
+    set_: SetOption = None,
+) -> None:
+    """A node's first five minutes: driver, imports, layout, weights, environment, rows, one verl step.
+
+    One line per step (`pass|fail|skipped: <step>: ...`), stopping at the first failure (exit 1);
+    report in reports/doctor/doctor.json.
+    """
+    from pipeline.doctor import run_doctor
+
+    try:
+        merged = _load(params, set_)
+    except ConfigError as exc:
+        typer.secho(f"fail: params: {exc}", fg=typer.colors.RED)
+        raise typer.Exit(1) from None
+    raise typer.Exit(run_doctor(merged, rows, echo=typer.echo))
 
 
 @app.command()

@@ -1,0 +1,330 @@
+"""`promptr1 doctor`: a node's first five minutes as one command, before anyone pays for its GPUs.
+
+Nine steps, in order, each printing one line `pass|fail|skipped: <step>: <figures or reason>`; the first
+failure stops the run (exit 1) with what to change. Everything is written to `reports/doctor/doctor.json`
+(atomically) with each step's status, figures and seconds, also when a step fails.
+
+1. `driver`: nvidia-smi's driver and CUDA versions and the GPUs; the CUDA 13 wheels need driver >= 580.
+2. `imports`: torch and verl import (everywhere); vLLM and flash-attn too where there is a GPU.
+3. `check`: `pipeline.layout.layout_problems` (what `promptr1 check` runs) and the host's GPU count
+   against the highest device id the layout places on this node.
+4. `weights`: every model the params need is in the Hugging Face cache (`promptr1 weights --check`'s logic).
+5-6. `environment`, `rows`: pipeline/doctor_environment.py (the server starts; `--rows` real evaluation
+   rows through `EnvironmentClient`: p50/p95 latency, failures, empty-after-length).
+7-9. `verl step`, `merge`, `trajectories`: pipeline/doctor_train.py (one verl step on the GPU path).
+
+Decisions:
+- **Skipped is not passed.** A step that needs a GPU, or inputs not built yet (`data/rl/` before
+  `dvc repro`), prints `skipped: <reason>` and the run goes on; the CPU default profile ends with exit 0.
+- **The environment stays up from step 5 to step 7**, as the train stage holds it: verl's agent loop talks
+  to the server step 5 started (train_verl reuses a healthy server at the URL), and it is stopped at the end.
+- **Figures, not just verdicts**: every line carries the numbers a person would otherwise look up (driver
+  version, GPU count, latencies), so a pasted doctor output answers the first support questions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.config import Params
+
+log = logging.getLogger(__name__)
+
+Status = Literal["pass", "fail", "skipped"]
+MIN_DRIVER = 580
+"""The CUDA 13.0 runtime of torch 2.11's wheels needs an NVIDIA driver of the 580 series or newer."""
+DEFAULT_ROWS = 64
+CPU_ROWS = 16
+"""`--rows` unset with a llama.cpp environment (a CPU server). Measured on a 2-core machine shared with other
+work (load average 4-7): 16 rows took 29-120 s (the whole doctor 42-139 s); of 64 rows only 12 were answered
+within the 180 s deadline (long-form rows decode 128 tokens at 3-4 tokens/s a slot, pass the 60 s call
+timeout and are sent again)."""
+BUILD_FIRST = "run dvc repro build first"
+ROWS_DEADLINE_S = 180.0
+"""Rows still unanswered this long after the first was sent count as failed (their calls are cancelled), so
+the doctor ends in bounded time (within five minutes on a CPU) even against a server that hangs or a machine
+busy with other work."""
+
+
+@dataclass
+class StepResult:
+    """One step's outcome: what the line says, the figures behind it, and how long it took."""
+
+    name: str
+    status: Status
+    detail: str
+    figures: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def line(self) -> str:
+        return f"{self.status}: {self.name}: {self.detail}"
+
+
+def passed(detail: str, **figures: Any) -> tuple[Status, str, dict[str, Any]]:
+    return "pass", detail, figures
+
+
+def failed(detail: str, **figures: Any) -> tuple[Status, str, dict[str, Any]]:
+    return "fail", detail, figures
+
+
+def skipped(detail: str, **figures: Any) -> tuple[Status, str, dict[str, Any]]:
+    return "skipped", detail, figures
+
+
+@dataclass
+class Doctor:
+    """The state the steps share: params, the host's GPUs, the environment's URL and the results so far."""
+
+    params: Params
+    rows: int = DEFAULT_ROWS
+    rows_deadline_s: float = ROWS_DEADLINE_S
+    gpus: list[dict[str, str]] = field(default_factory=list)
+    """nvidia-smi's GPUs (index, name, driver, memory); empty on a machine without one."""
+    environment_url: str | None = None
+    results: dict[str, StepResult] = field(default_factory=dict)
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def status(self, name: str) -> Status | None:
+        result = self.results.get(name)
+        return result.status if result else None
+
+
+Step = Callable[[Doctor], tuple[Status, str, dict[str, Any]]]
+
+
+# ------------------------------------------------------------------------------------------- 1. driver
+def _nvidia_smi(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def step_driver(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    if shutil.which("nvidia-smi") is None:
+        return skipped("no nvidia-smi on PATH: no NVIDIA GPU on this machine (the GPU steps are skipped)")
+    listing = _nvidia_smi(
+        "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader,nounits"
+    )
+    if listing.returncode != 0:
+        return failed(
+            f"nvidia-smi exited with code {listing.returncode} ({listing.stderr.strip()[:200]}): "
+            f"install or repair the NVIDIA driver (>= {MIN_DRIVER} for the CUDA 13 wheels)"
+        )
+    for line in listing.stdout.strip().splitlines():
+        index, name, driver, memory = (part.strip() for part in line.split(",", 3))
+        doc.gpus.append({"index": index, "name": name, "driver": driver, "memory_mib": memory})
+    if not doc.gpus:
+        return skipped("nvidia-smi lists no GPU on this machine (the GPU steps are skipped)")
+    driver = doc.gpus[0]["driver"]
+    header = _nvidia_smi().stdout
+    cuda = header.split("CUDA Version:", 1)[1].split()[0] if "CUDA Version:" in header else "unknown"
+    figures = {
+        "driver": driver,
+        "driver_cuda": cuda,
+        "gpus": len(doc.gpus),
+        "gpu_names": sorted({g["name"] for g in doc.gpus}),
+        "memory_mib": doc.gpus[0]["memory_mib"],
+    }
+    first = doc.gpus[0]
+    summary = f"driver {driver} (CUDA {cuda}), {len(doc.gpus)} x {first['name']} ({first['memory_mib']} MiB)"
+    try:
+        major = int(driver.split(".")[0])
+    except ValueError:
+        return failed(f"cannot read the driver version {driver!r} from nvidia-smi", **figures)
+    if major < MIN_DRIVER:
+        return failed(
+            f"{summary}: the CUDA 13 wheels (torch 2.11, vLLM) need NVIDIA driver >= {MIN_DRIVER}: "
+            "upgrade the driver (docs/gpu.md)",
+            **figures,
+        )
+    return passed(summary, **figures)
+
+
+# ------------------------------------------------------------------------------------------- 2. imports
+def _version(module: Any, distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return str(getattr(module, "__version__", "unknown"))
+
+
+def step_imports(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    versions: dict[str, str] = {}
+    for module_name, distribution in (("torch", "torch"), ("verl", "verl")):
+        try:
+            versions[module_name] = _version(importlib.import_module(module_name), distribution)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+            return failed(
+                f"{module_name} does not import ({type(exc).__name__}: {exc}): reinstall the project "
+                "(pip install -e . with constraints/cpu.txt or scripts/install-gpu.sh)",
+                **versions,
+            )
+    import torch
+
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    figures: dict[str, Any] = {
+        **versions,
+        "torch_cuda": torch.version.cuda,
+        "torch_cuda_devices": cuda_devices,
+    }
+    missing: list[str] = []
+    for module_name, distribution in (("vllm", "vllm"), ("flash_attn", "flash-attn")):
+        try:
+            figures[module_name] = _version(importlib.import_module(module_name), distribution)
+        except ImportError as exc:
+            missing.append(f"{module_name} ({exc})")
+        except Exception as exc:  # noqa: BLE001 - installed but broken (a CUDA/ABI mismatch)
+            return failed(
+                f"{module_name} is installed but does not import ({type(exc).__name__}: {exc}): "
+                "reinstall the GPU extra with scripts/install-gpu.sh",
+                **figures,
+            )
+    found = ", ".join(
+        f"{name} {figures[name]}" for name in ("torch", "verl", "vllm", "flash_attn") if name in figures
+    )
+    if doc.gpus:
+        if missing:
+            return failed(
+                f"{found}; GPU extra not installed: {'; '.join(missing)}: run scripts/install-gpu.sh "
+                "(docs/gpu.md)",
+                **figures,
+            )
+        if cuda_devices != len(doc.gpus):
+            return failed(
+                f"{found}; torch sees {cuda_devices} CUDA devices, nvidia-smi {len(doc.gpus)} "
+                f"(torch built for CUDA {torch.version.cuda}): check CUDA_VISIBLE_DEVICES and the "
+                f"driver (>= {MIN_DRIVER})",
+                **figures,
+            )
+        return passed(f"{found}; torch CUDA {torch.version.cuda} sees {cuda_devices} GPUs", **figures)
+    if missing:
+        return passed(f"{found}; vllm, flash-attn skipped: GPU extra not installed (no GPU here)", **figures)
+    return passed(f"{found} (no GPU here)", **figures)
+
+
+# ------------------------------------------------------------------------------------------- 3. check
+def layout_gpus_needed(params: Params) -> int:
+    """GPUs this node must have for the layout: the highest CUDA device id placed on it, plus one."""
+    from pipeline.layout import environment_gpus, training_gpus
+
+    placed = [*environment_gpus(params), *training_gpus(params)]
+    return max(placed) + 1 if placed else 0
+
+
+def step_check(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    from pipeline.layout import describe, layout_problems
+
+    problems = [str(p) for p in layout_problems(doc.params)]
+    needed = layout_gpus_needed(doc.params)
+    figures = {"problems": problems, "gpus_needed": needed, "host_gpus": len(doc.gpus)}
+    if problems:
+        more = f" (and {len(problems) - 1} more: promptr1 check lists them)" if len(problems) > 1 else ""
+        return failed(f"{problems[0]}{more}", **figures)
+    summary = f"layout ok: {describe(doc.params)}"
+    if needed == 0:
+        return passed(f"{summary}; no GPU placed on this node", **figures)
+    if not doc.gpus:
+        return passed(
+            f"{summary}; GPU count skipped: no GPU on this machine (the layout needs {needed})", **figures
+        )
+    if len(doc.gpus) < needed:
+        return failed(
+            f"{summary}; but the layout places GPUs up to device {needed - 1} on this node and nvidia-smi "
+            f"lists {len(doc.gpus)}: choose the profile for this node (paper-1node for 8 GPUs) or set "
+            "train.verl.gpus / environment.server.gpus",
+            **figures,
+        )
+    return passed(f"{summary}; host GPUs {len(doc.gpus)} >= {needed} needed", **figures)
+
+
+# ------------------------------------------------------------------------------------------- 4. weights
+def step_weights(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    from pipeline.weights import ensure_weights
+
+    statuses = ensure_weights(doc.params, fetch=False)
+    figures = {s.key: {"ref": s.ref, "state": s.state} for s in statuses}
+    bad = [s for s in statuses if not s.ok]
+    if bad:
+        return failed(
+            "; ".join(f"{s.key}={s.ref!r} is {s.state}: {s.detail}" for s in bad)
+            + ": run `promptr1 weights` (with network) before the GPU job",
+            **figures,
+        )
+    return passed(", ".join(f"{s.key} {s.ref}" for s in statuses) + ": present offline", **figures)
+
+
+# ------------------------------------------------------------------------------------------- run
+def steps() -> list[tuple[str, Step]]:
+    """The steps in the order they run (7-9 from pipeline.doctor_train)."""
+    from pipeline.doctor_environment import step_environment, step_rows
+    from pipeline.doctor_train import step_merge, step_trajectories, step_verl
+
+    return [
+        ("driver", step_driver),
+        ("imports", step_imports),
+        ("check", step_check),
+        ("weights", step_weights),
+        ("environment", step_environment),
+        ("rows", step_rows),
+        ("verl step", step_verl),
+        ("merge", step_merge),
+        ("trajectories", step_trajectories),
+    ]
+
+
+def report_path(params: Params) -> Path:
+    return params.path(params.paths.reports_dir) / "doctor" / "doctor.json"
+
+
+def default_rows(params: Params) -> int:
+    """Rows sent when `--rows` is not given: 64, or `CPU_ROWS` for a llama.cpp (CPU) environment."""
+    return CPU_ROWS if params.environment.backend == "llamacpp" else DEFAULT_ROWS
+
+
+def run_doctor(
+    params: Params,
+    rows: int | None = None,
+    echo: Callable[[str], None] = print,
+    rows_deadline_s: float = ROWS_DEADLINE_S,
+) -> int:
+    """Run the steps, echo one line each, write the JSON report; 0 when nothing failed, else 1."""
+    from pipeline.data.schema import write_json_atomic
+
+    rows = default_rows(params) if rows is None else rows
+    doc = Doctor(params=params, rows=rows, rows_deadline_s=rows_deadline_s)
+    started = time.perf_counter()
+    exit_code = 0
+    with doc.stack:
+        for name, step in steps():
+            step_started = time.perf_counter()
+            try:
+                status, detail, figures = step(doc)
+            except Exception as exc:
+                log.debug("doctor step %s crashed", name, exc_info=True)
+                status, detail, figures = failed(f"{type(exc).__name__}: {exc}")
+            result = StepResult(name, status, detail, figures, round(time.perf_counter() - step_started, 2))
+            doc.results[name] = result
+            echo(result.line)
+            if status == "fail":
+                exit_code = 1
+                break
+    report = {
+        "profile": params.profile,
+        "exit_code": exit_code,
+        "rows_requested": rows,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "steps": [asdict(r) for r in doc.results.values()],
+        "not_run": [name for name, _ in steps() if name not in doc.results],
+    }
+    write_json_atomic(report, report_path(params))
+    return exit_code

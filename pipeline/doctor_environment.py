@@ -1,0 +1,185 @@
+"""`promptr1 doctor` steps 5-6: the environment server starts, then real evaluation rows go through it.
+
+- `environment`: `pipeline.environment.servers.environment_server`, as the train and evaluate stages use it
+  (reuse a healthy server at the URL, else start llama.cpp / vLLM / the knowledge server; nothing for a paid
+  API), then `GET <url>/models` with the key: a paid endpoint is only judged reachable once it answers.
+  The server is held on the doctor's exit stack, so the rows and the verl step use it, and stopped at the end.
+- `rows`: `--rows` real evaluation rows, math datasets first (a reasoning environment's worst case: long
+  thinking, empty replies after `length`), then round-robin over the profile's evaluation sets; from the
+  built sets (`data/rl/eval/`) when they exist, else the authors' files in the mirror. Each is sent as the
+  env-only baseline sends it (question + `evaluate.env_only_instruction`) through `EnvironmentClient`
+  with its response cache off, so the latencies are the server's. More failures than
+  `environment.max_failure_rate` fail the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from asyncio import FIRST_EXCEPTION
+from typing import TYPE_CHECKING, Any
+
+from pipeline.config import Params
+from pipeline.doctor import BUILD_FIRST, Status, failed, passed, skipped
+
+if TYPE_CHECKING:
+    from pipeline.doctor import Doctor
+
+
+# ------------------------------------------------------------------------------------------- 5. environment
+def step_environment(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    from pipeline.environment.client import resolve_api_key
+    from pipeline.environment.servers import environment_server, served_models, started_server
+    from pipeline.errors import EnvironmentUnavailable
+    from pipeline.layout import environment_started_here
+
+    params, env = doc.params, doc.params.environment
+    if env.backend == "vllm" and environment_started_here(params) and not doc.gpus:
+        return skipped(f"environment.backend=vllm serves {env.model} on a GPU: none on this machine")
+    if env.backend == "knowledge":
+        missing = [s for s in env.knowledge.sources if not params.path(s).exists()]
+        if missing:
+            return skipped(f"{BUILD_FIRST} (environment.knowledge.sources {missing} not built)")
+    try:
+        url = doc.stack.enter_context(environment_server(params))
+        models = served_models(url, resolve_api_key(env), timeout_s=10.0)
+    except EnvironmentUnavailable as exc:
+        return failed(f"{exc}", url=env.url)
+    if models is None:
+        key = f", or it refuses the key in ${env.api_key_env}" if env.backend == "api" else ""
+        return failed(
+            f"no answer (HTTP 200) from {url}/models (environment.backend={env.backend}){key}: start the server "
+            "there or fix environment.base_url / host / port",
+            url=url,
+        )
+    doc.environment_url = url
+    how = "started here" if started_server(url) is not None else "already running, reused"
+    return passed(
+        f"{env.backend} {env.served_name} at {url} ({how})", url=url, backend=env.backend, models=models
+    )
+
+
+# ------------------------------------------------------------------------------------------- 6. rows
+def evaluation_rows(params: Params, n: int) -> tuple[list[dict[str, Any]], str] | None:
+    """`n` real evaluation rows (dataset, task type, question), math datasets first, then round-robin;
+    from the built sets (data/rl/eval/) if there, else the mirror's authors' files. None when neither is."""
+    import pyarrow.parquet as pq
+
+    from pipeline.data.sources import authors_eval_path, get_spec, load_authors_eval
+
+    names = list(params.eval_datasets)
+    if not any(get_spec(name).task_type == "math" for name in names):
+        names.append("gsm8k")  # the doctor always sends math rows (a reasoning environment's worst case)
+    names.sort(key=lambda name: get_spec(name).task_type != "math")
+    eval_dir = params.path(params.paths.rl_dir) / "eval"
+    per_dataset: dict[str, list[str]] = {}
+    source = "data/rl/eval" if any((eval_dir / f"{name}.parquet").is_file() for name in names) else "mirror"
+    for name in names:
+        built = eval_dir / f"{name}.parquet"
+        if source == "data/rl/eval" and built.is_file():
+            extra = pq.read_table(built, columns=["extra_info"]).column("extra_info").to_pylist()
+            per_dataset[name] = [str(e["question"]) for e in extra]
+        elif params.mirror is not None and authors_eval_path(params, get_spec(name)).is_file():
+            per_dataset[name] = [row.question for row in load_authors_eval(params, get_spec(name))]
+    if not per_dataset:
+        return None
+    rows: list[dict[str, Any]] = []
+    for index in range(max(len(q) for q in per_dataset.values())):
+        for name, questions in per_dataset.items():
+            if index < len(questions) and len(rows) < n:
+                rows.append(
+                    {"dataset": name, "task_type": get_spec(name).task_type, "question": questions[index]}
+                )
+    return rows, source
+
+
+def _percentile(values: list[float], q: int) -> float | None:
+    """The q-th percentile (inclusive method) of the latencies; None when no row was answered."""
+    if len(values) <= 1:
+        return values[0] if values else None
+    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 3)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
+    from pipeline.errors import EnvironmentUnhealthy
+
+    if doc.environment_url is None:
+        return skipped("no environment server (the environment step did not pass)")
+    if doc.rows <= 0:
+        return skipped("--rows 0")
+    found = evaluation_rows(doc.params, doc.rows)
+    if found is None:
+        return skipped(f"no evaluation rows: {BUILD_FIRST} (or set paths.mirror to the datasets mirror)")
+    rows, source = found
+    params = doc.params
+    cfg = params.environment.model_copy(update={"cache": False, "base_url": doc.environment_url})
+    client = EnvironmentClient(cfg, None, ledger_path=params.path(params.paths.cache_dir) / LEDGER_FILE)
+    instruction = params.evaluate.env_only_instruction
+
+    async def send_all() -> list[Any]:
+        """Every row's reply, or None for a row still unanswered at the deadline (its call cancelled)."""
+        tasks = [asyncio.ensure_future(client.reply([], f"{r['question']}\n\n{instruction}")) for r in rows]
+        try:
+            done, pending = await asyncio.wait(
+                tasks, timeout=doc.rows_deadline_s, return_when=FIRST_EXCEPTION
+            )
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            # task.result() re-raises EnvironmentUnhealthy (the client's failure window), caught below
+            return [task.result() if task in done else None for task in tasks]
+        finally:
+            await client.aclose()
+
+    started = time.perf_counter()
+    try:
+        answered = asyncio.run(send_all())
+    except EnvironmentUnhealthy as exc:
+        return failed(f"{exc}", url=doc.environment_url)
+    wall = time.perf_counter() - started
+    replies = [r for r in answered if r is not None]
+    late = len(answered) - len(replies)
+    latencies = sorted(r.latency_s for r in replies)
+    errors = [r.error for r in replies if r.error] + [f"not answered within {doc.rows_deadline_s:g} s"] * late
+    by_type: dict[str, int] = {}
+    for row in rows:
+        by_type[row["task_type"]] = by_type.get(row["task_type"], 0) + 1
+    figures = {
+        "rows": len(rows),
+        "source": source,
+        "rows_by_task_type": by_type,
+        "datasets": sorted({r["dataset"] for r in rows}),
+        "p50_s": _percentile(latencies, 50),
+        "p95_s": _percentile(latencies, 95),
+        "max_s": round(latencies[-1], 3) if latencies else None,
+        "failures": len(errors),
+        "unanswered_at_deadline": late,
+        "empty_after_length": sum(r.empty_after_length for r in replies),
+        "truncated": sum(r.truncated for r in replies),
+        "retries": sum(r.retries for r in replies),
+        "completion_tokens": sum(r.completion_tokens for r in replies),
+        "wall_s": round(wall, 1),
+        "cost_usd": round(sum(r.cost_usd for r in replies), 6),
+        "first_error": errors[0] if errors else None,
+    }
+    detail = (
+        f"{len(rows)} rows from {source} ({by_type.get('math', 0)} math, "
+        f"{len(figures['datasets'])} datasets) "
+        f"in {wall:.1f} s: p50 {_seconds(figures['p50_s'])}, p95 {_seconds(figures['p95_s'])}, "
+        f"{len(errors)} failed{f' ({late} unanswered at the deadline)' if late else ''}, "
+        f"{figures['empty_after_length']} empty after length, "
+        f"{figures['truncated']} cut at max_tokens"
+    )
+    if len(errors) > params.environment.max_failure_rate * len(rows):
+        return failed(
+            f"{detail}; more than environment.max_failure_rate={params.environment.max_failure_rate:g} "
+            f"failed (first: {errors[0]}): fix the environment at {doc.environment_url}",
+            **figures,
+        )
+    return passed(detail, **figures)
