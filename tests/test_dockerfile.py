@@ -61,10 +61,27 @@ class Stage:
         return out
 
 
+def shell_commands(shell: str) -> list[list[str]]:
+    """A shell line's simple commands as token lists, split at `&&`, `||`, `;`, `|` outside quotes (a quoted
+    value such as FLASH_ATTN_CUDA_ARCHS="80;90" stays one token)."""
+    shell = re.sub(r"\\[ \t]*(\n|$)", " ", shell).replace("\n", " ; ")  # line continuations, then lines
+    lexer = shlex.shlex(shell, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    try:
+        for token in lexer:
+            if token in {"&&", "||", ";", "|", "&", ";;"}:
+                commands.append([])
+            else:
+                commands[-1].append(token)
+    except ValueError:  # one line of a multi-line shell construct (the install script is read line by line)
+        return [segment.split() for segment in re.split(r"&&|;|\|\|", shell)]
+    return [c for c in commands if c]
+
+
 def parse_pip(shell: str, out: PipInstall) -> PipInstall:
     """Collect requirements, project installs and index URLs from every `pip install` in a shell line."""
-    for segment in re.split(r"&&|;|\|\||\n", shell):
-        tokens = shlex.split(segment, comments=True)
+    for tokens in shell_commands(shell):
         if "pip" not in tokens or "install" not in tokens:
             continue
         args = tokens[tokens.index("install", tokens.index("pip")) + 1:]
