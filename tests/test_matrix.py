@@ -49,15 +49,30 @@ def test_default_is_the_training_environment_only():
 
 def test_an_entry_changes_only_its_keys_and_a_moved_endpoint_drops_the_inherited_url():
     params = _load(
-        {"environments": [
-            {"name": "kb", "backend": "knowledge", "model": "kb", "served_name": "kb", "port": 8799,
-             "knowledge": {"min_overlap": 0.5}},
-            {"name": "other-model", "served_name": "other", "max_tokens": 64},
-        ], "env_temperature": 0.0, "env_cache": False},
+        {
+            "environments": [
+                {
+                    "name": "kb",
+                    "backend": "knowledge",
+                    "model": "kb",
+                    "served_name": "kb",
+                    "port": 8799,
+                    "knowledge": {"min_overlap": 0.5},
+                },
+                {"name": "other-model", "served_name": "other", "max_tokens": 64},
+            ],
+            "env_temperature": 0.0,
+            "env_cache": False,
+        },
         environment={"base_url": "http://127.0.0.1:9999/v1", "temperature": 0.7},
     )
     kb = variant_params(params, params.evaluate.environments[0]).environment
-    assert (kb.backend, kb.served_name, kb.port, kb.url) == ("knowledge", "kb", 8799, "http://127.0.0.1:8799/v1")
+    assert (kb.backend, kb.served_name, kb.port, kb.url) == (
+        "knowledge",
+        "kb",
+        8799,
+        "http://127.0.0.1:8799/v1",
+    )
     assert kb.knowledge.min_overlap == 0.5 and kb.knowledge.sources == params.environment.knowledge.sources
     assert kb.system_prompt == params.environment.system_prompt  # inherited
     assert (kb.temperature, kb.cache) == (0.0, False)  # the evaluation's sampling, not the training's 0.7
@@ -66,18 +81,22 @@ def test_an_entry_changes_only_its_keys_and_a_moved_endpoint_drops_the_inherited
     assert params.environment.served_name != "other"  # the training section itself is untouched
 
 
-@pytest.mark.parametrize(("entries", "message"), [
-    ([{"name": "a", "temperature": 0.5}], "env_temperature"),
-    ([{"name": "a", "modle": "x"}], "modle"),
-    ([{"name": "a"}], "changes nothing"),
-    ([{"name": TRAINING_ENVIRONMENT, "served_name": "x"}], "training environment's row"),
-    ([{"name": "a b", "served_name": "x"}], "name"),
-    ([{"name": "a", "served_name": "x"}, {"name": "a", "served_name": "y"}], r"environments\[1\].*twice"),
-    ([{"name": "a", "max_tokens": 0}], r"environments\[0\] \('a'\)\.max_tokens"),
-    ([{"name": "a", "backend": "api"}], r"environments\[0\].*base_url"),
-    ([{"name": "a", "backend": "api", "base_url": "https://u:secret@example.com/v1"}], "credentials"),
-    ([{"name": "a", "backend": "knowledge", "port": 8766}], "agent server's port"),
-])
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ([{"name": "a", "temperature": 0.5}], "env_temperature"),
+        ([{"name": "a", "modle": "x"}], "modle"),
+        ([{"name": "a"}], "changes nothing"),
+        ([{"name": TRAINING_ENVIRONMENT, "served_name": "x"}], "training environment's row"),
+        ([{"name": "a b", "served_name": "x"}], "name"),
+        ([{"name": "a", "served_name": "x"}, {"name": "a", "served_name": "y"}], r"environments\[1\].*twice"),
+        ([{"name": "a", "max_tokens": 0}], r"environments\[0\] \('a'\)\.max_tokens"),
+        ([{"name": "a", "backend": "api"}], r"environments\[0\].*base_url"),
+        ([{"name": "a", "backend": "api", "base_url": "https://u:secret@example.com/v1"}], "credentials"),
+        ([{"name": "a", "backend": "knowledge", "port": 8766}], "agent server's port"),
+        ([{"name": "a", "model": "other.gguf"}], "cannot be told apart"),
+    ],
+)
 def test_a_bad_entry_fails_at_load_naming_it(entries, message):
     with pytest.raises(ConfigError, match=message):
         _load({"environments": entries})
@@ -93,7 +112,11 @@ def test_api_profile_lists_gpt_oss_20b_beside_gpt_4o_mini():
 
 
 def test_matrix_baselines_are_those_that_use_an_environment():
-    assert matrix_baselines(["gepa", "agent_only", "env_only", "base_agent"]) == ["env_only", "base_agent", "gepa"]
+    assert matrix_baselines(["gepa", "agent_only", "env_only", "base_agent"]) == [
+        "env_only",
+        "base_agent",
+        "gepa",
+    ]
 
 
 # --- the report, on hand-made aggregates ---------------------------------------------------------------------
@@ -104,7 +127,7 @@ def _matrix_table(md: str) -> list[str]:
     lines = md.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| trained with | evaluated with |"))
     body = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         body.append(line)
@@ -119,10 +142,17 @@ def _aggregate(f1: dict[str, float]) -> dict:
     systems = list(f1)
     return {
         "systems": systems,
-        "averages": {s: {"id": {"f1": _ci(v), "em": _ci(v / 2)}, "ood": {"f1": _ci(v + 1)}} for s, v in f1.items()},
-        "deltas": {f"vs_{s}": {"id": {"f1": {"delta": f1["prompt_r1"] - v, "low": -1.0, "high": 1.0}},
-                               "ood": {"f1": {"delta": 0.0, "low": -1.0, "high": 1.0}}}
-                   for s, v in f1.items() if s != "prompt_r1"},
+        "averages": {
+            s: {"id": {"f1": _ci(v), "em": _ci(v / 2)}, "ood": {"f1": _ci(v + 1)}} for s, v in f1.items()
+        },
+        "deltas": {
+            f"vs_{s}": {
+                "id": {"f1": {"delta": f1["prompt_r1"] - v, "low": -1.0, "high": 1.0}},
+                "ood": {"f1": {"delta": 0.0, "low": -1.0, "high": 1.0}},
+            }
+            for s, v in f1.items()
+            if s != "prompt_r1"
+        },
         "env_usage": {s: {"calls": 1} for s in systems},
     }
 
@@ -155,7 +185,9 @@ def test_matrix_outputs_one_row_per_environment(params):
     assert plot.set_index("label").loc["kb | prompt_r1 | id", "score"] == 60.0
 
 
-def test_without_extra_environments_the_report_is_unchanged_but_the_plot_has_the_training_row(tmp_path, params):
+def test_without_extra_environments_the_report_is_unchanged_but_the_plot_has_the_training_row(
+    tmp_path, params
+):
     from pipeline.evaluation.matrix import write_matrix
 
     summary = _aggregate({"prompt_r1": 30.0, "env_only": 20.0})
@@ -168,8 +200,9 @@ def test_without_extra_environments_the_report_is_unchanged_but_the_plot_has_the
 
 
 @pytest.mark.slow
-def test_two_environment_micro_run_shows_the_matrix_everywhere(tmp_path, repo_root, shared_datasets, llama_server,
-                                                               tiny_llama_dir):
+def test_two_environment_micro_run_shows_the_matrix_everywhere(
+    tmp_path, repo_root, shared_datasets, llama_server, tiny_llama_dir
+):
     """Trained with llama.cpp (SmolLM2), evaluated with it and with the knowledgeable server: the matrix is in
     summary.md, matrix.csv and the evaluate run's MLflow metrics (read through MlflowClient), one row each."""
     import mlflow
@@ -180,18 +213,33 @@ def test_two_environment_micro_run_shows_the_matrix_everywhere(tmp_path, repo_ro
 
     project = make_project(tmp_path, repo_root, shared_datasets, {"hotpotqa": "id", "triviaqa": "ood"})
     shutil.copytree(FIXTURES / "gepa", project / "data" / "gepa")
-    params = load_params(project / "params.yaml", {
-        "paths": {"model_dir": str(tiny_llama_dir)},
-        "data": {"id_eval_datasets": ["hotpotqa"], "ood_eval_datasets": ["triviaqa"]},
-        "agent": {"max_turns": 2, "max_prompt_tokens": 1536},
-        "environment": {"base_url": llama_server, "max_tokens": 24},
-        "evaluate": {"agent_engine": "transformers", "rows_per_dataset": 2, "agent_max_turn_tokens": 24,
-                     "bootstrap_samples": 100, "baselines": ["env_only", "agent_only", "gepa"],
-                     "environments": [{"name": "knowledgeable", "backend": "knowledge", "model": "knowledge-base",
-                                       "served_name": "knowledge-base", "port": free_port(),
-                                       "knowledge": {"sources": ["data/rl/eval"]}}]},
-        "mlflow": {"trace_evaluation": False},
-    })
+    params = load_params(
+        project / "params.yaml",
+        {
+            "paths": {"model_dir": str(tiny_llama_dir)},
+            "data": {"id_eval_datasets": ["hotpotqa"], "ood_eval_datasets": ["triviaqa"]},
+            "agent": {"max_turns": 2, "max_prompt_tokens": 1536},
+            "environment": {"base_url": llama_server, "max_tokens": 24},
+            "evaluate": {
+                "agent_engine": "transformers",
+                "rows_per_dataset": 2,
+                "agent_max_turn_tokens": 24,
+                "bootstrap_samples": 100,
+                "baselines": ["env_only", "agent_only", "gepa"],
+                "environments": [
+                    {
+                        "name": "knowledgeable",
+                        "backend": "knowledge",
+                        "model": "knowledge-base",
+                        "served_name": "knowledge-base",
+                        "port": free_port(),
+                        "knowledge": {"sources": ["data/rl/eval"]},
+                    }
+                ],
+            },
+            "mlflow": {"trace_evaluation": False},
+        },
+    )
     summary = E.run_evaluate(params)
     out = project / "reports" / "eval"
 
@@ -201,8 +249,11 @@ def test_two_environment_micro_run_shows_the_matrix_everywhere(tmp_path, repo_ro
     assert matrix["rows"][1]["environment"]["backend"] == "knowledge"
     assert matrix["rows"][1]["systems"] == ["prompt_r1", "env_only", "gepa"]
     # the knowledgeable server knows every gold answer: env_only scores with it, and it was really asked
-    assert matrix["rows"][1]["env_usage"]["env_only"]["calls"] + matrix["rows"][1]["env_usage"]["env_only"][
-        "cache_hits"] == 4
+    assert (
+        matrix["rows"][1]["env_usage"]["env_only"]["calls"]
+        + matrix["rows"][1]["env_usage"]["env_only"]["cache_hits"]
+        == 4
+    )
     assert summary["matrix"]["rows"][1]["averages"]["env_only"]["id"]["f1"]["mean"] > 0
 
     md = (out / "summary.md").read_text()

@@ -22,7 +22,8 @@ Design decisions:
   unique, `[A-Za-z0-9._-]`; `training` is the training environment's row.
 - Environments run one after another (one server at a time): on a GPU node the environment's vLLM takes most
   of the card's memory, so two at once would not fit. An entry's local server may therefore reuse the
-  training environment's port, but not the agent server's (`evaluate.agent_port`, default port + 1).
+  training environment's port (under another served name: a server found answering is reused when it serves
+  the configured name), but not the agent server's (`evaluate.agent_port`, default port + 1).
 """
 
 from __future__ import annotations
@@ -49,23 +50,33 @@ class EnvironmentVariant(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=False)
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description=(
-        "The matrix row: in summary.md, MLflow metric names (matrix/<name>/...) and the DVC plot."))
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description=(
+            "The matrix row: in summary.md, MLflow metric names (matrix/<name>/...) and the DVC plot."
+        ),
+    )
 
     @model_validator(mode="after")
     def _overrides_are_environment_keys(self) -> EnvironmentVariant:
         from pipeline.config.sections import EnvironmentConfig
 
         if self.name == TRAINING_ENVIRONMENT:
-            raise ValueError(f"name {TRAINING_ENVIRONMENT!r} is the training environment's row: choose another")
+            raise ValueError(
+                f"name {TRAINING_ENVIRONMENT!r} is the training environment's row: choose another"
+            )
         keys = set(self.overrides())
         if not keys:
-            raise ValueError(f"environment {self.name!r} changes nothing: set the environment keys it differs in "
-                             "(backend, model, served_name, base_url, ...)")
+            raise ValueError(
+                f"environment {self.name!r} changes nothing: set the environment keys it differs in "
+                "(backend, model, served_name, base_url, ...)"
+            )
         fixed = sorted(keys & SAMPLING_KEYS)
         if fixed:
-            raise ValueError(f"environment {self.name!r} sets {fixed}: the evaluation samples every environment "
-                             "alike (evaluate.env_temperature, evaluate.env_cache)")
+            raise ValueError(
+                f"environment {self.name!r} sets {fixed}: the evaluation samples every environment "
+                "alike (evaluate.env_temperature, evaluate.env_cache)"
+            )
         unknown = sorted(keys - set(EnvironmentConfig.model_fields))
         if unknown:
             raise ValueError(f"environment {self.name!r}: {unknown} are not keys of the environment section")
@@ -108,7 +119,18 @@ def matrix_problems(params: Any) -> list[str]:
         except ValidationError as exc:
             problems += [f"{where}{''.join(f'.{p}' for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
             continue
+        base = params.environment
+        if cfg.backend != "api" and (cfg.url, cfg.served_name) == (base.url, base.served_name):
+            # A server found answering there is reused when it serves that name: the training one, if it
+            # still runs (started by hand), would answer for this entry and nobody would notice.
+            problems.append(
+                f"{where}: a local server at the training environment's URL ({cfg.url}) under its "
+                f"served_name {cfg.served_name!r} cannot be told apart from it: set another "
+                "served_name or port"
+            )
         if cfg.backend != "api" and not cfg.base_url and cfg.port == agent_port:
-            problems.append(f"{where}.port={cfg.port} is the agent server's port (evaluate.agent_port or "
-                            "environment.port + 1): pick another")
+            problems.append(
+                f"{where}.port={cfg.port} is the agent server's port (evaluate.agent_port or "
+                "environment.port + 1): pick another"
+            )
     return problems

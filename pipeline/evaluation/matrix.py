@@ -75,11 +75,16 @@ def matrix_row(name: str, cfg: EnvironmentConfig, summary: dict[str, Any]) -> di
     }
 
 
-def build_matrix(params: Params, summary: dict[str, Any], variant_rows: list[dict[str, Any]]) -> dict[str, Any]:
+def build_matrix(
+    params: Params, summary: dict[str, Any], variant_rows: list[dict[str, Any]]
+) -> dict[str, Any]:
     """metrics.json's `matrix`: the training environment's row (from the main summary) first, then each entry's."""
     training = matrix_row(TRAINING_ENVIRONMENT, params.environment, summary)
-    return {"trained_with": {"name": TRAINING_ENVIRONMENT, **_describe(params.environment)},
-            "metric": MATRIX_METRIC, "rows": [training, *variant_rows]}
+    return {
+        "trained_with": {"name": TRAINING_ENVIRONMENT, **_describe(params.environment)},
+        "metric": MATRIX_METRIC,
+        "rows": [training, *variant_rows],
+    }
 
 
 def _matrix_or_training(summary: dict[str, Any], params: Params) -> dict[str, Any]:
@@ -95,12 +100,35 @@ def matrix_plot_rows(matrix: dict[str, Any]) -> pd.DataFrame:
                 ci = row["averages"][s][split].get(MATRIX_METRIC)
                 if ci is None:
                     continue
-                out.append({"label": f"{row['name']} | {s} | {split}",
-                            "trained_with": matrix["trained_with"]["name"], "evaluated_with": row["name"],
-                            "served_name": row["environment"]["served_name"], "system": s, "split": split,
-                            "metric": MATRIX_METRIC, "score": ci["mean"], "low": ci["low"], "high": ci["high"]})
-    return pd.DataFrame(out, columns=["label", "trained_with", "evaluated_with", "served_name", "system", "split",
-                                      "metric", "score", "low", "high"])
+                out.append(
+                    {
+                        "label": f"{row['name']} | {s} | {split}",
+                        "trained_with": matrix["trained_with"]["name"],
+                        "evaluated_with": row["name"],
+                        "served_name": row["environment"]["served_name"],
+                        "system": s,
+                        "split": split,
+                        "metric": MATRIX_METRIC,
+                        "score": ci["mean"],
+                        "low": ci["low"],
+                        "high": ci["high"],
+                    }
+                )
+    return pd.DataFrame(
+        out,
+        columns=[
+            "label",
+            "trained_with",
+            "evaluated_with",
+            "served_name",
+            "system",
+            "split",
+            "metric",
+            "score",
+            "low",
+            "high",
+        ],
+    )
 
 
 def write_matrix(summary: dict[str, Any], params: Params, out_dir: Path) -> Path:
@@ -125,23 +153,40 @@ def matrix_markdown(summary: dict[str, Any]) -> list[str]:
     lines = [
         "## Plug-and-play matrix (trained with × evaluated with)",
         "",
-        (f"The agent trained with `{trained['name']}` ({trained['backend']}, `{trained['served_name']}`), "
-         "evaluated unchanged with each environment on the same rows; the baselines with the same environment. "
-         f"{MATRIX_METRIC.upper()} (mean [CI]); `agent_only` uses no environment (see Averages)."),
+        (
+            f"The agent trained with `{trained['name']}` ({trained['backend']}, `{trained['served_name']}`), "
+            "evaluated unchanged with each environment on the same rows; the baselines with the same environment. "
+            f"{MATRIX_METRIC.upper()} (mean [CI]); `agent_only` uses no environment (see Averages)."
+        ),
         "",
         f"| trained with | evaluated with | served model | {header} |",
         "|---|---|---|" + "---|" * (len(systems) * len(SPLITS)),
     ]
     for row in matrix["rows"]:
-        cells = [_cell(row["averages"][s][split].get(MATRIX_METRIC)) if s in row["averages"] else "–"
-                 for s in systems for split in SPLITS]
-        lines.append(f"| {trained['name']} | {row['name']} | `{row['environment']['served_name']}` | "
-                     + " | ".join(cells) + " |")
-    deltas = [(row["name"], vs, split, row["deltas"][vs][split].get(MATRIX_METRIC))
-              for row in matrix["rows"] for vs in row["deltas"] for split in SPLITS]
+        cells = [
+            _cell(row["averages"][s][split].get(MATRIX_METRIC)) if s in row["averages"] else "–"
+            for s in systems
+            for split in SPLITS
+        ]
+        lines.append(
+            f"| {trained['name']} | {row['name']} | `{row['environment']['served_name']}` | "
+            + " | ".join(cells)
+            + " |"
+        )
+    deltas = [
+        (row["name"], vs, split, row["deltas"][vs][split].get(MATRIX_METRIC))
+        for row in matrix["rows"]
+        for vs in row["deltas"]
+        for split in SPLITS
+    ]
     if deltas:
-        lines += ["", f"prompt_r1 − baseline with the same environment, {MATRIX_METRIC.upper()} (paired bootstrap):",
-                  "", "| evaluated with | vs | split | Δ [CI] |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"prompt_r1 − baseline with the same environment, {MATRIX_METRIC.upper()} (paired bootstrap):",
+            "",
+            "| evaluated with | vs | split | Δ [CI] |",
+            "|---|---|---|---|",
+        ]
         for name, vs, split, c in deltas:
             cell = "–" if c is None else f"{c['delta']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]"
             lines.append(f"| {name} | {vs.removeprefix('vs_')} | {split} | {cell} |")
@@ -165,4 +210,3 @@ def matrix_metrics(summary: dict[str, Any]) -> dict[str, float]:
                 if MATRIX_METRIC in entry:
                     out[f"{prefix}/delta_{vs}/{split}/{MATRIX_METRIC}"] = entry[MATRIX_METRIC]["delta"]
     return out
-
