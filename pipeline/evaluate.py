@@ -56,6 +56,7 @@ from pipeline.evaluation.agent_server import (
 from pipeline.evaluation.costs import inference_costs, one_off_costs, read_gepa_prompt
 from pipeline.evaluation.matrix import (
     build_matrix,
+    log_matrix_predictions,
     matrix_baselines,
     matrix_row,
     variant_params,
@@ -172,7 +173,8 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]], ep: P
 def evaluate_matrix(params: Params, rows_by_ds: dict[str, list[EvalRow]], summary: dict[str, Any],
                     ssim: M.SemanticSimilarity) -> dict[str, Any]:
     """The plug-and-play matrix (`evaluate.environments`, pipeline/evaluation/matrix.py): the trained agent and
-    the baselines that use an environment, with each extra environment in turn, scored like the main run."""
+    the baselines that use an environment, with each extra environment in turn, scored like the main run.
+    Each environment's answers go to the evaluate run as the table `eval/matrix/<name>/predictions.json`."""
     rows = []
     for variant in params.evaluate.environments:
         ep = variant_params(params, variant)
@@ -182,7 +184,10 @@ def evaluate_matrix(params: Params, rows_by_ds: dict[str, list[EvalRow]], summar
         scores = {s: score_system(a, rows_by_ds, ssim) for s, a in answers.items()}
         aggregated = aggregate(scores, rows_by_ds, params)
         aggregated["env_usage"] = usage_by_system(answers)
-        rows.append(matrix_row(variant.name, ep.environment, aggregated))
+        row = matrix_row(variant.name, ep.environment, aggregated)
+        row["cost"] = inference_costs(answers, ep)  # at this environment's prices
+        rows.append(row)
+        log_matrix_predictions(variant.name, predictions_frame(answers, scores, rows_by_ds))
     return build_matrix(params, summary, rows)
 
 

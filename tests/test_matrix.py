@@ -278,4 +278,7 @@ def test_two_environment_micro_run_shows_the_matrix_everywhere(
     kb_f1 = run.data.metrics["matrix/knowledgeable/env_only/id/f1"]
     assert kb_f1 == summary["matrix"]["rows"][1]["averages"]["env_only"]["id"]["f1"]["mean"]
     assert "eval/matrix.csv" in {a.path for a in client.list_artifacts(run.info.run_id, "eval")}
+    kb_table = mlflow.load_table("eval/matrix/knowledgeable/predictions.json", run_ids=[run.info.run_id])
+    assert len(kb_table) == 3 * 2 * 2 and set(kb_table.system) == {"prompt_r1", "env_only", "gepa"}
+    assert matrix["rows"][1]["cost"]["env_only"]["questions"] == 4
     print("\n".join(line for line in md.split("## Plug-and-play matrix")[1].split("\n## ")[0].splitlines()))

@@ -10,7 +10,9 @@ the agent still adds something to the new environment, not whether the new envir
 
 Outputs:
 - `metrics.json` key `matrix` (only when `evaluate.environments` lists any): the rows, each with its
-  environment (backend, model, served name), averages, deltas and environment usage;
+  environment (backend, model, served name), averages, deltas and environment usage (an extra
+  environment's row also its cost at its own prices); each extra environment's predictions are the evaluate
+  run's table `eval/matrix/<name>/predictions.json`;
 - summary.md's section "Plug-and-play matrix" (same condition): F1 per system and split, one row per
   environment;
 - MLflow metrics `matrix/<environment>/<system>/<split>/<metric>` (+ `f1_low`/`f1_high`) and
@@ -191,6 +193,17 @@ def matrix_markdown(summary: dict[str, Any]) -> list[str]:
             cell = "–" if c is None else f"{c['delta']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]"
             lines.append(f"| {name} | {vs.removeprefix('vs_')} | {split} | {cell} |")
     return lines
+
+
+def log_matrix_predictions(name: str, predictions: pd.DataFrame) -> None:
+    """One extra environment's predictions, as the main run's (`evaluation_table`), to the active MLflow run:
+    what each system answered with that environment. No DVC output: the default profile's files stay as
+    they are, and predictions.parquet keeps one environment."""
+    import mlflow
+
+    from pipeline.evaluation.traces import evaluation_table
+
+    mlflow.log_table(evaluation_table(predictions, {}), artifact_file=f"eval/matrix/{name}/predictions.json")
 
 
 def matrix_metrics(summary: dict[str, Any]) -> dict[str, float]:
