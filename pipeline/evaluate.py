@@ -28,6 +28,10 @@ Design decisions:
 - **Cost and the paper.** metrics.json also holds every system's cost (`evaluation.costs`: per question
   and one-off, GEPA's from `data/gepa/prompt.json`, GRPO's from `reports/train/steps.csv`) and the paper's
   published numbers beside ours (`evaluation.paper`).
+- **Plug-and-play** (`evaluate.environments`, pipeline/evaluation/matrix.py): after the main run, the
+  trained agent and the baselines that use an environment run again with each listed environment, one
+  environment at a time, on the same rows; metrics.json, summary.md and MLflow get the matrix
+  (trained-with × evaluated-with), `matrix.csv` its DVC plot.
 - **Order.** Systems run in the order that keeps one model loaded, and are reported `prompt_r1` first,
   then the configured baselines in `BASELINES` order, whatever order `evaluate.baselines` lists them in.
 """
@@ -50,6 +54,14 @@ from pipeline.evaluation.agent_server import (
     rollout_batch_size,
 )
 from pipeline.evaluation.costs import inference_costs, one_off_costs, read_gepa_prompt
+from pipeline.evaluation.matrix import (
+    build_matrix,
+    log_matrix_predictions,
+    matrix_baselines,
+    matrix_row,
+    variant_params,
+    write_matrix,
+)
 from pipeline.evaluation.paper import paper_comparison
 from pipeline.evaluation.report import (
     describe_evaluation,
@@ -113,16 +125,21 @@ def load_eval_rows(params: Params) -> dict[str, list[EvalRow]]:
 
 
 
-def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> dict[str, dict[str, list[Answer]]]:
-    """Run the trained agent and each configured baseline on the same rows (environment started here)."""
+def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]], ep: Params | None = None,
+                     baselines: list[str] | None = None) -> dict[str, dict[str, list[Answer]]]:
+    """Run the trained agent and each baseline on the same rows (environment started here).
+
+    `ep`: the evaluation params whose `environment` the systems use (default: the training environment's,
+    `evaluation_params`); `baselines`: default `evaluate.baselines` (the matrix passes those that use one).
+    """
     from pipeline.environment.client import EnvironmentClient
     from pipeline.environment.servers import environment_server
 
-    ep = evaluation_params(params)
+    ep = evaluation_params(params) if ep is None else ep
     model_dir = params.path(params.paths.model_dir)
     if not model_dir.exists():
         raise UserError(f"no merged agent at {model_dir}: run `promptr1 merge` (dvc repro merge) first")
-    baselines = list(dict.fromkeys(params.evaluate.baselines))
+    baselines = list(dict.fromkeys(params.evaluate.baselines if baselines is None else baselines))
     gepa_instruction = read_gepa_prompt(params)["optimised"]["instruction"] if "gepa" in baselines else None
     answers: dict[str, dict[str, list[Answer]]] = {}
     batch = rollout_batch_size(ep)
@@ -153,6 +170,27 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]]) -> di
     return {s: answers[s] for s in order}
 
 
+def evaluate_matrix(params: Params, rows_by_ds: dict[str, list[EvalRow]], summary: dict[str, Any],
+                    ssim: M.SemanticSimilarity) -> dict[str, Any]:
+    """The plug-and-play matrix (`evaluate.environments`, pipeline/evaluation/matrix.py): the trained agent and
+    the baselines that use an environment, with each extra environment in turn, scored like the main run.
+    Each environment's answers go to the evaluate run as the table `eval/matrix/<name>/predictions.json`."""
+    rows = []
+    for variant in params.evaluate.environments:
+        ep = variant_params(params, variant)
+        log.info("plug-and-play: evaluating with environment %r (%s, %s)", variant.name, ep.environment.backend,
+                 ep.environment.served_name)
+        answers = evaluate_systems(params, rows_by_ds, ep, matrix_baselines(params.evaluate.baselines))
+        scores = {s: score_system(a, rows_by_ds, ssim) for s, a in answers.items()}
+        aggregated = aggregate(scores, rows_by_ds, params)
+        aggregated["env_usage"] = usage_by_system(answers)
+        row = matrix_row(variant.name, ep.environment, aggregated)
+        row["cost"] = inference_costs(answers, ep)  # at this environment's prices
+        rows.append(row)
+        log_matrix_predictions(variant.name, predictions_frame(answers, scores, rows_by_ds))
+    return build_matrix(params, summary, rows)
+
+
 def run_evaluate(params: Params) -> dict[str, Any]:
     """Stage 6: evaluate, write reports/eval/*, log the evaluate child run. Returns metrics.json's content."""
     from pipeline.tracking import describe_stage, stage_run
@@ -177,11 +215,14 @@ def run_evaluate(params: Params) -> dict[str, Any]:
             "one_off": one_off_costs(params, summary["systems"]),
         }
         summary["paper"] = paper_comparison(summary, params)
+        if params.evaluate.environments:
+            summary["matrix"] = evaluate_matrix(params, rows_by_ds, summary, ssim)
 
         trace_ids = (log_traces(all_answers, all_scores, rows_by_ds, params.evaluate.metrics_mode)
                      if params.mlflow.trace_evaluation else {})
         predictions = predictions_frame(all_answers, all_scores, rows_by_ds)
         plots = write_reports(summary, predictions, params, out_dir)
+        write_matrix(summary, params, out_dir)
         log_mlflow(summary, predictions, rows_by_ds, params, out_dir, plots, trace_ids)
         flush_traces()
         describe_stage("evaluate", describe_evaluation(summary))

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from pipeline.config.matrix import matrix_problems
 from pipeline.config.sections import Params
 
 PARAMS_FILE = "params.yaml"
@@ -82,7 +83,7 @@ def load_params(
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{path} (profile {profile!r}): {problems}") from exc
     params.root = path.parent
-    problems = output_path_problems(params)
+    problems = output_path_problems(params) + matrix_problems(params)
     if problems:
         raise ConfigError(f"{path} (profile {profile!r}): " + "; ".join(problems))
     return params

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.config.health import HealthConfig
+from pipeline.config.matrix import EnvironmentVariant
 
 # The values verl 0.9.1's core_algos accept (kl_penalty; agg_loss); a "+" suffix means straight-through k2.
 KlLossType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
@@ -343,6 +344,8 @@ class EvaluateConfig(_Section):
         "whichever slot takes it (97% of a next turn's prompt read from it with 48 conversations on 16 "
         "slots). One batch of all 48 default-profile rows instead of three of 16 shares one tail of long "
         "conversations: prompt_r1 133 -> 122 s, agent_only 16 -> 12 s (2-core AVX-512 EPYC).")
+    environments: list[EnvironmentVariant] = Field(default_factory=list, description=(
+        "Extra environments the agent and the baselines are evaluated with (pipeline/config/matrix.py)."))
     env_temperature: float = Field(0.0, ge=0, description="Environment temperature during evaluation.")
     env_cache: bool = Field(True, description="Use the environment response cache during evaluation.")
     env_only_instruction: str = Field(

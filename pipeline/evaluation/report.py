@@ -10,6 +10,8 @@ Outputs, all under `reports/eval/`:
   modes, the trajectory as JSON, environment usage;
 - `quality_cost.csv` and `plots/quality_vs_cost.png`: one point per system and split, F1 against the
   environment tokens per question (the DVC scatter plot and its labelled PNG);
+- `matrix.csv` (pipeline/evaluation/matrix.py): the plug-and-play matrix's DVC plot; summary.md, metrics.json
+  and MLflow get the matrix when `evaluate.environments` lists extra environments.
 - `summary.md`: the verdict and the metrics' definitions first (`verdict`), then the averages, deltas,
   per-dataset means, cost beside quality (per question and one-off), environment usage, and the paper's
   numbers beside ours (`paper`), in tables.
@@ -43,6 +45,7 @@ from pipeline import metrics as M
 from pipeline.data.schema import write_json_atomic, write_parquet_atomic, write_text_atomic
 from pipeline.environment.sanitize import redact_value
 from pipeline.evaluation.costs import STEPS_CSV, gepa_prompt_path, quality_cost_rows
+from pipeline.evaluation.matrix import MATRIX_FILE, matrix_markdown, matrix_metrics
 from pipeline.evaluation.paper import paper_markdown
 from pipeline.evaluation.scores import SPLITS, Scores, other_mode
 from pipeline.evaluation.systems import SYSTEM_LABELS, Answer
@@ -246,6 +249,8 @@ def summary_markdown(summary: dict[str, Any], params: Params) -> str:
                     c = per_split[split].get(m)
                     cells.append("–" if c is None else f"{c['delta']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]")
                 lines.append(f"| {system_label(vs.removeprefix('vs_'), kept)} | {split} | " + " | ".join(cells) + " |")
+    if "matrix" in summary:
+        lines += ["", *matrix_markdown(summary)]
     lines += ["", "## Per dataset (mean)", "", "| dataset | metric | " + " | ".join(systems) + " |",
               "|---|---|" + "---|" * len(systems)]
     for d, per_system in summary["per_dataset"].items():
@@ -299,6 +304,7 @@ def flat_metrics(summary: dict[str, Any]) -> dict[str, float]:
     for r in summary.get("paper", {}).get("rows", []):
         if r["delta"] is not None:
             out[f"vs_paper/{r['system']}/{r['scope']}/{r['metric']}"] = r["delta"]
+    out.update(matrix_metrics(summary))
     return out
 
 
@@ -351,7 +357,7 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
     log_dataset_inputs({f"eval/{d}": (_input_frame(rows), eval_dir / f"{d}.parquet")
                         for d, rows in rows_by_ds.items()}, context="evaluation")
     mlflow.log_table(evaluation_table(predictions, trace_ids or {}), artifact_file="eval/predictions.json")
-    for name in ("metrics.json", HEADLINE_FILE, "summary.md", "plot_data.csv", "quality_cost.csv"):
+    for name in ("metrics.json", HEADLINE_FILE, "summary.md", "plot_data.csv", "quality_cost.csv", MATRIX_FILE):
         if (out_dir / name).is_file():
             mlflow.log_artifact(str(out_dir / name), artifact_path="eval")
     for path in plots:
