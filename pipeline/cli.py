@@ -1,4 +1,4 @@
-"""`promptr1`: one subcommand per pipeline stage (what dvc.yaml calls), plus `ask`, `env`, `flow`, `doctor`.
+"""`promptr1`: one subcommand per pipeline stage (what dvc.yaml calls), plus `ask`, `serve`, `env`, `flow`, `doctor`.
 
 Every command reads params through `pipeline.config.load_params` (params.yaml + the profile it names,
 then any `--set key=value` overrides), so the CLI, DVC and Prefect all see one configuration.
@@ -230,6 +230,26 @@ def ask(
     from pipeline.agent.ask import run_ask
 
     _run(lambda: run_ask(_load_runnable(params, set_), question, model))
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Bind address (default: register.serve.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: register.serve.port).")] = None,
+    params: ParamsOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Serve the registered champion: POST /invocations answers questions (MLflow scoring server)."""
+    from pipeline.serving import run_serve
+
+    code = 0
+
+    def serve_champion() -> None:
+        nonlocal code
+        code = run_serve(_load(params, set_), host, port)
+
+    _run(serve_champion)
+    raise typer.Exit(code)
 
 
 @flow_app.command("run")

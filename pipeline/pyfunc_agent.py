@@ -9,12 +9,13 @@ Design decisions:
   configuration as JSON (artifact `environment`: endpoint, served model, sampling, system message and the
   *name* of the API-key variable; never a key, which the params never hold), the agent's rollout limits
   (the pyfunc `model_config`), and the `pipeline` package itself (`code_paths`) for the protocol, template,
-  rollout and environment client code.
+  rollout and environment client code. It is logged from code (pipeline/pyfunc_model.py), not pickled.
 - **The environment is configurable at load time.** `load_model(uri, model_config={"environment":
   {"base_url": "http://host:port/v1", "served_name": "..."}})`: the given keys are merged over the logged
   environment JSON, so one registered agent can be pointed at another endpoint (plug-and-play, method.md).
   The pyfunc starts no server: the endpoint must be up (`promptr1 env start`, vLLM, or a paid API whose key
-  is in the named variable).
+  is in the named variable). `predict` probes it once first and raises `EnvironmentUnavailable` naming the
+  URL and what to start (pipeline/environment/health.py), instead of retrying each call for minutes.
 - **Input.** A DataFrame with `question` and optionally `dataset` (picks the dataset's own instruction,
   e.g. the math wrapper; default `model_config["default_dataset"]`). Output: one row per question with
   `answer`, `turns`, `stop_reason`, environment usage and the trajectory as JSON.
@@ -37,14 +38,28 @@ log = logging.getLogger(__name__)
 
 AGENT_ARTIFACT = "agent"
 ENVIRONMENT_ARTIFACT = "environment"
-OUTPUT_COLUMNS = ["answer", "turns", "stop_reason", "env_calls", "env_prompt_tokens", "env_completion_tokens",
-                  "env_errors", "trajectory"]
+MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
+"""The models-from-code file the register stage logs (it builds a `PromptR1Agent`)."""
+OUTPUT_COLUMNS = [
+    "answer",
+    "turns",
+    "stop_reason",
+    "env_calls",
+    "env_prompt_tokens",
+    "env_completion_tokens",
+    "env_errors",
+    "trajectory",
+]
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (
+            _deep_merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else value
+        )
     return out
 
 
@@ -62,45 +77,75 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
         self.env_cfg = EnvironmentConfig.model_validate(env_json)
         self.agent_cfg = config.get("agent") or {}
         self.default_dataset = config.get("default_dataset", "hotpotqa")
-        self.policy = TransformersPolicy.from_ref(context.artifacts[AGENT_ARTIFACT], None,
-                                                  self.agent_cfg.get("dtype", "float32"))
+        self.policy = TransformersPolicy.from_ref(
+            context.artifacts[AGENT_ARTIFACT], None, self.agent_cfg.get("dtype", "float32")
+        )
         log.info("Prompt-R1 agent loaded; environment %s (%s)", self.env_cfg.url, self.env_cfg.served_name)
 
-    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+    def predict(
+        self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
+    ) -> pd.DataFrame:
         from pipeline.agent.rollout import run_rollout, trajectory_record
         from pipeline.agent.template import render_user_message
         from pipeline.environment.client import EnvironmentClient
+        from pipeline.environment.health import check_environment_answers
         from pipeline.types import PromptItem
 
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if "question" not in frame.columns:
             raise ValueError("input needs a 'question' column")
-        datasets = (frame["dataset"].fillna(self.default_dataset) if "dataset" in frame.columns
-                    else pd.Series([self.default_dataset] * len(frame)))
+        datasets = (
+            frame["dataset"].fillna(self.default_dataset)
+            if "dataset" in frame.columns
+            else pd.Series([self.default_dataset] * len(frame))
+        )
         items = [
-            PromptItem(uid=str(i), messages=[{"role": "user", "content": render_user_message(str(q), str(ds))}],
-                       gold_answers=[], data_source=str(ds), question=str(q))
+            PromptItem(
+                uid=str(i),
+                messages=[{"role": "user", "content": render_user_message(str(q), str(ds))}],
+                gold_answers=[],
+                data_source=str(ds),
+                question=str(q),
+            )
             for i, (q, ds) in enumerate(zip(frame["question"], datasets, strict=True))
         ]
+        check_environment_answers(self.env_cfg)  # seconds, not ~170 s of retries and an empty answer
         a = self.agent_cfg
         env = EnvironmentClient(self.env_cfg, cache_path=None)
         try:
             trajs = run_rollout(
-                self.policy, env, items, group_size=1, max_turns=int(a.get("max_turns", 5)),
+                self.policy,
+                env,
+                items,
+                group_size=1,
+                max_turns=int(a.get("max_turns", 5)),
                 max_turn_tokens=int(a.get("max_turn_tokens", 1024)),
                 max_response_tokens=int(a.get("max_response_tokens", 8192)),
-                env_reply_max_chars=int(a.get("env_reply_max_chars", 2048)), temperature=0.0, top_p=1.0,
-                return_logprobs=False, reward_fn=None,
+                env_reply_max_chars=int(a.get("env_reply_max_chars", 2048)),
+                temperature=0.0,
+                top_p=1.0,
+                return_logprobs=False,
+                reward_fn=None,
                 max_prompt_tokens=int(a.get("max_prompt_tokens", 8192)),
             )
         finally:
             asyncio.run(env.aclose())
-        return pd.DataFrame([{
-            "answer": t.answer, "turns": t.num_turns, "stop_reason": t.stop_reason, "env_calls": t.usage.calls,
-            "env_prompt_tokens": t.usage.prompt_tokens, "env_completion_tokens": t.usage.completion_tokens,
-            "env_errors": t.usage.errors,
-            "trajectory": json.dumps(trajectory_record(t), ensure_ascii=False, default=str),
-        } for t in trajs], columns=OUTPUT_COLUMNS)
+        return pd.DataFrame(
+            [
+                {
+                    "answer": t.answer,
+                    "turns": t.num_turns,
+                    "stop_reason": t.stop_reason,
+                    "env_calls": t.usage.calls,
+                    "env_prompt_tokens": t.usage.prompt_tokens,
+                    "env_completion_tokens": t.usage.completion_tokens,
+                    "env_errors": t.usage.errors,
+                    "trajectory": json.dumps(trajectory_record(t), ensure_ascii=False, default=str),
+                }
+                for t in trajs
+            ],
+            columns=OUTPUT_COLUMNS,
+        )
 
 
 def signature() -> Any:
@@ -109,8 +154,16 @@ def signature() -> Any:
     from mlflow.types import ColSpec, Schema
 
     inputs = Schema([ColSpec("string", "question"), ColSpec("string", "dataset", required=False)])
-    outputs = Schema([ColSpec("string", "answer"), ColSpec("long", "turns"), ColSpec("string", "stop_reason"),
-                      ColSpec("long", "env_calls"), ColSpec("long", "env_prompt_tokens"),
-                      ColSpec("long", "env_completion_tokens"), ColSpec("long", "env_errors"),
-                      ColSpec("string", "trajectory")])
+    outputs = Schema(
+        [
+            ColSpec("string", "answer"),
+            ColSpec("long", "turns"),
+            ColSpec("string", "stop_reason"),
+            ColSpec("long", "env_calls"),
+            ColSpec("long", "env_prompt_tokens"),
+            ColSpec("long", "env_completion_tokens"),
+            ColSpec("long", "env_errors"),
+            ColSpec("string", "trajectory"),
+        ]
+    )
     return ModelSignature(inputs=inputs, outputs=outputs)

@@ -52,8 +52,8 @@ register run's tags/metrics, and one printed line.
 
 Models: one copy per version. The registered pyfunc `agent` (pipeline/pyfunc_agent.py) bundles the merged
 directory (copied from the *path*, never loaded), the environment configuration (key variable name only) and
-the pipeline code; its `artifacts/agent` is the plain Hugging Face model. A second, transformers-flavor log
-of the same directory used to double every registration (1.1 GB a run) for nothing the registry used.
+the pipeline code, logged from code (pipeline/pyfunc_model.py); `artifacts/agent` is the HF model. A second log
+(transformers flavor) of the same directory used to double every registration (1.1 GB a run) for nothing the registry used.
 `pip_requirements` are pinned so MLflow does not load the model again to infer them.
 """
 
@@ -254,14 +254,14 @@ def log_models(params: Params, model_dir: Path, tmp_dir: Path) -> Any:
     import mlflow.pyfunc
 
     import pipeline
-    from pipeline.pyfunc_agent import AGENT_ARTIFACT, ENVIRONMENT_ARTIFACT, PromptR1Agent, signature
+    from pipeline.pyfunc_agent import AGENT_ARTIFACT, ENVIRONMENT_ARTIFACT, MODEL_CODE, signature
 
     reqs = _pip_requirements()
     env_file = tmp_dir / "environment.json"
     env_file.write_text(json.dumps(environment_json(params), indent=2))
     return mlflow.pyfunc.log_model(
         name="agent",
-        python_model=PromptR1Agent(),
+        python_model=str(MODEL_CODE),  # models from code: no CloudPickle (pipeline/pyfunc_model.py)
         artifacts={AGENT_ARTIFACT: str(model_dir), ENVIRONMENT_ARTIFACT: str(env_file)},
         model_config=_agent_model_config(params),
         code_paths=[str(Path(pipeline.__file__).parent)],

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipeline.config.health import HealthConfig
 from pipeline.config.matrix import EnvironmentVariant
+from pipeline.config.serving import ServeConfig
 
 # The values verl 0.9.1's core_algos accept (kl_penalty; agg_loss); a "+" suffix means straight-through k2.
 KlLossType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
@@ -401,6 +402,7 @@ class RegisterConfig(_Section):
     )
     keep_versions: int | None = Field(5, ge=1, description="Never-champion versions kept (the newest); older "
                                       "ones are deleted with their files (pipeline/registry_lineage.py); null = all.")
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
 
 class MlflowConfig(_Section):

@@ -1,0 +1,133 @@
+"""`promptr1 serve`: the registered champion behind MLflow's scoring server, answering POST /invocations.
+
+Thin on purpose: it resolves `models:/<register.model_name>@<register.alias>` in the project's registry,
+then runs MLflow's own server for it (`mlflow models serve --env-manager local`, which runs uvicorn over
+`mlflow.pyfunc.scoring_server.app`) in this environment. Design decisions:
+
+- **The timeout one question needs.** MLflow 3's scoring server wraps every request in
+  `asyncio.wait_for(..., MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT)` (60 s by default) and answers 504 after it;
+  one question is a multi-turn rollout (~100-130 s on 2 CPU cores), so the served model timed out on every
+  question. `register.serve.request_timeout_s` is passed as `mlflow models serve --timeout`, which MLflow
+  hands to the server process as that variable (set here too, for readers of the environment).
+- **The registry is read before the server starts**: no champion, or a store that cannot be read, is one
+  clear line (UserError), not a server that starts and fails on its first request.
+- **The environment is not started here.** The model carries the environment URL it was registered with
+  (`environment.json`); `promptr1 env start` (or any endpoint serving the model) must answer there. If it does
+  not at start-up, a warning says so; each request then fails fast with the URL and what to start
+  (pipeline/environment/health.py), instead of retrying for minutes.
+- **Torch, not llama.cpp, generates.** The pyfunc runs `TransformersPolicy` in the server process; serving the
+  agent through llama.cpp as evaluation does (pipeline/evaluation/agent_server.py) is not wired into the
+  pyfunc yet (it would need the GGUF export and a second server managed by the model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import EnvironmentUnavailable, UserError
+
+if TYPE_CHECKING:
+    from pipeline.config import Params
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_VARIABLE = "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"
+"""What MLflow 3.x's scoring server reads (mlflow/pyfunc/scoring_server/__init__.py, `init`)."""
+
+
+def champion_uri(params: Params) -> str:
+    return f"models:/{params.register.model_name}@{params.register.alias}"
+
+
+def champion_version(params: Params) -> Any:
+    """The model version the alias points at, or UserError naming the registry and how to make one."""
+    import mlflow
+
+    from pipeline.register import current_champion
+    from pipeline.tracking import tracking_uri
+
+    uri = tracking_uri(params)
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    version = current_champion(client, params.register.model_name, params.register.alias)
+    if version is None:
+        raise UserError(
+            f"{champion_uri(params)} does not exist in the registry at {uri}: register one first "
+            "(`dvc repro`, or `promptr1 register` after evaluate)"
+        )
+    return version
+
+
+def serve_command(
+    params: Params, host: str | None = None, port: int | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The `mlflow models serve` command line and its environment for the champion."""
+    from pipeline.tracking import tracking_uri
+
+    cfg = params.register.serve
+    timeout = str(cfg.request_timeout_s)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "models",
+        "serve",
+        "-m",
+        champion_uri(params),
+        "--env-manager",
+        "local",
+        "--host",
+        host or cfg.host,
+        "--port",
+        str(port or cfg.port),
+        "--timeout",
+        timeout,
+        "--workers",
+        "1",
+    ]
+    uri = tracking_uri(params)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri, TIMEOUT_VARIABLE: timeout}
+    return cmd, env
+
+
+def _warn_if_environment_down(version: Any, uri: str) -> None:
+    """Log a warning when the environment the champion was registered with does not answer now."""
+    import mlflow
+
+    from pipeline.config import EnvironmentConfig
+    from pipeline.environment.health import check_environment_answers
+
+    try:
+        from pipeline.registry_lineage import _logged_model_id
+
+        model = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri).get_logged_model(
+            _logged_model_id(version)
+        )
+        where = f"{model.artifact_location}/artifacts/environment.json"  # this file only, not the weights
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=where))
+        check_environment_answers(EnvironmentConfig.model_validate(json.loads(local.read_text())))
+    except EnvironmentUnavailable as exc:
+        log.warning("serve: %s; requests fail until it answers", exc)
+    except Exception as exc:  # noqa: BLE001 - a pre-check only: the server still starts
+        log.warning("serve: could not check the champion's environment: %s", exc)
+
+
+def run_serve(params: Params, host: str | None = None, port: int | None = None) -> int:
+    """Serve the champion until interrupted; returns the server's exit code."""
+    version = champion_version(params)
+    cmd, env = serve_command(params, host, port)
+    _warn_if_environment_down(version, env["MLFLOW_TRACKING_URI"])
+    where = f"http://{host or params.register.serve.host}:{port or params.register.serve.port}/invocations"
+    log.info(
+        "serving %s (v%s) on %s; %s s per request",
+        champion_uri(params),
+        version.version,
+        where,
+        params.register.serve.request_timeout_s,
+    )
+    return subprocess.call(cmd, env=env)

