@@ -72,15 +72,19 @@ def test_register_logs_the_agent_from_code_without_a_cloudpickle_warning(
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger().addHandler(handler)
-    logging.getLogger("mlflow").addHandler(handler)
+    loggers = [logging.getLogger(), logging.getLogger("mlflow")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:  # INFO and up, whatever earlier tests left the levels at
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert run_register(params)["promoted"]
     finally:
-        logging.getLogger().removeHandler(handler)
-        logging.getLogger("mlflow").removeHandler(handler)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
     said = "\n".join([*records, *(str(w.message) for w in caught), *capfd.readouterr()])
     assert records, "no log record captured: the capture itself is broken"
     assert "cloudpickle" not in said.lower(), said
