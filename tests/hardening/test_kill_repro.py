@@ -18,9 +18,19 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from fault_server import FaultServer
-from kill_points import (dvc_changed, half_written, make_micro_project, micro_env, orphan_versions,
-                         reached_evaluation, reached_registering, reached_sampling, registered_versions,
-                         repeated_steps, repro_killing)
+from kill_points import (
+    dvc_changed,
+    half_written,
+    make_micro_project,
+    micro_env,
+    orphan_versions,
+    reached_evaluation,
+    reached_registering,
+    reached_sampling,
+    registered_versions,
+    repeated_steps,
+    repro_killing,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
