@@ -94,12 +94,30 @@ def write_train_parquet(path: Path, questions=QUESTIONS, *, data_source: str = "
     return path
 
 
+# ---------------------------------------------------------------------------------- projects and params
+def copy_params(dest: Path, *, profiles: bool = False) -> Path:
+    """`dest` as a project folder holding this repository's params.yaml (and profiles/): what `load_params`
+    and the stages read, with no code, data or outputs. Returns `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "params.yaml").write_bytes((REPO_ROOT / "params.yaml").read_bytes())
+    if profiles:
+        (dest / "profiles").mkdir(exist_ok=True)
+        for profile in (REPO_ROOT / "profiles").glob("*.yaml"):
+            (dest / "profiles" / profile.name).write_bytes(profile.read_bytes())
+    return dest
+
+
+def output_paths(folder: Path) -> dict[str, str]:
+    """`paths` overrides putting the training outputs (data, checkpoints, reports, model, cache) in `folder`."""
+    return {"rl_dir": str(folder / "data/rl"), "checkpoint_dir": str(folder / "checkpoints/agent"),
+            "reports_dir": str(folder / "reports"), "model_dir": str(folder / "models/agent"),
+            "cache_dir": str(folder / ".cache")}
+
+
 def tiny_overrides(tmp: Path, model_dir: Path, env_url: str, **train) -> dict:
     """Params overrides for a seconds-long local training run in `tmp` against the environment at `env_url`."""
     return {
-        "paths": {"rl_dir": str(tmp / "data/rl"), "checkpoint_dir": str(tmp / "checkpoints/agent"),
-                  "reports_dir": str(tmp / "reports"), "model_dir": str(tmp / "models/agent"),
-                  "cache_dir": str(tmp / ".cache")},
+        "paths": output_paths(tmp),
         "agent": {"model": str(model_dir), "max_turns": 2, "max_turn_tokens": 6, "max_response_tokens": 40},
         "environment": {"base_url": env_url, "served_name": "fault-model", "max_tokens": 16, "cache": False,
                         "max_retries": 0, "timeout_s": 5.0},

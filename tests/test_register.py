@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from helpers import copy_params
 
 from pipeline.config import RegisterConfig
 from pipeline.register import EvalAverages, decide_promotion
@@ -113,8 +113,7 @@ def _write_metrics(project: Path, id_f1: float, ood: float, half: float = 1.0) -
 def _project(tmp_path: Path, repo_root: Path, model_dir: Path, **env):
     from pipeline.config import load_params
 
-    shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
-    return load_params(tmp_path / "params.yaml", {"paths": {"model_dir": str(model_dir)}, "environment": env})
+    return load_params(copy_params(tmp_path) / "params.yaml", {"paths": {"model_dir": str(model_dir)}, "environment": env})
 
 
 def test_register_rule_both_ways_in_a_real_sqlite_registry(tmp_path, repo_root, tiny_llama_dir, monkeypatch):
