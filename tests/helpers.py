@@ -24,10 +24,10 @@ ANSWER = "done</think>\n<answer>{a}</answer>"
 
 # question marker -> the agent's turns (the {n} is the turn number)
 SCRIPTS = {
-    "QA": [ASK, ANSWER.replace("{a}", "Paris")],          # one env call, then answers
-    "QB": [ASK] * 10,                                       # asks forever: the turn limit stops it
-    "QC": ["I will not use tags.<|im_end|>"],               # EOS without tags: no action
-    "QD": [ASK, ASK, ANSWER.replace("{a}", "Rome")],        # two env calls, then answers
+    "QA": [ASK, ANSWER.replace("{a}", "Paris")],  # one env call, then answers
+    "QB": [ASK] * 10,  # asks forever: the turn limit stops it
+    "QC": ["I will not use tags.<|im_end|>"],  # EOS without tags: no action
+    "QD": [ASK, ASK, ANSWER.replace("{a}", "Rome")],  # two env calls, then answers
 }
 
 
@@ -40,7 +40,9 @@ class ScriptedPolicy:
         self.calls: list[tuple[int, list[int]]] = []  # (batch size, limits)
 
     def generate(self, prompts, max_new_tokens, temperature, top_p, stop, return_logprobs):
-        limits = list(max_new_tokens) if not isinstance(max_new_tokens, int) else [max_new_tokens] * len(prompts)
+        limits = (
+            list(max_new_tokens) if not isinstance(max_new_tokens, int) else [max_new_tokens] * len(prompts)
+        )
         self.calls.append((len(prompts), limits))
         assert stop == STOP_STRINGS
         out = []
@@ -55,14 +57,25 @@ class ScriptedPolicy:
             reason = "eos" if eos else "stop"
             if len(ids) > limit:
                 ids, reason = ids[:limit], "length"
-            out.append(Generation(ids, [-0.5] * len(ids) if return_logprobs else None,
-                                  self.tokenizer.decode(ids, skip_special_tokens=True), reason))
+            out.append(
+                Generation(
+                    ids,
+                    [-0.5] * len(ids) if return_logprobs else None,
+                    self.tokenizer.decode(ids, skip_special_tokens=True),
+                    reason,
+                )
+            )
         return out
 
 
 def item(marker: str, gold: str = "Paris") -> PromptItem:
-    return PromptItem(uid=marker, messages=[{"role": "user", "content": f"Question: {marker}\nAnswer it."}],
-                      gold_answers=[gold], data_source="hotpotqa", question=marker)
+    return PromptItem(
+        uid=marker,
+        messages=[{"role": "user", "content": f"Question: {marker}\nAnswer it."}],
+        gold_answers=[gold],
+        data_source="hotpotqa",
+        question=marker,
+    )
 
 
 # ------------------------------------------------------------------------------------- tiny training sets
@@ -74,21 +87,38 @@ QUESTIONS = [
     ("Which planet is known as the red planet?", ["Mars"]),
     ("What is 2 + 3?", ["5"]),
 ]
-INSTRUCTION = ("Think briefly in <think></think>, ask the large model in "
-               "<interaction_prompt></interaction_prompt>, finish with <answer></answer>.")
+INSTRUCTION = (
+    "Think briefly in <think></think>, ask the large model in "
+    "<interaction_prompt></interaction_prompt>, finish with <answer></answer>."
+)
 
 
-def write_train_parquet(path: Path, questions=QUESTIONS, *, data_source: str = "hotpotqa",
-                        instruction: str = INSTRUCTION, id_prefix: str = "t") -> Path:
+def write_train_parquet(
+    path: Path,
+    questions=QUESTIONS,
+    *,
+    data_source: str = "hotpotqa",
+    instruction: str = INSTRUCTION,
+    id_prefix: str = "t",
+) -> Path:
     """A few rows in verl's RLHFDataset schema (what the build stage writes)."""
-    rows = [{
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": f"Question: {q}\n{instruction}"}],
-        "ability": "qa",
-        "reward_model": {"ground_truth": answers, "style": "rule"},
-        "extra_info": {"id": f"{id_prefix}{i}", "split": "train", "question": q, "answers": answers, "index": i},
-        "agent_name": "prompt_r1",
-    } for i, (q, answers) in enumerate(questions)]
+    rows = [
+        {
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": f"Question: {q}\n{instruction}"}],
+            "ability": "qa",
+            "reward_model": {"ground_truth": answers, "style": "rule"},
+            "extra_info": {
+                "id": f"{id_prefix}{i}",
+                "split": "train",
+                "question": q,
+                "answers": answers,
+                "index": i,
+            },
+            "agent_name": "prompt_r1",
+        }
+        for i, (q, answers) in enumerate(questions)
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_parquet(path)
     return path
@@ -109,9 +139,13 @@ def copy_params(dest: Path, *, profiles: bool = False) -> Path:
 
 def output_paths(folder: Path) -> dict[str, str]:
     """`paths` overrides putting the training outputs (data, checkpoints, reports, model, cache) in `folder`."""
-    return {"rl_dir": str(folder / "data/rl"), "checkpoint_dir": str(folder / "checkpoints/agent"),
-            "reports_dir": str(folder / "reports"), "model_dir": str(folder / "models/agent"),
-            "cache_dir": str(folder / ".cache")}
+    return {
+        "rl_dir": str(folder / "data/rl"),
+        "checkpoint_dir": str(folder / "checkpoints/agent"),
+        "reports_dir": str(folder / "reports"),
+        "model_dir": str(folder / "models/agent"),
+        "cache_dir": str(folder / ".cache"),
+    }
 
 
 def tiny_overrides(tmp: Path, model_dir: Path, env_url: str, **train) -> dict:
@@ -119,11 +153,29 @@ def tiny_overrides(tmp: Path, model_dir: Path, env_url: str, **train) -> dict:
     return {
         "paths": output_paths(tmp),
         "agent": {"model": str(model_dir), "max_turns": 2, "max_turn_tokens": 6, "max_response_tokens": 40},
-        "environment": {"base_url": env_url, "served_name": "fault-model", "max_tokens": 16, "cache": False,
-                        "max_retries": 0, "timeout_s": 5.0},
-        "train": {"steps": 2, "batch_size": 2, "group_size": 2, "mini_batch_size": 1, "micro_batch_size": 2,
-                  "save_every": 1, "lr": 1e-3, "warmup": {"steps": 0}, **train},
-        "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_root": str(tmp / "mlartifacts")},
+        "environment": {
+            "base_url": env_url,
+            "served_name": "fault-model",
+            "max_tokens": 16,
+            "cache": False,
+            "max_retries": 0,
+            "timeout_s": 5.0,
+        },
+        "train": {
+            "steps": 2,
+            "batch_size": 2,
+            "group_size": 2,
+            "mini_batch_size": 1,
+            "micro_batch_size": 2,
+            "save_every": 1,
+            "lr": 1e-3,
+            "warmup": {"steps": 0},
+            **train,
+        },
+        "mlflow": {
+            "tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+            "artifact_root": str(tmp / "mlartifacts"),
+        },
     }
 
 
@@ -133,9 +185,17 @@ def knowledge_server_overrides(folder: Path, task, port: int) -> dict:
 
     folder.mkdir(parents=True, exist_ok=True)
     source = folder / "task.jsonl"
-    source.write_text("".join(json.dumps({"question": q, "answers": a}) + "\n" for q, a in task), encoding="utf-8")
+    source.write_text(
+        "".join(json.dumps({"question": q, "answers": a}) + "\n" for q, a in task), encoding="utf-8"
+    )
     return {
         "paths": {"cache_dir": str(folder / "cache")},
-        "environment": {"backend": "knowledge", "model": "knowledge", "served_name": "knowledge",
-                        "port": port, "knowledge": {"sources": [str(source)]}, "server": {"startup_timeout_s": 30}},
+        "environment": {
+            "backend": "knowledge",
+            "model": "knowledge",
+            "served_name": "knowledge",
+            "port": port,
+            "knowledge": {"sources": [str(source)]},
+            "server": {"startup_timeout_s": 30},
+        },
     }

@@ -41,12 +41,16 @@ def convention_problems(root: Path = TESTS) -> list[str]:
             problems.append(f"{where}: a `_slow` file name; mark the tests @pytest.mark.slow instead")
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for name in sorted(n for n in imported_modules(tree) if n.startswith("test_")):
-            problems.append(f"{where} imports the test module {name}: move what it shares to tests/helpers.py")
+            problems.append(
+                f"{where} imports the test module {name}: move what it shares to tests/helpers.py"
+            )
         for node in ast.walk(tree):
             if isinstance(node, ast.Assert) and isinstance(node.test, ast.IfExp):
                 branches = (node.test.body, node.test.orelse)
                 if any(isinstance(b, ast.Constant) and b.value for b in branches):
-                    problems.append(f"{where}:{node.lineno}: an assertion with a constant true branch cannot fail")
+                    problems.append(
+                        f"{where}:{node.lineno}: an assertion with a constant true branch cannot fail"
+                    )
     return problems
 
 

@@ -21,8 +21,12 @@ def test_reached_sampling_and_stage_pids_resolve_linked_paths(tmp_path):
 
     # A stand-in stage process: `promptr1 sample hotpotqa` in its argv, the project as its cwd, a source open.
     code = "import sys, time; f = open(sys.argv[1], 'rb'); print('open', flush=True); time.sleep(60)"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(mirror / "raw" / "train.parquet"), "promptr1",
-                             "sample", "hotpotqa"], cwd=project, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(mirror / "raw" / "train.parquet"), "promptr1", "sample", "hotpotqa"],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "open"
         assert os.readlink(f"/proc/{proc.pid}/cwd") == str(real_project)  # what /proc reports: resolved

@@ -51,7 +51,9 @@ def packages(repo: Path) -> dict[str, set[str]]:
     for root in CODE_ROOTS:
         for init in sorted((repo / root).rglob("__init__.py")):
             folder = init.parent
-            found[folder.relative_to(repo).as_posix()] = {p.name for p in folder.glob("*.py")} - {"__init__.py"}
+            found[folder.relative_to(repo).as_posix()] = {p.name for p in folder.glob("*.py")} - {
+                "__init__.py"
+            }
     return found
 
 
@@ -87,17 +89,29 @@ def test_layout_rule_catches_a_new_and_a_removed_module(tmp_path):
     """The rule itself: a module that exists but is not named, and one named but gone, are both reported."""
     (tmp_path / "pipeline" / "train").mkdir(parents=True)
     (tmp_path / "flows").mkdir()
-    for name in ["pipeline/__init__.py", "pipeline/cli.py", "pipeline/doctor.py", "pipeline/train/__init__.py",
-                 "pipeline/train/stage.py", "flows/__init__.py", "flows/retrain.py"]:
+    for name in [
+        "pipeline/__init__.py",
+        "pipeline/cli.py",
+        "pipeline/doctor.py",
+        "pipeline/train/__init__.py",
+        "pipeline/train/stage.py",
+        "flows/__init__.py",
+        "flows/retrain.py",
+    ]:
         (tmp_path / name).write_text("")
-    text = ("## Layout\n\n```\npipeline/      the package\n  cli.py       `promptr1`\n"
-            "pipeline/train/  stage.py, health.py\nflows/   retrain.py\n```\n")
+    text = (
+        "## Layout\n\n```\npipeline/      the package\n  cli.py       `promptr1`\n"
+        "pipeline/train/  stage.py, health.py\nflows/   retrain.py\n```\n"
+    )
     assert layout_problems(text, tmp_path) == [
         "pipeline/ lines do not name pipeline/doctor.py",
         "pipeline/train/ lines name modules that do not exist: health.py",
     ]
     without_flows = text.replace("flows/   retrain.py\n", "")
-    assert layout_problems(without_flows, tmp_path)[0] == "package flows/ has no line of its own (a line starting `flows/`)"
+    assert (
+        layout_problems(without_flows, tmp_path)[0]
+        == "package flows/ has no line of its own (a line starting `flows/`)"
+    )
 
 
 def test_readme_test_command_is_what_ci_runs():
@@ -111,10 +125,14 @@ def test_readme_test_command_is_what_ci_runs():
     words = shlex.split(line)
     assert words[:3] == ["python", "-m", "pytest"], f".ci/run's test line is {line!r}"
     # Only options that change what is printed: no marker filter, no file or keyword selection.
-    extra = [w for w in words[3:] if not (w in ("-q", "-p", "no:cacheprovider") or w.startswith("--durations="))]
+    extra = [
+        w for w in words[3:] if not (w in ("-q", "-p", "no:cacheprovider") or w.startswith("--durations="))
+    ]
     assert not extra, f".ci/run passes {extra} that the README's `pytest` does not"
 
 
-@pytest.mark.parametrize("page", ["docs/design.md", "docs/results.md", "docs/data.md", "benchmarks/README.md"])
+@pytest.mark.parametrize(
+    "page", ["docs/design.md", "docs/results.md", "docs/data.md", "benchmarks/README.md"]
+)
 def test_readme_links_each_detail_page(page):
     assert f"]({page})" in readme(), f"README.md does not link {page}"
