@@ -19,13 +19,10 @@ FROM python:${PYTHON_VERSION}-slim AS cpu
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HUB_OFFLINE=1 \
-    DVC_NO_ANALYTICS=1 \
-    MLFLOW_DISABLE_TELEMETRY=true \
-    GX_ANALYTICS_ENABLED=false \
-    PREFECT_SERVER_ANALYTICS_ENABLED=false \
-    RAY_USAGE_STATS_ENABLED=0 \
-    DO_NOT_TRACK=1
+    HF_HUB_OFFLINE=1
+# Telemetry off: pipeline/runtime.py TELEMETRY_OFF (tests/test_dockerfile.py keeps them equal).
+ENV MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false GX_ANALYTICS_ENABLED=false
+ENV DVC_NO_ANALYTICS=1 RAY_USAGE_STATS_ENABLED=0 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 
 # build-essential + cmake: llama-cpp-python compiles at install; git: DVC works inside a git repository.
 RUN apt-get update \
@@ -79,13 +76,10 @@ FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS gpu
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
-    PATH=/opt/venv/bin:$PATH \
-    DVC_NO_ANALYTICS=1 \
-    MLFLOW_DISABLE_TELEMETRY=true \
-    GX_ANALYTICS_ENABLED=false \
-    PREFECT_SERVER_ANALYTICS_ENABLED=false \
-    RAY_USAGE_STATS_ENABLED=0 \
-    DO_NOT_TRACK=1
+    PATH=/opt/venv/bin:$PATH
+# Telemetry off: pipeline/runtime.py TELEMETRY_OFF (tests/test_dockerfile.py keeps them equal).
+ENV MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false GX_ANALYTICS_ENABLED=false
+ENV DVC_NO_ANALYTICS=1 RAY_USAGE_STATS_ENABLED=0 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 
 # python3-dev + gcc: Triton (vLLM, verl) compiles small launchers at run time; libgomp1: llama.cpp.
 RUN apt-get update \

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import test_learning as tl
     from demo_project import free_port, write_tiny_llama
+    from helpers import knowledge_server_overrides
 
     from pipeline.config import load_params
     from pipeline.environment.servers import environment_server
@@ -71,15 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="autocast_direction_") as tmp:
         tmp = Path(tmp)
         tiny = write_tiny_llama(tmp / "tiny")
-        source = tmp / "task.jsonl"
-        source.write_text("".join(json.dumps({"question": q, "answers": a}) + "\n" for q, a in tl.TASK),
-                          encoding="utf-8")
-        env_params = load_params(ROOT / "params.yaml", {
-            "paths": {"cache_dir": str(tmp / "envcache")},
-            "environment": {"backend": "knowledge", "model": "knowledge", "served_name": "knowledge",
-                            "port": free_port(), "knowledge": {"sources": [str(source)]},
-                            "server": {"startup_timeout_s": 30}},
-        })
+        env_params = load_params(ROOT / "params.yaml", knowledge_server_overrides(tmp / "env", tl.TASK, free_port()))
         with environment_server(env_params) as url:
             for warm_name in args.warmups:
                 model_dir = warm_model(tmp / f"warm_{warm_name}", tiny, url, PRECISIONS[warm_name])

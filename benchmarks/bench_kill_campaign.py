@@ -31,22 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the micro project and the stand-in server are test scaffolding
 
+import kill_points as kp
 from demo_project import write_tiny_llama
 from fault_server import FaultServer
-from kill_points import (
-    dvc_changed,
-    half_written,
-    make_micro_project,
-    micro_env,
-    orphan_versions,
-    reached_evaluation,
-    reached_registering,
-    reached_sampling,
-    reached_training,
-    registered_versions,
-    repeated_steps,
-    repro_killing,
-)
 
 KILL_STAGES = ["sample@hotpotqa", "train", "evaluate", "register"]
 
@@ -56,16 +43,16 @@ def kill_point(stage: str, rng: random.Random, project: Path, mirror: Path, serv
     if stage.startswith("sample"):
         if rng.random() < 0.5:
             return "started", lambda: (lambda pid: True)
-        return "source open", lambda: reached_sampling(project, mirror)
+        return "source open", lambda: kp.reached_sampling(project, mirror)
     if stage == "train":
         steps = rng.randint(0, 1)
-        return f"{steps} steps checkpointed", lambda: reached_training(project, steps)
+        return f"{steps} steps checkpointed", lambda: kp.reached_training(project, steps)
     if stage == "evaluate":
         calls = rng.randint(1, 7)
-        return f"{calls} evaluation calls answered", lambda: reached_evaluation(server, calls)
+        return f"{calls} evaluation calls answered", lambda: kp.reached_evaluation(server, calls)
     if rng.random() < 0.5:
         return "started", lambda: (lambda pid: True)
-    return "version registered", lambda: reached_registering(project)
+    return "version registered", lambda: kp.reached_registering(project)
 
 
 def jittered(arm, delay_s: float):
@@ -84,26 +71,26 @@ def jittered(arm, delay_s: float):
 def survived_checks(project: Path, env: dict[str, str]) -> dict[str, object]:
     promotion_file = project / "reports" / "promotion.json"
     promotion = json.loads(promotion_file.read_text()) if promotion_file.is_file() else {}
-    versions = registered_versions(project)
+    versions = kp.registered_versions(project)
     champion = [v for _, v, tags in versions if tags.get("promotion.decision") == "promoted"]
     return {
-        "dvc_changed": dvc_changed(project, env),
-        "half_written": half_written(project),
-        "repeated_steps": repeated_steps(project),
-        "orphan_versions": orphan_versions(project),
+        "dvc_changed": kp.dvc_changed(project, env),
+        "half_written": kp.half_written(project),
+        "repeated_steps": kp.repeated_steps(project),
+        "orphan_versions": kp.orphan_versions(project),
         "champion_matches_promotion": bool(promotion) and promotion.get("champion_after") in champion,
     }
 
 
 def one_run(index: int, rng: random.Random, work: Path, agent_dir: Path, mirror: Path, jitter_s: float) -> dict:
-    env = micro_env()
+    env = kp.micro_env()
     with FaultServer() as server:
-        project = make_micro_project(work / f"run{index}", REPO, mirror, agent_dir, server.url)
+        project = kp.make_micro_project(work / f"run{index}", REPO, mirror, agent_dir, server.url)
         stage = rng.choice(KILL_STAGES)
         point, arm = kill_point(stage, rng, project, mirror, server)
         delay = round(rng.uniform(0, jitter_s), 2)
-        first = repro_killing(project, env, stage, jittered(arm, delay))
-        rerun = repro_killing(project, env)
+        first = kp.repro_killing(project, env, stage, jittered(arm, delay))
+        rerun = kp.repro_killing(project, env)
         checks = survived_checks(project, env) if rerun.returncode == 0 else {}
     ok = rerun.returncode == 0 and checks["champion_matches_promotion"] and not any(
         v for k, v in checks.items() if k != "champion_matches_promotion")

@@ -1,4 +1,4 @@
-"""The README's two figures from a finished `dvc repro`: the training curve and per-dataset F1 with CIs.
+"""The two figures of benchmarks/README.md from a finished `dvc repro`: training curve, per-dataset F1.
 
     python benchmarks/plot_run.py PROJECT [--out docs/img]
 

@@ -129,7 +129,7 @@ def version_description(
 # --- retention ---------------------------------------------------------------------------------------
 
 
-def _logged_model_id(mv: Any) -> str | None:
+def logged_model_id(mv: Any) -> str | None:
     """The logged model behind a version: its `model_id`, which the registry leaves empty for versions
     registered by `log_model(registered_model_name=...)`, or the id in its `models:/<id>` source."""
     if getattr(mv, "model_id", None):
@@ -174,7 +174,7 @@ def prune_never_champion(client: Any, name: str, keep: int | None) -> list[str]:
     for mv in doomed:
         client.delete_model_version(name, mv.version)
         if mv.source not in in_use:
-            _delete_model_files(client, _logged_model_id(mv))
+            _delete_model_files(client, logged_model_id(mv))
         deleted.append(str(mv.version))
     if deleted:
         log.info(

@@ -103,10 +103,10 @@ def _warn_if_environment_down(version: Any, uri: str) -> None:
     from pipeline.environment.health import check_environment_answers
 
     try:
-        from pipeline.registry_lineage import _logged_model_id
+        from pipeline.registry_lineage import logged_model_id
 
         model = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri).get_logged_model(
-            _logged_model_id(version)
+            logged_model_id(version)
         )
         where = f"{model.artifact_location}/artifacts/environment.json"  # this file only, not the weights
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=where))

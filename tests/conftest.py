@@ -126,6 +126,15 @@ def data_params(shared_datasets, tmp_path):
     return factory
 
 
+@pytest.fixture()
+def env_server():
+    """Base URL of a real OpenAI-compatible stand-in environment (tests/fault_server.py, answers `echo: …`)."""
+    from fault_server import FaultServer
+
+    with FaultServer() as server:
+        yield server.url
+
+
 @pytest.fixture(autouse=True)
 def _isolate_mlflow_uri_env():
     """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; keep one test's store from leaking into the next."""

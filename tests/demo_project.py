@@ -271,6 +271,18 @@ def project_env() -> dict[str, str]:
     return env
 
 
+def one_step_run(raw: dict, mirror: Path, sample_size: int) -> dict:
+    """`raw` params (the default profile) shrunk to the smallest whole pipeline: `sample_size` rows per set
+    from `mirror`, one GRPO step after a one-step format warm-up, ten GEPA metric calls."""
+    raw["paths"]["mirror"] = str(mirror)
+    raw["data"]["sample_size"] = sample_size
+    raw["train"].update(steps=1, batch_size=1, group_size=2, mini_batch_size=1, micro_batch_size=2, save_every=1)
+    raw["train"]["warmup"].update(steps=1, batch_size=1, demonstrations=1)
+    raw["gepa"].update(max_metric_calls=10, train_size=3, val_size=2, holdout_size=2, minibatch_size=2,
+                       reflection_max_tokens=64)
+    return raw
+
+
 def tmp_mirror(tmp_path: Path, shared_datasets: Path) -> Path:
     """A tmp datasets mirror: the test's own raw files, the authors' real evaluation files (leakage keys)."""
     mirror = tmp_path / "mirror"

@@ -83,7 +83,7 @@ def stage_pids(project: Path, stage: str) -> list[int]:
             continue
         words = [a.decode(errors="replace") for a in argv if a]
         names = [Path(w).name for w in words]
-        if cwd == str(project) and "promptr1" in names:
+        if cwd == str(project.resolve()) and "promptr1" in names:
             rest = words[names.index("promptr1") + 1:]
             if rest[:1] == [verb] and (not item or rest[1:2] == [item]):
                 found.append(int(entry.name))
@@ -125,8 +125,12 @@ def registered_versions(project: Path) -> list[tuple[str, str, dict[str, str]]]:
 
 
 def reached_sampling(project: Path, mirror: Path) -> Callable[[int], bool]:
-    """The sample process has a raw source file (or its output) open: it is reading or writing."""
-    roots = (str(mirror), str(project / "data" / "sampled"))
+    """The sample process has a raw source file (or its output) open: it is reading or writing.
+
+    /proc reports resolved paths, so the roots are resolved too (the mirror is often reached through a link,
+    such as a `../shared` beside the clone).
+    """
+    roots = (str(mirror.resolve()), str((project / "data" / "sampled").resolve()))
     return lambda pid: any(p.startswith(roots) for p in open_paths(pid))
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
+from helpers import copy_params
 
 from pipeline.data.fingerprint import EVAL_FILE, UNREACHABLE, run_sources
 from pipeline.data.sources import REGISTRY
@@ -102,10 +102,8 @@ def test_hub_without_network_records_unreachable(data_params, tmp_path, monkeypa
 
 def _project(tmp_path: Path, mirror: Path) -> Path:
     """A DVC project with dvc.yaml's `sources` and `sample` stages, one training dataset, tiny sample."""
-    project = tmp_path / "project"
-    project.mkdir()
-    shutil.copytree(REPO / "profiles", project / "profiles")
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    project = copy_params(tmp_path / "project", profiles=True)
+    raw = yaml.safe_load((project / "params.yaml").read_text())
     raw["paths"]["mirror"] = str(mirror)
     raw["data"].update(train_datasets=["gsm8k"], sample_size=8)
     (project / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))

@@ -204,6 +204,20 @@ def test_gpu_entrypoint_is_the_cli_and_cpu_runs_the_default_profile():
     assert cpu.last("CMD").json and list(cpu.last("CMD").value) == ["dvc", "repro"]
 
 
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_images_switch_telemetry_off_as_the_entry_points_do(name):
+    """Every image process starts quiet, `dvc` itself too (it runs before any `promptr1` entry point calls
+    `quiet_telemetry`): each runtime image sets all of pipeline/runtime.py's TELEMETRY_OFF, with its values."""
+    from pipeline.runtime import TELEMETRY_OFF
+
+    env: dict[str, str] = {}
+    for command in stage(name).commands:
+        if command.cmd == "ENV":
+            env.update(zip(command.value[::2], command.value[1::2], strict=True))
+    wrong = {key: env.get(key) for key, value in TELEMETRY_OFF.items() if env.get(key) != value}
+    assert not wrong, f"Dockerfile stage {name}: telemetry variables missing or different from TELEMETRY_OFF: {wrong}"
+
+
 @pytest.mark.parametrize(("name", "constraints"), [("cpu", "cpu.txt"), ("gpu-build", "gpu.txt")])
 def test_every_pin_in_the_dockerfile_is_its_constraints_files(name, constraints):
     installs = stage(name).pip_installs()

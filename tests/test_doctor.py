@@ -293,8 +293,8 @@ def test_the_verl_step_runs_one_step_saved_and_dumped_under_reports_doctor(repo_
     """What the GPU-only verl step hands `train_verl`, composed with verl 0.9.1's own Hydra config and
     validated by verl: one step (smoke-1gpu's own 3 replaced), saved, rollouts dumped, all under
     reports/doctor/."""
-    from test_verl_backend import compose_verl
     from verl.utils.config import validate_config
+    from verl_cpu import compose_verl
 
     from pipeline.config import load_params
     from pipeline.doctor_train import one_step_params

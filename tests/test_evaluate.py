@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from helpers import FIXTURES, make_project
 
 from pipeline import evaluate as E
 from pipeline.errors import UserError
@@ -25,30 +26,6 @@ from pipeline.evaluation.scores import aggregate, score_system, usage_by_system
 from pipeline.evaluation.systems import TRAINED, Answer, run_system
 from pipeline.metrics import SemanticSimilarity
 from pipeline.types import EvalRow
-
-AUTHORS_FILES = {"hotpotqa": "hotpot.parquet", "booksum": "BookSum.parquet", "xsum": "Xsum_ood.parquet",
-                 "triviaqa": "triviaqa_ood.parquet"}
-
-
-def make_project(tmp_path: Path, repo_root: Path, shared_datasets: Path, datasets: dict[str, str],
-                 with_extra_info: bool = True) -> Path:
-    """A project folder with params.yaml and data/rl/eval/<name>.parquet built from the authors' files."""
-    shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
-    out = tmp_path / "data" / "rl" / "eval"
-    out.mkdir(parents=True)
-    for name in datasets:
-        frame = pd.read_parquet(shared_datasets / "prompt-r1" / "eval" / AUTHORS_FILES[name]).head(8)
-        frame["data_source"] = name
-        if with_extra_info:
-            frame["extra_info"] = [
-                {"id": f"{name}-{i}", "split": "test", "index": i,
-                 "question": str(next(iter(p))["content"]).split("\n", 1)[0].removeprefix("Question: "),
-                 "answers": list(rm["ground_truth"])}
-                for i, (p, rm) in enumerate(zip(frame["prompt"], frame["reward_model"], strict=True))
-            ]
-        frame["agent_name"] = "prompt_r1"
-        frame.to_parquet(out / f"{name}.parquet", index=False)
-    return tmp_path
 
 
 def _params(project: Path, overrides: dict):
@@ -274,7 +251,6 @@ def test_run_evaluate_small_real_run(tmp_path, repo_root, shared_datasets, llama
 
 # --- cost beside quality, the fifth system, the paper's table (issue 14) ---------------------------------
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _with_env(pred: str, *replies: tuple[int, int, bool]) -> Answer:

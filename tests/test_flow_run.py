@@ -3,7 +3,7 @@
 The project is tests/demo_project.py's: git + DVC, the pipeline's stage names and report files, the
 repository's params.yaml, trivial stage commands. The environment is a real HTTP server process
 (`StaticEnvironment`) whose PIDs are checked after each run. The full flow over the real stages is the
-lead's end-to-end test (tests/slow/test_end_to_end.py) through the same `run_pipeline_flow`.
+lead's end-to-end test (tests/test_end_to_end.py) through the same `run_pipeline_flow`.
 """
 
 from __future__ import annotations

@@ -42,14 +42,13 @@ experiment (`benchmarks/bench_learning.py`, `benchmarks/results/learning.json`).
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 from demo_project import free_port
+from helpers import knowledge_server_overrides, write_train_parquet
 
 from pipeline.config import load_params
 from pipeline.environment.servers import environment_server
@@ -72,19 +71,8 @@ TASK = [(f"What is the code word of locker {n}?", [word]) for n, word in enumera
 
 
 def _train_parquet(path):
-    rows = []
-    for i, (question, answers) in enumerate(TASK):
-        rows.append({
-            "data_source": "learning_task",
-            "prompt": [{"role": "user", "content": f"Question: {question}\nAsk the large language model, then "
-                        "answer in <answer></answer>."}],
-            "ability": "qa",
-            "reward_model": {"ground_truth": answers, "style": "rule"},
-            "extra_info": {"id": f"task{i}", "split": "train", "question": question, "answers": answers, "index": i},
-            "agent_name": "prompt_r1",
-        })
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).to_parquet(path)
+    return write_train_parquet(path, TASK, data_source="learning_task", id_prefix="task",
+                               instruction="Ask the large language model, then answer in <answer></answer>.")
 
 
 def _params(folder, model_dir, url, **train):
@@ -108,14 +96,7 @@ def _params(folder, model_dir, url, **train):
 def knowledge_url(tmp_path_factory):
     """The knowledgeable environment as a real server process, for the module."""
     folder = tmp_path_factory.mktemp("knowledge_env")
-    source = folder / "task.jsonl"
-    source.write_text("".join(json.dumps({"question": q, "answers": a}) + "\n" for q, a in TASK), encoding="utf-8")
-    params = load_params(_ROOT / "params.yaml", {
-        "paths": {"cache_dir": str(folder / "cache")},
-        "environment": {"backend": "knowledge", "model": "knowledge", "served_name": "knowledge",
-                        "port": free_port(), "knowledge": {"sources": [str(source)]},
-                        "server": {"startup_timeout_s": 30}},
-    })
+    params = load_params(_ROOT / "params.yaml", knowledge_server_overrides(folder, TASK, free_port()))
     with environment_server(params) as url:
         yield url
 

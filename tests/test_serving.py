@@ -58,7 +58,7 @@ def test_register_logs_the_agent_from_code_without_a_cloudpickle_warning(
     import warnings
 
     import mlflow
-    from test_register import _write_metrics
+    from helpers import write_eval_metrics
 
     from pipeline.config import load_params
     from pipeline.register import run_register
@@ -67,7 +67,7 @@ def test_register_logs_the_agent_from_code_without_a_cloudpickle_warning(
     monkeypatch.delenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", raising=False)
     shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
     params = load_params(tmp_path / "params.yaml", {"paths": {"model_dir": str(tiny_llama_dir)}})
-    _write_metrics(tmp_path, 30.0, 40.0)
+    write_eval_metrics(tmp_path, 30.0, 40.0)
 
     records: list[str] = []
     handler = logging.Handler()
@@ -118,7 +118,7 @@ def test_promptr1_serve_answers_a_post_with_the_champion(tmp_path, repo_root, mo
     import httpx
     import torch
     from fault_server import FaultServer
-    from test_register import _project, _write_metrics
+    from helpers import register_params, write_eval_metrics
 
     from pipeline.agent.policy import TransformersPolicy
     from pipeline.pyfunc_agent import OUTPUT_COLUMNS
@@ -135,11 +135,11 @@ def test_promptr1_serve_answers_a_post_with_the_champion(tmp_path, repo_root, mo
     project.mkdir()
     fact = "The Carter was directed by Adam Bhala Lough."
     with FaultServer(responder=lambda messages: fact, model="smollm2-135m-instruct") as env_server:
-        params = _project(project, repo_root, agent_dir, base_url=f"http://127.0.0.1:{env_server.port}/v1")
+        params = register_params(project, repo_root, agent_dir, base_url=f"http://127.0.0.1:{env_server.port}/v1")
         assert params.environment.served_name == "smollm2-135m-instruct"
         params.agent.max_turns = 2
         params.evaluate.agent_max_turn_tokens = 64
-        _write_metrics(project, 30.0, 40.0)
+        write_eval_metrics(project, 30.0, 40.0)
         assert run_register(params)["promoted"]
 
         port = free_port()

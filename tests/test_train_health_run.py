@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def test_micro_run_trips_the_gate_keeps_the_healthy_checkpoint_and_is_never_registered(tmp_path, tiny_llama_dir):
     import mlflow
     from fault_server import FaultServer
-    from test_train_local import tiny_overrides, write_train_parquet
+    from helpers import tiny_overrides, write_train_parquet
 
     from pipeline.errors import UserError
     from pipeline.register import run_register

@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from helpers import REPO_ROOT, tiny_overrides, write_train_parquet
 
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
@@ -26,59 +27,6 @@ from pipeline.train.batch import collate, response_log_probs
 from pipeline.train.questions import QuestionSampler
 from pipeline.train.step_metrics import StepsLog
 from pipeline.types import PromptItem, Trajectory
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-QUESTIONS = [
-    ("Who wrote Hamlet?", ["William Shakespeare"]),
-    ("What is the capital of France?", ["Paris"]),
-    ("How many legs does a spider have?", ["8", "eight"]),
-    ("What colour is the sky on a clear day?", ["blue"]),
-    ("Which planet is known as the red planet?", ["Mars"]),
-    ("What is 2 + 3?", ["5"]),
-]
-
-
-def write_train_parquet(path: Path) -> Path:
-    """A few rows in verl's RLHFDataset schema (what the build stage writes)."""
-    rows = []
-    for i, (q, answers) in enumerate(QUESTIONS):
-        content = (f"Question: {q}\nThink briefly in <think></think>, ask the large model in "
-                   "<interaction_prompt></interaction_prompt>, finish with <answer></answer>.")
-        rows.append({
-            "data_source": "hotpotqa",
-            "prompt": [{"role": "user", "content": content}],
-            "ability": "qa",
-            "reward_model": {"ground_truth": answers, "style": "rule"},
-            "extra_info": {"id": f"t{i}", "split": "train", "question": q, "answers": answers, "index": i},
-            "agent_name": "prompt_r1",
-        })
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).to_parquet(path)
-    return path
-
-
-def tiny_overrides(tmp: Path, model_dir: Path, env_url: str, **train) -> dict:
-    return {
-        "paths": {"rl_dir": str(tmp / "data/rl"), "checkpoint_dir": str(tmp / "checkpoints/agent"),
-                  "reports_dir": str(tmp / "reports"), "model_dir": str(tmp / "models/agent"),
-                  "cache_dir": str(tmp / ".cache")},
-        "agent": {"model": str(model_dir), "max_turns": 2, "max_turn_tokens": 6, "max_response_tokens": 40},
-        "environment": {"base_url": env_url, "served_name": "fault-model", "max_tokens": 16, "cache": False,
-                        "max_retries": 0, "timeout_s": 5.0},
-        "train": {"steps": 2, "batch_size": 2, "group_size": 2, "mini_batch_size": 1, "micro_batch_size": 2,
-                  "save_every": 1, "lr": 1e-3, "warmup": {"steps": 0}, **train},
-        "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_root": str(tmp / "mlartifacts")},
-    }
-
-
-@pytest.fixture()
-def env_server():
-    from fault_server import FaultServer
-
-    with FaultServer() as server:
-        yield server.url
 
 
 def make_traj(prompt: list[int], response: list[int], mask: list[int]) -> Trajectory:

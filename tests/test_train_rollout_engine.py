@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from demo_project import free_port, tiny_gguf_template, tiny_random_llama
-from test_train_local import REPO_ROOT, tiny_overrides, write_train_parquet
+from helpers import REPO_ROOT, tiny_overrides, write_train_parquet
 
 from pipeline.config import load_params
 
@@ -41,16 +41,8 @@ def tiny_agent_gguf(tmp_path_factory) -> Path:
     return export_model(model, template, folder / "tiny-agent.gguf", "f32")
 
 
-@pytest.fixture()
-def env_url():
-    from fault_server import FaultServer
-
-    with FaultServer() as server:
-        yield server.url
-
-
-def _params(tmp_path: Path, agent: Path, env_url: str, **train):
-    overrides = tiny_overrides(tmp_path, agent, env_url, rollout_gguf_dtype="f32", **train)
+def _params(tmp_path: Path, agent: Path, env_server: str, **train):
+    overrides = tiny_overrides(tmp_path, agent, env_server, rollout_gguf_dtype="f32", **train)
     overrides["agent"].update(max_turn_tokens=24, max_response_tokens=96, temperature=1.0)
     overrides["evaluate"] = {"agent_port": free_port()}
     write_train_parquet(tmp_path / "data/rl/train.parquet")
@@ -106,17 +98,17 @@ def test_auto_picks_llama_cpp_for_a_gguf_agent_on_cpu_and_transformers_otherwise
     assert rollout_engine(params) == "llama.cpp"  # asked for: served_step_policy then refuses, naming it
 
 
-def test_forcing_llama_cpp_without_a_gguf_agent_is_refused_by_name(tmp_path, tiny_llama_dir, env_url):
+def test_forcing_llama_cpp_without_a_gguf_agent_is_refused_by_name(tmp_path, tiny_llama_dir, env_server):
     from pipeline.errors import UserError
 
-    trainer = _trainer(_params(tmp_path, tiny_llama_dir, env_url, rollout_engine="llama.cpp"))
+    trainer = _trainer(_params(tmp_path, tiny_llama_dir, env_server, rollout_engine="llama.cpp"))
     with pytest.raises(UserError, match="train.rollout_engine"):
         _rollout(trainer, 1)
 
 
 @pytest.mark.slow
-def test_llama_cpp_samples_the_policy_being_trained_at_every_step(tmp_path, tiny_agent_gguf, env_url):
-    params = _params(tmp_path, tiny_agent_gguf, env_url)
+def test_llama_cpp_samples_the_policy_being_trained_at_every_step(tmp_path, tiny_agent_gguf, env_server):
+    params = _params(tmp_path, tiny_agent_gguf, env_server)
     trainer = _trainer(params)
     assert trainer.engine == "llama.cpp"
 
@@ -165,13 +157,13 @@ def test_llama_cpp_samples_the_policy_being_trained_at_every_step(tmp_path, tiny
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["no_rotary_permutation", "stale_weights"])
-def test_the_gap_check_fails_when_the_server_does_not_serve_the_policy(tmp_path, tiny_agent_gguf, env_url,
+def test_the_gap_check_fails_when_the_server_does_not_serve_the_policy(tmp_path, tiny_agent_gguf, env_server,
                                                                       monkeypatch, variant):
     import copy
 
     from pipeline.agent import gguf_export
 
-    params = _params(tmp_path, tiny_agent_gguf, env_url)
+    params = _params(tmp_path, tiny_agent_gguf, env_server)
     trainer = _trainer(params)
     if variant == "no_rotary_permutation":
         monkeypatch.setattr(gguf_export, "permute_rotary", lambda weight, n_head: weight)

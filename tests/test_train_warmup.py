@@ -8,28 +8,15 @@ HTTP environment (`echo: …` replies). The real SmolLM2 + llama.cpp measurement
 from __future__ import annotations
 
 import itertools
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from helpers import QUESTIONS, REPO_ROOT, tiny_overrides, write_train_parquet
 
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_train_local import QUESTIONS, tiny_overrides, write_train_parquet
-
-
-@pytest.fixture()
-def env_server():
-    from fault_server import FaultServer
-
-    with FaultServer() as server:
-        yield server.url
 
 
 def warm_params(tmp_path: Path, model_dir: Path, env_url: str, **warmup):

@@ -111,15 +111,18 @@ def output_path_problems(params: Params) -> list[str]:
         value = getattr(params.paths, key)
         target = (root / value).resolve()
         where = f"paths.{key}={value!r} resolves to {target}"
-        if target == root or target in root.parents:
-            problems.append(f"{where}, the project folder or a parent of it (outputs are replaced and removed)")
+        # Both reasons are checked on their own, so the one given for `/tmp` or `..` does not depend on where
+        # the project lies (a clone inside /tmp makes /tmp a parent of it too).
+        reasons = [reason for reason, applies in (
+            ("the project folder or a parent of it", target == root or target in root.parents),
+            ("a top-level system folder", len(target.parts) < 3 or target == home)) if applies]
+        if reasons:
+            problems.append(f"{where}, {' and '.join(reasons)} (outputs are replaced and removed)")
         elif root in target.parents and target.relative_to(root).parts[0] in PROTECTED_FOLDERS:
             problems.append(f"{where}, inside the project's {target.relative_to(root).parts[0]}/ folder, "
                             "which holds code, not outputs")
         elif root not in target.parents and not Path(value).is_absolute():
             problems.append(f"{where}: a relative output path must stay inside the project folder")
-        elif len(target.parts) < 3 or target == home:
-            problems.append(f"{where}, a top-level system folder (outputs are replaced and removed)")
     return problems
 
 

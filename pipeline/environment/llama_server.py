@@ -8,7 +8,7 @@ and answers one request at a time behind a lock, so eight concurrent environment
 server (tools/server) decodes the requests of all busy slots in one batch (`n_parallel` slots, continuous
 batching); on a CPU a decode step costs about the same for one sequence or four, so concurrent calls share
 it. `benchmarks/bench_env_server.py` measures the two side by side; its figures are in
-benchmarks/results/env_server.json and the README.
+benchmarks/results/env_server.json and benchmarks/README.md.
 
 Design decisions:
 - **xllamacpp** (PyPI, a prebuilt manylinux wheel of llama.cpp with its server; no compiler needed) rather

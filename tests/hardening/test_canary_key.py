@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from demo_project import copy_project, project_env
+from demo_project import copy_project, one_step_run, project_env
 from fault_server import FaultServer
 
 pytestmark = pytest.mark.slow
@@ -26,16 +26,11 @@ pytestmark = pytest.mark.slow
 
 def micro_params(raw: dict, mirror: Path, agent_dir: Path, url: str) -> dict:
     """The default profile shrunk to a micro run with a tiny agent and the api backend at `url`."""
-    raw["paths"]["mirror"] = str(mirror)
-    raw["data"]["sample_size"] = 16
+    one_step_run(raw, mirror, sample_size=16)
     raw["agent"].update(model=str(agent_dir), max_turns=3, max_turn_tokens=40, max_response_tokens=400)
     raw["environment"].update(backend="api", base_url=url, served_name="fault-model", max_tokens=16,
                               api_key_env="PROMPTR1_CANARY_KEY", max_retries=0)
-    raw["train"].update(steps=1, batch_size=1, group_size=2, mini_batch_size=1, micro_batch_size=2, save_every=1)
-    raw["train"]["warmup"].update(steps=1, batch_size=1, demonstrations=1)
     raw["evaluate"].update(rows_per_dataset=1, agent_max_turn_tokens=8, bootstrap_samples=20)
-    raw["gepa"].update(max_metric_calls=10, train_size=3, val_size=2, holdout_size=2, minibatch_size=2,
-                       reflection_max_tokens=64)
     return raw
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import copy_params
 
 from flows import dvc_steps
 from flows.run_lock import workspace_lock
@@ -50,12 +51,8 @@ APPLY_RESTORE_LOOP = textwrap.dedent("""
 
 
 def _project(tmp_path: Path) -> Path:
-    root = tmp_path / "project"
-    (root / "profiles").mkdir(parents=True)
+    root = copy_params(tmp_path / "project", profiles=True)
     (root / ".dvc" / "tmp").mkdir(parents=True)
-    (root / "params.yaml").write_bytes((ROOT / "params.yaml").read_bytes())
-    for profile in (ROOT / "profiles").glob("*.yaml"):
-        (root / "profiles" / profile.name).write_bytes(profile.read_bytes())
     return root
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from helpers import output_paths
+
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.resume import discard_stale_checkpoints, stale_folders, training_config
@@ -19,10 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _params(project: Path, keep: int):
-    paths = {"rl_dir": str(project / "data/rl"), "checkpoint_dir": str(project / "checkpoints/agent"),
-             "reports_dir": str(project / "reports"), "model_dir": str(project / "models/agent"),
-             "cache_dir": str(project / ".cache")}
-    return load_params(ROOT / "params.yaml", {"paths": paths, "train": {"keep_stale_checkpoints": keep}})
+    overrides = {"paths": output_paths(project), "train": {"keep_stale_checkpoints": keep}}
+    return load_params(ROOT / "params.yaml", overrides)
 
 
 def _old_run(params, marker: str) -> None:

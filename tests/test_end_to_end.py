@@ -17,22 +17,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from demo_project import copy_project, free_port, project_env
+from demo_project import copy_project, free_port, one_step_run, project_env
 
 pytestmark = pytest.mark.slow
 
 
 def smallest_params(raw: dict, mirror: Path, port: int) -> dict:
     """The default profile shrunk to a smoke run: few rows, one GRPO step, short generations."""
-    raw["paths"]["mirror"] = str(mirror)
-    raw["data"]["sample_size"] = 64
+    one_step_run(raw, mirror, sample_size=64)
     raw["agent"].update(max_turns=3, max_turn_tokens=40, max_response_tokens=400, max_prompt_tokens=1024)
     raw["environment"].update(port=port, max_tokens=24)
-    raw["train"].update(steps=1, batch_size=1, group_size=2, mini_batch_size=1, micro_batch_size=2, save_every=1)
-    raw["train"]["warmup"].update(steps=1, batch_size=1, demonstrations=1)
     raw["evaluate"].update(rows_per_dataset=1, agent_max_turn_tokens=16, bootstrap_samples=50)
-    raw["gepa"].update(max_metric_calls=10, train_size=3, val_size=2, holdout_size=2, minibatch_size=2,
-                       reflection_max_tokens=64)
     return raw
 
 

@@ -8,7 +8,7 @@ import asyncio
 import math
 
 import pytest
-from test_rollout import ScriptedPolicy, item
+from helpers import ScriptedPolicy, item
 
 from pipeline.agent.completions_policy import OpenAICompletionsPolicy
 from pipeline.agent.policy import TransformersPolicy
