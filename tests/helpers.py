@@ -163,6 +163,7 @@ def tiny_overrides(tmp: Path, model_dir: Path, env_url: str, **train) -> dict:
             "cache": False,
             "max_retries": 0,
             "timeout_s": 5.0,
+            "decode_tokens_per_s": 100.0,  # the test servers answer at once (environment/budget.py)
         },
         "train": {
             "steps": 2,
