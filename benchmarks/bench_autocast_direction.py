@@ -39,12 +39,13 @@ def warm_model(folder: Path, tiny: Path, url: str, autocast: str | None) -> Path
     import test_learning as tl
 
     from pipeline.train.local import WARMUP_DIR, train_local
+    from pipeline.train.plan import TrainPlan
 
     _ = tl._train_parquet(folder / "data/rl/train.parquet")
     params = tl._params(folder, tiny, url, autocast=autocast,
                         warmup={"steps": tl.WARMUP_STEPS, "batch_size": tl.WARMUP_BATCH, "lr": tl.WARMUP_LR,
                                 "demonstrations": tl.WARMUP_DEMOS, "interaction_turns": 1, "max_answer_tokens": 8})
-    train_local(params, max_steps=0)
+    train_local(TrainPlan.from_params(params), max_steps=0)
     model_dir = folder / "checkpoints" / WARMUP_DIR / "model"
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (tiny / name).is_file():

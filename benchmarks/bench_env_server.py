@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 from pipeline.config import load_params
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.servers import start_server, stop_server
+from pipeline.environment.spec import ServerSpec
 from pipeline.hardware import server_threads
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -104,7 +105,7 @@ def run_engine(params, engine: str, prompts: list[str], levels: list[int]) -> di
         params.environment.port = free_port()
         params.environment.server.engine = engine
         params.environment.concurrency = level
-        server = start_server(params)
+        server = start_server(ServerSpec.from_params(params))
         try:
             client = EnvironmentClient.from_params(params)
 

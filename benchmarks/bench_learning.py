@@ -229,6 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.local import WARMUP_DIR, train_local
     from pipeline.train.models import load_tokenizer
+    from pipeline.train.plan import TrainPlan
     from pipeline.train.step_metrics import steps_csv_path
 
     t_all = time.perf_counter()
@@ -273,7 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         try:
             t = time.perf_counter()
-            train_local(params, max_steps=0)  # the format warm-up only (skipped when resuming)
+            train_local(TrainPlan.from_params(params), max_steps=0)  # the format warm-up only (skipped when resuming)
             timings["warmup_s"] = time.perf_counter() - t
             evaluate_at(0, ckpt_root / WARMUP_DIR / "model")
             done = ckpt.TrainerState.read(ckpt.latest_checkpoint(ckpt_root)).step
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             while done < params.train.steps:
                 chunk = min(args.eval_every, params.train.steps - done)
                 t = time.perf_counter()
-                train_local(params, max_steps=chunk)
+                train_local(TrainPlan.from_params(params), max_steps=chunk)
                 timings["grpo_s"] += time.perf_counter() - t
                 done += chunk
                 folder = ckpt.latest_checkpoint(ckpt_root)
@@ -293,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             asyncio.run(env.aclose())
 
-        result = summarise(params, args, evals, curve, steps_csv_path(params), rows_by_ds, timings,
+        result = summarise(params, args, evals, curve, steps_csv_path(params.path(params.paths.reports_dir)), rows_by_ds, timings,
                            time.perf_counter() - t_all)
         if result["heldout_f1_gain_ci"] is not None:
             mlflow.log_metrics({"heldout/f1_gain": result["heldout_f1_gain"],

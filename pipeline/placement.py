@@ -13,8 +13,10 @@ code (imported by most stages) does not import the check's verl config compositi
 from __future__ import annotations
 
 import ipaddress
+from typing import TYPE_CHECKING
 
-from pipeline.config import Params
+if TYPE_CHECKING:
+    from pipeline.config import EnvironmentConfig, Params, TrainConfig
 
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", ""})
 
@@ -34,7 +36,11 @@ def is_loopback(host: str) -> bool:
 def environment_started_here(params: Params) -> bool:
     """Whether the pipeline starts the environment server on this machine (vllm/llamacpp at its own
     host:port) rather than using one at a `base_url` elsewhere."""
-    env = params.environment
+    return started_here(params.environment)
+
+
+def started_here(env: EnvironmentConfig) -> bool:
+    """`environment_started_here` for the environment config `env`."""
     if env.backend == "api":
         return False
     return not env.base_url or env.url == f"http://{env.host}:{env.port}/v1"
@@ -42,18 +48,26 @@ def environment_started_here(params: Params) -> bool:
 
 def environment_gpus(params: Params) -> list[int]:
     """CUDA device ids the environment server takes on this machine ([] when it takes none here)."""
-    server = params.environment.server
-    if params.environment.backend != "vllm" or not environment_started_here(params):
+    return gpus_of_environment(params.environment)
+
+
+def gpus_of_environment(env: EnvironmentConfig) -> list[int]:
+    """`environment_gpus` for the environment config `env` (what a server spec holds)."""
+    if env.backend != "vllm" or not started_here(env):
         return []
-    return list(server.gpus) or list(range(server.tensor_parallel_size))
+    return list(env.server.gpus) or list(range(env.server.tensor_parallel_size))
 
 
 def training_gpus(params: Params) -> list[int]:
     """CUDA device ids verl takes on each node ([] with the local backend, which is not placed here)."""
-    verl = params.train.verl
-    if params.train.backend != "verl":
+    return gpus_of_training(params.train)
+
+
+def gpus_of_training(train: TrainConfig) -> list[int]:
+    """`training_gpus` for the train section `train` (what the train plan holds)."""
+    if train.backend != "verl":
         return []
-    return list(verl.gpus) or list(range(verl.n_gpus_per_node))
+    return list(train.verl.gpus) or list(range(train.verl.n_gpus_per_node))
 
 
 def cuda_visible_devices(gpus: list[int]) -> str:

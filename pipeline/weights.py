@@ -28,11 +28,14 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pipeline.config import Params
 from pipeline.errors import UserError
-from pipeline.modelref import ModelRefError, resolve_model
+from pipeline.modelref import ModelRefError, as_resolved
+
+if TYPE_CHECKING:
+    from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +64,12 @@ class ModelStatus:
         return self.state in ("present", "fetched")
 
 
-def required_models(params: Params) -> dict[str, str]:
+def required_models(agent: AgentConfig, environment: EnvironmentConfig, evaluate: EvaluateConfig) -> dict[str, str]:
     """Params key → model reference, for the models the active components load."""
-    needed = {"agent.model": params.agent.model}
-    if params.environment.backend in ("llamacpp", "vllm"):
-        needed["environment.model"] = params.environment.model
-    needed["evaluate.ssim_model"] = params.evaluate.ssim_model
+    needed = {"agent.model": agent.model}
+    if environment.backend in ("llamacpp", "vllm"):
+        needed["environment.model"] = environment.model
+    needed["evaluate.ssim_model"] = evaluate.ssim_model
     return needed
 
 
@@ -106,10 +109,10 @@ def _hub_snapshot(repo_id: str, *, fetch: bool) -> Path | None:
         return None
 
 
-def model_status(key: str, ref: str, params: Params, *, fetch: bool) -> ModelStatus:
-    """Resolve, (fetch,) and verify one model."""
+def model_status(key: str, ref: str, root: Path, *, fetch: bool) -> ModelStatus:
+    """Resolve, (fetch,) and verify one model (`ref` relative to the project `root`)."""
     try:
-        resolved = resolve_model(ref, params.root)
+        resolved = as_resolved(ref, root)
     except ModelRefError as exc:
         return ModelStatus(key, ref, "missing", str(exc))
     if resolved.is_local:
@@ -152,8 +155,9 @@ def ensure_weights(params: Params, *, fetch: bool = True) -> list[ModelStatus]:
     """Every model the params need: present, fetched, missing or invalid (never raises for one model)."""
     from pipeline.environment.harmony import needs_harmony
 
-    statuses = [model_status(key, ref, params, fetch=fetch) for key, ref in required_models(params).items()]
-    if needs_harmony(params):
+    needed = required_models(params.agent, params.environment, params.evaluate)
+    statuses = [model_status(key, ref, params.root, fetch=fetch) for key, ref in needed.items()]
+    if needs_harmony(params.environment):
         statuses.append(harmony_status(fetch=fetch))
     return statuses
 

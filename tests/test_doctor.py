@@ -23,6 +23,7 @@ from fault_server import Behaviour, FaultServer
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from pipeline.train.plan import TrainPlan
 
 STEPS = ["driver", "imports", "check", "weights", "environment", "rows", "verl step", "merge", "trajectories"]
 KEY_ENV = "PROMPTR1_DOCTOR_TEST_KEY"
@@ -305,7 +306,7 @@ def test_the_verl_step_runs_one_step_saved_and_dumped_under_reports_doctor(repo_
 
     params = load_params(repo_root / "params.yaml", {"profile": "smoke-1gpu"})
     one = one_step_params(params)
-    cfg = compose_verl(build_overrides(one))
+    cfg = compose_verl(build_overrides(TrainPlan.from_params(one)))
     doctor_dir = (repo_root / "reports" / "doctor").resolve()
     assert cfg.trainer.total_training_steps == 1 and cfg.trainer.save_freq == 1
     assert cfg.trainer.test_freq == -1 and cfg.trainer.val_before_train is False

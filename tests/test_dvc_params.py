@@ -133,6 +133,7 @@ SAMPLE = """
 import json
 from dataclasses import dataclass
 from pipeline.config import EnvironmentConfig, Params, RewardConfig
+from pipeline.train.plan import TrainPlan
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,7 @@ def test_what_stage_code_reads_at_run_time_is_in_the_static_reads(
     from pipeline.data.fingerprint import run_sources
     from pipeline.data.sample import run_sample
     from pipeline.register import environment_json
+    from pipeline.train.plan import TrainPlan
     from pipeline.train.verl_backend import build_overrides
 
     folders = {k: str(tmp_path / k) for k in ("sampled_dir", "rl_dir", "reports_dir", "cache_dir")}
@@ -306,7 +308,7 @@ def test_what_stage_code_reads_at_run_time_is_in_the_static_reads(
     runs = {
         "sources": (data, lambda: run_sources(data)),
         "sample": (data, lambda: run_sample(data, "gsm8k")),
-        "train": (paper, lambda: build_overrides(paper)),
+        "train": (paper, lambda: build_overrides(TrainPlan.from_params(paper))),
         "register": (paper, lambda: environment_json(paper)),
     }
     recorded = {}

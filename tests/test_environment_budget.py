@@ -35,7 +35,7 @@ def test_a_length_retry_that_cannot_finish_within_the_timeout_is_refused():
 def test_the_rule_is_tokens_over_speed_against_the_timeout(timeout_s, refused):
     params = load_params(ROOT / "params.yaml", {"environment": {
         "max_tokens": 100, "length_retry_factor": 4.0, "decode_tokens_per_s": 10.0, "timeout_s": timeout_s}})
-    assert longest_reply_tokens(params) == 400
+    assert longest_reply_tokens(params.environment) == 400
     assert (BUDGET_KEYS in problems_by_keys(params)) is refused
 
 
@@ -55,7 +55,7 @@ def test_shipped_profiles_fit_their_reply_budget(profile):
     params = load_params(ROOT / "params.yaml", overrides)
     env = params.environment
     assert reply_budget_problems(params) == []
-    assert longest_reply_tokens(params) / env.decode_tokens_per_s <= env.timeout_s
+    assert longest_reply_tokens(params.environment) / env.decode_tokens_per_s <= env.timeout_s
 
 
 @pytest.mark.parametrize("profile", GPU_PROFILES)

@@ -22,6 +22,7 @@ from pipeline.environment.knowledge import (
     load_facts,
 )
 from pipeline.environment.servers import environment_server, server_command, started_server
+from pipeline.environment.spec import ServerSpec
 
 FACTS = [
     ("Who wrote the play Hamlet?", ["William Shakespeare", "Shakespeare"]),
@@ -129,7 +130,7 @@ def test_real_server_through_the_launcher_and_the_environment_client(params, tmp
     env.backend, env.served_name, env.port, env.cache = "knowledge", "knowledge-base", free_port(), False
     env.knowledge.sources = [str(source)]
     env.server.startup_timeout_s = 30
-    command = server_command(params)
+    command = server_command(ServerSpec.from_params(params))
     assert command[:3] == [sys.executable, "-m", "pipeline.environment.knowledge"]
     with environment_server(params) as url:
         server = started_server(url)

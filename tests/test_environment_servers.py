@@ -27,6 +27,7 @@ from pipeline.environment.servers import (
     server_command,
     started_server,
 )
+from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.hardware import usable_cores
 
@@ -58,7 +59,7 @@ def test_llamacpp_command_from_params(local_params, engine, module):
     cfg = local_params.environment
     cfg.server.engine = engine
     cfg.server.extra_args = ["--verbose", "false"]
-    cmd = server_command(local_params)
+    cmd = server_command(ServerSpec.from_params(local_params))
     assert cmd[:3] == [sys.executable, "-m", module]
     args = dict(zip(cmd[3:-2:2], cmd[4:-2:2], strict=True))
     if engine == "llama.cpp":
@@ -73,7 +74,7 @@ def test_llamacpp_command_from_params(local_params, engine, module):
 def test_vllm_command_from_paper_profile(repo_root):
     params = load_params(repo_root / "params.yaml", {"profile": "paper",
                                                       "environment": {"server": {"extra_args": ["--enforce-eager"]}}})
-    assert server_command(params) == [
+    assert server_command(ServerSpec.from_params(params)) == [
         "vllm", "serve", "openai/gpt-oss-20b",
         "--served-model-name", "gpt-oss-20b",
         "--tensor-parallel-size", "8",
@@ -88,7 +89,7 @@ def test_vllm_command_from_paper_profile(repo_root):
 def test_llamacpp_needs_a_gguf(local_params, tmp_path):
     local_params.environment.model = str(tmp_path)  # a directory, not a GGUF
     with pytest.raises(EnvironmentUnavailable, match="not a .gguf"):
-        server_command(local_params)
+        server_command(ServerSpec.from_params(local_params))
 
 
 def test_api_backend_starts_nothing(local_params, monkeypatch):
@@ -215,12 +216,12 @@ def test_vllm_server_gets_only_its_gpus_and_starts_offline(local_params, tiny_ll
     env_cfg = local_params.environment
     env_cfg.backend, env_cfg.model = "vllm", str(tiny_llama_dir)
     env_cfg.server.gpus, env_cfg.server.tensor_parallel_size = [6, 7], 2
-    env = server_env(local_params)
+    env = server_env(ServerSpec.from_params(local_params))
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["HF_HUB_OFFLINE"] == "1"
 
     env_cfg.model = "some-org/not-downloaded-model"
     with pytest.raises(EnvironmentUnavailable, match=r"run `promptr1 weights` before starting vLLM"):
-        server_env(local_params)
+        server_env(ServerSpec.from_params(local_params))
 
 
 def test_gpt_oss_vllm_starts_offline_with_harmony_reading_the_fetched_encoding(repo_root, tmp_path, monkeypatch):
@@ -244,22 +245,22 @@ def test_gpt_oss_vllm_starts_offline_with_harmony_reading_the_fetched_encoding(r
 
     with pytest.raises(EnvironmentUnavailable, match=r"GPT-OSS, whose harmony encoding .*o200k_base\.tiktoken is "
                                                      r"missing\. Run `promptr1 weights`"):
-        server_env(params)
+        server_env(ServerSpec.from_params(params))
     folder.mkdir()
     (folder / "o200k_base.tiktoken").write_bytes(vocab + b"tampered")
     with pytest.raises(EnvironmentUnavailable, match="sha256"):
-        server_env(params)
+        server_env(ServerSpec.from_params(params))
     (folder / "o200k_base.tiktoken").write_bytes(vocab)
-    env = server_env(params)
+    env = server_env(ServerSpec.from_params(params))
     assert env["TIKTOKEN_ENCODINGS_BASE"] == str(folder.resolve())
     assert env["HF_HUB_OFFLINE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15"
-    assert server_command(params)[:3] == ["vllm", "serve", str(model)]
+    assert server_command(ServerSpec.from_params(params))[:3] == ["vllm", "serve", str(model)]
 
     # Not GPT-OSS: no harmony file needed, none pointed at
     monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
     params.environment.served_name = "qwen"
     params.environment.model = str(model.rename(tmp_path / "qwen"))
-    assert "TIKTOKEN_ENCODINGS_BASE" not in server_env(params)
+    assert "TIKTOKEN_ENCODINGS_BASE" not in server_env(ServerSpec.from_params(params))
 
 
 def test_llama_server_extra_args_set_llama_cpp_fields_by_name_and_type():

@@ -11,6 +11,7 @@ import torch
 from pipeline import hardware
 from pipeline.config import load_params
 from pipeline.hardware import native_bf16, resolve_autocast
+from pipeline.train.plan import TrainPlan
 
 
 @pytest.fixture
@@ -73,13 +74,14 @@ def test_the_trainer_resolves_train_autocast(tiny_llama_dir, params, no_native_b
     params.train.rollout_engine = "transformers"
     params.train.autocast = "auto"
     device = torch.device("cpu")
-    models = load_policy_models(params, None, device)
-    trainer = LocalTrainer(params, models, None, device, QuestionSampler(1, 0))
+    plan = TrainPlan.from_params(params)
+    models = load_policy_models(plan.require_agent_model(), plan.agent, plan.train, None, device)
+    trainer = LocalTrainer(TrainPlan.from_params(params), models, None, device, QuestionSampler(1, 0))
     assert trainer.autocast_dtype is None
     with trainer.autocast():
         assert not torch.is_autocast_enabled("cpu")
     params.train.autocast = "bfloat16"
-    trainer = LocalTrainer(params, models, None, device, QuestionSampler(1, 0))
+    trainer = LocalTrainer(TrainPlan.from_params(params), models, None, device, QuestionSampler(1, 0))
     with trainer.autocast():
         assert torch.is_autocast_enabled("cpu")
 

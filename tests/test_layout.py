@@ -19,6 +19,7 @@ from pipeline.layout import (
     layout_problems,
     training_gpus,
 )
+from pipeline.train.plan import TrainPlan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted(p.stem for p in (REPO_ROOT / "profiles").glob("*.yaml"))
@@ -234,7 +235,7 @@ def test_gpu_profiles_compose_into_a_config_verl_validates(profile):
     from pipeline.train.verl_backend import build_overrides
 
     params = merged(f"profile={profile}")
-    cfg = _compose_verl(build_overrides(params))
+    cfg = _compose_verl(build_overrides(TrainPlan.from_params(params)))
     _verl_validates(cfg)
     assert cfg.trainer.n_gpus_per_node == len(training_gpus(params))
     assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == params.train.verl.rollout_tp

@@ -17,6 +17,7 @@ import pytest
 from pipeline.config import deep_merge, load_params, parse_override
 from pipeline.layout import actor_estimate, layout_problems
 from pipeline.train import memory
+from pipeline.train.plan import TrainPlan
 from pipeline.train.resources import checkpoint_disk_problem, gpu_problems
 from pipeline.train.verl_config import compose_run, override_key
 
@@ -166,22 +167,22 @@ def test_published_counts_are_found_by_hub_id():
 def test_paper_needs_sixteen_gpus_on_this_host():
     params = merged("profile=paper")
     run = compose_run(params)
-    [problem] = gpu_problems(params, run, host_gpus=8, cluster_gpus=16)
+    [problem] = gpu_problems(TrainPlan.from_params(params), run, host_gpus=8, cluster_gpus=16)
     assert "train.verl.gpus" in problem and "environment.server.gpus" in problem
     assert "8 GPU(s)" in problem and "[8, 9, 10, 11, 12, 13, 14, 15] do not exist" in problem
-    assert gpu_problems(params, run, host_gpus=16, cluster_gpus=8) == []
+    assert gpu_problems(TrainPlan.from_params(params), run, host_gpus=16, cluster_gpus=8) == []
 
 
 def test_joined_ray_cluster_must_hold_the_training_gpus():
     params = merged("profile=paper", "train.verl.nnodes=2", "environment.base_url=http://env-node:8000/v1")
     run = compose_run(params)
-    [problem] = gpu_problems(params, run, host_gpus=8, cluster_gpus=8)
+    [problem] = gpu_problems(TrainPlan.from_params(params), run, host_gpus=8, cluster_gpus=8)
     assert "train.verl.n_gpus_per_node, train.verl.nnodes" in problem and "= 16 GPUs" in problem and "has 8" in problem
-    assert gpu_problems(params, run, host_gpus=8, cluster_gpus=16) == []
+    assert gpu_problems(TrainPlan.from_params(params), run, host_gpus=8, cluster_gpus=16) == []
     # a cluster joined elsewhere: this host needs none of the training devices
     remote = merged("profile=paper", "train.verl.ray_address=10.0.0.1:6379",
                     "environment.base_url=http://env-node:8000/v1")
-    assert gpu_problems(remote, compose_run(remote), host_gpus=0, cluster_gpus=8) == []
+    assert gpu_problems(TrainPlan.from_params(remote), compose_run(remote), host_gpus=0, cluster_gpus=8) == []
 
 
 def test_keep_checkpoints_maps_onto_verls_retention():
@@ -194,16 +195,16 @@ def test_retained_checkpoints_must_fit_on_disk():
     them at once (keep 2; with keep 1 the previous stays until the new save completes)."""
     params = merged("profile=paper")
     run = compose_run(params)
-    problem = checkpoint_disk_problem(params, run, free=80 * GIB)
+    problem = checkpoint_disk_problem(TrainPlan.from_params(params), run, free=80 * GIB)
     assert problem and "~44.7 GiB" in problem and "~89.4 GiB" in problem and "80.0 GiB are free" in problem
     assert "train.keep_checkpoints" in problem and "trainer.max_actor_ckpt_to_keep=2" in problem
-    assert checkpoint_disk_problem(params, run, free=90 * GIB) is None
+    assert checkpoint_disk_problem(TrainPlan.from_params(params), run, free=90 * GIB) is None
     one = merged("profile=paper", "train.keep_checkpoints=1")
-    assert checkpoint_disk_problem(one, compose_run(one), free=80 * GIB)  # still two at the moment of a save
+    assert checkpoint_disk_problem(TrainPlan.from_params(one), compose_run(one), free=80 * GIB)  # still two at the moment of a save
     # smoke: 3 steps, one save at step 3 → one checkpoint of 0.6B x 12 B = 6.7 GiB
     smoke = merged("profile=smoke-1gpu")
-    assert checkpoint_disk_problem(smoke, compose_run(smoke), free=7 * GIB) is None
-    assert "6.7 GiB" in checkpoint_disk_problem(smoke, compose_run(smoke), free=6 * GIB)
+    assert checkpoint_disk_problem(TrainPlan.from_params(smoke), compose_run(smoke), free=7 * GIB) is None
+    assert "6.7 GiB" in checkpoint_disk_problem(TrainPlan.from_params(smoke), compose_run(smoke), free=6 * GIB)
 
 
 def test_checkpoint_rotation_counts():
@@ -281,6 +282,6 @@ def test_stage_start_refuses_a_machine_without_the_layouts_gpus(tmp_path):
         pytest.skip("this machine has GPUs: the refusal needs one without")
     params = merged("profile=smoke-1gpu", "train.verl.ray_address=", f"paths.checkpoint_dir={tmp_path / 'ckpt'}")
     with pytest.raises(UserError) as err:
-        assert_resources(params)
+        assert_resources(TrainPlan.from_params(params))
     lines = str(err.value).splitlines()[1:]
     assert len(lines) == 1 and "environment.server.gpus, train.verl.gpus" in lines[0] and "0 GPU(s)" in lines[0]

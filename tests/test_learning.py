@@ -52,6 +52,7 @@ from helpers import knowledge_server_overrides, write_train_parquet
 
 from pipeline.config import load_params
 from pipeline.environment.servers import environment_server
+from pipeline.train.plan import TrainPlan
 
 pytestmark = pytest.mark.slow
 _ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def format_aware_model(tiny_llama_dir, knowledge_url, tmp_path_factory):
     params = _params(folder, tiny_llama_dir, knowledge_url,
                      warmup={"steps": WARMUP_STEPS, "batch_size": WARMUP_BATCH, "lr": WARMUP_LR, "demonstrations": WARMUP_DEMOS,
                              "interaction_turns": 1, "max_answer_tokens": 8})
-    train_local(params, max_steps=0)  # the warm-up only
+    train_local(TrainPlan.from_params(params), max_steps=0)  # the warm-up only
     model_dir = folder / "checkpoints" / WARMUP_DIR / "model"
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (tiny_llama_dir / name).is_file():
@@ -145,9 +146,10 @@ def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, fl
     params.train.lr = LR["lora" if lora else "full"]
     torch.manual_seed(seed)
     device = torch.device("cpu")
-    models = load_policy_models(params, None, device)
-    frame = load_training_set(params)
-    trainer = trainer_module.LocalTrainer(params, models, frame, device, QuestionSampler(len(frame), seed))
+    plan = TrainPlan.from_params(params)
+    models = load_policy_models(plan.require_agent_model(), plan.agent, plan.train, None, device)
+    frame = load_training_set(plan.train_file)
+    trainer = trainer_module.LocalTrainer(TrainPlan.from_params(params), models, frame, device, QuestionSampler(len(frame), seed))
     env = EnvironmentClient.from_params(params)
     try:
         trajectories = trainer.rollout(env, trainer.draw_items(), step=1)

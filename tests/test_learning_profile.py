@@ -12,6 +12,7 @@ import pytest
 from pipeline.config import load_params
 from pipeline.errors import UserError
 from pipeline.register import PRODUCTION_ALIAS, check_production_alias, run_register
+from pipeline.train.plan import TrainPlan
 from pipeline.train.warmup import WITHHELD_REPLY, build_demonstrations
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,7 @@ def test_warmup_demonstrations_with_withheld_replies_never_show_the_answer(learn
     env = _CountingEnvironment()
     from pipeline.train.questions import prompt_item_from_row
 
-    demos = build_demonstrations(learn, frame, tokenizer, env, 1, prompt_item_from_row)
+    demos = build_demonstrations(TrainPlan.from_params(learn), frame, tokenizer, env, 1, prompt_item_from_row)
     (demo,) = demos
     env_text = tokenizer.decode([t for t, m in zip(demo.response_ids, demo.response_mask, strict=True) if m == 0])
     agent_text = tokenizer.decode([t for t, m in zip(demo.response_ids, demo.response_mask, strict=True) if m == 1])

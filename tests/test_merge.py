@@ -39,7 +39,7 @@ def trained_checkpoint(params, lora: bool):
     torch.manual_seed(1)
     model = load_causal_lm(params.agent.model, params.root, torch.float32)
     if lora:
-        model = apply_lora(model, params)
+        model = apply_lora(model, params.train.lora)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad and (not lora or "lora_" in name):

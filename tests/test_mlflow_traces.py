@@ -27,6 +27,7 @@ from pipeline.config import EnvironmentConfig, RewardConfig, load_params
 from pipeline.environment.client import EnvironmentClient
 from pipeline.reward import reward_for_trajectory
 from pipeline.traces import MAX_TEXT_CHARS, clean_text
+from pipeline.train.plan import TrainPlan
 from pipeline.types import PromptItem
 
 AUTHORS_FILES = {"hotpotqa": "hotpot.parquet", "triviaqa": "triviaqa_ood.parquet"}
@@ -311,11 +312,11 @@ def test_parent_description_lists_each_stage_in_pipeline_order(store, params):
 
     mlflow.set_tracking_uri(store)
     mlflow.set_experiment("described")
-    trained = describe_training(params, {"critic/score/mean": 0.25})
+    trained = describe_training(TrainPlan.from_params(params), {"critic/score/mean": 0.25})
     assert trained == (f"Trained the agent {params.agent.model} with GRPO (local backend) for {params.train.steps} "
                        f"steps of {params.train.batch_size} questions × {params.train.group_size} trajectories; "
                        "mean reward at the last step 0.250.")
-    assert describe_training(params, {"critic/score/mean": float("nan")}).endswith("trajectories.")
+    assert describe_training(TrainPlan.from_params(params), {"critic/score/mean": float("nan")}).endswith("trajectories.")
     with mlflow.start_run(tags={"profile": "default", "git_commit": "0123456789abcdef-dirty"}) as parent:
         with mlflow.start_run(run_name="evaluate", nested=True):
             describe_stage("evaluate", "Evaluated it.")

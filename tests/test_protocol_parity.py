@@ -38,6 +38,7 @@ from pipeline.config import load_params
 from pipeline.data.build import RL_SCHEMA, rl_row
 from pipeline.environment.client import EnvironmentClient
 from pipeline.reward import reward_for_trajectory
+from pipeline.train.plan import TrainPlan
 from pipeline.train.questions import prompt_item_from_row
 from pipeline.train.verl_backend import build_overrides
 
@@ -196,7 +197,7 @@ def both_sides(request, tokenizer, tiny_llama_dir, env_server, tmp_path_factory)
     calls_before = len(env_server.chat_requests)
     local = local_side(params, agent)
     local_calls = len(env_server.chat_requests) - calls_before
-    config = compose_verl(build_overrides(params))
+    config = compose_verl(build_overrides(TrainPlan.from_params(params)))
     verl_out = verl_worker_rollout(config, tokenizer, ScriptedServerManager(agent), rows=len(markers))
     verl_calls = len(env_server.chat_requests) - calls_before - local_calls
     return markers, budget, local, verl_out, (local_calls, verl_calls)

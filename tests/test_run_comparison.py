@@ -19,6 +19,7 @@ import pytest
 
 from pipeline.headline import HEADLINE_METRICS, LAST_REWARD_METRIC
 from pipeline.tracking import KEY_PARAMS
+from pipeline.train.plan import TrainPlan
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 RECORDED = {"a": "pipeline_avx512_final", "b": "pipeline_probe"}
@@ -74,7 +75,7 @@ def _micro_run(project: Path, label: str, model_dir: Path) -> str:
     (reports / "mlflow_run.json").unlink(missing_ok=True)  # DVC removes the train stage's outputs first
 
     with stage_run(params, "train", new_parent=True):
-        log_training_record(params)
+        log_training_record(TrainPlan.from_params(params))
     summary = json.loads((reports / "eval" / "metrics.json").read_text())
     rows, preds = _rows_and_predictions(summary)
     with stage_run(params, "evaluate"):

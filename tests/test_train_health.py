@@ -26,6 +26,7 @@ from pipeline.train.health import (
     judge,
     zero_variance_share,
 )
+from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_health import BreachSeen, VerlHealthWatch, parse_step_line, rollout_figures
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -316,11 +317,11 @@ def test_verl_overrides_dump_rollouts_only_with_the_gate(tmp_path):
     shutil.copy(REPO_ROOT / "params.yaml", tmp_path / "params.yaml")
     (tmp_path / "models").mkdir()
     overrides = {"agent": {"model": str(tmp_path / "models")}, "train": {"backend": "verl"}}
-    on = build_overrides(load_params(tmp_path / "params.yaml", overrides))
+    on = build_overrides(TrainPlan.from_params(load_params(tmp_path / "params.yaml", overrides)))
     dump = f"trainer.rollout_data_dir='{tmp_path.resolve()}/.cache/verl_rollouts'"
     assert dump in on
-    off = build_overrides(load_params(tmp_path / "params.yaml", {**overrides, "train": {
-        "backend": "verl", "health": {"enabled": False}}}))
+    off = build_overrides(TrainPlan.from_params(load_params(tmp_path / "params.yaml", {**overrides, "train": {
+        "backend": "verl", "health": {"enabled": False}}})))
     assert not any(o.startswith("trainer.rollout_data_dir") for o in off)
 
 

@@ -24,6 +24,7 @@ from helpers import REPO_ROOT, tiny_overrides, write_train_parquet
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.batch import collate, response_log_probs
+from pipeline.train.plan import TrainPlan
 from pipeline.train.questions import QuestionSampler
 from pipeline.train.step_metrics import StepsLog
 from pipeline.types import PromptItem, Trajectory
@@ -192,7 +193,7 @@ def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, p
     models = PolicyModels(model=model, reference=reference, tokenizer=tokenizer, lora=False)
     params.train.lr, params.train.mini_batch_size, params.train.group_size = 1e-2, 1, 2
     params.train.autocast = autocast
-    trainer = LocalTrainer(params, models, pd.DataFrame(), torch.device("cpu"), QuestionSampler(1, 0))
+    trainer = LocalTrainer(TrainPlan.from_params(params), models, pd.DataFrame(), torch.device("cpu"), QuestionSampler(1, 0))
     good = make_traj([5, 6, 7], [100, 101, 900, 901, 102], [1, 1, 0, 0, 1])
     bad = make_traj([5, 6, 7], [200, 201, 202], [1, 1, 1])
     batch = collate([good, bad], tokenizer.pad_token_id)
@@ -241,7 +242,7 @@ def test_fresh_runs_first_update_takes_the_reference_from_the_policy_exactly(tin
         model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
         reference = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).eval().requires_grad_(False)
         models = PolicyModels(model=model, reference=reference, tokenizer=tokenizer, lora=False)
-        trainer = LocalTrainer(params, models, pd.DataFrame(), torch.device("cpu"), QuestionSampler(2, 0))
+        trainer = LocalTrainer(TrainPlan.from_params(params), models, pd.DataFrame(), torch.device("cpu"), QuestionSampler(2, 0))
         trainer.reference_is_policy = shortcut
         first = trainer.update(trajs, adv).metrics
         assert trainer.reference_is_policy is False
@@ -268,7 +269,7 @@ def test_lora_training_keeps_base_frozen(tmp_path, tiny_llama_dir, env_server):
     params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(
         tmp_path, tiny_llama_dir, env_server, steps=1, mini_batch_size=2,
         lora={"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
-    metrics = train_local(params)
+    metrics = train_local(TrainPlan.from_params(params))
     assert metrics["actor/num_optimizer_steps"] == 1
     folder = ckpt.latest_checkpoint(tmp_path / "checkpoints/agent")
     assert (folder / "adapter" / "adapter_config.json").is_file() and not (folder / "model").exists()
@@ -284,8 +285,8 @@ def test_changed_training_params_start_afresh_instead_of_reusing_the_old_model(t
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1))
-    train_local(params)
-    assert training_complete(params)
+    train_local(TrainPlan.from_params(params))
+    assert training_complete(TrainPlan.from_params(params))
     old = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent"))
 
     old_files = {p.relative_to(tmp_path / "checkpoints/agent"): p.read_bytes()
@@ -294,13 +295,13 @@ def test_changed_training_params_start_afresh_instead_of_reusing_the_old_model(t
 
     changed = load_params(REPO_ROOT / "params.yaml",
                           tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1, lr=3e-4))
-    assert not training_complete(changed)
-    train_local(changed)
+    assert not training_complete(TrainPlan.from_params(changed))
+    train_local(TrainPlan.from_params(changed))
     new = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent"))
     assert new.step == 1 and new.config["train"]["lr"] == pytest.approx(3e-4)
     assert old.config["train"]["lr"] != new.config["train"]["lr"]
     assert _metrics_rows(tmp_path / "reports/train/steps.csv")["step"].tolist() == [1]
-    assert training_complete(changed) and not training_complete(params)
+    assert training_complete(TrainPlan.from_params(changed)) and not training_complete(TrainPlan.from_params(params))
 
     # The old run was set aside beside the DVC output, not deleted: every file byte for byte, its steps.csv too.
     (aside,) = stale_folders(tmp_path / "checkpoints/agent")
@@ -459,6 +460,6 @@ def test_failing_environment_stops_training_with_the_keys_named(tmp_path, tiny_l
         overrides["agent"].update(max_turns=3, max_turn_tokens=96, max_response_tokens=1024)
         params = load_params(REPO_ROOT / "params.yaml", overrides)
         with pytest.raises(EnvironmentUnhealthy, match=r"environment\.max_failure_rate=0\.25.*HTTP 400"):
-            train_local(params)
+            train_local(TrainPlan.from_params(params))
         assert len(server.chat_requests) == 4  # stopped at the first full window, not after every demo
     assert ckpt.latest_checkpoint(tmp_path / "checkpoints/agent") is None

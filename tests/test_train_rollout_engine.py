@@ -25,6 +25,7 @@ from demo_project import free_port, tiny_gguf_template, tiny_random_llama
 from helpers import REPO_ROOT, tiny_overrides, write_train_parquet
 
 from pipeline.config import load_params
+from pipeline.train.plan import TrainPlan
 
 GAP_OK = 0.02  # mean |llama.cpp log-prob - policy log-prob| over sampled agent tokens, F32 export
 GAP_BROKEN = 0.2
@@ -55,9 +56,10 @@ def _trainer(params):
     from pipeline.train.questions import QuestionSampler
     from pipeline.train.trainer import LocalTrainer
 
-    models = load_policy_models(params, None, torch.device("cpu"))
-    frame = load_training_set(params)
-    return LocalTrainer(params, models, frame, torch.device("cpu"), QuestionSampler(len(frame), params.seed))
+    plan = TrainPlan.from_params(params)
+    models = load_policy_models(plan.require_agent_model(), plan.agent, plan.train, None, torch.device("cpu"))
+    frame = load_training_set(plan.train_file)
+    return LocalTrainer(TrainPlan.from_params(params), models, frame, torch.device("cpu"), QuestionSampler(len(frame), params.seed))
 
 
 def _rollout(trainer, step: int, items=None):
@@ -89,13 +91,13 @@ def test_auto_picks_llama_cpp_for_a_gguf_agent_on_cpu_and_transformers_otherwise
     from pipeline.train.rollout_engine import rollout_engine
 
     params = load_params(REPO_ROOT / "params.yaml", {"agent": {"model": str(tiny_agent_gguf)}})
-    assert rollout_engine(params) == "llama.cpp"
+    assert rollout_engine(TrainPlan.from_params(params)) == "llama.cpp"
     params.train.lora.enabled = True  # a LoRA policy has no merged weights to export each step
-    assert rollout_engine(params) == "transformers"
+    assert rollout_engine(TrainPlan.from_params(params)) == "transformers"
     params = load_params(REPO_ROOT / "params.yaml", {"agent": {"model": str(tiny_llama_dir)}})
-    assert rollout_engine(params) == "transformers"  # no GGUF template to export into
+    assert rollout_engine(TrainPlan.from_params(params)) == "transformers"  # no GGUF template to export into
     params.train.rollout_engine = "llama.cpp"
-    assert rollout_engine(params) == "llama.cpp"  # asked for: served_step_policy then refuses, naming it
+    assert rollout_engine(TrainPlan.from_params(params)) == "llama.cpp"  # asked for: served_step_policy then refuses, naming it
 
 
 def test_forcing_llama_cpp_without_a_gguf_agent_is_refused_by_name(tmp_path, tiny_llama_dir, env_server):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pipeline.train.batch import collate, response_log_probs, shared_prompt_log_probs
+from pipeline.train.plan import TrainPlan
 from pipeline.train.questions import QuestionSampler
 from pipeline.types import PromptItem, Trajectory
 
@@ -143,7 +144,7 @@ def test_trainer_update_is_the_same_with_shared_prompts(tiny_llama_dir, params, 
         reference.double()
         models = PolicyModels(model=model, reference=reference, tokenizer=tokenizer, lora=False)
         params.train.share_prompt_forward = share
-        trainer = LocalTrainer(params, models, pd.DataFrame(), torch.device("cpu"), QuestionSampler(2, 0))
+        trainer = LocalTrainer(TrainPlan.from_params(params), models, pd.DataFrame(), torch.device("cpu"), QuestionSampler(2, 0))
         trainer.reference_is_policy = False
         assert trainer.share_prompts is share
         metrics = trainer.update(trajs, adv).metrics  # one mini-batch: .grad is the step's clipped gradient
@@ -168,7 +169,7 @@ def test_gradient_checkpointing_keeps_the_padded_forward(tiny_llama_dir, params)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
     params.train.gradient_checkpointing = True
-    trainer = LocalTrainer(params, PolicyModels(model=model, reference=None, tokenizer=tokenizer, lora=False),
+    trainer = LocalTrainer(TrainPlan.from_params(params), PolicyModels(model=model, reference=None, tokenizer=tokenizer, lora=False),
                            pd.DataFrame(), torch.device("cpu"), QuestionSampler(2, 0))
     assert params.train.share_prompt_forward and not trainer.share_prompts
 

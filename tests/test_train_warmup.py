@@ -17,6 +17,7 @@ from helpers import QUESTIONS, REPO_ROOT, tiny_overrides, write_train_parquet
 
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.plan import TrainPlan
 
 
 def warm_params(tmp_path: Path, model_dir: Path, env_url: str, **warmup):
@@ -35,7 +36,7 @@ def build(params, count: int):
     frame = pd.read_parquet(params.path(params.paths.rl_dir) / "train.parquet")
     tokenizer = load_tokenizer(params.agent.model, params.root)
     env = EnvironmentClient(params.environment)
-    return build_demonstrations(params, frame, tokenizer, env, count, prompt_item_from_row), tokenizer, frame
+    return build_demonstrations(TrainPlan.from_params(params), frame, tokenizer, env, count, prompt_item_from_row), tokenizer, frame
 
 
 def test_demonstrations_follow_the_protocol_and_earn_the_maximum_reward(tmp_path, tiny_llama_dir, env_server):
@@ -111,7 +112,7 @@ def test_warmup_loss_decreases_on_the_tiny_model(tmp_path, tiny_llama_dir, env_s
     tokenizer = load_tokenizer(params.agent.model, params.root)
     frame = pd.read_parquet(tmp_path / "data/rl/train.parquet")
     logged = []
-    rows = run_warmup(params, model, tokenizer, frame, EnvironmentClient(params.environment), torch.device("cpu"),
+    rows = run_warmup(TrainPlan.from_params(params), model, tokenizer, frame, EnvironmentClient(params.environment), torch.device("cpu"),
                       prompt_item_from_row, log_metrics=lambda m, s: logged.append(s))
     losses = [r["warmup/loss"] for r in rows]
     assert len(rows) == 6 and logged == [1, 2, 3, 4, 5, 6]
@@ -131,7 +132,7 @@ def test_trainer_warms_up_once_and_uses_the_warmed_model_as_reference(tmp_path, 
     params = warm_params(tmp_path, tiny_llama_dir, env_server)
     params.train.steps = 1
     # Killed right after the warm-up (no GRPO step yet): step_0 holds the warmed weights and the flag.
-    train_local(params, max_steps=0)
+    train_local(TrainPlan.from_params(params), max_steps=0)
     root = tmp_path / "checkpoints/agent"
     state = ckpt.TrainerState.read(ckpt.latest_checkpoint(root))
     assert state.step == 0 and state.warmup_done
@@ -149,7 +150,7 @@ def test_trainer_warms_up_once_and_uses_the_warmed_model_as_reference(tmp_path, 
 
     monkeypatch.setattr(warmup_module, "run_warmup", no_second_warmup)
     caplog.set_level("INFO", logger="pipeline.train.local")
-    metrics = train_local(params)
+    metrics = train_local(TrainPlan.from_params(params))
     assert "KL reference: the warmed-up weights" in caplog.text
     assert metrics["actor/num_optimizer_steps"] >= 1
     state = ckpt.TrainerState.read(ckpt.latest_checkpoint(root))
@@ -166,7 +167,7 @@ def test_warmup_with_lora_is_refused(tmp_path, tiny_llama_dir, env_server):
     params = warm_params(tmp_path, tiny_llama_dir, env_server)
     params.train.lora.enabled = True
     with pytest.raises(UserError, match="warmup"):
-        train_local(params)
+        train_local(TrainPlan.from_params(params))
 
 
 def test_paper_profile_turns_the_warmup_off():

@@ -21,6 +21,7 @@ from verl_cpu import compose_verl
 
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
 from pipeline.config import load_params
+from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_backend import AGENT_LOOP_CONFIG, build_overrides
 from pipeline.train.verl_reward import compute_score
 
@@ -69,7 +70,7 @@ def make_config(env_server: FaultServer, *extra: str):
                         "max_retries": 0, "timeout_s": 10},
         "agent": {"max_turn_tokens": 64, "max_response_tokens": 2048},
     })
-    return compose_verl([*build_overrides(params), *extra])
+    return compose_verl([*build_overrides(TrainPlan.from_params(params)), *extra])
 
 
 def run_loop(config, server_manager, tokenizer, gold=("Paris",)):

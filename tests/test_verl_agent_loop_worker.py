@@ -33,6 +33,7 @@ from verl_cpu import TransformersServerManager, compose_verl, verl_worker_rollou
 from pipeline.agent.protocol import ConversationBuilder
 from pipeline.config import load_params
 from pipeline.data.build import RL_SCHEMA, rl_row
+from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_backend import build_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +124,7 @@ def verl_rollout(params, protocol_model_dir):
     """verl's trainer-side batch for one step, from our parquet, through AgentLoopWorker.generate_sequences."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = compose_verl(build_overrides(params))
+    config = compose_verl(build_overrides(TrainPlan.from_params(params)))
     tokenizer = AutoTokenizer.from_pretrained(str(protocol_model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(protocol_model_dir), dtype=torch.float32)
     server = TransformersServerManager(model, tokenizer)

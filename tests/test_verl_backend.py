@@ -19,6 +19,7 @@ from verl_cpu import compose_verl
 from pipeline.config import load_params
 from pipeline.errors import DataError, UserError
 from pipeline.train import verl_backend
+from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_backend import AGENT_LOOP_CONFIG, REWARD_FUNCTION_FILE, build_overrides, hydra_value
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def paper_params():
 
 def test_overrides_compose_with_verl_config_and_equal_params(paper_params):
     p = paper_params
-    cfg = compose_verl(build_overrides(p))
+    cfg = compose_verl(build_overrides(TrainPlan.from_params(p)))
     arr, actor, rollout = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
 
     assert cfg.algorithm.adv_estimator == "grpo"
@@ -70,7 +71,7 @@ def test_composed_config_passes_verl_validation(paper_params):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    cfg = compose_verl(build_overrides(paper_params))
+    cfg = compose_verl(build_overrides(TrainPlan.from_params(paper_params)))
     assert need_reference_policy(cfg) is True  # KL loss needs the frozen reference
     assert need_critic(cfg) is False  # GRPO: no critic
     validate_config(cfg, use_reference_policy=True, use_critic=False)
@@ -81,7 +82,7 @@ def test_every_fsdp_role_runs_the_pinned_fsdp2(paper_params):
     role's dataclass (what verl's workers build) hands fsdp2 to its FSDP engine config."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    cfg = compose_verl(build_overrides(paper_params))
+    cfg = compose_verl(build_overrides(TrainPlan.from_params(paper_params)))
     arr = cfg.actor_rollout_ref
     assert arr.actor.strategy == arr.ref.strategy == cfg.critic.strategy == "fsdp2"
     # the reference's config as verl's engine_workers.ActorRolloutRefWorker.init_model rewrites it
@@ -119,7 +120,7 @@ def test_reward_coefficients_and_extra_overrides(paper_params):
     p.reward.eps = 2.0
     p.train.lora.enabled = True
     p.train.verl.extra_overrides = ["actor_rollout_ref.rollout.agent.num_workers=16", "trainer.save_freq=5"]
-    cfg = compose_verl(build_overrides(p))
+    cfg = compose_verl(build_overrides(TrainPlan.from_params(p)))
     assert OmegaConf.to_container(cfg.reward.custom_reward_function.reward_kwargs) == {
         "preset": "released", "eps": 2.0}
     assert cfg.actor_rollout_ref.rollout.agent.num_workers == 16
@@ -140,7 +141,7 @@ def test_hydra_value_round_trips_any_string(text):
 def test_gguf_agent_is_refused_for_verl():
     params = load_params(REPO_ROOT / "params.yaml")  # default profile: the bundled SmolLM2 GGUF
     with pytest.raises(UserError, match="GGUF"):
-        build_overrides(params)
+        build_overrides(TrainPlan.from_params(params))
 
 
 def test_preflight_errors(paper_params, tmp_path):

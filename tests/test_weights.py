@@ -46,14 +46,14 @@ def hf_home(tmp_path, monkeypatch):
 
 def test_default_profile_needs_its_bundled_models_and_has_them():
     params = load_params(ROOT / "params.yaml")
-    assert set(required_models(params)) == {"agent.model", "environment.model", "evaluate.ssim_model"}
+    assert set(required_models(params.agent, params.environment, params.evaluate)) == {"agent.model", "environment.model", "evaluate.ssim_model"}
     statuses = ensure_weights(params, fetch=False)
     assert [s.state for s in statuses] == ["present"] * 3, statuses
 
 
 def test_api_environment_needs_no_environment_weights():
     params = load_params(ROOT / "params.yaml", {"environment": {"backend": "api", "base_url": "https://x.test/v1"}})
-    assert "environment.model" not in required_models(params)
+    assert "environment.model" not in required_models(params.agent, params.environment, params.evaluate)
 
 
 def test_hub_model_missing_from_cache_is_reported_with_its_key(hf_home):

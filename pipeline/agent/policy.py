@@ -173,11 +173,11 @@ class TransformersPolicy(PolicyBackend):
         import torch
         from transformers import AutoModelForCausalLM
 
-        from pipeline.modelref import load_tokenizer, resolve_model
+        from pipeline.modelref import as_resolved, load_tokenizer
 
-        resolved = resolve_model(ref, root)
+        resolved = as_resolved(ref, root)
         extra = resolved.from_pretrained_kwargs()
-        tokenizer = load_tokenizer(ref, root)
+        tokenizer = load_tokenizer(resolved)
         model = AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=getattr(torch, dtype), **extra)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model.to(device).eval()

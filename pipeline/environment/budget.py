@@ -27,8 +27,10 @@ the flow refuse them before anything starts.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from pipeline.config import Params
+if TYPE_CHECKING:
+    from pipeline.config import EnvironmentConfig, Params
 
 GPT_OSS_MARKER = "gpt-oss"
 """GPT-OSS model references (Hub `openai/gpt-oss-20b`, a served name `gpt-oss-20b`) contain this."""
@@ -37,15 +39,13 @@ Problem = tuple[tuple[str, ...], str]
 """(the param keys that decide it, what is wrong): pipeline.layout wraps each into a LayoutProblem."""
 
 
-def is_gpt_oss(params: Params) -> bool:
+def is_gpt_oss(env: EnvironmentConfig) -> bool:
     """Whether the environment is a GPT-OSS model (harmony format, reasoning effort)."""
-    env = params.environment
     return any(GPT_OSS_MARKER in ref.lower() for ref in (env.model, env.served_name))
 
 
-def longest_reply_tokens(params: Params) -> int:
+def longest_reply_tokens(env: EnvironmentConfig) -> int:
     """The largest completion one request may ask for: the length retry's `max_tokens × length_retry_factor`."""
-    env = params.environment
     return math.ceil(env.max_tokens * env.length_retry_factor)
 
 
@@ -53,7 +53,7 @@ def reply_budget_problems(params: Params) -> list[Problem]:
     """Every reason an environment call cannot finish within its timeout (see module docstring)."""
     env = params.environment
     problems: list[Problem] = []
-    tokens = longest_reply_tokens(params)
+    tokens = longest_reply_tokens(env)
     needed_s = tokens / env.decode_tokens_per_s
     if needed_s > env.timeout_s:
         problems.append((
@@ -63,7 +63,7 @@ def reply_budget_problems(params: Params) -> list[Problem]:
              f"{needed_s:.0f} s at the declared {env.decode_tokens_per_s:g} tokens/s, longer than the "
              f"{env.timeout_s:g} s timeout of one call: every such retry would time out and count as a failure. "
              f"Raise timeout_s to >= {math.ceil(needed_s)}, or lower max_tokens or length_retry_factor")))
-    if is_gpt_oss(params) and env.reasoning_effort is None:
+    if is_gpt_oss(env) and env.reasoning_effort is None:
         problems.append((
             ("environment.reasoning_effort",),
             (f"{env.model} is a GPT-OSS model and reasoning_effort is unset, so it reasons at medium and long "

@@ -154,11 +154,14 @@ class EnvironmentClient:
 
     @classmethod
     def from_params(cls, params: Params) -> EnvironmentClient:
-        """The client the params describe, caching to `<paths.cache_dir>/environment_cache.sqlite` and
-        sharing the budget through `<paths.cache_dir>/environment_ledger.json`."""
-        cache_dir = params.path(params.paths.cache_dir)
-        return cls(params.environment, cache_dir / CACHE_FILE if params.environment.cache else None,
-                   ledger_path=cache_dir / LEDGER_FILE)
+        """The client the params describe (`in_cache_dir` with `paths.cache_dir`)."""
+        return cls.in_cache_dir(params.environment, params.path(params.paths.cache_dir))
+
+    @classmethod
+    def in_cache_dir(cls, cfg: EnvironmentConfig, cache_dir: Path) -> EnvironmentClient:
+        """A client for `cfg` caching to `<cache_dir>/environment_cache.sqlite` (when `cfg.cache`) and
+        sharing the budget through `<cache_dir>/environment_ledger.json`."""
+        return cls(cfg, cache_dir / CACHE_FILE if cfg.cache else None, ledger_path=cache_dir / LEDGER_FILE)
 
     # -- public API -------------------------------------------------------------------------------------
 

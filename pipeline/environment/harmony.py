@@ -24,9 +24,12 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.config import Params
 from pipeline.environment.budget import is_gpt_oss
+
+if TYPE_CHECKING:
+    from pipeline.config import EnvironmentConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +42,9 @@ ENCODING_FILES = {"o200k_base.tiktoken": "446a9538cb6c348e3516120d7c08b09f57c364
 DOWNLOAD_TIMEOUT_S = 120.0
 
 
-def needs_harmony(params: Params) -> bool:
+def needs_harmony(env: EnvironmentConfig) -> bool:
     """Whether the server the pipeline starts loads the harmony encoding: vLLM serving a GPT-OSS model."""
-    return params.environment.backend == "vllm" and is_gpt_oss(params)
+    return env.backend == "vllm" and is_gpt_oss(env)
 
 
 def encodings_dir() -> Path:

@@ -27,18 +27,19 @@ from pipeline.environment.servers import (
     start_server,
     stop_server,
 )
+from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
 
 STATE_FILE = "environment_server.json"
 logger = logging.getLogger(__name__)
 
 
-def _state_path(params: Params) -> Path:
-    return cache_dir(params) / STATE_FILE
+def _state_path(spec: ServerSpec) -> Path:
+    return cache_dir(spec) / STATE_FILE
 
 
-def _read_state(params: Params) -> ServerProcess | None:
-    path = _state_path(params)
+def _read_state(spec: ServerSpec) -> ServerProcess | None:
+    path = _state_path(spec)
     try:
         return ServerProcess(**json.loads(path.read_text(encoding="utf-8")))
     except FileNotFoundError:
@@ -66,7 +67,8 @@ def _runs_command(server: ServerProcess) -> bool:
 
 def cli_start(params: Params) -> None:
     """`promptr1 env start`: start (or reuse) the server and leave it running; record its PID."""
-    cfg = params.environment
+    spec = ServerSpec.from_params(params)
+    cfg = spec.environment
     if cfg.backend == "api":
         resolve_api_key(cfg)
         typer.echo(f"backend api: nothing to start; requests go to {cfg.url} (key from ${cfg.api_key_env})")
@@ -76,19 +78,20 @@ def cli_start(params: Params) -> None:
         check_serves_configured_model(cfg, models)
         typer.echo(f"an environment server already answers at {cfg.url} (models: {', '.join(models)}); reusing it")
         return
-    server = start_server(params, detached=True)
-    _state_path(params).write_text(json.dumps(asdict(server), indent=2), encoding="utf-8")
+    server = start_server(spec, detached=True)
+    _state_path(spec).write_text(json.dumps(asdict(server), indent=2), encoding="utf-8")
     typer.echo(f"environment server started at {server.url} (pid {server.pid}, log {server.log_path}); "
                "stop it with `promptr1 env stop`")
 
 
 def cli_stop(params: Params) -> None:
     """`promptr1 env stop`: stop the server `env start` recorded; never touches servers it did not start."""
-    state = _read_state(params)
-    path = _state_path(params)
+    spec = ServerSpec.from_params(params)
+    state = _read_state(spec)
+    path = _state_path(spec)
     if state is None:
         note = " (a server does answer there, but env start did not start it)" if is_healthy(
-            params.environment.url) else ""
+            spec.environment.url) else ""
         typer.echo(f"no environment server recorded in {path}{note}; nothing to stop")
         return
     if _runs_command(state):
@@ -101,10 +104,11 @@ def cli_stop(params: Params) -> None:
 
 def cli_status(params: Params) -> None:
     """`promptr1 env status`: health-check the configured endpoint; exit 1 when nothing healthy answers."""
-    cfg = params.environment
+    spec = ServerSpec.from_params(params)
+    cfg = spec.environment
     api_key = resolve_api_key(cfg) if cfg.backend == "api" else None
     models = served_models(cfg.url, api_key=api_key, timeout_s=5.0)
-    state = _read_state(params)
+    state = _read_state(spec)
     owner = f" (started by env start: pid {state.pid}, log {state.log_path})" if state and _runs_command(state) else ""
     if models is None:
         raise EnvironmentUnavailable(f"environment backend {cfg.backend}: nothing healthy answers at {cfg.url}"

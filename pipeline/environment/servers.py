@@ -12,7 +12,8 @@ Backends (`environment.backend`):
 - `api`: a paid endpoint; nothing is started, but the key variable must be set (fails fast otherwise).
 
 Launchers are a registry (`SERVER_LAUNCHERS`, `register_launcher`): a backend that runs a local server is
-one function from params to its command line.
+one function from its `ServerSpec` (pipeline.environment.spec: the environment config, the project root and
+the cache folder, resolved once from params by `environment_server` or the stage) to its command line.
 
 Design decisions:
 - **Reuse before start.** If something already answers `GET <url>/models` with 200, it is used as is and
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,11 +52,12 @@ from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
 from pipeline.environment.harmony import encodings_dir, harmony_env, needs_harmony, verify_encodings
 from pipeline.environment.knowledge import knowledge_command
+from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.hardware import server_threads
-from pipeline.modelref import ModelRefError, resolve_model
+from pipeline.modelref import ModelRefError, as_resolved
 from pipeline.paths import display_path
-from pipeline.placement import cuda_visible_devices, environment_gpus
+from pipeline.placement import cuda_visible_devices, gpus_of_environment
 from pipeline.weights import model_status
 
 if TYPE_CHECKING:
@@ -85,13 +88,13 @@ _STARTED: dict[str, ServerProcess] = {}
 # -- commands -------------------------------------------------------------------------------------------
 
 
-ServerLauncher = Callable[["Params"], list[str]]
+ServerLauncher = Callable[[ServerSpec], list[str]]
 SERVER_LAUNCHERS: dict[str, ServerLauncher] = {}
-"""Backends that run a local server: backend name → the command line serving params.environment."""
+"""Backends that run a local server: backend name → the command line serving the spec's environment."""
 
 
 def register_launcher(backend: str) -> Callable[[ServerLauncher], ServerLauncher]:
-    """Decorator: `fn(params) -> command` starts the local server of `backend`."""
+    """Decorator: `fn(spec) -> command` starts the local server of `backend`."""
 
     def add(fn: ServerLauncher) -> ServerLauncher:
         SERVER_LAUNCHERS[backend] = fn
@@ -100,27 +103,27 @@ def register_launcher(backend: str) -> Callable[[ServerLauncher], ServerLauncher
     return add
 
 
-def server_command(params: Params) -> list[str]:
-    """The command line that serves `params.environment` locally (the backend's registered launcher)."""
-    backend = params.environment.backend
+def server_command(spec: ServerSpec) -> list[str]:
+    """The command line that serves `spec.environment` locally (the backend's registered launcher)."""
+    backend = spec.environment.backend
     if backend not in SERVER_LAUNCHERS:
         raise EnvironmentUnavailable(f"environment backend {backend!r} has no local server to start")
-    return SERVER_LAUNCHERS[backend](params)
+    return SERVER_LAUNCHERS[backend](spec)
 
 
 @register_launcher("llamacpp")
-def _llamacpp_launcher(params: Params) -> list[str]:
-    return llamacpp_command(params.environment, _model_location(params))
+def _llamacpp_launcher(spec: ServerSpec) -> list[str]:
+    return llamacpp_command(spec.environment, _model_location(spec))
 
 
 @register_launcher("vllm")
-def _vllm_launcher(params: Params) -> list[str]:
-    return vllm_command(params.environment, _model_location(params))
+def _vllm_launcher(spec: ServerSpec) -> list[str]:
+    return vllm_command(spec.environment, _model_location(spec))
 
 
 @register_launcher("knowledge")
-def _knowledge_launcher(params: Params) -> list[str]:
-    return knowledge_command(params.environment, params.root)
+def _knowledge_launcher(spec: ServerSpec) -> list[str]:
+    return knowledge_command(spec.environment, spec.root)
 
 
 def llamacpp_command(cfg: EnvironmentConfig, model_path: str) -> list[str]:
@@ -155,10 +158,10 @@ def vllm_command(cfg: EnvironmentConfig, model: str) -> list[str]:
     ]
 
 
-def _model_location(params: Params) -> str:
-    cfg = params.environment
+def _model_location(spec: ServerSpec) -> str:
+    cfg = spec.environment
     try:
-        resolved = resolve_model(cfg.model, params.root)
+        resolved = as_resolved(cfg.model, spec.root)
     except ModelRefError as exc:
         raise EnvironmentUnavailable(f"environment.model: {exc}") from exc
     if cfg.backend == "llamacpp" and not resolved.gguf_file:
@@ -207,10 +210,10 @@ def check_serves_configured_model(cfg: EnvironmentConfig, models: list[str]) -> 
 # -- start / stop ---------------------------------------------------------------------------------------
 
 
-def cache_dir(params: Params) -> Path:
-    path = params.path(params.paths.cache_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def cache_dir(spec: ServerSpec) -> Path:
+    """The spec's cache folder (`paths.cache_dir`), created: server logs and manual servers' state go there."""
+    spec.cache_dir.mkdir(parents=True, exist_ok=True)
+    return spec.cache_dir
 
 
 def _log_tail(path: str | Path, chars: int = LOG_TAIL_CHARS) -> str:
@@ -221,8 +224,7 @@ def _log_tail(path: str | Path, chars: int = LOG_TAIL_CHARS) -> str:
     return text[-chars:].strip() or "(empty log)"
 
 
-def _check_startable(params: Params) -> None:
-    cfg = params.environment
+def _check_startable(cfg: EnvironmentConfig) -> None:
     local_url = f"http://{cfg.host}:{cfg.port}/v1"
     if cfg.base_url and cfg.url != local_url:
         raise EnvironmentUnavailable(
@@ -231,7 +233,7 @@ def _check_startable(params: Params) -> None:
         )
 
 
-def server_env(params: Params) -> dict[str, str]:
+def server_env(spec: ServerSpec) -> dict[str, str]:
     """The server's environment: its GPUs only (`environment.server.gpus`), and offline Hub access for vLLM.
 
     vLLM is given only the devices the layout assigns it, so it cannot land on verl's GPUs. Its weights
@@ -241,28 +243,29 @@ def server_env(params: Params) -> dict[str, str]:
     at the copy `promptr1 weights` fetched (pipeline/environment/harmony.py), so it never downloads.
     """
     env = dict(os.environ)
-    gpus = environment_gpus(params)
+    cfg = spec.environment
+    gpus = gpus_of_environment(cfg)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
-    if params.environment.backend == "vllm":
-        status = model_status("environment.model", params.environment.model, params, fetch=False)
+    if cfg.backend == "vllm":
+        status = model_status("environment.model", cfg.model, spec.root, fetch=False)
         if not status.ok:
-            raise EnvironmentUnavailable(f"environment.model={params.environment.model!r} is {status.state} on this "
+            raise EnvironmentUnavailable(f"environment.model={cfg.model!r} is {status.state} on this "
                                          f"machine ({status.detail}): run `promptr1 weights` before starting vLLM")
         env["HF_HUB_OFFLINE"] = "1"
-        if needs_harmony(params):
+        if needs_harmony(cfg):
             problem = verify_encodings(encodings_dir())
             if problem:
-                raise EnvironmentUnavailable(f"environment.model={params.environment.model!r} is GPT-OSS, whose "
+                raise EnvironmentUnavailable(f"environment.model={cfg.model!r} is GPT-OSS, whose "
                                              f"harmony encoding vLLM loads at start: {problem}. Run `promptr1 "
                                              "weights` before starting vLLM")
             env.update(harmony_env())
     return env
 
 
-def start_server(params: Params, *, detached: bool = False, role: str = "environment",
+def start_server(spec: ServerSpec, *, detached: bool = False, role: str = "environment",
                  quiet: bool = False) -> ServerProcess:
-    """Start the local server for `params.environment` and wait until it is healthy.
+    """Start the local server for `spec.environment` and wait until it is healthy.
 
     Raises EnvironmentUnavailable with the log's tail if it exits or does not become healthy within
     `server.startup_timeout_s`. The process is stopped if waiting is interrupted (KeyboardInterrupt too).
@@ -270,24 +273,24 @@ def start_server(params: Params, *, detached: bool = False, role: str = "environ
     and its log file ("environment"; "agent" when evaluation serves the agent the same way); `quiet` logs
     its start at DEBUG (a server started once per training step).
     """
-    cfg = params.environment
-    _check_startable(params)
-    command = server_command(params)
+    cfg = spec.environment
+    _check_startable(cfg)
+    command = server_command(spec)
     if shutil.which(command[0]) is None:
         raise EnvironmentUnavailable(f"cannot start the environment server: {command[0]!r} is not on PATH "
                                      f"(environment.backend={cfg.backend})")
     if not detached:  # stopped even if this process is SIGKILLed (pipeline.environment.guard)
         command = guarded(command)
-    log_path = cache_dir(params) / f"{role}_server_{cfg.backend}_{cfg.port}.log"
+    log_path = cache_dir(spec) / f"{role}_server_{cfg.backend}_{cfg.port}.log"
     level = logging.DEBUG if quiet else logging.INFO
     logger.log(level, "starting the %s %s server %s on %s (log: %s)", cfg.backend, role, cfg.served_name,
-               cfg.url, display_path(log_path, params.root))
+               cfg.url, display_path(log_path, spec.root))
     logger.debug("environment server command: %s", shlex.join(command))
     with open(log_path, "wb") as log:
         try:
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, cwd=params.root, env=server_env(params),
+                start_new_session=True, cwd=spec.root, env=server_env(spec),
             )
         except FileNotFoundError as exc:
             raise EnvironmentUnavailable(f"cannot start the environment server: {exc}") from exc
@@ -370,14 +373,19 @@ def started_server(url: str) -> ServerProcess | None:
     return _STARTED.get(url.rstrip("/"))
 
 
+def environment_server(params: Params, role: str = "environment", quiet: bool = False) -> ContextManager[str]:
+    """`serve_environment` for the environment `params` describe (the entry for stages that hold params)."""
+    return serve_environment(ServerSpec.from_params(params), role=role, quiet=quiet)
+
+
 @contextmanager
-def environment_server(params: Params, role: str = "environment", quiet: bool = False) -> Iterator[str]:
-    """Make the configured environment reachable for the block; yields its base URL (ending in /v1).
+def serve_environment(spec: ServerSpec, role: str = "environment", quiet: bool = False) -> Iterator[str]:
+    """Make the spec's environment reachable for the block; yields its base URL (ending in /v1).
 
     Reuses a healthy server at the URL (and leaves it running); backend api starts nothing but needs its
     key variable; otherwise starts llama.cpp or vLLM and stops it when the block exits, however it exits.
     """
-    cfg = params.environment
+    cfg = spec.environment
     if cfg.backend == "api":
         resolve_api_key(cfg)  # fails fast, naming the variable
         yield cfg.url
@@ -388,7 +396,7 @@ def environment_server(params: Params, role: str = "environment", quiet: bool = 
         logger.info("reusing the %s server already answering at %s", role, cfg.url)
         yield cfg.url
         return
-    server = start_server(params, role=role, quiet=quiet)
+    server = start_server(spec, role=role, quiet=quiet)
     try:
         yield server.url
     finally:

@@ -44,16 +44,13 @@ logger = logging.getLogger(__name__)
 
 
 def agent_engine(params: Params) -> str:
-    """`evaluate.agent_engine`, with `auto` decided: llama.cpp when `agent.model` is a GGUF file."""
-    engine = params.evaluate.agent_engine
-    if engine != "auto":
-        return engine
-    from pipeline.modelref import ModelRefError, resolve_model
+    """`evaluate.agent_engine`, with `auto` decided by the one rule (pipeline.agent.engine): llama.cpp when
+    `agent.model` is a GGUF file."""
+    from pipeline.agent.engine import decide_engine
+    from pipeline.modelref import resolved_or_none
 
-    try:
-        return "llama.cpp" if resolve_model(params.agent.model, params.root).gguf_file else "transformers"
-    except ModelRefError:
-        return "transformers"
+    engine = params.evaluate.agent_engine
+    return engine if engine != "auto" else decide_engine(engine, resolved_or_none(params.agent.model, params.root))
 
 
 def rollout_batch_size(params: Params) -> int:
@@ -72,13 +69,13 @@ def rollout_batch_size(params: Params) -> int:
 def agent_gguf(ref: str, params: Params) -> Path:
     """The GGUF file that serves agent `ref`: the file itself, or the cached export of a merged directory."""
     from pipeline.agent.gguf_export import cached_export
-    from pipeline.modelref import ModelRefError, resolve_model
+    from pipeline.modelref import ModelRefError, as_resolved
 
     try:
-        resolved = resolve_model(ref, params.root)
+        resolved = as_resolved(ref, params.root)
         if resolved.gguf_file:
             return Path(resolved.location)
-        template = resolve_model(params.agent.model, params.root)
+        template = as_resolved(params.agent.model, params.root)
     except ModelRefError as exc:
         raise UserError(f"evaluate.agent_engine=llama.cpp: {exc}") from exc
     if not template.gguf_file:

@@ -21,8 +21,8 @@ Design decisions:
   Prompt-R1 demonstrations before GRPO step 1, with its own optimizer; a `step_0` checkpoint with
   `warmup_done` follows it, so a resumed run does not repeat it. Its metrics go to MLflow (`warmup/*`) and
   `reports/train/warmup.csv`; steps.csv's `step` stays the GRPO step.
-- **The environment server is started once** for the whole run (`environment_server(params)`), reused if
-  one already answers.
+- **The environment server is started once** for the whole run (`serve_environment(plan.server)`), reused
+  if one already answers.
 - **A budget stop keeps every finished step**: on `BudgetExceeded` the last finished step is checkpointed
   (if not already) and the data position rewound to it, so a later call resumes without a gap or a repeat.
 """
@@ -33,13 +33,12 @@ import logging
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from pipeline.config import Params
 from pipeline.errors import BudgetExceeded, EnvironmentUnhealthy, UserError
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import health, warmup
@@ -50,11 +49,21 @@ from pipeline.train.models import (
     pick_device,
     write_weights,
 )
+from pipeline.train.plan import TrainPlan
 from pipeline.train.questions import QuestionSampler, load_training_set, prompt_item_from_row
-from pipeline.train.resume import discard_stale_checkpoints, training_config
-from pipeline.train.step_metrics import StepsLog, log_mlflow_metrics, set_run_tag, steps_csv_path
+from pipeline.train.resume import discard_stale_checkpoints, reached_steps, training_config
+from pipeline.train.step_metrics import (
+    WARMUP_CSV,
+    StepsLog,
+    log_mlflow_metrics,
+    set_run_tag,
+    write_warmup_csv,
+)
 from pipeline.train.trainer import LocalTrainer
 from pipeline.train.trajectory_log import TRAJECTORIES_FILE, TrajectoryLog, log_step_traces
+
+if TYPE_CHECKING:
+    from pipeline.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,41 +71,41 @@ WARMUP_DIR = "warmup"
 """Folder under the checkpoint dir holding the weights right after the format warm-up (the KL reference)."""
 
 
-def train_local(params: Params, run: Any = None, *, max_steps: int | None = None) -> dict[str, float]:
+def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = None) -> dict[str, float]:
     """Run (or resume) local GRPO training up to `train.steps`; returns the last step's metrics.
 
     `max_steps` stops after that many new steps in this call (benchmarks, tests); checkpoints and logs
     stay consistent, so a later call continues.
     """
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.environment.servers import environment_server
+    from pipeline.environment.servers import serve_environment
     from pipeline.progress import progress
 
-    cfg = params.train
-    _refuse_warmup_with_lora(params)
-    root = params.path(params.paths.checkpoint_dir)
-    discard_stale_checkpoints(params)
+    cfg = plan.train
+    _refuse_warmup_with_lora(cfg)
+    root = plan.checkpoint_dir
+    discard_stale_checkpoints(plan)
     folder = ckpt.latest_checkpoint(root)
     state = ckpt.TrainerState.read(folder) if folder else None
     start = state.step if state else 0
     warmed = bool(state and state.warmup_done)
     # A run resumed from a GRPO step never warms up (it either did, or ran without warm-up).
     need_warmup = cfg.warmup.steps > 0 and state is None
-    steps_log = StepsLog(steps_csv_path(params), keep_upto=start)
-    trajectory_log = TrajectoryLog(steps_csv_path(params).with_name(TRAJECTORIES_FILE), keep_upto=start)
-    if start >= cfg.steps:
+    steps_log = StepsLog(plan.steps_csv, keep_upto=start)
+    trajectory_log = TrajectoryLog(plan.steps_csv.with_name(TRAJECTORIES_FILE), keep_upto=start)
+    if reached_steps(start, cfg):
         log.info("training already complete: checkpoint at step %d >= train.steps %d", start, cfg.steps)
         return dict(state.metrics) if state else {}
 
-    torch.manual_seed(params.seed)
-    np.random.seed(params.seed)
+    torch.manual_seed(plan.seed)
+    np.random.seed(plan.seed)
     device = pick_device()
-    frame = load_training_set(params)
-    log.info("loading the policy %s (%s)%s", params.agent.model, "LoRA" if cfg.lora.enabled else "full",
+    frame = load_training_set(plan.train_file)
+    log.info("loading the policy %s (%s)%s", plan.agent.model, "LoRA" if cfg.lora.enabled else "full",
              f", resuming from {folder}" if folder else "")
-    models = load_policy_models(params, folder, device)
-    sampler = QuestionSampler(len(frame), params.seed, state.epoch if state else 0, state.position if state else 0)
-    trainer = LocalTrainer(params, models, frame, device, sampler)
+    models = load_policy_models(plan.require_agent_model(), plan.agent, cfg, folder, device)
+    sampler = QuestionSampler(len(frame), plan.seed, state.epoch if state else 0, state.position if state else 0)
+    trainer = LocalTrainer(plan, models, frame, device, sampler)
     # A fresh run's reference is a copy of the policy (the base, or the warmed weights after the warm-up):
     # its first update takes the reference log-probs from the policy's own forward (LocalTrainer.update).
     trainer.reference_is_policy = folder is None
@@ -104,29 +113,29 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
              cfg.autocast)
     set_run_tag("train.autocast_used", trainer.autocast_dtype or "float32")
     if warmed and models.reference is not None:
-        _load_warmed_reference(models, root, params.agent.model)
+        _load_warmed_reference(models, root, plan.agent.model)
     if folder is not None:
         ckpt.restore_optimizer_and_rng(trainer.optimizer, folder)
         log.info("resumed at step %d (epoch %d, position %d)", start, sampler.epoch, sampler.position)
 
     def save(step: int, metrics: dict[str, float]) -> None:
-        st = ckpt.TrainerState(step=step, epoch=sampler.epoch, position=sampler.position, seed=params.seed,
-                               base_model=params.agent.model, lora=cfg.lora.enabled, steps_target=cfg.steps,
-                               metrics=metrics, config=training_config(params), warmup_done=warmed)
+        st = ckpt.TrainerState(step=step, epoch=sampler.epoch, position=sampler.position, seed=plan.seed,
+                               base_model=plan.agent.model, lora=cfg.lora.enabled, steps_target=cfg.steps,
+                               metrics=metrics, config=training_config(plan), warmup_done=warmed)
         ckpt.save_checkpoint(root, st, partial(write_weights, models), trainer.optimizer, keep=cfg.keep_checkpoints)
 
     last: dict[str, float] = dict(state.metrics) if state else {}
     gate = health.HealthGate(cfg.health, health.LOCAL_METRICS,
                              [(int(r["step"]), r) for r in steps_log.rows])  # a resume judges the same windows
     end = cfg.steps if max_steps is None else min(cfg.steps, start + max_steps)
-    with environment_server(params):
+    with serve_environment(plan.server):
         if need_warmup:
-            warm_metrics = _run_warmup(params, models, frame, device, root)
+            warm_metrics = _run_warmup(plan, models, frame, device, root)
             warmed = True
             save(0, warm_metrics)
             if cfg.steps == 0:
                 return warm_metrics
-        env = EnvironmentClient.from_params(params)
+        env = EnvironmentClient.in_cache_dir(plan.environment, plan.cache_dir)
         if end > start:
             log.info("GRPO rollouts sampled by %s", "llama.cpp's server (the policy exported to GGUF each step)"
                      if trainer.engine == "llama.cpp" else "the policy in this process (transformers)")
@@ -157,7 +166,7 @@ def train_local(params: Params, run: Any = None, *, max_steps: int | None = None
                 metrics["timing_s/save"] = time.perf_counter() - t0
                 steps_log.append(step, metrics)
                 trajectory_log.append(step, trainer.last_trajectories)
-                log_step_traces(step, trainer.last_trajectories[: params.mlflow.trace_train_samples])
+                log_step_traces(step, trainer.last_trajectories[: plan.trace_train_samples])
                 log_mlflow_metrics(metrics, step)
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
                                 step_s=f"{metrics['timing_s/step']:.1f}")
@@ -175,8 +184,8 @@ def _kept(root: Path) -> str:
     return f"kept checkpoint {folder.name} (the last saved at or before the last healthy step)"
 
 
-def _refuse_warmup_with_lora(params: Params) -> None:
-    if params.train.warmup.steps > 0 and params.train.lora.enabled:
+def _refuse_warmup_with_lora(train: TrainConfig) -> None:
+    if train.warmup.steps > 0 and train.lora.enabled:
         raise UserError("train.warmup with LoRA is not supported (the LoRA KL reference is the base with "
                         "adapters disabled, which would undo the warm-up): set train.warmup.steps: 0 or "
                         "train.lora.enabled: false")
@@ -191,26 +200,27 @@ def _load_warmed_reference(models: PolicyModels, root: Path, base_ref: str) -> N
         log.warning("%s missing: the KL reference falls back to the base weights", root / WARMUP_DIR)
 
 
-def _run_warmup(params: Params, models: PolicyModels, frame: pd.DataFrame, device: torch.device,
+def _run_warmup(plan: TrainPlan, models: PolicyModels, frame: pd.DataFrame, device: torch.device,
                 root: Path) -> dict[str, float]:
     """The format warm-up, then the warmed weights become the frozen KL reference (and are kept on disk)."""
     import os
     import shutil
 
     from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+    from pipeline.environment.spec import environment_with
 
     # Demonstrations see the environment at temperature 0 (deterministic, cached) whatever training uses.
-    env_cfg = params.environment.model_copy(update={"temperature": 0.0})
-    cache = params.path(params.paths.cache_dir) / CACHE_FILE if env_cfg.cache else None
+    env_cfg = environment_with(plan.environment, temperature=0.0)
+    cache = plan.cache_dir / CACHE_FILE if env_cfg.cache else None
     env = EnvironmentClient(env_cfg, cache)
-    log.info("format warm-up: %d steps x %d demonstrations, lr %g", params.train.warmup.steps,
-             params.train.warmup.batch_size, params.train.warmup.lr)
+    w = plan.train.warmup
+    log.info("format warm-up: %d steps x %d demonstrations, lr %g", w.steps, w.batch_size, w.lr)
     try:
-        rows = warmup.run_warmup(params, models.model, models.tokenizer, frame, env, device, prompt_item_from_row,
+        rows = warmup.run_warmup(plan, models.model, models.tokenizer, frame, env, device, prompt_item_from_row,
                                  log_metrics=log_mlflow_metrics)
     finally:
         _close_env(env)
-    warmup.write_warmup_csv(params.path(params.paths.reports_dir) / warmup.WARMUP_CSV, rows)
+    write_warmup_csv(plan.reports_dir / WARMUP_CSV, rows)
     if models.reference is not None:
         models.reference.load_state_dict(models.model.state_dict())
     tmp = root / f".tmp-{WARMUP_DIR}"

@@ -39,11 +39,41 @@ from typing import Any
 
 import torch
 
-from pipeline.config import Params
+from pipeline.config import AgentConfig, EnvironmentConfig, Params, RewardConfig, TrainConfig
 from pipeline.errors import UserError
 from pipeline.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """What the merge stage reads from params, resolved once by `run_merge` and handed down."""
+
+    root: Path
+    agent: AgentConfig
+    train: TrainConfig
+    reward: RewardConfig
+    environment: EnvironmentConfig
+    """For the model card: the environment's model and backend."""
+    train_datasets: tuple[str, ...]
+    checkpoint_dir: Path
+    model_dir: Path
+    rl_dir: str
+    """`paths.rl_dir` as written in params (the model card names the training file relative to the project)."""
+    train_file: Path
+    steps_csv: Path
+
+    @classmethod
+    def from_params(cls, params: Params) -> MergePlan:
+        from pipeline.train.step_metrics import steps_csv_path
+
+        return cls(root=params.root, agent=params.agent, train=params.train, reward=params.reward,
+                   environment=params.environment, train_datasets=tuple(params.data.train_datasets),
+                   checkpoint_dir=params.path(params.paths.checkpoint_dir),
+                   model_dir=params.path(params.paths.model_dir), rl_dir=str(params.paths.rl_dir),
+                   train_file=params.path(params.paths.rl_dir) / "train.parquet",
+                   steps_csv=steps_csv_path(params.path(params.paths.reports_dir)))
 
 PROBE_MESSAGES = [{"role": "user", "content": "Question: Who wrote Hamlet?\nAnswer briefly."}]
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
@@ -127,31 +157,31 @@ def _verify(merged_dir: Path, expected_logits: torch.Tensor | None, dtype: torch
     return diff, n_new, text
 
 
-def _relative(params: Params, path: Path) -> str:
+def _relative(root: Path, path: Path) -> str:
     """The checkpoint path as stored in the model card/report: relative to the project, never a machine path."""
     try:
-        return str(path.resolve().relative_to(params.root.resolve()))
+        return str(path.resolve().relative_to(root.resolve()))
     except ValueError:
         return path.name
 
 
-def _merge_local(params: Params, folder: Path, tmp: Path, dtype: torch.dtype) -> MergeReport:
+def _merge_local(plan: MergePlan, folder: Path, tmp: Path, dtype: torch.dtype) -> MergeReport:
     from transformers import AutoModelForCausalLM
 
     from pipeline.train.models import load_causal_lm, load_tokenizer
 
     state = ckpt.TrainerState.read(folder)
     tok_dir = folder / "tokenizer"
-    tokenizer = (load_tokenizer(str(tok_dir), params.root) if tok_dir.is_dir()
-                 else load_tokenizer(params.agent.model, params.root))
+    tokenizer = (load_tokenizer(str(tok_dir), plan.root) if tok_dir.is_dir()
+                 else load_tokenizer(plan.agent.model, plan.root))
     inputs = probe_input(tokenizer)
     if (folder / "adapter").is_dir():
         from peft import PeftModel
 
-        if state.base_model and state.base_model != params.agent.model:
+        if state.base_model and state.base_model != plan.agent.model:
             log.warning("checkpoint was trained on %s; params name %s: merging onto the checkpoint's base",
-                        state.base_model, params.agent.model)
-        base = load_causal_lm(state.base_model or params.agent.model, params.root, dtype)
+                        state.base_model, plan.agent.model)
+        base = load_causal_lm(state.base_model or plan.agent.model, plan.root, dtype)
         peft_model = PeftModel.from_pretrained(base, str(folder / "adapter"))
         expected = probe_logits(peft_model, inputs)
         merged = peft_model.merge_and_unload()
@@ -165,10 +195,10 @@ def _merge_local(params: Params, folder: Path, tmp: Path, dtype: torch.dtype) ->
     merged.save_pretrained(str(tmp), safe_serialization=True)
     tokenizer.save_pretrained(str(tmp))
     diff, n_new, text = _verify(tmp, expected, dtype)
-    return MergeReport(source, _relative(params, folder), state.step, diff, n_new, text)
+    return MergeReport(source, _relative(plan.root, folder), state.step, diff, n_new, text)
 
 
-def _merge_verl(params: Params, actor_dir: Path, tmp: Path, dtype: torch.dtype) -> MergeReport:
+def _merge_verl(plan: MergePlan, actor_dir: Path, tmp: Path, dtype: torch.dtype) -> MergeReport:
     cmd = verl_merge_command(actor_dir, tmp)
     log.info("running %s", " ".join(cmd))
     result = subprocess.run(cmd, check=False, capture_output=True, text=True)
@@ -183,20 +213,17 @@ def _merge_verl(params: Params, actor_dir: Path, tmp: Path, dtype: torch.dtype) 
     if not getattr(tokenizer, "chat_template", None):
         from pipeline.train.models import load_tokenizer
 
-        tokenizer = load_tokenizer(params.agent.model, params.root)
+        tokenizer = load_tokenizer(plan.agent.model, plan.root)
     tokenizer.save_pretrained(str(tmp))
     diff, n_new, text = _verify(tmp, None, dtype)
     step = actor_dir.parent.name.removeprefix("global_step_")
-    return MergeReport("verl", _relative(params, actor_dir), int(step) if step.isdigit() else None, diff, n_new,
+    return MergeReport("verl", _relative(plan.root, actor_dir), int(step) if step.isdigit() else None, diff, n_new,
                        text)
 
 
-def _final_metrics(params: Params) -> dict[str, float]:
+def _final_metrics(path: Path) -> dict[str, float]:
     import pandas as pd
 
-    from pipeline.train.step_metrics import steps_csv_path
-
-    path = steps_csv_path(params)
     if not path.is_file():
         return {}
     frame = pd.read_csv(path)
@@ -211,14 +238,14 @@ def _final_metrics(params: Params) -> dict[str, float]:
     return out
 
 
-def _data_summary(params: Params) -> dict[str, Any]:
+def _data_summary(plan: MergePlan) -> dict[str, Any]:
     import hashlib
 
-    path = params.path(params.paths.rl_dir) / "train.parquet"
+    path = plan.train_file
     if not path.is_file():
-        return {"train_file": str(params.paths.rl_dir) + "/train.parquet", "present": False}
+        return {"train_file": plan.rl_dir + "/train.parquet", "present": False}
     md5 = hashlib.md5(path.read_bytes()).hexdigest()
-    info: dict[str, Any] = {"train_file": f"{params.paths.rl_dir}/train.parquet", "md5": md5}
+    info: dict[str, Any] = {"train_file": f"{plan.rl_dir}/train.parquet", "md5": md5}
     try:
         import pyarrow.parquet as pq
 
@@ -228,13 +255,13 @@ def _data_summary(params: Params) -> dict[str, Any]:
     return info
 
 
-def model_card(params: Params, report: MergeReport) -> str:
+def model_card(plan: MergePlan, report: MergeReport) -> str:
     """The README.md / MODEL_CARD.md text."""
     from pipeline.tracking import git_commit
 
-    metrics = _final_metrics(params)
-    data = _data_summary(params)
-    t, a = params.train, params.agent
+    metrics = _final_metrics(plan.steps_csv)
+    data = _data_summary(plan)
+    t, a = plan.train, plan.agent
     method = "LoRA merged into the base" if report.source == "local-lora" else (
         "full fine-tune" if report.source == "local-full" else "verl FSDP checkpoint merged")
     lines = [
@@ -252,17 +279,17 @@ def model_card(params: Params, report: MergeReport) -> str:
         "## Training",
         f"- Base model: `{a.model}` ({a.dtype})",
         f"- Backend: `{t.backend}` ({method}); checkpoint `{Path(report.checkpoint).name}`, step {report.step}",
-        f"- Environment: `{params.environment.model}` via {params.environment.backend}",
-        f"- Reward preset: `{params.reward.preset}`",
+        f"- Environment: `{plan.environment.model}` via {plan.environment.backend}",
+        f"- Reward preset: `{plan.reward.preset}`",
         (f"- Data: `{data.get('train_file')}` (rows: {data.get('rows', '?')}, md5 {data.get('md5', '?')}); "
-         f"datasets: {', '.join(params.data.train_datasets)}"),
-        f"- Git commit: `{git_commit(params.root)}`",
+         f"datasets: {', '.join(plan.train_datasets)}"),
+        f"- Git commit: `{git_commit(plan.root)}`",
         f"- Merged: {datetime.now(UTC).strftime('%Y-%m-%dT%H:%M:%SZ')}",
         "",
         "## Parameters",
         "```json",
         json.dumps({"train": t.model_dump(mode="json", exclude={"verl"} if t.backend == "local" else None),
-                    "agent": a.model_dump(mode="json"), "reward": params.reward.model_dump(mode="json")},
+                    "agent": a.model_dump(mode="json"), "reward": plan.reward.model_dump(mode="json")},
                    indent=2),
         "```",
         "",
@@ -286,26 +313,27 @@ def run_merge(params: Params) -> MergeReport:
     """Merge the newest checkpoint into `paths.model_dir` (see module docstring); returns the report."""
     from pipeline.train.models import DTYPES
 
-    dtype = DTYPES[params.agent.dtype]
-    root = params.path(params.paths.checkpoint_dir)
-    final = params.path(params.paths.model_dir)
+    plan = MergePlan.from_params(params)
+    dtype = DTYPES[plan.agent.dtype]
+    root = plan.checkpoint_dir
+    final = plan.model_dir
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     for stray in final.parent.glob(f".{final.name}.tmp-*"):
         shutil.rmtree(stray, ignore_errors=True)
     tmp.mkdir()
     try:
-        if params.train.backend == "verl":
+        if plan.train.backend == "verl":
             actor = ckpt.latest_verl_step(root)
             if actor is None:
                 raise UserError(f"no verl checkpoint (global_step_N/actor) under {root}; run `promptr1 train`")
-            report = _merge_verl(params, actor, tmp, dtype)
+            report = _merge_verl(plan, actor, tmp, dtype)
         else:
             folder = ckpt.latest_checkpoint(root)
             if folder is None:
                 raise UserError(f"no checkpoint under {root}; run `promptr1 train` first")
-            report = _merge_local(params, folder, tmp, dtype)
-        card = model_card(params, report)
+            report = _merge_local(plan, folder, tmp, dtype)
+        card = model_card(plan, report)
         (tmp / "README.md").write_text(card)
         (tmp / "MODEL_CARD.md").write_text(card)
         (tmp / "merge_report.json").write_text(json.dumps(report.__dict__, indent=2))
@@ -314,5 +342,5 @@ def run_merge(params: Params) -> MergeReport:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("merged %s (%s, step %s) into %s; max logit diff %.3g; sample %r", report.checkpoint,
-             report.source, report.step, _relative(params, final), report.max_abs_logit_diff, report.sample)
+             report.source, report.step, _relative(plan.root, final), report.max_abs_logit_diff, report.sample)
     return report

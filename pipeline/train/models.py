@@ -17,12 +17,15 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeline.config import Params
 from pipeline.errors import UserError
+
+if TYPE_CHECKING:
+    from pipeline.config import AgentConfig, LoraConfig, TrainConfig
+    from pipeline.modelref import ResolvedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,28 +34,28 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_tokenizer(ref: str, root: Path):
+def load_tokenizer(ref: str | ResolvedModel, root: Path):
     """The agent's tokenizer (`pipeline.modelref.load_tokenizer`)."""
     from pipeline.modelref import load_tokenizer as _load
 
     return _load(ref, root)
 
 
-def load_causal_lm(ref: str, root: Path, dtype: torch.dtype):
+def load_causal_lm(ref: str | ResolvedModel, root: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.modelref import resolve_model
+    from pipeline.modelref import as_resolved
 
-    resolved = resolve_model(ref, root)
+    resolved = as_resolved(ref, root)
     return AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=dtype,
                                                 **resolved.from_pretrained_kwargs())
 
 
-def apply_lora(model, params: Params):
-    from peft import LoraConfig, get_peft_model
+def apply_lora(model, lora: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
-    lora = params.train.lora
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+    config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
@@ -85,33 +88,34 @@ class PolicyModels:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def load_policy_models(params: Params, resume_from: Path | None, device: torch.device) -> PolicyModels:
-    """Base model from params (GGUF, HF dir or Hub id), optionally LoRA, weights from `resume_from`."""
-    dtype = DTYPES[params.agent.dtype]
-    root = params.root
-    lora = params.train.lora.enabled
-    tokenizer = load_tokenizer(params.agent.model, root)
-    base = load_causal_lm(params.agent.model, root, dtype)
+def load_policy_models(agent_model: ResolvedModel, agent: AgentConfig, train: TrainConfig,
+                       resume_from: Path | None, device: torch.device) -> PolicyModels:
+    """The base model `agent_model` (`agent.model` resolved: GGUF, HF dir or Hub id) in `agent.dtype`,
+    optionally with LoRA (`train.lora`), weights from `resume_from`."""
+    dtype = DTYPES[agent.dtype]
+    lora = train.lora.enabled
+    tokenizer = load_tokenizer(agent_model, Path())
+    base = load_causal_lm(agent_model, Path(), dtype)
     if lora:
         if resume_from is not None:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(base, str(resume_from / "adapter"), is_trainable=True)
         else:
-            model = apply_lora(base, params)
+            model = apply_lora(base, train.lora)
         reference = None
     else:
         reference = copy.deepcopy(base)
         model = base
         if resume_from is not None:
-            load_full_weights(model, resume_from / "model", params.agent.model)
+            load_full_weights(model, resume_from / "model", agent.model)
         reference.requires_grad_(False)
         reference.eval()
         reference.to(device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device)
-    if params.train.gradient_checkpointing:
+    if train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()

@@ -11,12 +11,12 @@ Design decisions:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from pipeline.config import Params
 from pipeline.errors import DataError
 from pipeline.types import PromptItem
 
@@ -66,8 +66,8 @@ class QuestionSampler:
         return out
 
 
-def load_training_set(params: Params) -> pd.DataFrame:
-    path = params.path(params.paths.rl_dir) / "train.parquet"
+def load_training_set(path: Path) -> pd.DataFrame:
+    """The training set at `path` (`<paths.rl_dir>/train.parquet`), checked for verl's RLHFDataset columns."""
     if not path.is_file():
         raise DataError(f"{path}: training set missing; run `promptr1 build` (dvc repro build) first")
     frame = pd.read_parquet(path)

@@ -22,16 +22,17 @@ from pipeline.config import flatten_dict
 if TYPE_CHECKING:
     import pandas as pd
 
-    from pipeline.config import Params
+    from pipeline.train.plan import TrainPlan
 
 TRAIN_SECTIONS = ("seed", "agent", "environment", "reward", "train")
 """The params the train stage reads (dvc.yaml), logged on its run."""
 
 
-def training_params(params: Params) -> dict[str, Any]:
+def training_params(plan: TrainPlan) -> dict[str, Any]:
     """The train run's params: `TRAIN_SECTIONS` flattened (`train.lr`, `agent.model`, …), plus the profile."""
-    dumped = params.model_dump(mode="json")
-    return {"profile": params.profile, **flatten_dict({k: dumped[k] for k in TRAIN_SECTIONS})}
+    dumped = {name: getattr(plan, name) for name in TRAIN_SECTIONS}
+    dumped = {k: v if isinstance(v, int) else v.model_dump(mode="json") for k, v in dumped.items()}
+    return {"profile": plan.profile, **flatten_dict(dumped)}
 
 
 def train_input_frame(path: Any) -> pd.DataFrame:
@@ -47,20 +48,18 @@ def train_input_frame(path: Any) -> pd.DataFrame:
     })
 
 
-def log_training_record(params: Params) -> None:
+def log_training_record(plan: TrainPlan) -> None:
     """Into the active train run: its params and its input dataset; onto the parent: the last step's reward."""
     import mlflow
 
     from pipeline import tracking
     from pipeline.headline import LAST_REWARD_METRIC, last_step_reward
-    from pipeline.train.step_metrics import steps_csv_path
-
-    items = [(k, "" if v is None else str(v)[:500]) for k, v in training_params(params).items()]
+    items = [(k, "" if v is None else str(v)[:500]) for k, v in training_params(plan).items()]
     for i in range(0, len(items), 100):
         mlflow.log_params(dict(items[i : i + 100]))
-    train_file = params.path(params.paths.rl_dir) / "train.parquet"
+    train_file = plan.train_file
     if train_file.is_file():
         tracking.log_dataset_inputs({"train": (train_input_frame(train_file), train_file)}, context="training")
-    reward = last_step_reward(steps_csv_path(params))
+    reward = last_step_reward(plan.steps_csv)
     if reward is not None:
         tracking.log_parent_metrics({LAST_REWARD_METRIC: reward})

@@ -2,7 +2,7 @@
 checkpoints, and verl's own config validation.
 
 `promptr1 check` judges params only, anywhere; these need the machine, so `run_train` calls
-`assert_resources(params)` with backend verl before it opens an MLflow run or starts the environment server
+`assert_resources(plan)` with backend verl before it opens an MLflow run or starts the environment server
 (GPT-OSS-20B takes minutes to load, and verl would only find a missing GPU after that). The local backend
 checks nothing here: it runs on whatever the machine has.
 
@@ -29,12 +29,15 @@ import logging
 import shutil
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.config import Params
 from pipeline.errors import UserError
-from pipeline.placement import environment_gpus, training_gpus
+from pipeline.placement import gpus_of_environment, gpus_of_training
 from pipeline.train import memory
-from pipeline.train.verl_config import VerlRun, compose_run, verl_validation_error
+from pipeline.train.verl_config import VerlRun, compose_plan, verl_validation_error
+
+if TYPE_CHECKING:
+    from pipeline.train.plan import TrainPlan
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +45,14 @@ JOINED_HERE = ("", "auto")
 """ray_address values whose training GPUs are this host's: a private Ray, or the cluster started here."""
 
 
-def gpu_problems(params: Params, run: VerlRun, host_gpus: int, cluster_gpus: float | None) -> list[str]:
+def gpu_problems(plan: TrainPlan, run: VerlRun, host_gpus: int, cluster_gpus: float | None) -> list[str]:
     """Why the layout does not fit this host's `host_gpus` devices or the Ray cluster's `cluster_gpus`
     (None: no cluster joined); [] when it fits."""
     problems = []
-    here = set(environment_gpus(params))
+    here = set(gpus_of_environment(plan.environment))
     keys = ["environment.server.gpus"] if here else []
-    if params.train.verl.ray_address in JOINED_HERE:
-        here |= set(training_gpus(params))
+    if plan.train.verl.ray_address in JOINED_HERE:
+        here |= set(gpus_of_training(plan.train))
         keys.append("train.verl.gpus")
     missing = sorted(g for g in here if g >= host_gpus)
     if missing:
@@ -61,17 +64,17 @@ def gpu_problems(params: Params, run: VerlRun, host_gpus: int, cluster_gpus: flo
             f"train.verl.n_gpus_per_node, train.verl.nnodes, train.verl.ray_address: verl needs "
             f"trainer.n_gpus_per_node x trainer.nnodes = {run.value('trainer.n_gpus_per_node')} x "
             f"{run.value('trainer.nnodes')} = {world} GPUs, but the Ray cluster at "
-            f"{params.train.verl.ray_address!r} has {cluster_gpus:g} (start every node with "
+            f"{plan.train.verl.ray_address!r} has {cluster_gpus:g} (start every node with "
             f"`ray start --num-gpus=...`, see docs/gpu.md)")
     return problems
 
 
-def checkpoint_disk_problem(params: Params, run: VerlRun, free: int) -> str | None:
+def checkpoint_disk_problem(plan: TrainPlan, run: VerlRun, free: int) -> str | None:
     """Why the checkpoints verl retains do not fit in `free` bytes, or None (also when the model's parameter
     count is unknown offline: logged)."""
-    found = memory.parameter_count(params.agent.model, params.root)
+    found = memory.parameter_count(plan.agent.model, plan.root)
     if found is None:
-        log.warning("checkpoint size not estimated: no parameter count for %s offline", params.agent.model)
+        log.warning("checkpoint size not estimated: no parameter count for %s offline", plan.agent.model)
         return None
     actor = "actor_rollout_ref.actor"
     one = memory.checkpoint_bytes(found[0], save_contents=list(run.value(f"{actor}.checkpoint.save_contents")),
@@ -127,12 +130,12 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
-def assert_resources(params: Params) -> None:
+def assert_resources(plan: TrainPlan) -> None:
     """Raise UserError, with every problem found, when this machine cannot run the verl layout."""
-    run = compose_run(params)
-    problems = gpu_problems(params, run, host_gpu_count(),
-                            ray_cluster_gpus(params.train.verl.ray_address) if params.train.verl.ray_address else None)
-    disk = checkpoint_disk_problem(params, run, free_bytes(Path(run.value("trainer.default_local_dir"))))
+    run = compose_plan(plan)
+    address = plan.train.verl.ray_address
+    problems = gpu_problems(plan, run, host_gpu_count(), ray_cluster_gpus(address) if address else None)
+    disk = checkpoint_disk_problem(plan, run, free_bytes(Path(run.value("trainer.default_local_dir"))))
     problems += [disk] if disk else []
     invalid = verl_validation_error(run)
     if invalid:

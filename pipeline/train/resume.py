@@ -26,11 +26,13 @@ import logging
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.config import Params
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.step_metrics import steps_csv_path
+
+if TYPE_CHECKING:
+    from pipeline.config import TrainConfig
+    from pipeline.train.plan import TrainPlan
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +42,20 @@ _RESUMABLE_TRAIN_KEYS = {"steps", "save_every", "keep_checkpoints", "keep_stale_
 STALE_MARK = ".stale-"
 
 
-def training_config(params: Params) -> dict[str, Any]:
+def training_config(plan: TrainPlan) -> dict[str, Any]:
     """What the trained weights depend on: agent, environment model and sampling, reward, GRPO and
     warm-up settings, the seed, and the md5 of the training set. `train.steps` is left out on purpose:
     raising it continues the same run from its last checkpoint."""
-    env = params.environment
-    train_set = params.path(params.paths.rl_dir) / "train.parquet"
+    env = plan.environment
+    train_set = plan.train_file
     digest = hashlib.md5(train_set.read_bytes()).hexdigest() if train_set.is_file() else "missing"
     return {
-        "seed": params.seed,
-        "agent": params.agent.model_dump(mode="json"),
+        "seed": plan.seed,
+        "agent": plan.agent.model_dump(mode="json"),
         "environment": {"model": env.model, "served_name": env.served_name, "system_prompt": env.system_prompt,
                         "temperature": env.temperature, "max_tokens": env.max_tokens},
-        "reward": params.reward.model_dump(mode="json"),
-        "train": {k: v for k, v in params.train.model_dump(mode="json").items() if k not in _RESUMABLE_TRAIN_KEYS},
+        "reward": plan.reward.model_dump(mode="json"),
+        "train": {k: v for k, v in plan.train.model_dump(mode="json").items() if k not in _RESUMABLE_TRAIN_KEYS},
         "train_set_md5": digest,
     }
 
@@ -65,40 +67,46 @@ def _config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
-def _usable_checkpoint(params: Params) -> tuple[Path, ckpt.TrainerState] | None:
+def _usable_checkpoint(plan: TrainPlan) -> tuple[Path, ckpt.TrainerState] | None:
     """The latest checkpoint if it was trained with the current training config, else None."""
-    folder = ckpt.latest_checkpoint(params.path(params.paths.checkpoint_dir))
+    folder = ckpt.latest_checkpoint(plan.checkpoint_dir)
     if folder is None:
         return None
     state = ckpt.TrainerState.read(folder)
-    return (folder, state) if state.config == training_config(params) else None
+    return (folder, state) if state.config == training_config(plan) else None
 
 
-def training_complete(params: Params) -> bool:
-    """True when a checkpoint of the current training config reached train.steps and steps.csv exists."""
-    found = _usable_checkpoint(params)
-    return found is not None and found[1].step >= params.train.steps and steps_csv_path(params).is_file()
+def reached_steps(step: int, train: TrainConfig) -> bool:
+    """Whether training at `step` reached `train.steps`: the one rule for "no step left to train"."""
+    return step >= train.steps
 
 
-def discard_stale_checkpoints(params: Params) -> Path | None:
+def training_complete(plan: TrainPlan) -> bool:
+    """True when a checkpoint of the current training config reached train.steps and steps.csv exists
+    (the stage then has nothing to do; checked once, at its entry)."""
+    found = _usable_checkpoint(plan)
+    return found is not None and reached_steps(found[1].step, plan.train) and plan.steps_csv.is_file()
+
+
+def discard_stale_checkpoints(plan: TrainPlan) -> Path | None:
     """Set checkpoints trained with other params aside so the run starts afresh (see the module docstring);
     return where they went (None: nothing stale, or `train.keep_stale_checkpoints` is 0 and they were removed)."""
-    root = params.path(params.paths.checkpoint_dir)
+    root = plan.checkpoint_dir
     folder = ckpt.latest_checkpoint(root)
-    if folder is None or _usable_checkpoint(params) is not None:
+    if folder is None or _usable_checkpoint(plan) is not None:
         return None
     old_config = ckpt.TrainerState.read(folder).config
-    changed = _config_changes(old_config, training_config(params))
+    changed = _config_changes(old_config, training_config(plan))
     log.warning("%s was trained with other params (%s): starting afresh", root,
                 ", ".join(changed[:8]) + (" …" if len(changed) > 8 else ""))
     target = _stale_target(root, old_config)
     root.rename(target)
     (target / ".gitignore").write_text("*\n")
-    steps_csv = steps_csv_path(params)
+    steps_csv = plan.steps_csv
     if steps_csv.is_file():
         shutil.move(steps_csv, target / steps_csv.name)
     log.warning("old checkpoints set aside in %s", target)
-    kept = _prune_stale(root, params.train.keep_stale_checkpoints)
+    kept = _prune_stale(root, plan.train.keep_stale_checkpoints)
     return target if target in kept else None
 
 

@@ -17,7 +17,8 @@
   (measured with a tiny random model: the first token of a trajectory already differs), enough to flip a
   near-tie; `train.rollout_slots: 1` decodes one trajectory at a time and resamples bit-identically.
 - `auto`: llama.cpp on a machine without CUDA for a full fine-tune (no LoRA) of a Llama agent whose
-  `agent.model` is a GGUF file (the export's template); transformers otherwise.
+  `agent.model` is a GGUF file (the export's template); transformers otherwise (the one rule:
+  pipeline.agent.engine, fed by the train plan).
 """
 
 from __future__ import annotations
@@ -30,57 +31,50 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.train.plan import TrainPlan
 
 logger = logging.getLogger(__name__)
 
 
-def rollout_engine(params: Params, model: Any = None) -> str:
+def rollout_engine(plan: TrainPlan, model: Any = None) -> str:
     """`train.rollout_engine` with `auto` decided (see module docstring); `model`: the policy, if loaded."""
-    engine = params.train.rollout_engine
-    if engine != "auto":
-        return engine
     import torch
 
-    from pipeline.modelref import ModelRefError, resolve_model
+    from pipeline.agent.engine import decide_engine
 
-    if torch.cuda.is_available() or params.train.lora.enabled:
-        return "transformers"
-    if model is not None and getattr(getattr(model, "config", None), "model_type", None) != "llama":
-        return "transformers"
-    try:
-        return "llama.cpp" if resolve_model(params.agent.model, params.root).gguf_file else "transformers"
-    except ModelRefError:
-        return "transformers"
+    model_type = None if model is None else getattr(getattr(model, "config", None), "model_type", None) or ""
+    return decide_engine(plan.train.rollout_engine, plan.agent_model,
+                         prefer_in_process=torch.cuda.is_available() or plan.train.lora.enabled,
+                         model_type=model_type)
 
 
 @contextmanager
-def served_step_policy(model: Any, tokenizer: Any, params: Params, step: int, parallel: int) -> Iterator[Any]:
+def served_step_policy(model: Any, tokenizer: Any, plan: TrainPlan, step: int, parallel: int) -> Iterator[Any]:
     """The policy `model` as it is now, served by llama.cpp for one step's rollout (module docstring)."""
     from pipeline.agent.gguf_export import GGUFExportError, export_model
     from pipeline.agent.served import served_policy
     from pipeline.errors import UserError
-    from pipeline.modelref import ModelRefError, resolve_model
+    from pipeline.modelref import ModelRefError
 
     try:
-        template = resolve_model(params.agent.model, params.root)
+        template = plan.require_agent_model()
     except ModelRefError as exc:
         raise UserError(f"train.rollout_engine=llama.cpp: {exc}") from exc
     if not template.gguf_file:
         raise UserError(f"train.rollout_engine=llama.cpp exports the policy with agent.model's GGUF file as its "
-                        f"template; agent.model={params.agent.model!r} is not a GGUF file: set "
+                        f"template; agent.model={plan.agent.model!r} is not a GGUF file: set "
                         "train.rollout_engine: transformers")
-    folder = params.path(params.paths.cache_dir) / "train_rollout"
+    folder = plan.cache_dir / "train_rollout"
     path = folder / f"agent-train-step{step}-{os.getpid()}.gguf"
     t0 = time.perf_counter()
     try:
-        export_model(model, template.location, path, params.train.rollout_gguf_dtype)
+        export_model(model, template.location, path, plan.train.rollout_gguf_dtype)
     except GGUFExportError as exc:
         raise UserError(f"train.rollout_engine=llama.cpp: {exc} (set train.rollout_engine: transformers)") from exc
     logger.debug("step %d policy exported to GGUF in %.1f s", step, time.perf_counter() - t0)
     try:
-        with served_policy(path, params, tokenizer, parallel, quiet=True) as policy:
-            policy.seed = (params.seed * 1_000_003 + step) % (2**31)
+        with served_policy(path, plan.source, tokenizer, parallel, quiet=True) as policy:
+            policy.seed = (plan.seed * 1_000_003 + step) % (2**31)
             yield policy
     finally:
         path.unlink(missing_ok=True)

@@ -23,62 +23,67 @@ import logging
 import math
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import tracking
 from pipeline.config import Params
 from pipeline.environment.sanitize import sanitized_json_copy
 from pipeline.train.record import log_training_record
 
+if TYPE_CHECKING:
+    from pipeline.train.plan import TrainPlan
+
 log = logging.getLogger(__name__)
 
 
 def run_train(params: Params) -> None:
-    """Train the agent (see module docstring)."""
-    if params.train.backend == "local":
-        from pipeline.train.resume import training_complete
+    """Train the agent (see module docstring). The one place that reads `Params` for what lies below it:
+    the train plan (pipeline.train.plan) is resolved here, and whether training is complete decided once."""
+    from pipeline.train.plan import TrainPlan
+    from pipeline.train.resume import training_complete
 
-        if training_complete(params) and (params.path(params.paths.reports_dir) / tracking.RUN_FILE).is_file():
-            log.info("train: already complete at %d steps (checkpoints in %s); nothing to do",
-                     params.train.steps, params.paths.checkpoint_dir)
-            return
-    if params.train.backend == "verl":  # GPUs here and in Ray, disk, verl's validation: before anything starts
+    plan = TrainPlan.from_params(params)
+    backend = plan.train.backend
+    complete = backend == "local" and training_complete(plan)
+    if complete and (plan.reports_dir / tracking.RUN_FILE).is_file():
+        log.info("train: already complete at %d steps (checkpoints in %s); nothing to do",
+                 plan.train.steps, params.paths.checkpoint_dir)
+        return
+    if backend == "verl":  # GPUs here and in Ray, disk, verl's validation: before anything starts
         from pipeline.train.resources import assert_resources
 
-        assert_resources(params)
+        assert_resources(plan)
     with tracking.stage_run(params, "train", new_parent=True) as run:
         import mlflow
 
-        mlflow.set_tag("train.backend", params.train.backend)
-        if params.train.backend == "verl":
-            from pipeline.train.verl_backend import train_verl
+        mlflow.set_tag("train.backend", backend)
+        if backend == "verl":
+            from pipeline.train.verl_backend import run_verl
 
-            if params.train.warmup.steps > 0:
+            if plan.train.warmup.steps > 0:
                 log.warning("train.warmup is a local-backend feature: ignored with backend verl")
 
-            train_verl(params, run)
-            log_training_record(params)
-            tracking.describe_stage("train", describe_training(params, {}))
+            run_verl(plan, tracking.tracking_uri(params), run)
+            log_training_record(plan)
+            tracking.describe_stage("train", describe_training(plan, {}))
             # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.
-            from pipeline.train.step_metrics import steps_csv_path
             from pipeline.train.trajectory_log import TRAJECTORIES_FILE
 
-            empty_log = steps_csv_path(params).with_name(TRAJECTORIES_FILE)
+            empty_log = plan.steps_csv.with_name(TRAJECTORIES_FILE)
             empty_log.parent.mkdir(parents=True, exist_ok=True)
             empty_log.touch()
             return
         from pipeline.train.local import train_local
-        from pipeline.train.resume import training_complete
-        from pipeline.train.step_metrics import steps_csv_path
         from pipeline.train.trajectory_log import TRAJECTORIES_FILE
 
-        if training_complete(params):
-            _relog_curve(params)
-            log_training_record(params)
+        if complete:
+            _relog_curve(plan.steps_csv)
+            log_training_record(plan)
             return
-        final = train_local(params, run)
-        log_training_record(params)
-        tracking.describe_stage("train", describe_training(params, final))
-        csv = steps_csv_path(params)
+        final = train_local(plan, run)
+        log_training_record(plan)
+        tracking.describe_stage("train", describe_training(plan, final))
+        csv = plan.steps_csv
         if csv.is_file():
             mlflow.log_artifact(str(csv), artifact_path="train")
         if csv.with_name(TRAJECTORIES_FILE).is_file():
@@ -91,12 +96,12 @@ def run_train(params: Params) -> None:
             mlflow.log_metrics(summary)
 
 
-def describe_training(params: Params, final: dict[str, float]) -> str:
+def describe_training(plan: TrainPlan, final: dict[str, float]) -> str:
     """The train run's one-sentence description: what was trained, how, and the last step's reward."""
-    cfg = params.train
+    cfg = plan.train
     how = (f"GRPO on verl ({cfg.verl.nnodes} node(s) × {cfg.verl.n_gpus_per_node} GPUs)" if cfg.backend == "verl"
            else f"GRPO (local backend{', LoRA' if cfg.lora.enabled else ''})")
-    sentence = (f"Trained the agent {params.agent.model} with {how} for {cfg.steps} steps of {cfg.batch_size} "
+    sentence = (f"Trained the agent {plan.agent.model} with {how} for {cfg.steps} steps of {cfg.batch_size} "
                 f"questions × {cfg.group_size} trajectories")
     reward = final.get("reward/mean", final.get("critic/score/mean"))
     if reward is not None and math.isfinite(reward):
@@ -104,14 +109,12 @@ def describe_training(params: Params, final: dict[str, float]) -> str:
     return sentence + "."
 
 
-def _relog_curve(params: Params) -> None:
+def _relog_curve(steps_csv: Path) -> None:
     """Log an existing steps.csv into the active run (training done earlier, run record lost)."""
     import mlflow
     import pandas as pd
 
-    from pipeline.train.step_metrics import steps_csv_path
-
-    frame = pd.read_csv(steps_csv_path(params))
+    frame = pd.read_csv(steps_csv)
     for row in frame.to_dict("records"):
         step = int(row.pop("step"))
         mlflow.log_metrics({k: float(v) for k, v in row.items() if pd.notna(v)}, step=step)

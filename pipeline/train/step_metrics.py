@@ -21,14 +21,16 @@ from typing import get_args
 import pandas as pd
 import torch
 
-from pipeline.config import Params
 from pipeline.types import StopReason, Trajectory
 
 STEPS_CSV = "train/steps.csv"
+WARMUP_CSV = "train/warmup.csv"
+"""The format warm-up's metrics (pipeline.train.warmup), one row per warm-up step, beside steps.csv."""
 
 
-def steps_csv_path(params: Params) -> Path:
-    return params.path(params.paths.reports_dir) / STEPS_CSV
+def steps_csv_path(reports_dir: Path) -> Path:
+    """`<paths.reports_dir>/train/steps.csv`: one row per training step."""
+    return reports_dir / STEPS_CSV
 
 
 def masked_stats(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
@@ -146,3 +148,12 @@ def set_run_tag(key: str, value: str) -> None:
 
     if mlflow.active_run() is not None:
         mlflow.set_tag(key, value)
+
+
+def write_warmup_csv(path, rows: list[dict[str, float]]) -> None:
+    """`reports/train/warmup.csv`: one row per warm-up step (columns `warmup/step`, `warmup/loss`, ...)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(rows)
+    tmp = path.with_suffix(".csv.tmp")
+    frame.to_csv(tmp, index=False)
+    tmp.replace(path)

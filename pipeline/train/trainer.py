@@ -50,12 +50,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 
-from pipeline.config import Params
 from pipeline.hardware import resolve_autocast
 from pipeline.train.batch import RolloutBatch, collate, response_log_probs, shared_prompt_log_probs
 from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
@@ -65,6 +64,9 @@ from pipeline.train.questions import QuestionSampler, prompt_item_from_row
 from pipeline.train.rollout_engine import rollout_engine
 from pipeline.train.step_metrics import rollout_metrics
 from pipeline.types import PromptItem, Trajectory
+
+if TYPE_CHECKING:
+    from pipeline.train.plan import TrainPlan
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +83,10 @@ class UpdateResult:
 class LocalTrainer:
     """Holds the policy, optimizer and data position; `step()` runs one GRPO iteration."""
 
-    def __init__(self, params: Params, models: PolicyModels, frame: pd.DataFrame, device: torch.device,
+    def __init__(self, plan: TrainPlan, models: PolicyModels, frame: pd.DataFrame, device: torch.device,
                  sampler: QuestionSampler) -> None:
-        self.params = params
-        self.cfg = params.train
+        self.plan = plan
+        self.cfg = plan.train
         self.last_trajectories: list[Trajectory] = []
         self.models = models
         self.frame = frame
@@ -93,11 +95,11 @@ class LocalTrainer:
         self.objective = GRPOObjective.from_config(self.cfg)
         self.optimizer = torch.optim.AdamW(models.trainable_parameters(), lr=self.cfg.lr,
                                            weight_decay=self.cfg.weight_decay)
-        self.temperature = params.agent.temperature if params.agent.temperature > 0 else 1.0
+        self.temperature = plan.agent.temperature if plan.agent.temperature > 0 else 1.0
         self._policy = None
         self.autocast_dtype = resolve_autocast(self.cfg.autocast, device, "train.autocast")
         """`train.autocast` resolved on this device (`auto`: bfloat16 where bf16 is native): a dtype or None."""
-        self.engine = rollout_engine(params, models.model)
+        self.engine = rollout_engine(plan, models.model)
         """What samples the rollouts: `transformers` or `llama.cpp` (pipeline.train.rollout_engine)."""
         self.reference_is_policy = False
         """True while the policy's weights are the KL reference's (set by the caller for a fresh run: the
@@ -126,12 +128,12 @@ class LocalTrainer:
             from pipeline.train.rollout_engine import served_step_policy
 
             slots = self.cfg.rollout_slots or trajectories
-            with served_step_policy(self.models.model, self.models.tokenizer, self.params, step,
+            with served_step_policy(self.models.model, self.models.tokenizer, self.plan, step,
                                     min(slots, trajectories)) as policy:
                 yield policy
             return
         policy = self.policy()
-        policy.generator.manual_seed(self.params.seed * 1_000_003 + step)
+        policy.generator.manual_seed(self.plan.seed * 1_000_003 + step)
         yield policy
 
     def draw_items(self) -> list[PromptItem]:
@@ -143,14 +145,14 @@ class LocalTrainer:
         from pipeline.agent.rollout import run_rollout
         from pipeline.reward import reward_for_trajectory
 
-        a = self.params.agent
+        a = self.plan.agent
         self.models.model.eval()
         with torch.no_grad(), self.rollout_policy(step, len(items) * self.cfg.group_size) as policy:
             trajectories = run_rollout(
                 policy, env, items, group_size=self.cfg.group_size, max_turns=a.max_turns,
                 max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
                 env_reply_max_chars=a.env_reply_max_chars, temperature=a.temperature, top_p=a.top_p,
-                return_logprobs=True, reward_fn=partial(reward_for_trajectory, cfg=self.params.reward),
+                return_logprobs=True, reward_fn=partial(reward_for_trajectory, cfg=self.plan.reward),
                 progress=False, max_prompt_tokens=a.max_prompt_tokens,
             )
         if len(trajectories) != len(items) * self.cfg.group_size:
@@ -158,7 +160,7 @@ class LocalTrainer:
                                f"x G={self.cfg.group_size}")
         for t in trajectories:
             if t.reward is None:
-                t.reward = reward_for_trajectory(t, self.params.reward)
+                t.reward = reward_for_trajectory(t, self.plan.reward)
         return trajectories
 
     # -- update ------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Backend `verl`: GRPO on GPU nodes with verl 0.9.1, driven by our typed params (no fork, no bash blobs).
 
-`build_overrides(params)` turns `Params` into the Hydra overrides of verl's own `ppo_trainer.yaml`;
-`train_verl(params, run)` launches `python -m verl.trainer.main_ppo <overrides>` on a running Ray cluster,
+`build_overrides(plan)` turns the train plan (`pipeline.train.plan`) into the Hydra overrides of verl's own
+`ppo_trainer.yaml`; `run_verl(plan, tracking_uri, run)` (or `train_verl(params, run)`) launches
+`python -m verl.trainer.main_ppo <overrides>` on a running Ray cluster,
 streams its log, attaches verl's MLflow logger to our run and exports the step metrics to
 `reports/train/steps.csv`.
 
@@ -71,15 +72,18 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pipeline.config import Params
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, UserError
-from pipeline.placement import cuda_visible_devices, training_gpus
+from pipeline.placement import cuda_visible_devices, gpus_of_training
 from pipeline.train import health
 from pipeline.train.verl_health import BreachSeen, VerlHealthWatch
+
+if TYPE_CHECKING:
+    from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_overrides import (
     AGENT_LOOP_CONFIG,
     AGENT_NAME,
@@ -135,86 +139,92 @@ def offline_runtime_env_overrides(env: dict[str, str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- launch
-def _preflight(params: Params) -> list[Path]:
+def _preflight(plan: TrainPlan) -> list[Path]:
     """Fail fast, with what to do, before Ray and GPUs are involved; returns the existing eval files."""
-    if not train_file(params).is_file():
-        raise DataError(f"{train_file(params)} not found: run `dvc repro build` (or `promptr1 build`) first")
-    if params.train.verl.use_v1 and importlib.util.find_spec("transfer_queue") is None:
+    if not train_file(plan).is_file():
+        raise DataError(f"{train_file(plan)} not found: run `dvc repro build` (or `promptr1 build`) first")
+    if plan.train.verl.use_v1 and importlib.util.find_spec("transfer_queue") is None:
         raise UserError(
             "train.verl.use_v1=true needs the TransferQueue package: pip install 'verl[verl-core]==0.9.1', "
             "or set train.verl.use_v1=false (the legacy trainer)"
         )
-    present = [p for p in eval_files(params) if p.is_file()]
-    missing = [p.name for p in eval_files(params) if not p.is_file()]
+    present = [p for p in eval_files(plan) if p.is_file()]
+    missing = [p.name for p in eval_files(plan) if not p.is_file()]
     if missing:
         log.warning("validation sets not found, left out of verl validation: %s", ", ".join(missing))
-    if not present and (params.train.verl.val_before_train or params.train.verl.test_freq > 0):
-        raise DataError(f"no evaluation set under {params.path(params.paths.rl_dir) / 'eval'}: run the build stage")
+    if not present and (plan.train.verl.val_before_train or plan.train.verl.test_freq > 0):
+        raise DataError(f"no evaluation set under {plan.rl_dir / 'eval'}: run the build stage")
     return present
 
 
 def train_verl(params: Params, run: Any) -> None:
-    """Run verl's PPO trainer (GRPO) with our agent loop and reward; `run` is the active MLflow child run.
+    """`run_verl` for these params (the entry for callers that hold params: `promptr1 doctor`)."""
+    from pipeline.tracking import tracking_uri
+    from pipeline.train.plan import TrainPlan
+
+    run_verl(TrainPlan.from_params(params), tracking_uri(params), run)
+
+
+def run_verl(plan: TrainPlan, uri: str, run: Any) -> None:
+    """Run verl's PPO trainer (GRPO) with our agent loop and reward; `run` is the active MLflow child run,
+    `uri` the MLflow tracking URI verl's logger writes to.
 
     The environment's lifecycle belongs to this stage, as in the local backend: started (or reused once it
     serves the configured model) and health-checked before verl starts, stopped however verl ends.
     Raises UserError (with the log tail) when verl exits non-zero.
     """
-    from pipeline.environment.servers import environment_server
+    from pipeline.environment.servers import serve_environment
 
-    val_files = _preflight(params)
-    _refuse_credentials_in_tracking_uri(params)
-    with environment_server(params) as url:  # started/reused and health-checked here, stopped on any exit
-        _launch(params, run, val_files, url)
+    val_files = _preflight(plan)
+    _refuse_credentials_in_tracking_uri(uri)
+    with serve_environment(plan.server) as url:  # started/reused and health-checked here, stopped on any exit
+        _launch(plan, uri, run, val_files, url)
 
 
-def _refuse_credentials_in_tracking_uri(params: Params) -> None:
+def _refuse_credentials_in_tracking_uri(uri: str) -> None:
     """verl prints and saves its whole config, and the overrides go to reports/ and MLflow: no secrets in it."""
-    from pipeline.tracking import tracking_uri
-
-    parts = urlsplit(tracking_uri(params))
+    parts = urlsplit(uri)
     if parts.username or parts.password or "token=" in parts.query.lower():
         raise UserError("the MLflow tracking URI carries credentials; set MLFLOW_TRACKING_USERNAME / "
                         "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) on every node instead")
 
 
-def _launch(params: Params, run: Any, val_files: list[Path], environment_url: str) -> None:
+def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environment_url: str) -> None:
     """Start verl's trainer against the running environment at `environment_url` and wait for it."""
-    from pipeline.tracking import tracking_uri
-
     run_id = run.info.run_id
-    uri = tracking_uri(params)
-    overrides = (build_overrides(params, val_files=val_files, environment_url=environment_url)
+    overrides = (build_overrides(plan, val_files=val_files, environment_url=environment_url)
                  + _mlflow_runtime_env_overrides(uri, run_id) + offline_runtime_env_overrides(dict(os.environ)))
 
-    reports = params.path(params.paths.reports_dir) / "train"
+    reports = plan.reports_dir / "train"
     reports.mkdir(parents=True, exist_ok=True)
     (reports / "verl_overrides.txt").write_text("\n".join(overrides) + "\n", encoding="utf-8")
-    params.path(params.paths.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    plan.checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
     env = dict(os.environ)
     env.update({"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_DISABLE_TELEMETRY": "true",
                 "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1",
                 "RAY_USAGE_STATS_ENABLED": env.get("RAY_USAGE_STATS_ENABLED", "0")})
-    if params.train.verl.ray_address:
-        env["RAY_ADDRESS"] = params.train.verl.ray_address
+    verl = plan.train.verl
+    if verl.ray_address:
+        env["RAY_ADDRESS"] = verl.ray_address
     else:  # a private Ray started by verl here: it sees only the training GPUs the layout assigns
         env.pop("RAY_ADDRESS", None)
-        gpus = training_gpus(params)
-        if gpus and params.train.verl.gpus:
+        gpus = gpus_of_training(plan.train)
+        if gpus and verl.gpus:
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
 
     # Under the owner guard: verl and its process group stop even if this process is SIGKILLed.
     command = guarded([sys.executable, "-m", "verl.trainer.main_ppo", *overrides])
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
-             reports / "verl_overrides.txt", params.train.verl.ray_address or "local")
-    watch = VerlHealthWatch(params.train.health, rollout_dump_dir(params) if params.train.health.enabled else None)
+             reports / "verl_overrides.txt", verl.ray_address or "local")
+    health_cfg = plan.train.health
+    watch = VerlHealthWatch(health_cfg, rollout_dump_dir(plan) if health_cfg.enabled else None)
     try:
-        rc, tail = _stream(command, env=env, cwd=params.root, log_file=reports / "verl.log", on_line=watch)
+        rc, tail = _stream(command, env=env, cwd=plan.root, log_file=reports / "verl.log", on_line=watch)
     except BreachSeen as seen:  # verl's process group is already stopped (_stream)
         from pipeline.train.checkpoint import set_aside_verl_steps
 
-        kept = set_aside_verl_steps(params.path(params.paths.checkpoint_dir), seen.breach.step)
+        kept = set_aside_verl_steps(plan.checkpoint_dir, seen.breach.step)
         raise health.stop_training(seen.breach, f"kept checkpoint {kept.parent.name}" if kept is not None
                                    else "no checkpoint kept (none was saved before the breach)") from None
     if rc != 0:
@@ -223,7 +233,7 @@ def _launch(params: Params, run: Any, val_files: list[Path], environment_url: st
             hint = " (no Ray cluster: run `ray start --head` first, or set train.verl.ray_address='')"
         elif "EnvironmentUnhealthy" in tail:
             hint = (" (the environment failed too often: see environment.max_failure_rate; the last checkpoint"
-                    f" in {params.paths.checkpoint_dir} is kept and `promptr1 train` resumes from it)")
+                    f" in {plan.checkpoint_dir} is kept and `promptr1 train` resumes from it)")
         raise UserError(f"verl training failed with exit code {rc}{hint}; see {reports / 'verl.log'}. "
                         f"Last lines:\n{tail}")
     rows = export_steps_csv(run_id, reports / "steps.csv")

@@ -25,10 +25,13 @@ import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ConfigError, Params
 from pipeline.train.verl_overrides import OVERRIDE_TABLE, build_overrides
+
+if TYPE_CHECKING:
+    from pipeline.train.plan import TrainPlan
 
 EXTRA_OVERRIDES = "train.verl.extra_overrides"
 COMPUTED_KEYS = {
@@ -119,8 +122,15 @@ class VerlRun:
 
 def compose_run(params: Params) -> VerlRun:
     """Compose what `train` hands verl for these params (raises ComposeError or UserError when it cannot)."""
-    extra = params.train.verl.extra_overrides
-    cfg = compose_verl(build_overrides(params))
+    from pipeline.train.plan import TrainPlan
+
+    return compose_plan(TrainPlan.from_params(params))
+
+
+def compose_plan(plan: TrainPlan) -> VerlRun:
+    """`compose_run` for a resolved train plan (the stage's resources check)."""
+    extra = plan.train.verl.extra_overrides
+    cfg = compose_verl(build_overrides(plan))
     return VerlRun(cfg=cfg, overridden=frozenset(override_key(o) for o in extra))
 
 

@@ -15,12 +15,16 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from pipeline.config import EnvironmentConfig, Params
+from pipeline.config import EnvironmentConfig
 from pipeline.errors import UserError
+
+if TYPE_CHECKING:
+    from pipeline.config import LoraConfig, RewardConfig
+    from pipeline.train.plan import TrainPlan
 
 ROLLOUT_DIR = "verl_rollouts"
 """Folder under `paths.cache_dir` where verl dumps each step's trajectories for the health gate."""
@@ -63,14 +67,12 @@ def _kv(key: str, value: Any) -> str:
     return f"{key}={hydra_value(value)}"
 
 
-def model_location(params: Params) -> str:
+def model_location(plan: TrainPlan) -> str:
     """The agent model as verl can load it: a local Hugging Face directory or a Hub id (not a GGUF file)."""
-    from pipeline.modelref import resolve_model
-
-    resolved = resolve_model(params.agent.model, params.root)
+    resolved = plan.require_agent_model()
     if resolved.gguf_file:
         raise UserError(
-            f"agent.model {params.agent.model!r} is a GGUF file; the verl backend needs a Hugging Face model "
+            f"agent.model {plan.agent.model!r} is a GGUF file; the verl backend needs a Hugging Face model "
             "directory or Hub id (e.g. the paper profile's Qwen/Qwen3-4B), or use train.backend=local"
         )
     if resolved.is_local:
@@ -78,50 +80,49 @@ def model_location(params: Params) -> str:
     return resolved.location
 
 
-def train_file(params: Params) -> Path:
-    return params.path(params.paths.rl_dir).resolve() / "train.parquet"
+def train_file(plan: TrainPlan) -> Path:
+    return plan.rl_dir.resolve() / plan.train_file.name
 
 
-def rollout_dump_dir(params: Params) -> Path:
+def rollout_dump_dir(plan: TrainPlan) -> Path:
     """Where verl dumps each step's trajectories for the health gate (verl_health.py): the git-ignored cache."""
-    return params.path(params.paths.cache_dir).resolve() / ROLLOUT_DIR
+    return plan.cache_dir.resolve() / ROLLOUT_DIR
 
 
-def eval_files(params: Params) -> list[Path]:
+def eval_files(plan: TrainPlan) -> list[Path]:
     """The evaluation sets the build stage writes, in params' order (ID then OOD)."""
-    eval_dir = params.path(params.paths.rl_dir).resolve() / "eval"
-    return [eval_dir / f"{name}.parquet" for name in params.eval_datasets]
+    return [plan.rl_dir.resolve() / path.relative_to(plan.rl_dir) for path in plan.eval_files]
 
 
-def build_overrides(params: Params, *, val_files: list[Path] | None = None,
+def build_overrides(plan: TrainPlan, *, val_files: list[Path] | None = None,
                     environment_url: str | None = None) -> list[str]:
-    """verl Hydra overrides for `ppo_trainer.yaml` from our typed params, then `train.verl.extra_overrides`.
+    """verl Hydra overrides for `ppo_trainer.yaml` from the train plan, then `train.verl.extra_overrides`.
 
     `val_files` defaults to every evaluation set named by params (`train_verl` passes the existing ones).
     """
-    val = [str(p) for p in (val_files if val_files is not None else eval_files(params))]
+    val = [str(p) for p in (val_files if val_files is not None else eval_files(plan))]
     computed = {
-        "data.train_files": str(train_file(params)),
+        "data.train_files": str(train_file(plan)),
         "data.val_files": val,
-        "actor_rollout_ref.model.path": model_location(params),
+        "actor_rollout_ref.model.path": model_location(plan),
         "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(AGENT_LOOP_CONFIG),
         "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_NAME,
         "reward.custom_reward_function.path": str(REWARD_FUNCTION_FILE),
         "reward.custom_reward_function.name": REWARD_FUNCTION_NAME,
-        "trainer.default_local_dir": str(params.path(params.paths.checkpoint_dir).resolve()),
-        "trainer.project_name": params.mlflow.experiment,
-        "trainer.experiment_name": f"prompt-r1-{params.profile}",
+        "trainer.default_local_dir": str(plan.checkpoint_dir.resolve()),
+        "trainer.project_name": plan.experiment,
+        "trainer.experiment_name": f"prompt-r1-{plan.profile}",
     }
-    if params.train.health.enabled:  # each step's trajectories, for the health gate's group figures
-        computed["trainer.rollout_data_dir"] = str(rollout_dump_dir(params))
+    if plan.train.health.enabled:  # each step's trajectories, for the health gate's group figures
+        computed["trainer.rollout_data_dir"] = str(rollout_dump_dir(plan))
     overrides = [
-        *(_kv(key, param_value(params, value)) for key, value in _override_table().items()),
+        *(_kv(key, param_value(plan, value)) for key, value in _override_table().items()),
         *(_kv(key, value) for key, value in computed.items()),
-        *reward_kwargs_overrides(params),
-        *_lora_overrides(params),
-        *agent_loop_overrides(params, environment_url),
+        *reward_kwargs_overrides(plan.reward),
+        *_lora_overrides(plan.train.lora),
+        *agent_loop_overrides(plan, environment_url),
     ]
-    return [*overrides, *params.train.verl.extra_overrides]
+    return [*overrides, *plan.train.verl.extra_overrides]
 
 
 def _override_table() -> dict[str, Any]:
@@ -129,19 +130,19 @@ def _override_table() -> dict[str, Any]:
     return yaml.safe_load(OVERRIDE_TABLE.read_text(encoding="utf-8"))
 
 
-def param_value(params: Params, value: Any) -> Any:
-    """`"$a.b"` → the value of param `a.b`; anything else unchanged."""
+def param_value(plan: TrainPlan, value: Any) -> Any:
+    """`"$a.b"` → the value of param `a.b` (the plan holds `seed` and the `agent` and `train` sections under
+    their params names); anything else unchanged."""
     if not (isinstance(value, str) and value.startswith("$")):
         return value
-    node: Any = params
+    node: Any = plan
     for part in value[1:].split("."):
         node = getattr(node, part)
     return node
 
 
-def reward_kwargs_overrides(params: Params) -> list[str]:
+def reward_kwargs_overrides(r: RewardConfig) -> list[str]:
     """`+reward.custom_reward_function.reward_kwargs.*`: the preset and every non-null coefficient."""
-    r = params.reward
     prefix = "+reward.custom_reward_function.reward_kwargs"
     out = [_kv(f"{prefix}.preset", r.preset)]
     for name in ("alpha", "beta", "gamma", "delta", "eps"):
@@ -151,27 +152,28 @@ def reward_kwargs_overrides(params: Params) -> list[str]:
     return out
 
 
-def agent_loop_overrides(params: Params, environment_url: str | None = None) -> list[str]:
+def agent_loop_overrides(plan: TrainPlan, environment_url: str | None = None) -> list[str]:
     """The `+prompt_r1.*` block the agent-loop workers read (see verl_worker_client.LoopSettings).
 
     `environment_url` is the endpoint the stage started or health-checked; workers get exactly that one as
     `base_url`, so they never guess a host (on several nodes it must not be loopback: `promptr1 check`).
     """
-    env = params.environment
+    from pipeline.environment.spec import environment_with
+
+    env = plan.environment
     if environment_url:
-        env = env.model_copy(update={"base_url": environment_url})
+        env = environment_with(env, base_url=environment_url)
     out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
     out += [
-        _kv("+prompt_r1.agent.max_turns", params.agent.max_turns),
-        _kv("+prompt_r1.agent.max_turn_tokens", params.agent.max_turn_tokens),
-        _kv("+prompt_r1.agent.env_reply_max_chars", params.agent.env_reply_max_chars),
-        _kv("+prompt_r1.cache_dir", str(params.path(params.paths.cache_dir).resolve())),
+        _kv("+prompt_r1.agent.max_turns", plan.agent.max_turns),
+        _kv("+prompt_r1.agent.max_turn_tokens", plan.agent.max_turn_tokens),
+        _kv("+prompt_r1.agent.env_reply_max_chars", plan.agent.env_reply_max_chars),
+        _kv("+prompt_r1.cache_dir", str(plan.cache_dir.resolve())),
     ]
     return out
 
 
-def _lora_overrides(params: Params) -> list[str]:
-    lora = params.train.lora
+def _lora_overrides(lora: LoraConfig) -> list[str]:
     if not lora.enabled:
         return []
     return [

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import EnvironmentConfig
 from pipeline.environment.client import CACHE_FILE, LEDGER_FILE, EnvironmentClient
+from pipeline.environment.spec import environment_with
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,9 @@ def environment_client(settings: LoopSettings, num_workers: int = 1) -> Environm
     env = settings.environment
     workers = max(1, num_workers)
     ledger_path = settings.cache_dir / LEDGER_FILE if settings.cache_dir else None
-    per_worker = env.model_copy(update={
-        "concurrency": max(1, math.ceil(env.concurrency / workers)),
-        "budget_usd": env.budget_usd if env.budget_usd is None or ledger_path else env.budget_usd / workers,
-    })
+    per_worker = environment_with(
+        env, concurrency=max(1, math.ceil(env.concurrency / workers)),
+        budget_usd=env.budget_usd if env.budget_usd is None or ledger_path else env.budget_usd / workers)
     cache_path = settings.cache_dir / CACHE_FILE if (settings.cache_dir and env.cache) else None
     key = json.dumps([per_worker.model_dump(mode="json"), str(cache_path), str(ledger_path)], sort_keys=True)
     client = _CLIENTS.get(key)

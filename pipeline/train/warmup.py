@@ -16,13 +16,10 @@ A demonstration (`build_demonstrations`) is a `Trajectory` built as the rollout 
 The first request is the question (with a short framing), later ones ask the environment to verify/refine.
 The answer (`train.warmup.answer`) is grounded in the replies (`reply`, the default with live replies): a gold
 answer when a reply states it, else the short answer the last reply gives (`reply_answer`). `gold` puts the
-row's gold answer there whatever the replies said. Why: on the default profile (SmolLM2-135M agent and
-environment) the replies rarely hold the gold answer (1 of the 8 demos), so gold-answer demos taught the agent
-to write an answer unrelated to what it was told. Measured on the same run with each setting
-(`benchmarks/bench_warmup_answers.py`, `benchmarks/results/warmup_answers_{gold,reply}.json`): the share of
-final answers that the environment's replies state went from 1 of 14 to 8 of 15 in the GRPO samples and
-from 14 of 28 to 27 of 30 in the evaluation. F1 did not move (noise-level both ways): the tiny environment's
-replies state a gold answer for 4-5 of 48 questions.
+row's gold answer there whatever the replies said. Why: on the default profile the replies rarely hold the
+gold answer, so gold-answer demos taught the agent to answer unrelated to what it was told; grounded ones
+raised the share of answers the replies state from 1 of 14 to 8 of 15 (GRPO samples) and 14 of 28 to 27 of 30
+(evaluation), F1 unchanged (`benchmarks/bench_warmup_answers.py`, `benchmarks/results/warmup_answers_*.json`).
 The think/request wording is drawn from a few templates with a seeded RNG, so the model learns the
 structure rather than one string. The environment is the live one (`EnvironmentClient`, temperature forced
 to 0 so replies are deterministic and cached), asked with its own history exactly as the rollout asks it.
@@ -30,9 +27,8 @@ Agent turns are encoded separately and appended (the builder is append-only, lik
 sees the same token layout as sampling: no train/rollout drift.
 With `train.warmup.replies: withheld` every environment turn is `WITHHELD_REPLY` instead (no call): the demos
 then teach the protocol (tags, turn order, asking with the question, a short answer) but not how to use a
-reply. The learn profile needs that: its environment's replies hold the answers, so demos with live replies
-would already teach the very skill whose learning by GRPO the experiment measures (measured: with live
-replies the warm-up-only agent scored held-out F1 98.6 on 24 questions, leaving GRPO nothing to show).
+reply. The learn profile needs that: its environment's replies hold the answers, so live-reply demos would
+teach the skill GRPO is measured on (the warm-up-only agent then scored held-out F1 98.6 on 24 questions).
 
 Design decisions:
 - **Which rows**: rows whose gold answer fits `max_answer_tokens`, whose every agent turn fits
@@ -67,7 +63,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -82,16 +78,18 @@ from pipeline.agent.protocol import (
     ConversationBuilder,
     parse_turn,
 )
-from pipeline.config import Params
 from pipeline.errors import DataError
 from pipeline.hardware import resolve_autocast
 from pipeline.metrics import normalize_answer
 from pipeline.train.batch import collate, response_log_probs, shared_prompt_log_probs
 from pipeline.types import EnvironmentReply, PromptItem, Trajectory, Turn
 
+if TYPE_CHECKING:
+    from pipeline.config import AgentConfig, WarmupConfig
+    from pipeline.train.plan import TrainPlan
+
 log = logging.getLogger(__name__)
 
-WARMUP_CSV = "train/warmup.csv"
 WITHHELD_REPLY = "(The reply is withheld in this demonstration.)"
 """The environment turn of a demonstration built with `train.warmup.replies: withheld`."""
 
@@ -207,9 +205,9 @@ class _Plan:
     final_think: str = ""
 
 
-def _plan(builder: ConversationBuilder, item: PromptItem, params: Params, rng: random.Random) -> _Plan | None:
+def _plan(builder: ConversationBuilder, item: PromptItem, w: WarmupConfig, a: AgentConfig,
+          rng: random.Random) -> _Plan | None:
     """Texts and agent ids of one demo, or None when the row does not fit the budgets."""
-    w, a = params.train.warmup, params.agent
     question = question_of(item)
     if not question or not item.gold_answers:
         return None
@@ -286,19 +284,19 @@ async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan], 
     return out
 
 
-def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, env: Any, count: int,
+def build_demonstrations(plan: TrainPlan, frame: pd.DataFrame, tokenizer: Any, env: Any, count: int,
                          item_from_row: Callable[[dict[str, Any], int], PromptItem]) -> list[Trajectory]:
     """`count` demonstration trajectories from the training rows (see module docstring).
 
     `env` is an EnvironmentClient (or anything with its `async reply(history, prompt)`); failed environment
     calls (reply with `error`) drop that demo. Raises DataError when no row fits the budgets.
     """
-    builder = ConversationBuilder(tokenizer, params.agent.env_reply_max_chars)
-    withheld = params.train.warmup.replies == "withheld"
-    grounding = ((params.train.warmup.max_answer_tokens, params.agent.max_turn_tokens)
-                 if answer_source(params.train.warmup) == "reply" else None)
-    rng = random.Random(params.seed)
-    order = np.random.default_rng([params.seed, 0x5F7]).permutation(len(frame))
+    w, a = plan.train.warmup, plan.agent
+    builder = ConversationBuilder(tokenizer, a.env_reply_max_chars)
+    withheld = w.replies == "withheld"
+    grounding = (w.max_answer_tokens, a.max_turn_tokens) if answer_source(w) == "reply" else None
+    rng = random.Random(plan.seed)
+    order = np.random.default_rng([plan.seed, 0x5F7]).permutation(len(frame))
     demos: list[Trajectory] = []
     cursor = 0
     while len(demos) < count and cursor < len(order):
@@ -306,16 +304,16 @@ def build_demonstrations(params: Params, frame: pd.DataFrame, tokenizer: Any, en
         while len(plans) < count - len(demos) and cursor < len(order):
             index = int(order[cursor])
             cursor += 1
-            plan = _plan(builder, item_from_row(frame.iloc[index].to_dict(), index), params, rng)
-            if plan is not None:
-                plans.append(plan)
+            demo = _plan(builder, item_from_row(frame.iloc[index].to_dict(), index), w, a, rng)
+            if demo is not None:
+                plans.append(demo)
         if not plans:
             break
         for traj in asyncio.run(_assemble(builder, env, plans, withheld, grounding)):
             if traj is None:
                 continue
             failed = any(t.env_reply is not None and t.env_reply.error for t in traj.turns)
-            if failed or len(traj.response_ids) > params.agent.max_response_tokens:
+            if failed or len(traj.response_ids) > a.max_response_tokens:
                 continue
             demos.append(traj)
     if not demos:
@@ -347,16 +345,16 @@ def warmup_loss(model: torch.nn.Module, demos: list[Trajectory], pad_id: int, mi
     return loss_sum, int(total_tokens)
 
 
-def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd.DataFrame, env: Any,
+def run_warmup(plan: TrainPlan, model: torch.nn.Module, tokenizer: Any, frame: pd.DataFrame, env: Any,
                device: torch.device, item_from_row: Callable[[dict[str, Any], int], PromptItem],
                log_metrics: Callable[[dict[str, float], int], None] | None = None) -> list[dict[str, float]]:
     """`warmup.steps` supervised steps on demonstrations; returns one metrics row per step."""
     from pipeline.progress import progress
 
-    w, cfg = params.train.warmup, params.train
+    w, cfg = plan.train.warmup, plan.train
     count = w.demonstrations or w.steps * w.batch_size
     t0 = time.perf_counter()
-    demos = build_demonstrations(params, frame, tokenizer, env, count, item_from_row)
+    demos = build_demonstrations(plan, frame, tokenizer, env, count, item_from_row)
     build_s = time.perf_counter() - t0
     env_calls = sum(d.usage.calls for d in demos)
     golds = sum(d.turns[-1].parsed.answer in [str(g).strip() for g in d.item.gold_answers] for d in demos)
@@ -396,11 +394,3 @@ def run_warmup(params: Params, model: torch.nn.Module, tokenizer: Any, frame: pd
     optimizer.zero_grad(set_to_none=True)
     return rows
 
-
-def write_warmup_csv(path, rows: list[dict[str, float]]) -> None:
-    """`reports/train/warmup.csv`: one row per warm-up step (columns `warmup/step`, `warmup/loss`, ...)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    frame = pd.DataFrame(rows)
-    tmp = path.with_suffix(".csv.tmp")
-    frame.to_csv(tmp, index=False)
-    tmp.replace(path)

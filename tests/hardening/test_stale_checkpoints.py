@@ -15,6 +15,7 @@ from helpers import output_paths
 
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.plan import TrainPlan
 from pipeline.train.resume import discard_stale_checkpoints, stale_folders, training_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def _old_run(params, marker: str) -> None:
     root = params.path(params.paths.checkpoint_dir)
     step = ckpt.step_dir(root, 1)
     step.mkdir(parents=True)
-    config = {**training_config(params), "seed": params.seed + 1}
+    config = {**training_config(TrainPlan.from_params(params)), "seed": params.seed + 1}
     (step / ckpt.STATE_FILE).write_text(json.dumps({"step": 1, "config": config}))
     (step / "model.safetensors").write_text(marker)
     (root / ckpt.LATEST).write_text("step_1")
@@ -42,12 +43,12 @@ def _old_run(params, marker: str) -> None:
 def test_old_runs_are_set_aside_and_only_the_newest_kept(tmp_path):
     params = _params(tmp_path, keep=2)
     root = params.path(params.paths.checkpoint_dir)
-    assert discard_stale_checkpoints(params) is None  # nothing there: nothing to do
+    assert discard_stale_checkpoints(TrainPlan.from_params(params)) is None  # nothing there: nothing to do
 
     aside = []
     for run in ("run-a", "run-b", "run-c"):
         _old_run(params, run)
-        aside.append(discard_stale_checkpoints(params))
+        aside.append(discard_stale_checkpoints(TrainPlan.from_params(params)))
         assert not root.exists()  # the run starts afresh
         assert not (params.path(params.paths.reports_dir) / "train" / "steps.csv").exists()
 
@@ -65,14 +66,14 @@ def test_current_checkpoint_is_left_alone(tmp_path):
     params = _params(tmp_path, keep=1)
     _old_run(params, "same")
     state = ckpt.step_dir(params.path(params.paths.checkpoint_dir), 1) / ckpt.STATE_FILE
-    state.write_text(json.dumps({"step": 1, "config": training_config(params)}))
-    assert discard_stale_checkpoints(params) is None
+    state.write_text(json.dumps({"step": 1, "config": training_config(TrainPlan.from_params(params))}))
+    assert discard_stale_checkpoints(TrainPlan.from_params(params)) is None
     assert state.is_file() and stale_folders(params.path(params.paths.checkpoint_dir)) == []
 
 
 def test_keep_zero_removes_as_before(tmp_path):
     params = _params(tmp_path, keep=0)
     _old_run(params, "gone")
-    assert discard_stale_checkpoints(params) is None
+    assert discard_stale_checkpoints(TrainPlan.from_params(params)) is None
     root = params.path(params.paths.checkpoint_dir)
     assert not root.exists() and stale_folders(root) == []
