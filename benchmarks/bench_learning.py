@@ -294,8 +294,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             asyncio.run(env.aclose())
 
-        result = summarise(params, args, evals, curve, steps_csv_path(params.path(params.paths.reports_dir)), rows_by_ds, timings,
-                           time.perf_counter() - t_all)
+        steps_csv = steps_csv_path(params.path(params.paths.reports_dir))
+        result = summarise(params, args, evals, curve, steps_csv, rows_by_ds, timings, time.perf_counter() - t_all)
         if result["heldout_f1_gain_ci"] is not None:
             mlflow.log_metrics({"heldout/f1_gain": result["heldout_f1_gain"],
                                 "heldout/f1_gain_low": result["heldout_f1_gain_ci"][0],

@@ -419,7 +419,7 @@ def test_real_stage_one_step_smollm2_llamacpp(tmp_path, llama_server, params):
 
 
 def test_stage_dispatches_verl_backend_inside_the_train_run(tmp_path, monkeypatch, tiny_llama_dir):
-    """backend verl → train_verl(params, run) with the active MLflow child run (verl itself needs GPUs)."""
+    """backend verl → run_verl(plan, tracking_uri, run) with the active MLflow child run (verl itself needs GPUs)."""
     import mlflow
 
     from pipeline.train import resources, verl_backend
@@ -427,13 +427,13 @@ def test_stage_dispatches_verl_backend_inside_the_train_run(tmp_path, monkeypatc
 
     calls = []
 
-    def fake_train_verl(params, run):
-        calls.append((params.train.backend, run.info.run_id, mlflow.active_run().info.run_id))
+    def fake_run_verl(plan, uri, run):
+        calls.append((plan.train.backend, run.info.run_id, mlflow.active_run().info.run_id))
 
-    def fake_assert_resources(params):  # the machine checks need GPUs and a Ray cluster (test_layout_verl.py)
+    def fake_assert_resources(plan):  # the machine checks need GPUs and a Ray cluster (test_layout_verl.py)
         calls.append(("resources", mlflow.active_run()))
 
-    monkeypatch.setattr(verl_backend, "train_verl", fake_train_verl)
+    monkeypatch.setattr(verl_backend, "run_verl", fake_run_verl)
     monkeypatch.setattr(resources, "assert_resources", fake_assert_resources)
     params = load_params(REPO_ROOT / "params.yaml", {
         **tiny_overrides(tmp_path, tiny_llama_dir, "http://127.0.0.1:9/v1"), "train": {"backend": "verl"}})

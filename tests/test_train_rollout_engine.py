@@ -59,13 +59,13 @@ def _trainer(params):
     plan = TrainPlan.from_params(params)
     models = load_policy_models(plan.require_agent_model(), plan.agent, plan.train, None, torch.device("cpu"))
     frame = load_training_set(plan.train_file)
-    return LocalTrainer(TrainPlan.from_params(params), models, frame, torch.device("cpu"), QuestionSampler(len(frame), params.seed))
+    return LocalTrainer(plan, models, frame, torch.device("cpu"), QuestionSampler(len(frame), params.seed))
 
 
 def _rollout(trainer, step: int, items=None):
     from pipeline.environment.client import EnvironmentClient
 
-    env = EnvironmentClient.from_params(trainer.params)
+    env = EnvironmentClient.in_cache_dir(trainer.plan.environment, trainer.plan.cache_dir)
     try:
         return trainer.rollout(env, items if items is not None else trainer.draw_items(), step)
     finally:

@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 class OpenAICompletionsPolicy(PolicyBackend):
     """An agent behind an OpenAI-compatible `/v1/completions` endpoint (see module docstring)."""
 
+    engine = "llama.cpp"
+    """What samples the agent (pipeline.agent.engine): the pipeline serves its agent with llama.cpp's server
+    (pipeline.agent.served), so a stage records `policy.engine` as what ran instead of deciding again."""
+
     def __init__(
         self,
         base_url: str,

@@ -24,8 +24,13 @@ if TYPE_CHECKING:
 ENGINES = ("llama.cpp", "transformers")
 
 
-def decide_engine(requested: str, agent_model: ResolvedModel | None, *, prefer_in_process: bool = False,
-                  model_type: str | None = None) -> str:
+def decide_engine(
+    requested: str,
+    agent_model: ResolvedModel | None,
+    *,
+    prefer_in_process: bool = False,
+    model_type: str | None = None,
+) -> str:
     """`requested` (`auto`, `llama.cpp` or `transformers`) with `auto` decided (see module docstring).
 
     `agent_model`: `agent.model` resolved (None when it resolves to nothing); `model_type`: the loaded

@@ -129,6 +129,9 @@ class PolicyBackend:
 class TransformersPolicy(PolicyBackend):
     """An in-process transformers causal LM (see module docstring)."""
 
+    engine = "transformers"
+    """What samples the agent (pipeline.agent.engine), for a stage to record what ran."""
+
     def __init__(
         self,
         model: Any,

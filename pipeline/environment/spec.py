@@ -33,7 +33,9 @@ class ServerSpec:
 
     @classmethod
     def from_params(cls, params: Params) -> ServerSpec:
-        return cls(environment=params.environment, root=params.root, cache_dir=params.path(params.paths.cache_dir))
+        return cls(
+            environment=params.environment, root=params.root, cache_dir=params.path(params.paths.cache_dir)
+        )
 
 
 def environment_with(env: EnvironmentConfig, **changes: Any) -> EnvironmentConfig:
@@ -41,12 +43,18 @@ def environment_with(env: EnvironmentConfig, **changes: Any) -> EnvironmentConfi
     return type(env).model_validate({**env.model_dump(), **changes})
 
 
-def agent_server_environment(env: EnvironmentConfig, gguf_path: Path, *, port: int, parallel: int,
-                             n_ctx: int) -> EnvironmentConfig:
+def agent_server_environment(
+    env: EnvironmentConfig, gguf_path: Path, *, port: int, parallel: int, n_ctx: int
+) -> EnvironmentConfig:
     """The environment config of llama.cpp's server for the agent's GGUF file `gguf_path`: served as
     `agent-<stem>` at `port` on `env.host`, `parallel` slots of `n_ctx` tokens each (one whole conversation)."""
     name = gguf_path.stem if gguf_path.stem.startswith("agent-") else f"agent-{gguf_path.stem}"
-    server = env.server.model_dump() | {"engine": "llama.cpp", "parallel": parallel, "n_ctx": n_ctx,
-                                        "extra_args": []}
-    return environment_with(env, backend="llamacpp", model=str(gguf_path), served_name=name, port=port,
-                            base_url="", server=server)
+    server = env.server.model_dump() | {
+        "engine": "llama.cpp",
+        "parallel": parallel,
+        "n_ctx": n_ctx,
+        "extra_args": [],
+    }
+    return environment_with(
+        env, backend="llamacpp", model=str(gguf_path), served_name=name, port=port, base_url="", server=server
+    )

@@ -63,14 +63,26 @@ class TrainPlan:
             model, error = resolve_model(params.agent.model, params.root), None
         except ModelRefError as exc:
             model, error = None, str(exc)
-        return cls(source=params, profile=params.profile, seed=params.seed, root=params.root,
-                   agent=params.agent, environment=params.environment, reward=params.reward, train=params.train,
-                   experiment=params.mlflow.experiment, trace_train_samples=params.mlflow.trace_train_samples,
-                   eval_datasets=tuple(params.eval_datasets), rl_dir=params.path(params.paths.rl_dir),
-                   reports_dir=params.path(params.paths.reports_dir),
-                   checkpoint_dir=params.path(params.paths.checkpoint_dir),
-                   cache_dir=params.path(params.paths.cache_dir), server=ServerSpec.from_params(params),
-                   agent_model=model, agent_model_error=error)
+        return cls(
+            source=params,
+            profile=params.profile,
+            seed=params.seed,
+            root=params.root,
+            agent=params.agent,
+            environment=params.environment,
+            reward=params.reward,
+            train=params.train,
+            experiment=params.mlflow.experiment,
+            trace_train_samples=params.mlflow.trace_train_samples,
+            eval_datasets=tuple(params.eval_datasets),
+            rl_dir=params.path(params.paths.rl_dir),
+            reports_dir=params.path(params.paths.reports_dir),
+            checkpoint_dir=params.path(params.paths.checkpoint_dir),
+            cache_dir=params.path(params.paths.cache_dir),
+            server=ServerSpec.from_params(params),
+            agent_model=model,
+            agent_model_error=error,
+        )
 
     def require_agent_model(self) -> ResolvedModel:
         """`agent.model` resolved; raises the ModelRefError resolving it raised."""
