@@ -11,9 +11,8 @@ Backends (`environment.backend`):
   that knows the questions' gold answers (the `learn` profile; see that module). Starts in about a second.
 - `api`: a paid endpoint; nothing is started, but the key variable must be set (fails fast otherwise).
 
-Launchers are a registry (`SERVER_LAUNCHERS`, `register_launcher`): a backend that runs a local server is
-one function from its `ServerSpec` (pipeline.environment.spec: the environment config, the project root and
-the cache folder, resolved once from params by `environment_server` or the stage) to its command line.
+Launchers are a registry (`SERVER_LAUNCHERS`, `register_launcher`): one function per backend from its
+`ServerSpec` (pipeline.environment.spec: config, project root, cache folder; resolved once) to its command line.
 
 Design decisions:
 - **Reuse before start.** If something already answers `GET <url>/models` with 200, it is used as is and
@@ -22,9 +21,8 @@ Design decisions:
   (`start_new_session=True`) so SIGTERM → (grace) → SIGKILL reaches the server and any workers it forked
   (vLLM spawns several). `environment_server` stops it on normal exit, on exceptions and on
   KeyboardInterrupt; an `atexit` hook is the last resort if the interpreter exits inside the block.
-- **Startup failures are explained**: the server's stdout/stderr go to a log file under `paths.cache_dir`;
-  if the process dies or does not become healthy within `server.startup_timeout_s`, EnvironmentUnavailable
-  carries the log's tail.
+- **Startup failures are explained**: the server's output goes to a log file under `paths.cache_dir`; if it dies
+  or is not healthy within `server.startup_timeout_s`, EnvironmentUnavailable carries the log's tail.
 - Servers started by hand and left running (`promptr1 env start|stop|status`) are pipeline/environment/manual.py's.
 """
 
@@ -40,8 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager as ContextManager
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -373,7 +370,7 @@ def started_server(url: str) -> ServerProcess | None:
     return _STARTED.get(url.rstrip("/"))
 
 
-def environment_server(params: Params, role: str = "environment", quiet: bool = False) -> ContextManager[str]:
+def environment_server(params: Params, role: str = "environment", quiet: bool = False) -> AbstractContextManager[str]:
     """`serve_environment` for the environment `params` describe (the entry for stages that hold params)."""
     return serve_environment(ServerSpec.from_params(params), role=role, quiet=quiet)
 
