@@ -19,7 +19,8 @@ then runs MLflow's own server for it (`mlflow models serve --env-manager local`,
   `agent_engine`, `agent_parallel`, `agent_threads` and `cache_dir` are set from this project's `register.serve` and
   `paths.cache_dir` (MLflow's `SERVING_MODEL_CONFIG`), so the pyfunc exports the agent to GGUF once (cached
   beside evaluation's exports) and starts its own llama.cpp server at load, before /ping answers; that server
-  stops with the scoring server. One question: ~8 s instead of 41-47 s with torch (docs/serving.md).
+  stops with the scoring server. One question of the serving test: 11 s, 41-47 s with torch
+  (docs/serving.md).
 """
 
 from __future__ import annotations

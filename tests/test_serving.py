@@ -131,7 +131,9 @@ def test_promptr1_serve_answers_a_post_with_the_champion(tmp_path, repo_root, mo
     project.mkdir()
     fact = "The Carter was directed by Adam Bhala Lough."
     with FaultServer(responder=lambda messages: fact, model="smollm2-135m-instruct") as env_server:
-        params = register_params(project, repo_root, agent_dir, base_url=f"http://127.0.0.1:{env_server.port}/v1")
+        params = register_params(
+            project, repo_root, agent_dir, base_url=f"http://127.0.0.1:{env_server.port}/v1"
+        )
         assert params.environment.served_name == "smollm2-135m-instruct"
         params.agent.max_turns = 2
         params.evaluate.agent_max_turn_tokens = 64
