@@ -57,7 +57,6 @@ MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
 """The models-from-code file the register stage logs (it builds a `PromptR1Agent`)."""
 OUTPUT_COLUMNS = [
     "answer",
-    "agent_engine",
     "turns",
     "stop_reason",
     "env_calls",
@@ -65,6 +64,7 @@ OUTPUT_COLUMNS = [
     "env_completion_tokens",
     "env_errors",
     "trajectory",
+    "agent_engine",
 ]
 
 
@@ -168,7 +168,6 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
             [
                 {
                     "answer": t.answer,
-                    "agent_engine": self.engine,
                     "turns": t.num_turns,
                     "stop_reason": t.stop_reason,
                     "env_calls": t.usage.calls,
@@ -176,6 +175,7 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
                     "env_completion_tokens": t.usage.completion_tokens,
                     "env_errors": t.usage.errors,
                     "trajectory": json.dumps(trajectory_record(t), ensure_ascii=False, default=str),
+                    "agent_engine": self.engine,
                 }
                 for t in trajs
             ],
@@ -192,7 +192,6 @@ def signature() -> Any:
     outputs = Schema(
         [
             ColSpec("string", "answer"),
-            ColSpec("string", "agent_engine"),
             ColSpec("long", "turns"),
             ColSpec("string", "stop_reason"),
             ColSpec("long", "env_calls"),
@@ -200,6 +199,7 @@ def signature() -> Any:
             ColSpec("long", "env_completion_tokens"),
             ColSpec("long", "env_errors"),
             ColSpec("string", "trajectory"),
+            ColSpec("string", "agent_engine"),
         ]
     )
     return ModelSignature(inputs=inputs, outputs=outputs)
