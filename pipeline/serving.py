@@ -15,9 +15,12 @@ then runs MLflow's own server for it (`mlflow models serve --env-manager local`,
   (`environment.json`); `promptr1 env start` (or any endpoint serving the model) must answer there. If it does
   not at start-up, a warning says so; each request then fails fast with the URL and what to start
   (pipeline/environment/health.py), instead of retrying for minutes.
-- **Torch, not llama.cpp, generates.** The pyfunc runs `TransformersPolicy` in the server process; serving the
-  agent through llama.cpp as evaluation does (pipeline/evaluation/agent_server.py) is not wired into the
-  pyfunc yet (it would need the GGUF export and a second server managed by the model).
+- **llama.cpp generates, as in evaluation** (pipeline/agent/engine.py): the served model config's
+  `agent_engine`, `agent_parallel`, `agent_threads` and `cache_dir` are set from this project's `register.serve` and
+  `paths.cache_dir` (MLflow's `SERVING_MODEL_CONFIG`), so the pyfunc exports the agent to GGUF once (cached
+  beside evaluation's exports) and starts its own llama.cpp server at load, before /ping answers; that server
+  stops with the scoring server. One question of the serving test: 11 s, 41-47 s with torch
+  (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_VARIABLE = "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"
 """What MLflow 3.x's scoring server reads (mlflow/pyfunc/scoring_server/__init__.py, `init`)."""
+MODEL_CONFIG_VARIABLE = "SERVING_MODEL_CONFIG"
+"""JSON model-config overrides MLflow's scoring server loads the model with (`load_model_with_mlflow_config`)."""
 
 
 def champion_uri(params: Params) -> str:
@@ -92,7 +97,21 @@ def serve_command(
     ]
     uri = tracking_uri(params)
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri, TIMEOUT_VARIABLE: timeout}
+    env[MODEL_CONFIG_VARIABLE] = json.dumps(serving_model_config(params))
     return cmd, env
+
+
+def serving_model_config(params: Params) -> dict[str, Any]:
+    """The pyfunc model-config keys this project's params decide at serve time (pipeline/agent/engine.py),
+    under any the caller already put in `SERVING_MODEL_CONFIG`."""
+    cfg = params.register.serve
+    ours = {
+        "agent_engine": cfg.agent_engine,
+        "agent_parallel": cfg.agent_parallel,
+        "agent_threads": cfg.agent_threads,
+        "cache_dir": str(params.path(params.paths.cache_dir).resolve()),
+    }
+    return {**ours, **json.loads(os.environ.get(MODEL_CONFIG_VARIABLE) or "{}")}
 
 
 def _warn_if_environment_down(version: Any, uri: str) -> None:

