@@ -19,7 +19,7 @@ Design decisions:
 - **Input.** A DataFrame with `question` and optionally `dataset` (picks the dataset's own instruction,
   e.g. the math wrapper; default `model_config["default_dataset"]`). Output: one row per question with
   `answer`, `turns`, `stop_reason`, environment usage and the trajectory as JSON.
-- **The engine** is pipeline/agent/engine.py's (`agent_engine` in the model config, `register.serve.
+- **The engine** is pipeline/agent/serving_policy.py's (`agent_engine` in the model config, `register.serve.
   agent_engine` when logged; `promptr1 serve` passes the serving project's): with `auto` and a GGUF base model
   (the default profile) the agent generates through llama.cpp's server, as in evaluation, started at load
   time on a free port and stopped when the process exits. Output column `agent_engine` says which engine
@@ -80,10 +80,10 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
 
 
 class PromptR1Agent(mlflow.pyfunc.PythonModel):
-    """pyfunc wrapper: the agent's policy (pipeline.agent.engine) + EnvironmentClient + rollout."""
+    """pyfunc wrapper: the agent's policy (pipeline.agent.serving_policy) + EnvironmentClient + rollout."""
 
     def load_context(self, context: Any) -> None:
-        from pipeline.agent.engine import agent_policy, pyfunc_params
+        from pipeline.agent.serving_policy import agent_policy, pyfunc_params
 
         config = dict(context.model_config or {})
         env_json = json.loads(Path(context.artifacts[ENVIRONMENT_ARTIFACT]).read_text())

@@ -230,7 +230,7 @@ def _pip_requirements() -> list[str]:
 
 
 def _agent_model_config(params: Params) -> dict[str, Any]:
-    from pipeline.agent.engine import engine_model_config
+    from pipeline.agent.serving_policy import engine_model_config
 
     a = params.agent
     return {

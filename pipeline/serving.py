@@ -15,7 +15,7 @@ then runs MLflow's own server for it (`mlflow models serve --env-manager local`,
   (`environment.json`); `promptr1 env start` (or any endpoint serving the model) must answer there. If it does
   not at start-up, a warning says so; each request then fails fast with the URL and what to start
   (pipeline/environment/health.py), instead of retrying for minutes.
-- **llama.cpp generates, as in evaluation** (pipeline/agent/engine.py): the served model config's
+- **llama.cpp generates, as in evaluation** (pipeline/agent/serving_policy.py): the served model config's
   `agent_engine`, `agent_parallel`, `agent_threads` and `cache_dir` are set from this project's `register.serve` and
   `paths.cache_dir` (MLflow's `SERVING_MODEL_CONFIG`), so the pyfunc exports the agent to GGUF once (cached
   beside evaluation's exports) and starts its own llama.cpp server at load, before /ping answers; that server
@@ -102,7 +102,7 @@ def serve_command(
 
 
 def serving_model_config(params: Params) -> dict[str, Any]:
-    """The pyfunc model-config keys this project's params decide at serve time (pipeline/agent/engine.py),
+    """The pyfunc model-config keys this project's params decide at serve time (pipeline/agent/serving_policy.py),
     under any the caller already put in `SERVING_MODEL_CONFIG`."""
     cfg = params.register.serve
     ours = {

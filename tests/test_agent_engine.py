@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from pipeline.agent.engine import agent_policy, choose_engine, pyfunc_params
+from pipeline.agent.serving_policy import agent_policy, choose_engine, pyfunc_params
 from pipeline.errors import UserError
 
 
