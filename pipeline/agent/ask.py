@@ -91,6 +91,7 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
     from pipeline.agent.template import render_user_message
     from pipeline.environment.client import CACHE_FILE, EnvironmentClient
     from pipeline.environment.servers import environment_server
+    from pipeline.environment.spec import environment_with
 
     console = console or Console()
     wall = time.perf_counter()
@@ -115,7 +116,7 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
         policy = agent_engine.policy
         load_s = time.perf_counter() - start
 
-        cfg = params.environment.model_copy(update={"base_url": url})
+        cfg = environment_with(params.environment, base_url=url)
         cache = params.path(params.paths.cache_dir) / CACHE_FILE if cfg.cache else None
         agent = params.agent
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipeline.agent.completions_policy import OpenAICompletionsPolicy
-    from pipeline.config import Params
+    from pipeline.config import EnvironmentConfig, Params
 
 logger = logging.getLogger(__name__)
 
@@ -37,37 +37,43 @@ def agent_port(params: Params) -> int:
     return params.evaluate.agent_port or params.environment.port + 1
 
 
+def agent_environment(gguf_path: Path, params: Params, parallel: int, *, port: int | None = None,
+                      threads: int | str | None = None) -> EnvironmentConfig:
+    """The environment config of the agent's llama.cpp server (pipeline.environment.spec's one constructor):
+    `parallel` slots, each holding one whole conversation (prompt and every turn of its response), at `port`
+    (default `agent_port`), with `threads` threads (default: the environment server's)."""
+    from pipeline.environment.spec import agent_server_environment, environment_with
+
+    env = params.environment
+    if threads is not None:
+        env = environment_with(env, server=env.server.model_dump() | {"n_threads": threads})
+    return agent_server_environment(
+        env, gguf_path, port=port or agent_port(params), parallel=parallel,
+        n_ctx=params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64)
+
+
 def served_params(gguf_path: Path, params: Params, parallel: int) -> Params:
-    """Params whose `environment` section describes the agent's llama.cpp server (for servers.py):
-    `parallel` slots, each holding one whole conversation (prompt and every turn of its response)."""
-    p = params.model_copy(deep=True)
+    """Params whose `environment` section is `agent_environment`'s (for callers that hold params)."""
+    p = params.model_copy(update={"environment": agent_environment(gguf_path, params, parallel)})
     p.root = params.root
-    env = p.environment
-    env.backend = "llamacpp"
-    env.model = str(gguf_path)
-    env.served_name = gguf_path.stem if gguf_path.stem.startswith("agent-") else f"agent-{gguf_path.stem}"
-    env.port = agent_port(params)
-    env.base_url = ""
-    server = env.server
-    server.engine = "llama.cpp"
-    server.parallel = parallel
-    server.n_ctx = params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64
-    server.extra_args = []
     return p
 
 
 @contextmanager
 def served_policy(gguf_path: Path, params: Params, tokenizer: Any, parallel: int,
-                  quiet: bool = False) -> Iterator[OpenAICompletionsPolicy]:
+                  quiet: bool = False, *, port: int | None = None,
+                  threads: int | str | None = None) -> Iterator[OpenAICompletionsPolicy]:
     """Serve `gguf_path` for the block and yield the policy talking to it; the server stops after (unless
     one serving exactly this file was already answering at the port: then it is reused and left running).
     `quiet`: its start and cache share are logged at DEBUG (training starts one per step)."""
     from pipeline.agent.completions_policy import OpenAICompletionsPolicy
-    from pipeline.environment.servers import environment_server
+    from pipeline.environment.servers import serve_environment
+    from pipeline.environment.spec import ServerSpec
 
-    sp = served_params(gguf_path, params, parallel)
-    with environment_server(sp, role="agent", quiet=quiet) as url:
-        policy = OpenAICompletionsPolicy(url, sp.environment.served_name, tokenizer, concurrency=parallel,
+    env = agent_environment(gguf_path, params, parallel, port=port, threads=threads)
+    spec = ServerSpec(environment=env, root=params.root, cache_dir=params.path(params.paths.cache_dir))
+    with serve_environment(spec, role="agent", quiet=quiet) as url:
+        policy = OpenAICompletionsPolicy(url, env.served_name, tokenizer, concurrency=parallel,
                                          token_prompts=True, sampling=UNTRUNCATED)
         try:
             yield policy

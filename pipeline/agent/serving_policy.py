@@ -114,15 +114,9 @@ def agent_policy(
     from pipeline.agent.served import served_policy
     from pipeline.modelref import load_tokenizer
 
-    own = params.model_copy(deep=True)
-    own.root = params.root
-    if threads is not None:
-        own.environment.server.n_threads = threads
-    own.evaluate.agent_port = free_port(
-        own.environment.host if own.environment.host != "0.0.0.0" else "127.0.0.1"
-    )
+    host = params.environment.host if params.environment.host != "0.0.0.0" else "127.0.0.1"
     tokenizer = load_tokenizer(ref, params.root)
-    with served_policy(gguf, own, tokenizer, parallel) as policy:
+    with served_policy(gguf, params, tokenizer, parallel, port=free_port(host), threads=threads) as policy:
         logger.info("agent engine: llama.cpp server at %s (%s)", policy.base_url, gguf.name)
         yield AgentEngine(policy, "llama.cpp", str(gguf))
 
