@@ -147,8 +147,7 @@ def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str
     `controls` (that mode's), `ceilings`, `request_vs_extraction`, `per_seed` and `knowledge` (the question mode)."""
     from pipeline.config import load_params
 
-    root = results.parent.parent
-    learn = load_params(root / "params.yaml", {"profile": "learn"})
+    learn = load_params(Path(__file__).resolve().parents[1] / "params.yaml", {"profile": "learn"})
     main = mode_summary(results / "learning" / main_mode) or {"seeds": [], "controls": {}, "ceilings": {}}
     other = mode_summary(results / "learning" / "question")
     seeds = main["seeds"]
@@ -230,11 +229,16 @@ def write_report(results: Path, notes: list[str], main_mode: str = "terse") -> d
     previous = load(old).get("notes", []) if old.is_file() else []
     result = build(results, [*dict.fromkeys([*previous, *notes])], main_mode)
     (results / "learning.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    columns = ["seed", "step", "reward_mean", "reward_low", "reward_high", "format_rate", "env_calls", "answer_f1"]
+    columns = ["seed", "step", "reward_mean", "reward_low", "reward_high", "format_rate", "env_calls", "answer_f1",
+               "heldout_f1", "heldout_answered_rate"]
+    held = {(p["seed"], p["step"]): p for p in result["heldout_curve"]}
     frame = pd.DataFrame(columns=columns, data=[{
         "seed": s["seed"], "step": s["step"], "reward_mean": s["reward_mean"], "reward_low": s["reward_ci95"][0],
         "reward_high": s["reward_ci95"][1], "format_rate": s["format_rate"], "env_calls": s["env_calls"],
-        "answer_f1": s["reward_parts"].get("answer", float("nan"))} for s in result["steps"]] or None)
+        "answer_f1": s["reward_parts"].get("answer", float("nan")),
+        "heldout_f1": held.get((s["seed"], s["step"]), {}).get("f1", float("nan")),
+        "heldout_answered_rate": held.get((s["seed"], s["step"]), {}).get("answered_rate", float("nan")),
+    } for s in result["steps"]] or None)
     frame.to_csv(results / "learning_steps.csv", index=False)
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
