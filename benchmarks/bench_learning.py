@@ -206,11 +206,11 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.train.step_metrics import steps_csv_path
 
     t_all = time.perf_counter()
-    work = ROOT / ".cache" / f"bench_learning_{args.mode}_seed{args.seed}"
+    work = ROOT / ".cache" / f"bench_learning_{args.mode}_{'rules' if args.rules_only else f'seed{args.seed}'}"
     out = LEARNING / args.mode / f"seed{args.seed}"
     if work.exists() and not args.keep:
         shutil.rmtree(work)
-    if out.exists() and not args.keep:
+    if out.exists() and not args.keep and not args.rules_only:
         shutil.rmtree(out)
     port = free_port()
     params = learn_params(work / "grpo", args, port)
@@ -219,8 +219,11 @@ def run(args: argparse.Namespace) -> None:
     build_data(params)
     timings["data_s"] = time.perf_counter() - t0
     rows_by_ds = heldout_rows(params)
-    if "trivial_rule" in args.controls:
-        trivial_rules(params, rows_by_ds, LEARNING / args.mode / "trivial_rules.json")
+    if "trivial_rule" in args.controls or args.rules_only:
+        questions = sum(len(r) for r in rows_by_ds.values())
+        trivial_rules(params, rows_by_ds, LEARNING / args.mode / f"trivial_rules_{questions}q.json")
+    if args.rules_only:
+        return
     tokenizer = load_tokenizer(params.agent.model, params.root)
     eval_params = params.model_copy(deep=True)
     eval_params.root = params.root
@@ -305,6 +308,8 @@ def main() -> None:
     parser.add_argument("--controls", default=",".join(CONTROLS),
                         help=f"comma-separated subset of {','.join(CONTROLS)} ('' for none)")
     parser.add_argument("--keep", action="store_true", help="resume in the existing work folder")
+    parser.add_argument("--rules-only", action="store_true",
+                        help="only the trivial rules on the held-out rows (seconds; no agent, no training)")
     parser.add_argument("--report", action="store_true",
                         help="only write learning.json/.png/_steps.csv from benchmarks/results/learning/")
     parser.add_argument("--note", action="append", help="a line added to the results' notes (repeatable)")

@@ -66,22 +66,32 @@ def control(evaluations: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             "request_side": [sides(e) for e in evaluations]}
 
 
+def rules_for(folder: Path, questions: int | None) -> Path | None:
+    """The trivial rules' file on the same held-out rows as the seeds (`trivial_rules_<N>q.json`, N questions);
+    with no seed run, the one on the most rows."""
+    if questions is not None:
+        path = folder / f"trivial_rules_{questions}q.json"
+        return path if path.is_file() else None
+    files = sorted(folder.glob("trivial_rules_*q.json"), key=lambda p: int(p.stem.split("_")[-1][:-1]))
+    return files[-1] if files else None
+
+
 def mode_summary(folder: Path) -> dict[str, Any] | None:
     """Everything measured for one environment mode (`folder` = results/learning/<mode>), or None if nothing."""
     if not folder.is_dir():
         return None
     out: dict[str, Any] = {"seeds": [], "per_seed": {}, "controls": {}, "ceilings": {}}
-    rules_file = folder / "trivial_rules.json"
-    if rules_file.is_file():
+    runs = sorted((p for p in folder.glob("seed*") if (p / "run.json").is_file()), key=lambda p: int(p.name[4:]))
+    rules_file = rules_for(folder, load(runs[0] / "run.json")["heldout"]["questions"] if runs else None)
+    if rules_file is not None:
         rules = load(rules_file)
         trivial = {name: r for name, r in rules["rules"].items() if name in rules["trivial"]}
         best = max(trivial, key=lambda n: trivial[n]["f1_mean"])
-        out["controls"]["trivial_rule"] = control([trivial[best]], rule=best, all_rules={
+        out["controls"]["trivial_rule"] = control([trivial[best]], rule=best, file=rules_file.name, all_rules={
             n: round(100 * r["f1_mean"], 2) for n, r in trivial.items()})
         for name, r in rules["rules"].items():
             if name not in rules["trivial"]:
                 out["ceilings"][name] = control([r], why=rules["informed"][name])
-    runs = sorted((p for p in folder.glob("seed*") if (p / "run.json").is_file()), key=lambda p: int(p.name[4:]))
     grpo0, grpo_last, zero, live, curves = [], [], [], [], {}
     for run_dir in runs:
         run = load(run_dir / "run.json")

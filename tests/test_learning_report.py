@@ -34,7 +34,7 @@ def write(path: Path, content: dict) -> None:
 @pytest.fixture
 def results(tmp_path):
     mode = tmp_path / "learning" / "terse"
-    write(mode / "trivial_rules.json", {
+    write(mode / "trivial_rules_4q.json", {
         "trivial": ["question+full_reply", "question+first_sentence"],
         "rules": {"question+full_reply": evaluation([0.1, 0.1, 0.1, 0.1], [1, 1, 0, 0]),
                   "question+first_sentence": evaluation([0.2, 0.2, 0.2, 0.2], [1, 1, 0, 0]),
