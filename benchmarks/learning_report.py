@@ -91,7 +91,7 @@ def mode_summary(folder: Path) -> dict[str, Any] | None:
             n: round(100 * r["f1_mean"], 2) for n, r in trivial.items()})
         for name, r in rules["rules"].items():
             if name not in rules["trivial"]:
-                out["ceilings"][name] = control([r], why=rules["informed"][name])
+                out["ceilings"][name] = control([r], why=" ".join(rules["informed"][name].split()))
     grpo0, grpo_last, zero, live, curves = [], [], [], [], {}
     for run_dir in runs:
         run = load(run_dir / "run.json")
