@@ -208,7 +208,19 @@ def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str
         "request_vs_extraction": {s: v["request_vs_extraction"] for s, v in main.get("per_seed", {}).items()},
         "per_seed": main.get("per_seed", {}),
         "knowledge": _knowledge(other),
+        "unfinished_runs": unfinished(results / "learning" / main_mode),
     }
+
+
+def unfinished(folder: Path) -> dict[str, Any]:
+    """Seeds stopped before their last GRPO evaluation (no run.json): what they evaluated, never pooled."""
+    out: dict[str, Any] = {}
+    for run_dir in sorted(p for p in folder.glob("seed*") if not (p / "run.json").is_file()):
+        evals = {p.stem: load(p) for p in sorted(run_dir.glob("*.json"))}
+        out[run_dir.name] = {name: {"f1": round(100 * e["f1_mean"], 2), "em": round(100 * e["em_mean"], 2),
+                                    "format_rate": round(e["format_mean"], 4), **sides(e),
+                                    "seconds": round(e.get("seconds", 0.0), 1)} for name, e in evals.items()}
+    return out
 
 
 def _knowledge(summary: dict[str, Any] | None) -> dict[str, Any]:

@@ -47,6 +47,7 @@ def results(tmp_path):
     write(seed / "grpo_step1.json", evaluation([0.5, 0.0, 0.5, 0.0], [1, 0, 1, 0]))
     write(seed / "grpo_step2.json", evaluation([1.0, 0.5, 0.5, 0.0], [1, 1, 1, 0]))
     write(seed / "zero_advantage_step2.json", evaluation([0.0, 0.0, 0.5, 0.0], [0, 0, 1, 0]))
+    write(mode / "seed2" / "grpo_step0.json", evaluation([0.0, 0.0, 0.0, 1.0], [0, 0, 0, 1]))  # stopped early
     return tmp_path
 
 
@@ -71,6 +72,8 @@ def test_learning_json_from_the_files(results):
     assert [p["step"] for p in out["heldout_curve"]] == [0, 1, 2]
     assert out["request_vs_extraction"]["1"]["2"]["answered_rate"] == 0.75
     assert out["knowledge"]["seeds"] == [] and out["notes"] == ["a note"]
+    # a seed stopped before its last evaluation is listed apart, never pooled
+    assert out["unfinished_runs"]["seed2"]["grpo_step0"]["f1"] == 25.0 and out["seeds"] == [1]
     for key in ("heldout_f1_gain_ci", "heldout_f1_warmup_ci", "heldout_f1_grpo_ci"):
         low, high = out[key]
         assert low <= out[key.replace("_ci", "")] <= high
