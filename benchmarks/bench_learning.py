@@ -1,32 +1,35 @@
-"""The learning experiment (issue 12): does our GRPO teach the agent to use an environment that knows the answers?
+"""The learning experiment (issues 12, 32): does our GRPO teach the agent to use an environment that knows the answers?
 
-    python benchmarks/bench_learning.py                     # profiles/learn.yaml, the knowledgeable environment
-    python benchmarks/bench_learning.py --env llamacpp      # the same steps against llama.cpp (untimed)
+    python benchmarks/bench_learning.py --mode terse --seed 1        # one seed of the new mode, with its controls
+    python benchmarks/bench_learning.py --mode question --seed 1     # the existing mode (answer extraction)
+    python benchmarks/bench_learning.py --report                     # learning.json/.png/_steps.csv from the files
 
-What it runs, all through the pipeline's own code (the steps `dvc exp run -S profile=learn` runs):
-1. the data stages (sample → validate → build) for the learn profile, into a work folder under `.cache/`;
-2. the learn profile's format warm-up (`train_local` with `max_steps=0`), then GRPO in chunks of
-   `--eval-every` steps (`train_local` resumes from its own checkpoint each time, as a restarted stage would);
-3. after the warm-up and after every chunk, the checkpoint's agent answers the fixed held-out set (the
-   authors' evaluation rows of the learn profile's ID datasets, never trained on) greedily with the
-   environment (`pipeline.evaluation.systems.run_agent_with_environment`, what the evaluate stage runs); F1 and EM
-   per question (`pipeline.metrics`), and the format rate (the `released` reward's gate).
+Two modes of the knowledgeable environment (`environment.knowledge.mode`): `question`
+(pipeline/environment/knowledge.py: the verbatim question is the best request, the answer sits in a fixed
+template; a two-line rule scores F1 100, so what GRPO can improve there is answer extraction) and `terse`
+(pipeline/environment/terse.py: at most 8 words per request, so most questions must be restated; replies hold
+the answer beside two distractors), where what must improve is the request.
 
-Reported (`benchmarks/results/learning.json`, or `learning_llamacpp.json`): held-out F1/EM of the warm-up-only
-agent vs the GRPO-trained agent, each with a bootstrap 95% CI and their difference with a *paired* bootstrap
-95% CI (same questions, resampled jointly within each dataset); per GRPO step the mean reward with a 95%
-t-interval over the step's trajectories, the reward parts, environment calls and the format rate; timings.
-The per-step curve is also `learning_steps.csv` (a DVC plot) and `learning.png`, and everything goes to one
-MLflow run (experiment of the profile): the training metrics per step plus `heldout/f1`, `heldout/em` and
-`heldout/format_rate` at the evaluated steps.
+What one seed runs, all through the pipeline's own code (the steps `dvc exp run -S profile=learn` runs):
+1. the data stages for the learn profile into a work folder under `.cache/`;
+2. the format warm-up (`train_local` with `max_steps=0`), then GRPO (`train_local` resuming its own
+   checkpoint), evaluated greedily on the fixed held-out rows at step 0, half-way and the last step
+   (`pipeline.evaluation.systems.run_agent_with_environment`, what the evaluate stage runs);
+3. the controls on the same rows (`--controls`): `trivial_rule` (pipeline/evaluation/trivial_rules.py, no
+   agent), `zero_advantage` (the same GRPO steps from the same warm-up checkpoint with every advantage zeroed:
+   sampling, the KL term and weight decay alone), `warmup_live_replies` (the warm-up with the environment's
+   live replies in its demonstrations, no GRPO).
+Every evaluation is saved per question under `benchmarks/results/learning/<mode>/seed<N>/` (F1, EM, format,
+whether the request was answered, the prediction), with the run's `steps.csv` and `run.json`; `--report`
+(benchmarks/learning_report.py) pools the seeds found there into `learning.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-import math
 import os
 import platform
 import shutil
@@ -38,19 +41,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RESULTS = ROOT / "benchmarks" / "results"
-TARGET_GAIN_POINTS = 10.0
-NOTES = [
-    ("First measurement (12 warm-up steps on demonstrations carrying the knowledgeable environment's live "
-    "replies, 24 held-out questions): the warm-up-only agent already scored F1 98.6 / EM 95.8 with format "
-    "rate 1.0 - the demonstrations ask the question and answer with the gold answer, which the live reply "
-    "contains, so the supervised warm-up itself taught the skill whose learning by GRPO is measured here. "
-    "Fix: the learn profile builds its demonstrations with withheld replies (train.warmup.replies: "
-    "withheld): the warm-up teaches the protocol only; using the reply is left to GRPO."),
-    ("GRPO learning rate 5e-5 (default 1e-5): 40 optimizer steps of 8 trajectories; Adam moves each weight "
-    "by at most about lr per step, and the warm-up that changed the agent's behaviour moved them by 12 x 2e-4."),
-]
+LEARNING = RESULTS / "learning"
+CONTROLS = ("trivial_rule", "zero_advantage", "warmup_live_replies")
 log = logging.getLogger("bench_learning")
 
 
@@ -60,22 +55,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def learn_params(workdir: Path, env: str, steps: int | None, port: int):
-    """The learn profile with every output under `workdir`; `env` llamacpp swaps in params.yaml's environment."""
+def learn_params(workdir: Path, args: argparse.Namespace, port: int):
+    """The learn profile with every output under `workdir`, the mode, seed, steps and held-out size of `args`."""
     from pipeline.config import load_params
 
     paths = {name: str(workdir / sub) for name, sub in (
         ("sampled_dir", "data/sampled"), ("rl_dir", "data/rl"), ("reports_dir", "reports"),
         ("checkpoint_dir", "checkpoints/agent"), ("model_dir", "models/agent"), ("cache_dir", "cache"))}
-    overrides: dict[str, Any] = {"profile": "learn", "paths": paths, "environment": {"port": port}}
-    if steps is not None:
-        overrides["train"] = {"steps": steps}
+    overrides: dict[str, Any] = {"profile": "learn", "paths": paths, "seed": args.seed,
+                                 "environment": {"port": port, "knowledge": {"mode": args.mode}}}
+    if args.steps is not None:
+        overrides["train"] = {"steps": args.steps}
+    if args.rows_per_dataset is not None:
+        overrides["evaluate"] = {"rows_per_dataset": args.rows_per_dataset}
     params = load_params(ROOT / "params.yaml", overrides)
     params.environment.knowledge.sources = [str(workdir / "data/rl/train.parquet"), str(workdir / "data/rl/eval")]
-    if env == "llamacpp":
-        default = load_params(ROOT / "params.yaml").environment
-        params.environment = default.model_copy(update={"port": port})
-        params.mlflow.experiment = "prompt-r1-learn-llamacpp"
     return params
 
 
@@ -100,12 +94,14 @@ def heldout_rows(params):
 
 
 def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: str) -> dict[str, Any]:
-    """Greedy held-out answers of the model in `model_dir`: per-dataset F1/EM/format lists and the means."""
+    """Greedy held-out answers of the model in `model_dir`, per question: F1, EM, format (the `released`
+    gate), whether an interaction request was answered (`terse.answered`), the prediction; and the means."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from pipeline.agent.policy import TransformersPolicy
     from pipeline.agent.protocol import parse_turn
+    from pipeline.environment.terse import answered
     from pipeline.evaluation.systems import run_agent_with_environment
     from pipeline.metrics import exact_match, token_f1
     from pipeline.reward import compute_reward
@@ -115,110 +111,88 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
     start = time.perf_counter()
     answers = run_agent_with_environment(policy, env, rows_by_ds, params, label)
     seconds = time.perf_counter() - start
-    out: dict[str, Any] = {"f1": {}, "em": {}, "format": {}, "env_calls": 0, "seconds": seconds,
-                           "examples": []}
+    out: dict[str, Any] = {"f1": {}, "em": {}, "format": {}, "answered": {}, "predictions": {}, "requests": {},
+                           "env_calls": 0, "seconds": seconds, "examples": []}
     for name, rows in rows_by_ds.items():
-        f1s, ems, fmts = [], [], []
+        f1s, ems, fmts, hits, preds, asks = [], [], [], [], [], []
         for row, answer in zip(rows, answers[name], strict=True):
             f1s.append(token_f1(answer.prediction, row.answers))
             ems.append(exact_match(answer.prediction, row.answers))
             turns = [parse_turn(t["text"]) for t in answer.trajectory]
             fmts.append(float(compute_reward(turns, row.answers, params.reward).gated))
+            replies = [t["environment"]["text"] for t in answer.trajectory if t.get("environment")]
+            hits.append(float(any(answered(r) for r in replies)))
+            preds.append(answer.prediction)
+            asks.append([t.interaction_prompt for t in turns if t.interaction_prompt])
             out["env_calls"] += answer.usage.calls
             if len(out["examples"]) < 3:
                 out["examples"].append({"question": row.question, "golds": row.answers,
-                                        "turns": [t["text"] for t in answer.trajectory],
-                                        "replies": [t["environment"]["text"] for t in answer.trajectory
-                                                    if t.get("environment")],
+                                        "turns": [t["text"] for t in answer.trajectory], "replies": replies,
                                         "prediction": answer.prediction})
         out["f1"][name], out["em"][name], out["format"][name] = f1s, ems, fmts
-    for key in ("f1", "em", "format"):
+        out["answered"][name], out["predictions"][name], out["requests"][name] = hits, preds, asks
+    for key in ("f1", "em", "format", "answered"):
         values = [v for vs in out[key].values() for v in vs]
         out[f"{key}_mean"] = sum(values) / len(values)
     return out
 
 
-def step_rows(steps_csv: Path) -> list[dict[str, Any]]:
-    """Per-step curve from the training's steps.csv: mean reward with a 95% t-interval, parts, calls."""
-    import pandas as pd
-    from scipy import stats
-
-    frame = pd.read_csv(steps_csv)
-    rows = []
-    for rec in frame.to_dict("records"):
-        n = int(rec.get("critic/score/count", 0) or 0)
-        mean, std = float(rec["critic/score/mean"]), float(rec.get("critic/score/std", float("nan")))
-        half = float(stats.t.ppf(0.975, n - 1) * std / math.sqrt(n)) if n > 1 and math.isfinite(std) else float("nan")
-        rows.append({
-            "step": int(rec["step"]),
-            "reward_mean": mean,
-            "reward_ci95": [mean - half, mean + half],
-            "reward_parts": {k.split("/")[1]: float(rec[k]) for k in rec if k.startswith("reward/")},
-            "format_rate": float(rec["reward/gated/mean"]),
-            "env_calls": float(rec["env/calls"]),
-            "trajectories": n,
-            "step_s": float(rec["timing_s/step"]),
-        })
-    return rows
+def write_json(path: Path, content: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content, indent=1) + "\n", encoding="utf-8")
 
 
-def gain(after: dict[str, list[float]], before: dict[str, list[float]], params) -> dict[str, Any]:
-    """Means, bootstrap CIs and the paired bootstrap CI of the difference, in points."""
-    from pipeline.metrics import bootstrap_ci_average, paired_bootstrap_delta
+def trivial_rules(params, rows_by_ds, out: Path) -> None:
+    """The trivial rules (and the informed ceiling) on the held-out rows, asked the mode's own reply code."""
+    from pipeline.environment.knowledge import knowledge_base, load_facts
+    from pipeline.evaluation import trivial_rules as tr
 
-    names = list(before)
-    samples, conf = params.evaluate.bootstrap_samples, params.evaluate.confidence
-    b = bootstrap_ci_average([before[n] for n in names], samples, conf, seed=params.seed)
-    a = bootstrap_ci_average([after[n] for n in names], samples, conf, seed=params.seed)
-    d = paired_bootstrap_delta([after[n] for n in names], [before[n] for n in names], samples, conf,
-                               seed=params.seed)
-    pts = [round(100 * x, 2) for x in (*b, *a, *d)]
-    return {"before": pts[0], "before_ci": pts[1:3], "after": pts[3], "after_ci": pts[4:6],
-            "gain": pts[6], "gain_ci": pts[7:9]}
-
-
-def write_outputs(result: dict[str, Any], stem: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    held = {p["step"]: p for p in result["heldout_curve"]}
-    columns = ["step", "reward_mean", "reward_low", "reward_high", "format_rate", "env_calls", "answer_f1",
-               "heldout_f1"]
-    csv = pd.DataFrame(columns=columns, data=[{
-        "step": s["step"], "reward_mean": s["reward_mean"], "reward_low": s["reward_ci95"][0],
-        "reward_high": s["reward_ci95"][1], "format_rate": s["format_rate"], "env_calls": s["env_calls"],
-        "answer_f1": s["reward_parts"].get("answer", float("nan")),
-        "heldout_f1": held[s["step"]]["f1"] if s["step"] in held else float("nan"),
-    } for s in result["steps"]] or None)
-    csv.to_csv(RESULTS / f"{stem}_steps.csv", index=False)
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    top.plot(csv["step"], csv["reward_mean"], marker=".", label="mean reward")
-    top.fill_between(csv["step"], csv["reward_low"], csv["reward_high"], alpha=0.25, label="95% CI")
-    top.plot(csv["step"], csv["format_rate"], linestyle="--", label="format rate (gated)")
-    top.set_ylabel("training reward (released)")
-    top.legend(loc="lower right")
-    steps = [p["step"] for p in result["heldout_curve"]]
-    bottom.plot(steps, [p["f1"] for p in result["heldout_curve"]], marker="o", label="held-out F1")
-    bottom.plot(steps, [p["em"] for p in result["heldout_curve"]], marker="s", label="held-out EM")
-    bottom.set_xlabel("GRPO step (0 = warm-up only)")
-    bottom.set_ylabel("points")
-    bottom.legend(loc="lower right")
-    gain_text = ("no held-out evaluation after GRPO" if result["heldout_f1_gain"] is None else
-                 f"held-out F1 gain {result['heldout_f1_gain']:+.1f} [{result['heldout_f1_gain_ci'][0]:+.1f}, "
-                 f"{result['heldout_f1_gain_ci'][1]:+.1f}] after {result['grpo_steps_evaluated']} steps")
-    fig.suptitle(f"GRPO learning, {result['environment']} environment: {gain_text}")
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{stem}.png", dpi=110)
-    plt.close(fig)
+    k = params.environment.knowledge
+    kb = knowledge_base(load_facts(k.sources), k.min_overlap, k.mode)
+    rules = tr.evaluate_rules(kb, rows_by_ds, params.environment.max_tokens, {**tr.RULES, **tr.INFORMED_RULES})
+    write_json(out, {"mode": k.mode, "trivial": list(tr.RULES), "rules": rules,
+                     "informed": {n: (tr.INFORMED_RULES[n][1].__doc__ or "").split(".")[0] for n in
+                                  tr.INFORMED_RULES}})
+    for name, r in rules.items():
+        log.info("rule %-28s F1 %5.1f  answered %.2f", name, 100 * r["f1_mean"], r["answered_mean"])
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def zeroed_advantages():
+    """GRPO's advantages replaced by zeros in the trainer (the zero_advantage control)."""
+    import torch
+
+    from pipeline.train import trainer
+
+    original = trainer.grpo_advantages
+    trainer.grpo_advantages = lambda scores, mask, group_ids, *a, **kw: torch.zeros_like(
+        original(scores, mask, group_ids, *a, **kw))
+    try:
+        yield
+    finally:
+        trainer.grpo_advantages = original
+
+
+def record(out: Path, args, params, rows_by_ds, timings: dict[str, float], t_all: float, done: int,
+           eval_steps: list[int], finished: list[str]) -> None:
+    """run.json: what this seed ran so far (written after each phase, so an interrupted run still reports)."""
+    write_json(out / "run.json", {
+        "mode": args.mode, "seed": args.seed, "grpo_steps_done": done, "eval_steps": eval_steps,
+        "controls_asked": list(args.controls), "finished": finished,
+        "command": " ".join(["python benchmarks/bench_learning.py", *sys.argv[1:]]),
+        "timing_s": {**{k: round(v, 1) for k, v in timings.items()}, "total_s": round(time.perf_counter() - t_all, 1)},
+        "heldout": {"datasets": list(rows_by_ds), "questions": sum(len(r) for r in rows_by_ds.values())},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "params": {"agent": params.agent.model_dump(mode="json"), "reward": params.reward.model_dump(),
+                   "train": params.train.model_dump(mode="json", exclude={"verl"}),
+                   "environment": {"backend": params.environment.backend, "max_tokens": params.environment.max_tokens,
+                                   "knowledge": {"mode": args.mode,
+                                                 "min_overlap": params.environment.knowledge.min_overlap}},
+                   "evaluate.rows_per_dataset": params.evaluate.rows_per_dataset},
+        "notes": args.note or []})
+
+
+def run(args: argparse.Namespace) -> None:
     import asyncio
 
     import mlflow
@@ -233,160 +207,132 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from pipeline.train.step_metrics import steps_csv_path
 
     t_all = time.perf_counter()
-    workdir = ROOT / ".cache" / f"bench_learning_{args.env}"
-    if workdir.exists() and not args.keep:
-        shutil.rmtree(workdir)
-    params = learn_params(workdir, args.env, args.steps, free_port())
+    work = ROOT / ".cache" / f"bench_learning_{args.mode}_{'rules' if args.rules_only else f'seed{args.seed}'}"
+    out = LEARNING / args.mode / f"seed{args.seed}"
+    if work.exists() and not args.keep:
+        shutil.rmtree(work)
+    if out.exists() and not args.keep and not args.rules_only:
+        shutil.rmtree(out)
+    port = free_port()
+    params = learn_params(work / "grpo", args, port)
+    timings: dict[str, float] = {}
     t0 = time.perf_counter()
     build_data(params)
-    data_s = time.perf_counter() - t0
+    timings["data_s"] = time.perf_counter() - t0
     rows_by_ds = heldout_rows(params)
+    if "trivial_rule" in args.controls or args.rules_only:
+        questions = sum(len(r) for r in rows_by_ds.values())
+        trivial_rules(params, rows_by_ds, LEARNING / args.mode / f"trivial_rules_{questions}q.json")
+    if args.rules_only:
+        return
     tokenizer = load_tokenizer(params.agent.model, params.root)
-    ckpt_root = params.path(params.paths.checkpoint_dir)
     eval_params = params.model_copy(deep=True)
     eval_params.root = params.root
     eval_params.environment.temperature = params.evaluate.env_temperature
-    curve: list[dict[str, Any]] = []
-    evals: dict[int, dict[str, Any]] = {}
-    timings = {"data_s": data_s, "warmup_s": 0.0, "grpo_s": 0.0, "eval_s": 0.0}
+    steps = params.train.steps
+    eval_steps = sorted({0, steps // 2, steps})
+    finished: list[str] = []
+    done = 0
+
+    def variant(name: str, **train: Any):
+        """The same run in its own work folder (data and, when asked, the warm-up checkpoint copied)."""
+        p = learn_params(work / name, args, port)
+        for key, value in train.items():
+            setattr(p.train.warmup, key, value)
+        shutil.copytree(work / "grpo" / "data", work / name / "data", dirs_exist_ok=True)
+        p.environment.knowledge.sources = params.environment.knowledge.sources
+        return p
+
+    def train(p, **kw):
+        """`train_local` on the plan the train stage resolves from `p`."""
+        return train_local(TrainPlan.from_params(p), **kw)
+
+    def timed(key: str, fn, *a, **kw):
+        t = time.perf_counter()
+        result = fn(*a, **kw)
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
+        return result
 
     with environment_server(params), tracking.stage_run(params, "learning", new_parent=True):
-        mlflow.set_tags({"benchmark": "bench_learning", "environment": args.env})
+        mlflow.set_tags({"benchmark": "bench_learning", "mode": args.mode, "seed": str(args.seed)})
         env = EnvironmentClient(eval_params.environment)
 
-        def evaluate_at(step: int, model_dir: Path) -> None:
-            saved = workdir / f"heldout_step{step}.json"
-            if args.keep and saved.is_file():  # a resumed run: this checkpoint was evaluated already
-                result = json.loads(saved.read_text(encoding="utf-8"))
-            else:
-                t = time.perf_counter()
-                result = evaluate_agent(model_dir, tokenizer, env, rows_by_ds, eval_params, f"step {step}")
-                timings["eval_s"] += time.perf_counter() - t
-                saved.write_text(json.dumps(result), encoding="utf-8")
-            evals[step] = result
-            point = {"step": step, "f1": 100 * result["f1_mean"], "em": 100 * result["em_mean"],
-                     "format_rate": result["format_mean"], "env_calls": result["env_calls"]}
-            curve.append(point)
-            mlflow.log_metrics({"heldout/f1": point["f1"], "heldout/em": point["em"],
-                                "heldout/format_rate": point["format_rate"]}, step=step)
-            log.info("held-out at step %d: F1 %.1f EM %.1f format %.2f", step, point["f1"], point["em"],
-                     point["format_rate"])
+        def evaluate_at(name: str, model_dir: Path, step: int) -> None:
+            saved = out / f"{name}.json"
+            if args.keep and saved.is_file():
+                return
+            result = timed("eval_s", evaluate_agent, model_dir, tokenizer, env, rows_by_ds, eval_params, name)
+            write_json(saved, result)
+            mlflow.log_metrics({f"heldout/{name.split('_step')[0]}_f1": 100 * result["f1_mean"],
+                                f"heldout/{name.split('_step')[0]}_answered": result["answered_mean"]}, step=step)
+            log.info("%s: F1 %.1f EM %.1f format %.2f answered %.2f", name, 100 * result["f1_mean"],
+                     100 * result["em_mean"], result["format_mean"], result["answered_mean"])
 
         try:
-            t = time.perf_counter()
-            train_local(TrainPlan.from_params(params), max_steps=0)  # the format warm-up only (skipped when resuming)
-            timings["warmup_s"] = time.perf_counter() - t
-            evaluate_at(0, ckpt_root / WARMUP_DIR / "model")
-            done = ckpt.TrainerState.read(ckpt.latest_checkpoint(ckpt_root)).step
-            for saved in sorted(workdir.glob("heldout_step*.json"), key=lambda f: int(f.stem[12:])):
-                if 0 < int(saved.stem[12:]) <= done:
-                    evaluate_at(int(saved.stem[12:]), ckpt_root)  # reloads what a resumed run measured
-            while done < params.train.steps:
-                chunk = min(args.eval_every, params.train.steps - done)
-                t = time.perf_counter()
-                train_local(TrainPlan.from_params(params), max_steps=chunk)
-                timings["grpo_s"] += time.perf_counter() - t
-                done += chunk
-                folder = ckpt.latest_checkpoint(ckpt_root)
-                evaluate_at(done, folder / "model")
-            if done not in evals:  # resumed with --steps at or below the checkpoint's step
-                evaluate_at(done, ckpt.latest_checkpoint(ckpt_root) / "model")
+            root = params.path(params.paths.checkpoint_dir)
+            timed("warmup_s", train, params, max_steps=0)
+            evaluate_at("grpo_step0", root / WARMUP_DIR / "model", 0)
+            if "zero_advantage" in args.controls:
+                zero = variant("zero_advantage")
+                if not zero.path(zero.paths.checkpoint_dir).exists():  # the warm-up checkpoint, before GRPO step 1
+                    shutil.copytree(root, zero.path(zero.paths.checkpoint_dir))
+            done = ckpt.TrainerState.read(ckpt.latest_checkpoint(root)).step
+            for target in eval_steps[1:]:
+                if done < target:
+                    timed("grpo_s", train, params, max_steps=target - done)
+                    done = target
+                evaluate_at(f"grpo_step{target}", ckpt.latest_checkpoint(root) / "model", target)
+            shutil.copy(steps_csv_path(params.path(params.paths.reports_dir)), out / "steps.csv")
+            finished.append("grpo")
+            record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
+            if "zero_advantage" in args.controls:
+                with zeroed_advantages():
+                    timed("zero_advantage_s", train, zero, max_steps=steps)
+                zero_root = zero.path(zero.paths.checkpoint_dir)
+                evaluate_at(f"zero_advantage_step{steps}", ckpt.latest_checkpoint(zero_root) / "model", steps)
+                shutil.copy(steps_csv_path(zero.path(zero.paths.reports_dir)), out / "zero_advantage_steps.csv")
+                finished.append("zero_advantage")
+                record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
+            if "warmup_live_replies" in args.controls:
+                live = variant("warmup_live_replies", replies="environment")
+                timed("warmup_live_s", train, live, max_steps=0)
+                evaluate_at("warmup_live_replies", live.path(live.paths.checkpoint_dir) / WARMUP_DIR / "model", 0)
+                finished.append("warmup_live_replies")
         finally:
             asyncio.run(env.aclose())
-
-        steps_csv = steps_csv_path(params.path(params.paths.reports_dir))
-        result = summarise(params, args, evals, curve, steps_csv, rows_by_ds, timings, time.perf_counter() - t_all)
-        if result["heldout_f1_gain_ci"] is not None:
-            mlflow.log_metrics({"heldout/f1_gain": result["heldout_f1_gain"],
-                                "heldout/f1_gain_low": result["heldout_f1_gain_ci"][0],
-                                "heldout/f1_gain_high": result["heldout_f1_gain_ci"][1]})
-    return result
-
-
-def summarise(params, args, evals: dict[int, dict[str, Any]], curve: list[dict[str, Any]], steps_csv: Path,
-              rows_by_ds, timings: dict[str, float], total_s: float) -> dict[str, Any]:
-    """learning.json's content. The GRPO side is the last evaluated step; with no evaluation after the
-    warm-up (an interrupted run) the GRPO figures are null and `complete` is false."""
-    from pipeline.config import load_params
-
-    profile_steps = load_params(ROOT / "params.yaml", {"profile": "learn"}).train.steps
-    steps = step_rows(steps_csv) if steps_csv.is_file() else []
-    last = max(evals)
-    f1 = gain(evals[last]["f1"], evals[0]["f1"], params) if last > 0 else None
-    em = gain(evals[last]["em"], evals[0]["em"], params) if last > 0 else None
-    warm = gain(evals[0]["f1"], evals[0]["f1"], params)
-    warm_em = gain(evals[0]["em"], evals[0]["em"], params)
-    return {
-        "what": "learning experiment (issue 12): warm-up-only vs GRPO-trained agent on a fixed held-out set",
-        "command": "python benchmarks/bench_learning.py" + (" --env llamacpp" if args.env != "knowledge" else ""),
-        "environment": args.env,
-        "complete": last >= profile_steps,
-        "profile_steps": profile_steps,
-        "grpo_steps_evaluated": last,
-        "heldout_f1_warmup": warm["before"], "heldout_f1_grpo": f1["after"] if f1 else None,
-        "heldout_f1_gain": f1["gain"] if f1 else None, "heldout_f1_gain_ci": f1["gain_ci"] if f1 else None,
-        "heldout_f1_warmup_ci": warm["before_ci"], "heldout_f1_grpo_ci": f1["after_ci"] if f1 else None,
-        "heldout_em_warmup": warm_em["before"], "heldout_em_grpo": em["after"] if em else None,
-        "heldout_em_gain": em["gain"] if em else None, "heldout_em_gain_ci": em["gain_ci"] if em else None,
-        "heldout_format_rate_warmup": evals[0]["format_mean"], "heldout_format_rate_grpo": evals[last]["format_mean"],
-        "target": f"gain >= {TARGET_GAIN_POINTS} F1 points with the paired 95% CI's lower bound > 0",
-        "target_met": bool(f1 and f1["gain"] >= TARGET_GAIN_POINTS and f1["gain_ci"][0] > 0),
-        "heldout": {"datasets": list(rows_by_ds), "questions": sum(len(r) for r in rows_by_ds.values()),
-                    "source": "the authors' evaluation rows (data/rl/eval), first evaluate.rows_per_dataset"},
-        "notes": [*NOTES, *(getattr(args, "note", None) or [])],
-        "heldout_curve": sorted(curve, key=lambda p: p["step"]),
-        "steps": steps,
-        "examples": {"warmup": evals[0]["examples"], "grpo": evals[last]["examples"] if last > 0 else []},
-        "timing_s": {**{k: round(v, 1) for k, v in timings.items()},
-                     "mean_grpo_step_s": round(sum(s["step_s"] for s in steps) / max(1, len(steps)), 1),
-                     "total_s": round(total_s, 1)},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "params": {"agent": params.agent.model_dump(mode="json"), "reward": params.reward.model_dump(),
-                   "train": params.train.model_dump(mode="json", exclude={"verl"}),
-                   "environment": {"backend": params.environment.backend,
-                                   "knowledge": {**params.environment.knowledge.model_dump(), "sources": [
-                                       _project_relative(x) for x in params.environment.knowledge.sources]}},
-                   "evaluate.rows_per_dataset": params.evaluate.rows_per_dataset},
-    }
-
-
-def _project_relative(path: str) -> str:
-    """`path` relative to the project when it lies inside it (no machine paths in the recorded results)."""
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return path
-
-
-def report_only(args: argparse.Namespace) -> dict[str, Any]:
-    """learning.json from what the work folder holds (held-out results, steps.csv), without running anything."""
-    workdir = ROOT / ".cache" / f"bench_learning_{args.env}"
-    params = learn_params(workdir, args.env, args.steps, free_port())
-    evals = {int(f.stem[12:]): json.loads(f.read_text(encoding="utf-8")) for f in workdir.glob("heldout_step*.json")}
-    curve = [{"step": k, "f1": 100 * v["f1_mean"], "em": 100 * v["em_mean"], "format_rate": v["format_mean"],
-              "env_calls": v["env_calls"]} for k, v in evals.items()]
-    rows_by_ds = heldout_rows(params)
-    steps_csv = workdir / "reports" / "train" / "steps.csv"
-    return summarise(params, args, evals, curve, steps_csv, rows_by_ds, {}, 0.0)
+    record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env", choices=["knowledge", "llamacpp"], default="knowledge")
+    parser.add_argument("--mode", choices=["question", "terse"], default="terse")
+    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the learn profile's)")
-    parser.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every N GRPO steps")
-    parser.add_argument("--keep", action="store_true",
-                        help="resume in the existing work folder (checkpoints and held-out results are reused)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="write the results from the work folder as it is (e.g. after an interrupted run)")
+    parser.add_argument("--rows-per-dataset", type=int, default=None,
+                        help="held-out questions per dataset (default: the learn profile's evaluate.rows_per_dataset)")
+    parser.add_argument("--controls", default=",".join(CONTROLS),
+                        help=f"comma-separated subset of {','.join(CONTROLS)} ('' for none)")
+    parser.add_argument("--keep", action="store_true", help="resume in the existing work folder")
+    parser.add_argument("--rules-only", action="store_true",
+                        help="only the trivial rules on the held-out rows (seconds; no agent, no training)")
+    parser.add_argument("--report", action="store_true",
+                        help="only write learning.json/.png/_steps.csv from benchmarks/results/learning/")
     parser.add_argument("--note", action="append", help="a line added to the results' notes (repeatable)")
     args = parser.parse_args()
+    args.controls = [c for c in args.controls.split(",") if c]
+    unknown = set(args.controls) - set(CONTROLS)
+    if unknown:
+        parser.error(f"--controls: unknown {sorted(unknown)}; choose from {list(CONTROLS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    result = report_only(args) if args.report_only else run(args)
-    write_outputs(result, "learning" if args.env == "knowledge" else f"learning_{args.env}")
-    log.info("held-out F1: warm-up %s → GRPO %s after %d steps, gain %s %s (target met: %s)",
-             result["heldout_f1_warmup"], result["heldout_f1_grpo"], result["grpo_steps_evaluated"],
-             result["heldout_f1_gain"], result["heldout_f1_gain_ci"], result["target_met"])
+    if not args.report:
+        run(args)
+    from learning_report import write_report
+
+    result = write_report(RESULTS, args.note or [])
+    log.info("held-out F1 (%s mode, seeds %s): warm-up %s -> GRPO %s, gain %s %s; controls %s",
+             result["mode"], result["seeds"], result["heldout_f1_warmup"], result["heldout_f1_grpo"],
+             result["heldout_f1_gain"], result["heldout_f1_gain_ci"],
+             {k: v["heldout_f1"] for k, v in result["controls"].items()})
 
 
 if __name__ == "__main__":

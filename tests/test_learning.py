@@ -9,19 +9,30 @@ functions, the knowledgeable environment server as a process on 127.0.0.1, start
   earn different rewards, i.e. a GRPO signal;
 - the task: twelve questions whose answers only the environment knows, one interaction turn, then the answer.
 
-The check (`direction`): roll out every question x G, score, compute advantages, run ONE GRPO update, and
-re-measure each trajectory's log-likelihood (sum over its agent tokens, the correct mask and alignment). A
-correct policy-gradient step raises the likelihood of above-average trajectories and lowers the others, so
-the correlation between a trajectory's advantage and its likelihood change must be strongly positive
-(`MIN_CORRELATION`). This exercises what a reward curve would (sampling across turns, the masks, where the
-reward lands, advantages, the loss, the optimizer step, the reference/KL term) without a curve's noise.
-Measured (one seed, 48 trajectories, lr 5e-4): intact 0.80; advantage sign flipped -0.61; log-probs read one
-position late 0.33; response mask shifted right by one token 0.79.
+The check (`direction`): run ONE `LocalTrainer.step()` (the default profile's code: it draws every question,
+rolls each out G times, scores, groups, computes advantages and updates through the shared-prompt forward),
+then re-measure each of its trajectories' log-likelihood (sum over its agent tokens) before (a copy of the
+pre-step weights) and after. The advantages judged against are recomputed by the test from each trajectory's
+`reward.total` and question (`item.uid`), independently of `step()`'s wiring. A correct policy-gradient step
+raises the likelihood of above-average trajectories and lowers the others, so the correlation between a
+trajectory's advantage and its likelihood change must be strongly positive (`MIN_CORRELATION`). This exercises
+what a reward curve would (sampling across turns, the masks, which score is used, the grouping, advantages, the
+loss, the optimizer step, the reference/KL term) without a curve's noise.
+Measured through `step()` (one seed, 48 trajectories, lr 5e-4, the shared-prompt forward, this commit):
+intact 0.72 (full) and 0.76 (LoRA); advantage sign flipped -0.71; log-probs read one position late inside
+the shared-prompt forward 0.17; trajectories grouped across questions 0.13. Earlier, through `update()`
+alone: intact 0.80, flipped -0.61, late 0.33, response mask shifted right by one token 0.79.
 
-Broken variants (`BROKEN`), injected by monkeypatching one function of the trainer, must FAIL the check:
+Broken variants (`BROKEN`), injected into the code `step()` runs, must FAIL the check:
 - `advantage_sign`: advantages negated (the policy is pushed away from better trajectories);
-- `logprob_shift`: each response token's log-prob read from the logits one position late (the classic
-  off-by-one between logits and labels).
+- `logprob_shift`: inside the real shared-prompt forward (`batch.shared_prompt_log_probs`, the default
+  `train.share_prompt_forward`), each response token's log-prob read from the logits one position late (the
+  classic off-by-one between logits and labels), by handing that function a policy whose response-position
+  logits come one position late;
+- `interleaved_groups`: `step()`'s grouping broken, trajectory i put in group i % G, so each group mixes G
+  questions.
+Wrong KL sign or direction, missing clipping and a sequence-mean loss are pinned by the hand-worked loss
+example in tests/test_train_grpo.py (each injected there changes a figure it pins).
 A response mask shifted by one token is NOT visible to any learning check (measured 0.79: it drops the first
 token of each agent turn from the loss and adds one template token, which barely changes the gradient); the
 exact mask, the token that carries the reward and the per-token gradient sign are pinned by hand in
@@ -121,19 +132,25 @@ def format_aware_model(tiny_llama_dir, knowledge_url, tmp_path_factory):
 
 
 def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, float]:
-    """One GRPO update on a fresh rollout of every question x GROUP; how it moved each trajectory's likelihood.
+    """One GRPO step (`LocalTrainer.step`: its draw, rollout, scores, grouping, advantages and update) on every
+    question x GROUP; how it moved each trajectory's likelihood.
 
-    Returns `correlation` (Pearson, advantage vs change of the summed agent-token log-prob, over trajectories
-    with a non-zero advantage), `surrogate` (sum of advantage x likelihood change: the first-order change of
-    the policy-gradient objective on these samples), and `n` (trajectories with a non-zero advantage). The
-    likelihoods are measured with the intact collate and log-prob functions whatever the update used.
+    The advantages judged against are computed HERE, independently of `step()`'s wiring: each trajectory's
+    `reward.total` normalised within the trajectories of the same question (`item.uid`), so a step that
+    groups or scores wrongly moves the policy in a direction that disagrees with them. Returns `correlation`
+    (Pearson, advantage vs change of the summed agent-token log-prob, over trajectories with a non-zero
+    advantage), `surrogate` (sum of advantage x likelihood change: the first-order change of the policy-gradient
+    objective on these samples), and `n` (trajectories with a non-zero advantage). The likelihoods are measured
+    with the intact collate and padded forward, before (a copy of the pre-step weights) and after the step.
     """
+    import copy
+
     import numpy as np
 
     from pipeline.environment.client import EnvironmentClient
     from pipeline.train import trainer as trainer_module
     from pipeline.train.batch import collate, response_log_probs
-    from pipeline.train.grpo import grpo_advantages
+    from pipeline.train.grpo import grpo_advantages as intact_advantages
     from pipeline.train.local import load_training_set
     from pipeline.train.models import load_policy_models
     from pipeline.train.questions import QuestionSampler
@@ -144,33 +161,35 @@ def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, fl
                                                                         "gate_proj", "up_proj", "down_proj"]})
     params.seed = seed
     params.train.lr = LR["lora" if lora else "full"]
+    assert params.train.shares_prompts, "the default profile's update reads each prompt once: test that forward"
     torch.manual_seed(seed)
     device = torch.device("cpu")
     plan = TrainPlan.from_params(params)
     models = load_policy_models(plan.require_agent_model(), plan.agent, plan.train, None, device)
     frame = load_training_set(plan.train_file)
-    trainer = trainer_module.LocalTrainer(TrainPlan.from_params(params), models, frame, device, QuestionSampler(len(frame), seed))
+    trainer = trainer_module.LocalTrainer(plan, models, frame, device, QuestionSampler(len(frame), seed))
+    trainer.reference_is_policy = True  # a fresh run, as pipeline.train.local sets it
+    before_model = copy.deepcopy(models.model).eval()
     env = EnvironmentClient.from_params(params)
     try:
-        trajectories = trainer.rollout(env, trainer.draw_items(), step=1)
+        trainer.step(env, step=1)
     finally:
         asyncio.run(env.aclose())
+    trajectories = trainer.last_trajectories
+    assert len(trajectories) == len(TASK) * GROUP
     scores = torch.tensor([t.reward.total for t in trajectories], dtype=torch.float32)
     mask = torch.zeros((len(trajectories), max(len(t.response_ids) for t in trajectories)))
     for i, t in enumerate(trajectories):
         mask[i, : len(t.response_mask)] = torch.tensor(t.response_mask, dtype=torch.float32)
-    advantages = grpo_advantages(scores, mask, [f"q{i // GROUP}" for i in range(len(trajectories))])
+    advantages = intact_advantages(scores, mask, [t.item.uid for t in trajectories])
     pad_id = models.tokenizer.pad_token_id
 
-    def likelihoods() -> torch.Tensor:
+    def likelihoods(model) -> torch.Tensor:
         batch = collate(trajectories, pad_id)
         with torch.no_grad():
-            return (response_log_probs(models.model, batch, trainer.temperature) * batch.response_mask).sum(-1)
+            return (response_log_probs(model, batch, trainer.temperature) * batch.response_mask).sum(-1)
 
-    before = likelihoods()
-    trainer.update(trajectories, trainer_module.grpo_advantages(scores, mask, [f"q{i // GROUP}" for i in
-                                                                           range(len(trajectories))]))
-    change = likelihoods() - before
+    change = likelihoods(models.model) - likelihoods(before_model)
     per_trajectory = advantages.sum(-1) / mask.sum(-1).clamp(min=1)  # the advantage, constant over its tokens
     signal = per_trajectory != 0
     assert int(signal.sum()) >= 8, f"too few trajectories with a GRPO signal to judge: {int(signal.sum())}"
@@ -182,6 +201,7 @@ def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, fl
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_one_update_moves_the_policy_toward_better_trajectories(format_aware_model, knowledge_url, tmp_path, lora):
     stats = direction(format_aware_model, knowledge_url, tmp_path, lora)
+    print(f"intact ({'lora' if lora else 'full'}): {stats}")
     assert stats["correlation"] > MIN_CORRELATION and stats["surrogate"] > 0, f"wrong direction: {stats}"
 
 
@@ -192,19 +212,37 @@ def _negated_advantages(original):
     return broken
 
 
-def _late_log_probs(model, batch, temperature):
-    """The log-prob of response token t read from the logits at position t (one late): the off-by-one bug."""
-    r = batch.responses.shape[1]
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False, logits_to_keep=r)
-    logits = out.logits.float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+def _interleaved_groups(original):
+    """step()'s grouping broken: trajectory i put in group i % G (every group mixes G questions)."""
+    def broken(scores, mask, group_ids, *args, **kwargs):
+        g = len(group_ids) // len(set(group_ids))
+        return original(scores, mask, [f"q{i % g}" for i in range(len(group_ids))], *args, **kwargs)
+
+    return broken
 
 
-BROKEN = ["advantage_sign", "logprob_shift"]
+class _LateLogits(torch.nn.Module):
+    """The policy as the shared-prompt forward sees it, with the off-by-one bug inside that forward: where it
+    asks for the logits at response positions j-1 (which predict token j) it gets those at j (one late)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, input_ids, logits_to_keep=0, **kwargs):
+        if torch.is_tensor(logits_to_keep):
+            logits_to_keep = (logits_to_keep + 1).clamp(max=input_ids.shape[1] - 1)
+        return self.inner(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def _late_shared_prompt(original):
+    def broken(model, batch, temperature):
+        return original(_LateLogits(model), batch, temperature)
+
+    return broken
+
+
+BROKEN = ["advantage_sign", "logprob_shift", "interleaved_groups"]
 
 
 @pytest.mark.parametrize("variant", BROKEN)
@@ -213,9 +251,11 @@ def test_broken_update_fails_the_direction_check(format_aware_model, knowledge_u
 
     if variant == "advantage_sign":
         monkeypatch.setattr(trainer, "grpo_advantages", _negated_advantages(trainer.grpo_advantages))
-    else:  # whichever forward the update uses (train.share_prompt_forward: the shared-prompt one by default)
-        monkeypatch.setattr(trainer, "response_log_probs", _late_log_probs)
-        monkeypatch.setattr(trainer, "shared_prompt_log_probs", _late_log_probs)
+    elif variant == "interleaved_groups":
+        monkeypatch.setattr(trainer, "grpo_advantages", _interleaved_groups(trainer.grpo_advantages))
+    else:  # the real shared-prompt forward (the default profile's: train.share_prompt_forward), broken inside
+        monkeypatch.setattr(trainer, "shared_prompt_log_probs", _late_shared_prompt(trainer.shared_prompt_log_probs))
     stats = direction(format_aware_model, knowledge_url, tmp_path, lora=False)
+    print(f"{variant}: {stats}")
     assert not (stats["correlation"] > MIN_CORRELATION and stats["surrogate"] > 0), (
         f"the {variant} variant passed the direction check: {stats}")

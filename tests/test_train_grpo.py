@@ -78,7 +78,8 @@ def test_loss_matches_verl_functions_and_independent_formula(seed, mode):
         assert torch.allclose(loss, reference_loss(log_prob, old, adv, mask, ref, obj), atol=1e-6)
 
 
-def test_loss_worked_example_by_hand():
+def worked_example() -> dict[str, tuple[float, float]]:
+    """The loss of two trajectories worked by hand: (computed, expected) for each figure."""
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     adv = grpo_advantages(torch.tensor([1.0, 0.0]), mask, ["q", "q"])
@@ -86,15 +87,55 @@ def test_loss_worked_example_by_hand():
     # ratios: traj0 1.5 (clipped to 1.2 for A>0), 1.0; traj1 0.5 (clipped to 0.8 for A<0); masked: 100.
     log_prob = torch.log(torch.tensor([[1.5, 1.0, 100.0], [0.5, 100.0, 100.0]]))
     ref = log_prob.clone()
-    ref[0, 0] += math.log(2.0)  # k3 = e^d - d - 1 = 1 - ln 2 on that token, 0 elsewhere
+    ref[0, 0] += math.log(2.0)  # k3 = e^d - d - 1 with d = ref - log_prob = ln 2: 1 - ln 2 on that token
     obj = GRPOObjective(clip_ratio_low=0.2, clip_ratio_high=0.2, kl_loss_coef=0.001)
     loss, metrics = grpo_loss(log_prob, old, adv, mask, obj, ref_log_prob=ref)
-    pg = (-a * 1.2 - a * 1.0 + a * 0.8) / 3
+    pg = (-a * 1.2 - a * 1.0 + a * 0.8) / 3  # token-mean: 3 agent tokens in the mini-batch
     kl = (1 - math.log(2.0)) / 3
-    assert metrics["actor/pg_loss"] == pytest.approx(pg, abs=1e-6)
-    assert metrics["actor/kl_loss"] == pytest.approx(kl, abs=1e-6)
-    assert float(loss) == pytest.approx(pg + 0.001 * kl, abs=1e-6)
-    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 3, abs=1e-6)
+    return {"pg_loss": (metrics["actor/pg_loss"], pg), "kl_loss": (metrics["actor/kl_loss"], kl),
+            "loss": (float(loss), pg + 0.001 * kl), "clipfrac": (metrics["actor/pg_clipfrac"], 2 / 3)}
+
+
+def test_loss_worked_example_by_hand():
+    for name, (computed, expected) in worked_example().items():
+        assert computed == pytest.approx(expected, abs=1e-6), name
+
+
+def _no_clipping(original):
+    def broken(**kw):
+        c = kw["config"]
+        kw["config"] = PolicyLossConfig(clip_ratio=1e9, clip_ratio_low=1e9, clip_ratio_high=1e9,
+                                        clip_ratio_c=c.clip_ratio_c, global_batch_info=c.global_batch_info)
+        return original(**kw)
+
+    return broken
+
+
+def _seq_mean(original):
+    def broken(**kw):
+        return original(**{**kw, "loss_agg_mode": "seq-mean-token-mean"})
+
+    return broken
+
+
+BROKEN_OBJECTIVES = {
+    "kl_sign": ("kl_penalty", lambda original: lambda **kw: -original(**kw)),
+    "kl_direction": ("kl_penalty", lambda original: lambda logprob, ref_logprob, kl_penalty: original(
+        logprob=ref_logprob, ref_logprob=logprob, kl_penalty=kl_penalty)),
+    "no_clipping": ("compute_policy_loss_vanilla", _no_clipping),
+    "sequence_mean_aggregation": ("compute_policy_loss_vanilla", _seq_mean),
+}
+
+
+@pytest.mark.parametrize("variant", list(BROKEN_OBJECTIVES))
+def test_worked_example_catches_a_broken_objective(monkeypatch, variant):
+    """Each bug, injected into the functions grpo_loss calls, changes a figure the worked example pins."""
+    from pipeline.train import grpo
+
+    name, breaker = BROKEN_OBJECTIVES[variant]
+    monkeypatch.setattr(grpo, name, breaker(getattr(grpo, name)))
+    wrong = [k for k, (computed, expected) in worked_example().items() if abs(computed - expected) > 1e-6]
+    assert wrong, f"the {variant} variant leaves the worked example intact"
 
 
 def test_masked_tokens_get_zero_gradient():

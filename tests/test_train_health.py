@@ -131,12 +131,13 @@ def test_recorded_default_profile_runs_are_never_judged():
 
 
 def test_recorded_learn_run_never_trips_the_defaults():
-    """benchmarks/results/learning.json: the learn profile's 40 GRPO steps (held-out F1 42 -> 80), its early flat
+    """benchmarks/results/learning/previous_question_mode.json (the learn profile's 40 GRPO steps in the question
+    mode, held-out F1 42 -> 80; the record of a run before issue 32, kept for its steps): its early flat
     steps included. The record has each step's answer and format reward; its zero-variance share is bounded
     from the reward's CI: a step whose 8 trajectories all scored the same (CI of width 0) has both groups flat
     (1.0); otherwise we take 0.5, what one flat group of two gives (a spread step's groups are rarely both
     flat: they would have to be uniform at different values)."""
-    steps = json.loads((RESULTS / "learning.json").read_text())["steps"]
+    steps = json.loads((RESULTS / "learning" / "previous_question_mode.json").read_text())["steps"]
     assert len(steps) == 40
     rows = []
     for s in steps:

@@ -7,7 +7,7 @@ gate checks four figures after every training step, on both backends, and stops 
 
 Why a window after a grace period: single steps are noisy at small batches. The `learn` profile (2 questions
 x G=4 per step) has steps where every trajectory scored 0 (steps 2, 15, 17, 20 and 21 of
-benchmarks/results/learning.json, a run that went on to gain 38 F1 points), so a per-step rule would stop a
+benchmarks/results/learning/previous_question_mode.json, a run that went on to gain 38 F1 points), so a per-step rule would stop a
 healthy run. Each figure is therefore the mean over the last `window` steps, and nothing is judged before
 `grace_steps` + `window` steps have run (the default profile's 2 steps are never judged). The defaults were
 checked against the recorded healthy runs (tests/test_train_health.py replays them).

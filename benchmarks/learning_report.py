@@ -1,0 +1,288 @@
+"""learning.json, learning_steps.csv and learning.png from the per-question files under results/learning/.
+
+Why a separate step: every evaluation of `bench_learning.py` (GRPO at steps 0 / half-way / last per seed, each
+control, the trivial rules) is saved per question under `benchmarks/results/learning/<mode>/`, so the figures
+and their CIs can be recomputed from the files alone (`python benchmarks/bench_learning.py --report`), and
+seeds run in separate processes or sessions are pooled the same way.
+
+Statistics (points of F1/EM, `pipeline.metrics`): a figure over several seeds is the mean over seeds of each
+question's score, its 95% CI a bootstrap over questions resampled within each dataset
+(`bootstrap_ci_average`); the GRPO gain is the paired bootstrap of (GRPO - warm-up) per question
+(`paired_bootstrap_delta`). The CIs reflect question sampling, not seed-to-seed variation: with one seed, they
+say nothing about how another seed would do.
+Request side: the share of questions whose interaction request got an answer from the environment (not a
+refusal, not "unknown": `pipeline.environment.terse.answered`); extraction side: the mean F1 over those
+questions only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.metrics import bootstrap_ci_average, paired_bootstrap_delta
+
+SAMPLES, CONFIDENCE, SEED = 2000, 0.95, 0
+
+
+def load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def pooled(evaluations: list[dict[str, Any]], key: str) -> dict[str, list[float]]:
+    """Per dataset, each question's `key` score averaged over `evaluations` (one per seed)."""
+    names = list(evaluations[0][key])
+    return {n: [sum(vals) / len(vals) for vals in zip(*(e[key][n] for e in evaluations), strict=True)]
+            for n in names}
+
+
+def figure(evaluations: list[dict[str, Any]], key: str = "f1") -> dict[str, Any]:
+    """Mean in points with its bootstrap CI, over questions (seeds pooled per question)."""
+    scores = pooled(evaluations, key)
+    mean, low, high = bootstrap_ci_average(list(scores.values()), SAMPLES, CONFIDENCE, seed=SEED)
+    return {"mean": round(100 * mean, 2), "ci": [round(100 * low, 2), round(100 * high, 2)]}
+
+
+def delta(after: list[dict[str, Any]], before: list[dict[str, Any]], key: str = "f1") -> dict[str, Any]:
+    a, b = pooled(after, key), pooled(before, key)
+    mean, low, high = paired_bootstrap_delta(list(a.values()), [b[n] for n in a], SAMPLES, CONFIDENCE, seed=SEED)
+    return {"mean": round(100 * mean, 2), "ci": [round(100 * low, 2), round(100 * high, 2)]}
+
+
+def sides(evaluation: dict[str, Any]) -> dict[str, Any]:
+    """Request side (share answered) and extraction side (mean F1 where answered) of one evaluation."""
+    answered = [a for vs in evaluation["answered"].values() for a in vs]
+    f1 = [f for vs in evaluation["f1"].values() for f in vs]
+    hit = [f for f, a in zip(f1, answered, strict=True) if a]
+    return {"answered_rate": round(sum(answered) / len(answered), 4),
+            "f1_when_answered": round(100 * sum(hit) / len(hit), 2) if hit else None,
+            "questions_answered": int(sum(answered)), "questions": len(answered)}
+
+
+def control(evaluations: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    f = figure(evaluations)
+    return {"heldout_f1": f["mean"], "heldout_f1_ci": f["ci"], **extra,
+            "request_side": [sides(e) for e in evaluations]}
+
+
+def rules_for(folder: Path, questions: int | None) -> Path | None:
+    """The trivial rules' file on the same held-out rows as the seeds (`trivial_rules_<N>q.json`, N questions);
+    with no seed run, the one on the most rows."""
+    if questions is not None:
+        path = folder / f"trivial_rules_{questions}q.json"
+        return path if path.is_file() else None
+    files = sorted(folder.glob("trivial_rules_*q.json"), key=lambda p: int(p.stem.split("_")[-1][:-1]))
+    return files[-1] if files else None
+
+
+def mode_summary(folder: Path) -> dict[str, Any] | None:
+    """Everything measured for one environment mode (`folder` = results/learning/<mode>), or None if nothing."""
+    if not folder.is_dir():
+        return None
+    out: dict[str, Any] = {"seeds": [], "per_seed": {}, "controls": {}, "ceilings": {}}
+    runs = sorted((p for p in folder.glob("seed*") if (p / "run.json").is_file()), key=lambda p: int(p.name[4:]))
+    rules_file = rules_for(folder, load(runs[0] / "run.json")["heldout"]["questions"] if runs else None)
+    if rules_file is not None:
+        rules = load(rules_file)
+        trivial = {name: r for name, r in rules["rules"].items() if name in rules["trivial"]}
+        best = max(trivial, key=lambda n: trivial[n]["f1_mean"])
+        out["controls"]["trivial_rule"] = control([trivial[best]], rule=best, file=rules_file.name, all_rules={
+            n: round(100 * r["f1_mean"], 2) for n, r in trivial.items()})
+        for name, r in rules["rules"].items():
+            if name not in rules["trivial"]:
+                out["ceilings"][name] = control([r], why=" ".join(rules["informed"][name].split()))
+    grpo0, grpo_last, zero, live, curves = [], [], [], [], {}
+    for run_dir in runs:
+        run = load(run_dir / "run.json")
+        seed, last = run["seed"], run["grpo_steps_done"]
+        evals = {int(p.stem.split("step")[1]): load(p) for p in run_dir.glob("grpo_step*.json")}
+        if 0 not in evals or last not in evals or last == 0:
+            continue
+        out["seeds"].append(seed)
+        grpo0.append(evals[0])
+        grpo_last.append(evals[last])
+        gain = delta([evals[last]], [evals[0]])
+        out["per_seed"][str(seed)] = {
+            "grpo_steps": last, "heldout_f1_warmup": figure([evals[0]])["mean"],
+            "heldout_f1_grpo": figure([evals[last]])["mean"], "heldout_f1_gain": gain["mean"],
+            "heldout_f1_gain_ci": gain["ci"], "timing_s": run.get("timing_s"),
+            "request_vs_extraction": {str(s): sides(evals[s]) for s in sorted(evals)}}
+        curves[str(seed)] = [{"step": s, "f1": round(100 * evals[s]["f1_mean"], 2),
+                              "em": round(100 * evals[s]["em_mean"], 2), **sides(evals[s])} for s in sorted(evals)]
+        zero_file = run_dir / f"zero_advantage_step{last}.json"
+        if zero_file.is_file():
+            zero.append(load(zero_file))
+        if (run_dir / "warmup_live_replies.json").is_file():
+            live.append(load(run_dir / "warmup_live_replies.json"))
+    if zero:
+        out["controls"]["zero_advantage"] = control(zero, seeds=len(zero))
+    if live:
+        out["controls"]["warmup_live_replies"] = control(live, seeds=len(live))
+    out["curves"] = curves
+    if grpo0:
+        out["warmup"], out["grpo"] = figure(grpo0), figure(grpo_last)
+        out["warmup_em"], out["grpo_em"] = figure(grpo0, "em"), figure(grpo_last, "em")
+        out["gain"], out["gain_em"] = delta(grpo_last, grpo0), delta(grpo_last, grpo0, "em")
+        out["format_rate"] = [round(sum(e["format_mean"] for e in x) / len(x), 4) for x in (grpo0, grpo_last)]
+    return out
+
+
+def _steps(folder: Path) -> list[dict[str, Any]]:
+    """Per GRPO step of every seed: mean reward with a 95% t-interval, parts, calls, step time."""
+    import math
+
+    import pandas as pd
+    from scipy import stats
+
+    rows = []
+    for run_dir in sorted(folder.glob("seed*")):
+        if not (run_dir / "steps.csv").is_file():
+            continue
+        for rec in pd.read_csv(run_dir / "steps.csv").to_dict("records"):
+            n = int(rec.get("critic/score/count", 0) or 0)
+            mean, std = float(rec["critic/score/mean"]), float(rec.get("critic/score/std", float("nan")))
+            half = float(stats.t.ppf(0.975, n - 1) * std / math.sqrt(n)) if n > 1 and math.isfinite(std) else float(
+                "nan")
+            rows.append({"seed": int(run_dir.name[4:]), "step": int(rec["step"]), "reward_mean": mean,
+                         "reward_ci95": [mean - half, mean + half],
+                         "reward_parts": {k.split("/")[1]: float(rec[k]) for k in rec if k.startswith("reward/")},
+                         "format_rate": float(rec["reward/gated/mean"]), "env_calls": float(rec["env/calls"]),
+                         "trajectories": n, "step_s": float(rec["timing_s/step"])})
+    return rows
+
+
+def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str, Any]:
+    """learning.json's content: the present keys for `main_mode`'s GRPO (means over seeds), plus `seeds`,
+    `controls` (that mode's), `ceilings`, `request_vs_extraction`, `per_seed` and `knowledge` (the question mode)."""
+    from pipeline.config import load_params
+
+    learn = load_params(Path(__file__).resolve().parents[1] / "params.yaml", {"profile": "learn"})
+    main = mode_summary(results / "learning" / main_mode) or {"seeds": [], "controls": {}, "ceilings": {}}
+    other = mode_summary(results / "learning" / "question")
+    seeds = main["seeds"]
+    runs = [load(results / "learning" / main_mode / f"seed{s}" / "run.json") for s in seeds]
+    steps_done = min((r["grpo_steps_done"] for r in runs), default=0)
+    has = "grpo" in main
+    beats = has and all(main["grpo"]["mean"] > c["heldout_f1"] for c in main["controls"].values())
+    target_met = bool(has and beats and main["gain"]["ci"][0] > 0 and set(main["controls"]) >= {
+        "trivial_rule", "zero_advantage", "warmup_live_replies"})
+    last_seed = str(seeds[-1]) if seeds else None
+    examples: dict[str, Any] = {}
+    if last_seed:
+        run_dir = results / "learning" / main_mode / f"seed{last_seed}"
+        examples = {"warmup": load(run_dir / "grpo_step0.json")["examples"],
+                    "grpo": load(run_dir / f"grpo_step{runs[-1]['grpo_steps_done']}.json")["examples"]}
+    get = lambda key, part: main[key][part] if has else None
+    return {
+        "what": (f"learning experiment (issues 12, 32): warm-up-only vs GRPO-trained agent on a fixed held-out set, "
+                 f"knowledgeable environment in {main_mode} mode, with controls; top-level figures are means over "
+                 f"the seeds in `seeds`"),
+        "command": "python benchmarks/bench_learning.py --mode terse --seed N (per seed); --report pools them",
+        "environment": f"knowledge ({main_mode} mode)",
+        "mode": main_mode,
+        "complete": bool(len(seeds) >= 3 and steps_done >= learn.train.steps),
+        "profile_steps": learn.train.steps,
+        "grpo_steps_evaluated": steps_done,
+        "heldout_f1_warmup": get("warmup", "mean"), "heldout_f1_grpo": get("grpo", "mean"),
+        "heldout_f1_gain": get("gain", "mean"), "heldout_f1_gain_ci": get("gain", "ci"),
+        "heldout_f1_warmup_ci": get("warmup", "ci"), "heldout_f1_grpo_ci": get("grpo", "ci"),
+        "heldout_em_warmup": get("warmup_em", "mean"), "heldout_em_grpo": get("grpo_em", "mean"),
+        "heldout_em_gain": get("gain_em", "mean"), "heldout_em_gain_ci": get("gain_em", "ci"),
+        "heldout_format_rate_warmup": main["format_rate"][0] if has else None,
+        "heldout_format_rate_grpo": main["format_rate"][1] if has else None,
+        "target": ("issue 32: in the terse mode, GRPO's mean held-out F1 above every entry of `controls` and the "
+                   "gain's paired 95% CI above 0, over at least 3 seeds"),
+        "target_met": target_met and len(seeds) >= 3,
+        "heldout": runs[0]["heldout"] if runs else None,
+        "notes": notes,
+        "heldout_curve": [{"seed": int(s), **p} for s, curve in main.get("curves", {}).items() for p in curve],
+        "steps": _steps(results / "learning" / main_mode),
+        "examples": examples,
+        "timing_s": {str(r["seed"]): r["timing_s"] for r in runs},
+        "machine": runs[0]["machine"] if runs else None,
+        "params": runs[0]["params"] if runs else None,
+        "seeds": seeds,
+        "controls": main["controls"],
+        "ceilings": main["ceilings"],
+        "request_vs_extraction": {s: v["request_vs_extraction"] for s, v in main.get("per_seed", {}).items()},
+        "per_seed": main.get("per_seed", {}),
+        "knowledge": _knowledge(other),
+        "unfinished_runs": unfinished(results / "learning" / main_mode),
+    }
+
+
+def unfinished(folder: Path) -> dict[str, Any]:
+    """Seeds stopped before their last GRPO evaluation (no run.json): what they evaluated, never pooled."""
+    out: dict[str, Any] = {}
+    for run_dir in sorted(p for p in folder.glob("seed*") if not (p / "run.json").is_file()):
+        evals = {p.stem: load(p) for p in sorted(run_dir.glob("*.json"))}
+        out[run_dir.name] = {name: {"f1": round(100 * e["f1_mean"], 2), "em": round(100 * e["em_mean"], 2),
+                                    "format_rate": round(e["format_mean"], 4), **sides(e),
+                                    "seconds": round(e.get("seconds", 0.0), 1)} for name, e in evals.items()}
+    return out
+
+
+def _knowledge(summary: dict[str, Any] | None) -> dict[str, Any]:
+    """The same figures for the `question` mode (what was measured of it at this code; nulls where not run)."""
+    if summary is None:
+        return {"mode": "question", "seeds": [], "controls": {}, "note": "not measured at this code"}
+    has = "grpo" in summary
+    return {"mode": "question", "seeds": summary["seeds"],
+            "heldout_f1_warmup": summary["warmup"]["mean"] if has else None,
+            "heldout_f1_warmup_ci": summary["warmup"]["ci"] if has else None,
+            "heldout_f1_grpo": summary["grpo"]["mean"] if has else None,
+            "heldout_f1_grpo_ci": summary["grpo"]["ci"] if has else None,
+            "heldout_f1_gain": summary["gain"]["mean"] if has else None,
+            "heldout_f1_gain_ci": summary["gain"]["ci"] if has else None,
+            "controls": summary["controls"], "ceilings": summary["ceilings"],
+            "request_vs_extraction": {s: v["request_vs_extraction"] for s, v in summary["per_seed"].items()}}
+
+
+def write_report(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str, Any]:
+    """Write learning.json, learning_steps.csv and learning.png under `results`; return the json's content."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    old = results / "learning.json"
+    previous = load(old).get("notes", []) if old.is_file() else []
+    result = build(results, [*dict.fromkeys([*previous, *notes])], main_mode)
+    (results / "learning.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    columns = ["seed", "step", "reward_mean", "reward_low", "reward_high", "format_rate", "env_calls", "answer_f1",
+               "heldout_f1", "heldout_answered_rate"]
+    held = {(p["seed"], p["step"]): p for p in result["heldout_curve"]}
+    frame = pd.DataFrame(columns=columns, data=[{
+        "seed": s["seed"], "step": s["step"], "reward_mean": s["reward_mean"], "reward_low": s["reward_ci95"][0],
+        "reward_high": s["reward_ci95"][1], "format_rate": s["format_rate"], "env_calls": s["env_calls"],
+        "answer_f1": s["reward_parts"].get("answer", float("nan")),
+        "heldout_f1": held.get((s["seed"], s["step"]), {}).get("f1", float("nan")),
+        "heldout_answered_rate": held.get((s["seed"], s["step"]), {}).get("answered_rate", float("nan")),
+    } for s in result["steps"]] or None)
+    frame.to_csv(results / "learning_steps.csv", index=False)
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for seed, rows in frame.groupby("seed"):
+        top.plot(rows["step"], rows["reward_mean"], marker=".", label=f"mean reward, seed {seed}")
+        top.fill_between(rows["step"], rows["reward_low"], rows["reward_high"], alpha=0.2)
+    top.set_ylabel("training reward (released)")
+    top.legend(loc="lower right", fontsize=8)
+    curve = pd.DataFrame(result["heldout_curve"])
+    for seed, rows in (curve.groupby("seed") if len(curve) else []):
+        bottom.plot(rows["step"], rows["f1"], marker="o", label=f"held-out F1, seed {seed}")
+        bottom.plot(rows["step"], 100 * rows["answered_rate"], linestyle="--", label=f"% requests answered, seed {seed}")
+    for name, c in result["controls"].items():
+        bottom.axhline(c["heldout_f1"], linestyle=":", color="grey")
+        bottom.annotate(f"{name} F1 {c['heldout_f1']:.1f}", (0, c["heldout_f1"]), fontsize=7, color="grey")
+    bottom.set_xlabel("GRPO step (0 = warm-up only)")
+    bottom.set_ylabel("points")
+    bottom.legend(loc="upper right", fontsize=8)
+    n = len(result["seeds"])
+    fig.suptitle(f"GRPO, knowledge environment ({result['mode']} mode): {n} seed{'s' * (n != 1)}, "
+                 f"{result['grpo_steps_evaluated']} steps")
+    fig.tight_layout()
+    fig.savefig(results / "learning.png", dpi=110)
+    plt.close(fig)
+    return result

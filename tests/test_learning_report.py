@@ -1,0 +1,79 @@
+"""benchmarks/learning_report.py: learning.json pooled from per-question files, worked by hand on a tiny set.
+
+Why: the learning result is only as good as its bookkeeping. Each control must land under its own name, the
+GRPO figures must be the last evaluated step against step 0, the request side must count the questions
+whose request was answered and the extraction side average F1 over those only, and a run that stopped
+before its controls must not invent them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from learning_report import build, sides
+
+
+def evaluation(f1: list[float], answered: list[float]) -> dict:
+    """An evaluation file: two datasets of two questions each."""
+    return {"f1": {"a": f1[:2], "b": f1[2:]}, "em": {"a": f1[:2], "b": f1[2:]},
+            "format": {"a": [1.0, 1.0], "b": [1.0, 1.0]}, "answered": {"a": answered[:2], "b": answered[2:]},
+            "f1_mean": sum(f1) / 4, "em_mean": sum(f1) / 4, "format_mean": 1.0,
+            "answered_mean": sum(answered) / 4, "examples": [{"question": "q"}]}
+
+
+def write(path: Path, content: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content), encoding="utf-8")
+
+
+@pytest.fixture
+def results(tmp_path):
+    mode = tmp_path / "learning" / "terse"
+    write(mode / "trivial_rules_4q.json", {
+        "trivial": ["question+full_reply", "question+first_sentence"],
+        "rules": {"question+full_reply": evaluation([0.1, 0.1, 0.1, 0.1], [1, 1, 0, 0]),
+                  "question+first_sentence": evaluation([0.2, 0.2, 0.2, 0.2], [1, 1, 0, 0]),
+                  "content_words+label_match": evaluation([1, 1, 1, 1], [1, 1, 1, 1])},
+        "informed": {"content_words+label_match": "Not a trivial rule"}})
+    seed = mode / "seed1"
+    write(seed / "run.json", {"seed": 1, "grpo_steps_done": 2, "timing_s": {}, "heldout": {"questions": 4},
+                              "machine": {}, "params": {}})
+    write(seed / "grpo_step0.json", evaluation([0.0, 0.0, 0.5, 0.0], [0, 0, 1, 0]))
+    write(seed / "grpo_step1.json", evaluation([0.5, 0.0, 0.5, 0.0], [1, 0, 1, 0]))
+    write(seed / "grpo_step2.json", evaluation([1.0, 0.5, 0.5, 0.0], [1, 1, 1, 0]))
+    write(seed / "zero_advantage_step2.json", evaluation([0.0, 0.0, 0.5, 0.0], [0, 0, 1, 0]))
+    write(mode / "seed2" / "grpo_step0.json", evaluation([0.0, 0.0, 0.0, 1.0], [0, 0, 0, 1]))  # stopped early
+    return tmp_path
+
+
+def test_request_and_extraction_sides_by_hand():
+    side = sides(evaluation([1.0, 0.5, 0.5, 0.0], [1, 1, 1, 0]))
+    assert side == {"answered_rate": 0.75, "f1_when_answered": pytest.approx(100 * 2 / 3, abs=0.01),
+                    "questions_answered": 3, "questions": 4}
+    assert sides(evaluation([0, 0, 0, 0], [0, 0, 0, 0]))["f1_when_answered"] is None
+
+
+def test_learning_json_from_the_files(results):
+    out = build(results, ["a note"])
+    assert out["seeds"] == [1] and out["grpo_steps_evaluated"] == 2 and not out["complete"]
+    assert out["heldout_f1_warmup"] == 12.5 and out["heldout_f1_grpo"] == 50.0 and out["heldout_f1_gain"] == 37.5
+    # the best trivial rule, by mean F1; the informed rule is a ceiling, not a control
+    assert out["controls"]["trivial_rule"]["rule"] == "question+first_sentence"
+    assert out["controls"]["trivial_rule"]["heldout_f1"] == 20.0
+    assert "content_words+label_match" in out["ceilings"]
+    assert out["controls"]["zero_advantage"]["heldout_f1"] == 12.5
+    assert "warmup_live_replies" not in out["controls"]  # not run: not invented
+    assert not out["target_met"]  # one seed, a control missing
+    assert [p["step"] for p in out["heldout_curve"]] == [0, 1, 2]
+    assert out["request_vs_extraction"]["1"]["2"]["answered_rate"] == 0.75
+    assert out["knowledge"]["seeds"] == [] and out["notes"] == ["a note"]
+    # a seed stopped before its last evaluation is listed apart, never pooled
+    assert out["unfinished_runs"]["seed2"]["grpo_step0"]["f1"] == 25.0 and out["seeds"] == [1]
+    for key in ("heldout_f1_gain_ci", "heldout_f1_warmup_ci", "heldout_f1_grpo_ci"):
+        low, high = out[key]
+        assert low <= out[key.replace("_ci", "")] <= high
