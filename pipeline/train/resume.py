@@ -49,11 +49,14 @@ def training_config(plan: TrainPlan) -> dict[str, Any]:
     env = plan.environment
     train_set = plan.train_file
     digest = hashlib.md5(train_set.read_bytes()).hexdigest() if train_set.is_file() else "missing"
+    environment = {"model": env.model, "served_name": env.served_name, "system_prompt": env.system_prompt,
+                   "temperature": env.temperature, "max_tokens": env.max_tokens}
+    if env.backend == "knowledge":  # its rules shape the replies: a `question` checkpoint never resumes as `terse`
+        environment["knowledge"] = {"mode": env.knowledge.mode, "min_overlap": env.knowledge.min_overlap}
     return {
         "seed": plan.seed,
         "agent": plan.agent.model_dump(mode="json"),
-        "environment": {"model": env.model, "served_name": env.served_name, "system_prompt": env.system_prompt,
-                        "temperature": env.temperature, "max_tokens": env.max_tokens},
+        "environment": environment,
         "reward": plan.reward.model_dump(mode="json"),
         "train": {k: v for k, v in plan.train.model_dump(mode="json").items() if k not in _RESUMABLE_TRAIN_KEYS},
         "train_set_md5": digest,

@@ -77,3 +77,17 @@ def test_keep_zero_removes_as_before(tmp_path):
     assert discard_stale_checkpoints(TrainPlan.from_params(params)) is None
     root = params.path(params.paths.checkpoint_dir)
     assert not root.exists() and stale_folders(root) == []
+
+
+def test_the_knowledge_mode_is_part_of_what_the_weights_depend_on(tmp_path):
+    """A checkpoint trained against the `question` knowledge mode is stale for a `terse` run (and back)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    base = {"paths": output_paths(project), "environment": {"backend": "knowledge"}}
+    question = load_params(ROOT / "params.yaml", base)
+    terse = load_params(ROOT / "params.yaml", {**base, "environment": {"backend": "knowledge",
+                                                                        "knowledge": {"mode": "terse"}}})
+    a, b = training_config(TrainPlan.from_params(question)), training_config(TrainPlan.from_params(terse))
+    assert a["environment"]["knowledge"]["mode"] == "question"
+    assert b["environment"]["knowledge"]["mode"] == "terse"
+    assert a != b
