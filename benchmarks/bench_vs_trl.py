@@ -266,6 +266,9 @@ def run_parity(cfg: dict[str, Any]) -> dict[str, Any]:
         advantages = torch.randn(len(trajectories), generator=torch.Generator().manual_seed(0))
     batch = collate(trajectories, models.tokenizer.pad_token_id)
     settings = LossSettings(clip_low=cfg["clip"], clip_high=cfg["clip"], kl_coef=cfg["kl_coef"])
+    # TRL re-reads its (here unused) reference model from the policy's config path: the GGUF's folder has no
+    # config.json, the Hugging Face copy of the same weights has
+    models.model.config._name_or_path = cfg["hf_model"]
     result = compare(models.model, models.tokenizer, batch, advantages, Path(cfg["scratch"]) / "parity_out",
                      settings, cfg["group"])
     result.update(advantages_synthetic=synthetic, rewards=scores.tolist(), advantage_formulas=formulas,

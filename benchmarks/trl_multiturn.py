@@ -5,7 +5,8 @@ TRL 1.16 offers three ways to go beyond one completion per prompt:
 1. `tools=[...]` / `environment_factory=...`: TRL's own loop parses JSON tool calls out of the completion with the
    chat template's response schema, calls the tool, renders its result as a `tool` message and generates again.
    **Refused for Prompt-R1**: the constructor demands a chat template that "supports tool calling"
-   (`supports_tool_calling`), which SmolLM2's does not; and Prompt-R1's action is an `<interaction_prompt>` tag in
+   (`supports_tool_calling`), which SmolLM2's does not (and, below transformers 5.13, the `jmespath` package for the
+   legacy response parser: with verl's pin, transformers 5.10.4, that refusal comes first); and Prompt-R1's action is an `<interaction_prompt>` tag in
    free text, answered as a *user* `<interaction_response>` turn, not a JSON tool call answered by a `tool` message.
    `try_environment_factory` records the refusal.
 2. `rollout_func` (experimental): a function that, given the prompts, returns `prompt_ids`, `completion_ids`,
@@ -54,12 +55,14 @@ def _items(prompts: list[Any]):
     return items
 
 
-def prompt_r1_rollout_func(params: Any, env: Any, stats: dict[str, Any] | None = None) -> Callable[..., dict]:
+def prompt_r1_rollout_func(params: Any, env: Any, stats: dict[str, Any] | None = None,
+                           policy_for: Callable[[Any], Any] | None = None) -> Callable[..., dict]:
     """A TRL `rollout_func` running Prompt-R1's loop (`run_rollout`) with the model TRL trains and `env` (our
     `EnvironmentClient`). Returns per completion: prompt ids, the whole multi-turn response (agent and
     environment tokens), the agent's sampling log-probs (0 on environment tokens), `env_mask` (1 agent / 0
     environment: our `response_mask`) and `prompt_r1_turns` (each turn's text, for the reward). `stats` (optional)
-    collects what each call produced, for the benchmark's report."""
+    collects what each call produced, for the benchmark's report. `policy_for(trainer)` picks the sampler
+    (default: `TransformersPolicy` over the model TRL trains; a test passes a scripted agent)."""
     from pipeline.agent.policy import TransformersPolicy
     from pipeline.agent.rollout import run_rollout
 
@@ -69,7 +72,8 @@ def prompt_r1_rollout_func(params: Any, env: Any, stats: dict[str, Any] | None =
         model = trainer.model
         was_training = model.training
         model.eval()
-        policy = TransformersPolicy(model, trainer.processing_class, seed=params.seed)
+        policy = (policy_for(trainer) if policy_for is not None
+                  else TransformersPolicy(model, trainer.processing_class, seed=params.seed))
         try:
             with torch.no_grad():
                 trajectories = run_rollout(
@@ -119,7 +123,8 @@ def prompt_r1_reward(params: Any) -> Callable[..., list[float]]:
 
 
 def try_environment_factory(model: Any, tokenizer: Any, args: Any, dataset: Any) -> str:
-    """TRL's own tool loop with a Prompt-R1-like environment: returns TRL's refusal (or 'accepted')."""
+    """TRL's own tool loop with a Prompt-R1-like environment: returns TRL's refusal (or 'accepted'), with the verdict
+    of TRL's own template check (`supports_tool_calling`), which the constructor applies after the jmespath check."""
     from trl import GRPOTrainer
 
     class PromptR1Environment:
@@ -139,17 +144,21 @@ def try_environment_factory(model: Any, tokenizer: Any, args: Any, dataset: Any)
             """
             return ""
 
+    from trl.chat_template_utils import supports_tool_calling
+
+    template = "supports tool calling" if supports_tool_calling(tokenizer) else "does not support tool calling"
     try:
         GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
                     train_dataset=dataset, processing_class=tokenizer, environment_factory=PromptR1Environment)
     except (ValueError, ImportError) as exc:
-        return f"refused: {type(exc).__name__}: {exc}"
-    return "accepted"
+        return f"refused: {type(exc).__name__}: {exc} (TRL's template check: the chat template {template})"
+    return f"accepted (the chat template {template})"
 
 
 def run_multiturn_step(params: Any, env: Any, model: Any, tokenizer: Any, rows: list[dict[str, Any]],
-                       args: Any) -> dict[str, Any]:
-    """One TRL GRPO step with `prompt_r1_rollout_func`; returns the rollout stats, the `tool_mask` TRL's loss saw,
+                       args: Any, policy_for: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """One TRL GRPO step with `prompt_r1_rollout_func`; returns the rollout stats, the loss mask TRL's loss applied
+    (`completion_mask * tool_mask`),
     TRL's logged metrics and the environment calls made."""
     from datasets import Dataset
     from trl import GRPOTrainer
@@ -157,17 +166,19 @@ def run_multiturn_step(params: Any, env: Any, model: Any, tokenizer: Any, rows: 
     stats: dict[str, Any] = {}
     data = Dataset.from_dict({"prompt": [r["messages"] for r in rows], "gold": [json.dumps(r["gold"]) for r in rows]})
     trainer = GRPOTrainer(model=model, reward_funcs=[prompt_r1_reward(params)], args=args, train_dataset=data,
-                          processing_class=tokenizer, rollout_func=prompt_r1_rollout_func(params, env, stats))
+                          processing_class=tokenizer,
+                          rollout_func=prompt_r1_rollout_func(params, env, stats, policy_for))
     seen: list[list[list[int]]] = []
     compute_loss = trainer._compute_loss
 
     def recording_loss(model: Any, inputs: dict[str, Any]) -> Any:  # instrumentation: TRL's own method, observed
-        seen.append(inputs["tool_mask"].tolist() if "tool_mask" in inputs else [])
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        seen.append(mask.tolist())  # the loss mask `_compute_loss` builds
         return compute_loss(model, inputs)
 
     trainer._compute_loss = recording_loss
     calls_before = env.usage.calls if hasattr(env, "usage") else None
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"rollout": stats, "loss_tool_mask": seen, "logs": logs,
+    return {"rollout": stats, "loss_mask": seen, "logs": logs,
             "environment_calls": (env.usage.calls - calls_before) if calls_before is not None else None}
