@@ -349,6 +349,66 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def advantage_comparison(parity: dict[str, Any], group: int) -> dict[str, Any]:
+    """verl's and TRL's GRPO advantages on the sampled batch's rewards, and on two illustrative groups (binary
+    rewards; near-equal rewards, where the epsilons matter): tests/trl_parity.py `advantage_formulas`."""
+    import torch
+    from trl_parity import advantage_formulas
+
+    illustrative = [1.0, 0.0, 0.0, 0.0, 0.2, 0.21, 0.2, 0.2][: 2 * group] if group == 4 else None
+    return {"sampled_batch": parity.get("advantage_formulas"),
+            "illustrative": advantage_formulas(torch.tensor(illustrative), group) if illustrative else None,
+            "formula": "ours (verl): (r - mean) / (std + 1e-6); TRL: (r - mean) / (std + 1e-4); unbiased std per "
+                       "group in both; ours / TRL's = (std + 1e-4) / (std + 1e-6)"}
+
+
+def assemble(cfg: dict[str, Any], mm: dict[str, float], bandwidth: float, parity: dict[str, Any],
+             runs: dict[str, dict[str, Any]], failed: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The result JSON (and the per-trainer summary for the plot) from the children's outputs."""
+    import torch
+
+    from pipeline.hardware import cpu_capability
+
+    peak = max(mm.values())
+    scratch = Path(cfg["scratch"])
+    model_bytes = {"trl": 4.0, "ours_transformers": 4.0, "ours_llamacpp": 2.0}  # fp32 / the f16 export
+    summary = {n: summarise(n, r, peak, bandwidth, model_bytes[n] * r["num_params"]) for n, r in runs.items()}
+    for n, r in runs.items():
+        summary[n].update(loadavg_before=r["loadavg_before"], loadavg_after=r["loadavg_after"],
+                          wall_s=r["wall_s"], rss_mb_children=r["rss_mb"]["children"])
+    result = {
+        "step_s": {n: s["step_s"] for n, s in summary.items()},
+        "peak_rss_mb": {n: s["peak_rss_mb"] for n, s in summary.items()},
+        "parity": {k: parity[k] for k in ("loss_rel_diff", "kl_rel_diff", "grad_norm_rel_diff")},
+        "ratio_ours_to_trl": {n: summary[n]["step_s"] / summary["trl"]["step_s"]
+                              for n in summary if n != "trl" and "trl" in summary},
+        "tokens_per_s": {n: s["tokens_per_s"] for n, s in summary.items()},
+        "gen_tokens_per_s": {n: s["gen_tokens_per_s"] for n, s in summary.items()},
+        "split_s": {n: {"generation": s["gen_s"], "update": s["update_s"]} for n, s in summary.items()},
+        "physical_limit": {
+            "matmul_fp32_flops": mm, "peak_fp32_flops": peak, "memory_bandwidth_bytes_per_s": bandwidth,
+            "update_flops_per_s": {n: s["update_flops_per_s"] for n, s in summary.items()},
+            "update_share_of_peak": {n: s["update_share_of_peak"] for n, s in summary.items()},
+            "decode_steps_per_s_bound": {n: s["decode_steps_per_s_bound"] for n, s in summary.items()},
+            "gen_tokens_per_s_bound": {n: s["decode_steps_per_s_bound"] * cfg["batch"] * cfg["group"]
+                                       for n, s in summary.items()},
+            "note": "update FLOP/s = 6 * params * tokens / update time (ours: policy forward/backward/optimizer "
+                    "time; TRL: step minus generation); the generation bound: one decode step reads the whole "
+                    "model (fp32 for transformers, the f16 export for llama.cpp) once for all batch x G rows",
+        },
+        "parity_detail": parity,
+        "failed": failed,
+        "configuration": {"benchmark": {k: v for k, v in cfg.items() if k not in ("scratch", "prompts", "hf_model")},
+                          "model": MODEL_REF, "trl": runs.get("trl", {}).get("config"),
+                          "ours": scratch_params(scratch, cfg).train.model_dump(mode="json", exclude={"verl"})},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads(), "cpu_capability": cpu_capability(),
+                    "loadavg_end": list(os.getloadavg())},
+        "trainers": summary,
+    }
+    return result, summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -356,15 +416,25 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="G completions per prompt")
     parser.add_argument("--max-tokens", type=int, default=64, help="max completion tokens")
     parser.add_argument("--only", action="append", choices=TRAINERS, help="run only these trainers")
+    parser.add_argument("--assemble", metavar="PARTIAL", help="write vs_trl.json from an interrupted run's "
+                        "benchmarks/results/vs_trl_partial.json (the machine figures are measured again if absent)")
     parser.add_argument("--child", nargs=3, metavar=("NAME", "CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(*args.child)
         return
-
-    import torch
-
-    from pipeline.hardware import cpu_capability
+    if args.assemble:
+        part = json.loads(Path(args.assemble).read_text())
+        cfg = part.get("cfg") or {"steps": args.steps, "batch": args.batch, "group": args.group,
+                                  "max_tokens": args.max_tokens, "lr": 1e-5, "clip": 0.2, "kl_coef": 0.001,
+                                  "rows_per_dataset": 16, "scratch": tempfile.mkdtemp(prefix="bench_vs_trl_")}
+        mm = part.get("mm") or matmul_peak()
+        bandwidth = part.get("bandwidth") or memory_bandwidth()
+        result, summary = assemble(cfg, mm, bandwidth, part["parity"], part["runs"], part["failed"])
+        result["assembled_from_partial"] = True
+        (RESULTS / "vs_trl.json").write_text(json.dumps(result, indent=2, default=float))
+        plot(summary, RESULTS / "vs_trl.png")
+        return
 
     scratch = Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
     cfg = {"steps": args.steps, "batch": args.batch, "group": args.group, "max_tokens": args.max_tokens,
@@ -375,7 +445,7 @@ def main() -> None:
         cfg["hf_model"] = str(hf_copy(scratch))
         print("measuring matmul peak and memory bandwidth ...", flush=True)
         mm = matmul_peak()
-        peak, bandwidth = max(mm.values()), memory_bandwidth()
+        bandwidth = memory_bandwidth()
         cfg_file = scratch / "config.json"
         cfg_file.write_text(json.dumps(cfg))
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -389,43 +459,10 @@ def main() -> None:
                 runs[name] = spawn(name, cfg_file, scratch)
             except RuntimeError as exc:  # keep the others' figures; the failure is reported in the result
                 failed[name] = str(exc)
-            (RESULTS / "vs_trl_partial.json").write_text(json.dumps({"parity": parity, "runs": runs,
-                                                                     "failed": failed}, default=float))
-        model_bytes = {"trl": 4.0, "ours_transformers": 4.0, "ours_llamacpp": 2.0}  # fp32 / the f16 export
-        summary = {n: summarise(n, r, peak, bandwidth, model_bytes[n] * r["num_params"]) for n, r in runs.items()}
-        for n, r in runs.items():
-            summary[n].update(loadavg_before=r["loadavg_before"], loadavg_after=r["loadavg_after"],
-                              wall_s=r["wall_s"], rss_mb_children=r["rss_mb"]["children"])
-        result = {
-            "step_s": {n: s["step_s"] for n, s in summary.items()},
-            "peak_rss_mb": {n: s["peak_rss_mb"] for n, s in summary.items()},
-            "parity": {k: parity[k] for k in ("loss_rel_diff", "kl_rel_diff", "grad_norm_rel_diff")},
-            "ratio_ours_to_trl": {n: summary[n]["step_s"] / summary["trl"]["step_s"]
-                                  for n in summary if n != "trl" and "trl" in summary},
-            "tokens_per_s": {n: s["tokens_per_s"] for n, s in summary.items()},
-            "gen_tokens_per_s": {n: s["gen_tokens_per_s"] for n, s in summary.items()},
-            "split_s": {n: {"generation": s["gen_s"], "update": s["update_s"]} for n, s in summary.items()},
-            "physical_limit": {
-                "matmul_fp32_flops": mm, "peak_fp32_flops": peak, "memory_bandwidth_bytes_per_s": bandwidth,
-                "update_flops_per_s": {n: s["update_flops_per_s"] for n, s in summary.items()},
-                "update_share_of_peak": {n: s["update_share_of_peak"] for n, s in summary.items()},
-                "decode_steps_per_s_bound": {n: s["decode_steps_per_s_bound"] for n, s in summary.items()},
-                "gen_tokens_per_s_bound": {n: s["decode_steps_per_s_bound"] * cfg["batch"] * cfg["group"]
-                                           for n, s in summary.items()},
-                "note": "update FLOP/s = 6 * params * tokens / update time (ours: policy forward/backward/optimizer "
-                        "time; TRL: step minus generation); the generation bound: one decode step reads the whole "
-                        "model (fp32 for transformers, the f16 export for llama.cpp) once for all batch x G rows",
-            },
-            "parity_detail": parity,
-            "failed": failed,
-            "configuration": {"benchmark": {k: v for k, v in cfg.items() if k not in ("scratch", "prompts", "hf_model")},
-                              "model": MODEL_REF, "trl": runs.get("trl", {}).get("config"),
-                              "ours": scratch_params(scratch, cfg).train.model_dump(mode="json", exclude={"verl"})},
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                        "torch_threads": torch.get_num_threads(), "cpu_capability": cpu_capability(),
-                        "loadavg_end": list(os.getloadavg())},
-            "trainers": summary,
-        }
+            (RESULTS / "vs_trl_partial.json").write_text(json.dumps(
+                {"cfg": cfg, "mm": mm, "bandwidth": bandwidth, "parity": parity, "runs": runs, "failed": failed},
+                default=float))
+        result, summary = assemble(cfg, mm, bandwidth, parity, runs, failed)
         (RESULTS / "vs_trl.json").write_text(json.dumps(result, indent=2, default=float))
         plot(summary, RESULTS / "vs_trl.png")
         (RESULTS / "vs_trl_partial.json").unlink(missing_ok=True)
