@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -300,30 +301,46 @@ def spawn(name: str, cfg_file: Path, scratch: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------- summary
 def summarise(name: str, run: dict[str, Any], peak: float, bandwidth: float, model_bytes: float) -> dict[str, Any]:
     later = run["steps"][1:] or run["steps"]
-    mean = lambda key: statistics.fmean(float(s[key]) for s in later if s.get(key) is not None)
+
+    def mean(key: str) -> float:  # NaN where a run did not record the figure (a run cut short: see --assemble)
+        values = [float(s[key]) for s in later if s.get(key) is not None]
+        return statistics.fmean(values) if values else float("nan")
+
     step_s, gen_s, update_s = mean("step_s"), mean("gen_s"), mean("update_s")
     out: dict[str, Any] = {"step_s": step_s, "gen_s": gen_s, "update_s": update_s,
                            "peak_rss_mb": run["rss_mb"]["self"], "steps": run["steps"]}
     n = run["num_params"]
     if name.startswith("ours"):
         tokens = mean("update_tokens")
-        out["gen_tokens_per_s"] = mean("gen_tokens") / gen_s
+        gen_tokens = mean("gen_tokens")
         out["update_flops_per_s"] = 6 * n * tokens / mean("policy_update_s")
         out["update_tokens"] = tokens
     else:
         # TRL's num_tokens counts prompt + completion tokens seen so far: per step it is the difference
         totals = [float(s["gen_tokens"]) for s in run["steps"]]
         per_step = [b - a for a, b in zip([0.0, *totals[:-1]], totals, strict=True)]
-        lengths = [float(s["completion_length"]) * s_count for s, s_count in
-                   zip(run["steps"], [run["config"]["per_device_train_batch_size"]] * len(run["steps"]), strict=True)]
-        out["gen_tokens_per_s"] = statistics.fmean(lengths[1:] or lengths) / gen_s
+        lengths = [float(s["completion_length"]) * run["config"]["per_device_train_batch_size"] for s in run["steps"]]
+        gen_tokens = statistics.fmean(lengths[1:] or lengths)
         out["update_tokens"] = statistics.fmean(per_step[1:] or per_step)
         out["update_flops_per_s"] = 6 * n * out["update_tokens"] / update_s
-    out["tokens_per_s"] = out["gen_tokens_per_s"] * gen_s / step_s
+    out["gen_tokens"] = gen_tokens
+    out["gen_tokens_per_s"] = gen_tokens / gen_s  # during generation
+    out["tokens_per_s"] = gen_tokens / step_s  # completion tokens per second of the whole GRPO step
     out["update_share_of_peak"] = out["update_flops_per_s"] / peak
     # one decode step reads every weight once for the whole batch: the bound is on decode steps per second
     out["decode_steps_per_s_bound"] = bandwidth / model_bytes
     return out
+
+
+def clean(value: Any) -> Any:
+    """NaN (a figure a cut-short run did not record) as JSON null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clean(v) for v in value]
+    return value
 
 
 def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
@@ -334,8 +351,8 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
 
     names = list(summary)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    gen = [summary[n]["gen_s"] for n in names]
-    upd = [summary[n]["step_s"] - summary[n]["gen_s"] for n in names]
+    gen = [summary[n]["gen_s"] if not math.isnan(summary[n]["gen_s"]) else 0.0 for n in names]  # no split: all
+    upd = [summary[n]["step_s"] - g for n, g in zip(names, gen, strict=True)]
     ax1.bar(names, gen, label="generation")
     ax1.bar(names, upd, bottom=gen, label="update (reward, ref/old log-probs, fwd/bwd, optimizer)")
     ax1.set_ylabel("seconds per GRPO step (mean of steps 2..N)")
@@ -432,7 +449,7 @@ def main() -> None:
         bandwidth = part.get("bandwidth") or memory_bandwidth()
         result, summary = assemble(cfg, mm, bandwidth, part["parity"], part["runs"], part["failed"])
         result["assembled_from_partial"] = True
-        (RESULTS / "vs_trl.json").write_text(json.dumps(result, indent=2, default=float))
+        (RESULTS / "vs_trl.json").write_text(json.dumps(clean(result), indent=2, default=float))
         plot(summary, RESULTS / "vs_trl.png")
         return
 
@@ -463,7 +480,7 @@ def main() -> None:
                 {"cfg": cfg, "mm": mm, "bandwidth": bandwidth, "parity": parity, "runs": runs, "failed": failed},
                 default=float))
         result, summary = assemble(cfg, mm, bandwidth, parity, runs, failed)
-        (RESULTS / "vs_trl.json").write_text(json.dumps(result, indent=2, default=float))
+        (RESULTS / "vs_trl.json").write_text(json.dumps(clean(result), indent=2, default=float))
         plot(summary, RESULTS / "vs_trl.png")
         (RESULTS / "vs_trl_partial.json").unlink(missing_ok=True)
         print(json.dumps({k: result[k] for k in ("step_s", "peak_rss_mb", "parity", "ratio_ours_to_trl",
