@@ -18,7 +18,7 @@ One command, one run:
 generation and update (everything else: reward, reference and old log-probs, forward/backward, optimizer).
 The machine is shared, so the load average before and after each run is recorded with its figures.
 
-Run (about 20 minutes on 2 cores):
+Run (over an hour on 2 cores shared with other work; `--assemble` rebuilds the result of a cut-short run):
     nice -n 10 python benchmarks/bench_vs_trl.py [--steps 3] [--batch 2] [--group 4] [--max-tokens 64]
 Writes benchmarks/results/vs_trl.json and benchmarks/results/vs_trl.png.
 """
