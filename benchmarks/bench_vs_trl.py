@@ -394,8 +394,8 @@ def assemble(cfg: dict[str, Any], mm: dict[str, float], bandwidth: float, parity
         summary[n].update(loadavg_before=r["loadavg_before"], loadavg_after=r["loadavg_after"],
                           wall_s=r["wall_s"], rss_mb_children=r["rss_mb"]["children"])
     result = {
-        "step_s": {n: s["step_s"] for n, s in summary.items()},
-        "peak_rss_mb": {n: s["peak_rss_mb"] for n, s in summary.items()},
+        "step_s": {n: summary[n]["step_s"] if n in summary else None for n in TRAINERS},  # None: see "failed"
+        "peak_rss_mb": {n: summary[n]["peak_rss_mb"] if n in summary else None for n in TRAINERS},
         "parity": {k: parity[k] for k in ("loss_rel_diff", "kl_rel_diff", "grad_norm_rel_diff")},
         "ratio_ours_to_trl": {n: summary[n]["step_s"] / summary["trl"]["step_s"]
                               for n in summary if n != "trl" and "trl" in summary},
