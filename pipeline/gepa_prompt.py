@@ -374,7 +374,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
         content["cost"]["wall_s"] = round(time.perf_counter() - started, 1)
         out_dir = params.path(params.paths.reports_dir) / "gepa"
         metrics = report_metrics(content)
-        write_json_atomic(content, gepa_prompt_path(params))
+        write_json_atomic(content, gepa_prompt_path(params.path(params.paths.gepa_dir)))
         write_json_atomic(metrics, out_dir / "metrics.json")
         write_text_atomic(history_frame(content).to_csv(index=False), out_dir / "history.csv")
         describe_stage("gepa", describe_gepa(metrics))
@@ -383,7 +383,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
         # The instruction and the examples are the reflection model's text: untrusted, sanitised.
         mlflow.log_text(sanitize_text(content["optimised"]["instruction"]), "gepa/optimised_instruction.txt")
         with tempfile.TemporaryDirectory() as tmp:
-            mlflow.log_artifact(str(sanitized_json_copy(gepa_prompt_path(params), Path(tmp))), artifact_path="gepa")
+            mlflow.log_artifact(str(sanitized_json_copy(gepa_prompt_path(params.path(params.paths.gepa_dir)), Path(tmp))), artifact_path="gepa")
     log.info("GEPA: %d proposals, %d accepted; held-out F1 seed %.2f → optimised %.2f (%d metric calls)",
              metrics["proposals"], metrics["accepted"], metrics["holdout_f1_seed"], metrics["holdout_f1_optimised"],
              metrics["metric_calls"])

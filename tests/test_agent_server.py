@@ -38,12 +38,12 @@ def test_auto_serves_a_gguf_agent_with_llama_cpp(params):
 def test_batching_follows_the_engine(params):
     params.evaluate.agent_engine = "llama.cpp"
     params.evaluate.agent_parallel, params.evaluate.agent_rollout_batch = 16, 48
-    assert rollout_batch_size(params) == 48  # all 48 default rows in one batch, queued on 16 slots
+    assert rollout_batch_size(agent_engine(params), params.evaluate) == 48  # all 48 default rows in one batch, queued on 16 slots
     params.evaluate.agent_rollout_batch = 8
-    assert rollout_batch_size(params) == 16  # never fewer questions than slots
+    assert rollout_batch_size(agent_engine(params), params.evaluate) == 16  # never fewer questions than slots
     params.evaluate.agent_engine = "transformers"
     params.evaluate.batch_size = 8
-    assert rollout_batch_size(params) == 8
+    assert rollout_batch_size(agent_engine(params), params.evaluate) == 8
 
 
 def test_server_params_describe_the_agent_server_not_the_environment(params, tmp_path):
