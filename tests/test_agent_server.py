@@ -72,6 +72,22 @@ def test_a_hugging_face_base_model_needs_the_transformers_engine(agent_params, t
         pass
 
 
+def test_the_agent_runs_on_the_engine_the_evaluate_plan_decided(agent_params, tiny_llama_dir):
+    """evaluate decides `auto` once (EvaluatePlan.engine, what metrics.json records as having run) and the
+    policy runs on that decision instead of deciding again."""
+    from dataclasses import replace
+
+    from pipeline.agent.policy import TransformersPolicy
+    from pipeline.evaluation.plan import EvaluatePlan
+
+    plan = EvaluatePlan.for_evaluate(agent_params)
+    assert plan.engine == agent_engine(agent_params) == "llama.cpp"  # auto on a GGUF agent.model
+    assert plan.rollout_batch == rollout_batch_size("llama.cpp", agent_params.evaluate)
+    plan = replace(plan, engine="transformers")  # a decision auto would not make: the policy must follow it
+    with evaluation_policy(str(tiny_llama_dir), plan.agent_params, engine=plan.engine) as policy:
+        assert isinstance(policy, TransformersPolicy)
+
+
 @pytest.mark.slow
 def test_next_turn_reads_its_earlier_turns_from_the_slot_cache(agent_params):
     from pipeline.agent.protocol import ConversationBuilder
