@@ -86,11 +86,12 @@ def build_data(params) -> None:
 
 def heldout_rows(params):
     from pipeline.evaluate import load_eval_rows
+    from pipeline.evaluation.plan import EvaluatePlan
 
     held = params.model_copy(deep=True)
     held.root = params.root
     held.data.ood_eval_datasets = []
-    return load_eval_rows(held)
+    return load_eval_rows(EvaluatePlan.for_evaluate(held))
 
 
 def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: str) -> dict[str, Any]:
@@ -109,7 +110,7 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     policy = TransformersPolicy(model, tokenizer, seed=params.seed)
     start = time.perf_counter()
-    answers = run_agent_with_environment(policy, env, rows_by_ds, params, label)
+    answers = run_agent_with_environment(policy, env, rows_by_ds, params.agent, params.evaluate, label)
     seconds = time.perf_counter() - start
     out: dict[str, Any] = {"f1": {}, "em": {}, "format": {}, "answered": {}, "predictions": {}, "requests": {},
                            "env_calls": 0, "seconds": seconds, "examples": []}

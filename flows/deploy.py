@@ -5,7 +5,7 @@
     prefect deploy --all                                                  # prefect.yaml: GPU work pool
 
 Design decisions:
-- **Two deployments, one source of truth.** `promptr1 flow serve` serves `build_deployment(params)` from this
+- **Two deployments, one source of truth.** `promptr1 flow serve` serves `build_deployment(...)` from this
   process: schedule `flow.cron` in `flow.timezone`, `flow.concurrency_limit` runs at once, built without a
   server so a test can check it. `prefect.yaml` declares the same flow (`flows/retrain.py:retrain`) for a
   GPU work pool with the paper profile; tests/test_flow_deployment.py keeps its schedule and concurrency
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from flows.retrain import FLOW_NAME, retrain
 from flows.run_lock import ensure_prefect_limit
-from pipeline.config import Params
+from pipeline.config import FlowConfig, Params
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:
@@ -41,32 +41,34 @@ log = logging.getLogger(__name__)
 DEPLOYMENT_NAME = "retrain"
 
 
-def deployment_parameters(params: Params, *, scheduled: bool = True) -> dict[str, Any]:
-    """Parameters a deployment's runs get: the profile params name, no overrides, the scheduled wait."""
+def deployment_parameters(profile: str, cfg: FlowConfig, *, scheduled: bool = True) -> dict[str, Any]:
+    """Parameters a deployment's runs get: the profile the params name, no overrides, the scheduled wait
+    (`flow.scheduled_lock_timeout_s`)."""
     return {
-        "profile": params.profile,
+        "profile": profile,
         "overrides": [],
         "force": False,
-        "lock_timeout_s": params.flow.scheduled_lock_timeout_s if scheduled else params.flow.lock_timeout_s,
+        "lock_timeout_s": cfg.scheduled_lock_timeout_s if scheduled else cfg.lock_timeout_s,
     }
 
 
-def build_deployment(params: Params, *, project_dir: str | Path | None = None) -> RunnerDeployment:
-    """The served deployment: cron schedule and concurrency from `params.flow`; built without a server."""
+def build_deployment(profile: str, cfg: FlowConfig, *, project_dir: str | Path | None = None) -> RunnerDeployment:
+    """The served deployment of `profile`: cron schedule and concurrency from the `flow` section (`cfg`);
+    built without a server."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.schedules import Cron
 
-    parameters = deployment_parameters(params)
+    parameters = deployment_parameters(profile, cfg)
     if project_dir is not None:
         parameters["project_dir"] = str(project_dir)
     return retrain.to_deployment(
         name=DEPLOYMENT_NAME,
-        schedules=[Cron(params.flow.cron, timezone=params.flow.timezone)],
+        schedules=[Cron(cfg.cron, timezone=cfg.timezone)],
         parameters=parameters,
-        concurrency_limit=ConcurrencyLimitConfig(limit=params.flow.concurrency_limit,
+        concurrency_limit=ConcurrencyLimitConfig(limit=cfg.concurrency_limit,
                                                  collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
-        description=f"Scheduled Prompt-R1 retraining, profile {params.profile!r}",
-        tags=["prompt-r1", f"profile:{params.profile}"],
+        description=f"Scheduled Prompt-R1 retraining, profile {profile!r}",
+        tags=["prompt-r1", f"profile:{profile}"],
     )
 
 
@@ -88,7 +90,7 @@ def cli_flow_serve(params: Params) -> None:
     from prefect import serve
 
     ensure_prefect_limit(params.flow.concurrency_limit)
-    deployment = build_deployment(params, project_dir=params.root)
+    deployment = build_deployment(params.profile, params.flow, project_dir=params.root)
     log.info("serving %s/%s: cron %r (%s), %d concurrent run(s)", FLOW_NAME, DEPLOYMENT_NAME,
              params.flow.cron, params.flow.timezone, params.flow.concurrency_limit)
     serve(deployment)

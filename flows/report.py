@@ -68,8 +68,9 @@ class RunReport:
 
     def read_results(self, params: Params) -> None:
         """Fill the evaluation table, promotion decision and MLflow run: this run's (module docstring)."""
-        self.eval_summary = read_eval_summary(params)
-        self.promotion = read_promotion(params) if self.reproduced("register") else champion_status(params)
+        reports_dir = params.path(params.paths.reports_dir)
+        self.eval_summary = read_eval_summary(reports_dir)
+        self.promotion = read_promotion(reports_dir) if self.reproduced("register") else champion_status(params)
         if any(self.reproduced(stage) for stage in MLFLOW_STAGES):
             self.mlflow = mlflow_run_info(params)
         else:
@@ -78,8 +79,9 @@ class RunReport:
                                         "evaluated or registered)" + (f"; the last pipeline run is {last}" if last else ""))
 
 
-def read_promotion(params: Params) -> dict[str, Any] | None:
-    path = params.path(params.paths.reports_dir) / PROMOTION
+def read_promotion(reports_dir: Path) -> dict[str, Any] | None:
+    """reports/promotion.json (`reports_dir`: paths.reports_dir), or None when it is missing or unreadable."""
+    path = reports_dir / PROMOTION
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -87,8 +89,9 @@ def read_promotion(params: Params) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else {"value": data}
 
 
-def read_eval_summary(params: Params) -> str | None:
-    path = params.path(params.paths.reports_dir) / EVAL_SUMMARY
+def read_eval_summary(reports_dir: Path) -> str | None:
+    """reports/eval/summary.md (`reports_dir`: paths.reports_dir), or None when it is missing or empty."""
+    path = reports_dir / EVAL_SUMMARY
     try:
         return path.read_text().strip() or None
     except OSError:

@@ -74,7 +74,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as current_flow_run
 
-from flows import dvc_steps
+from flows import dvc_steps, experiments
 from flows.artifacts import publish_quietly, publish_report, publish_stage
 from flows.environment_tasks import (
     EnvironmentSession,
@@ -86,6 +86,7 @@ from flows.environment_tasks import (
     stop_environment,
     stop_live_environments,
 )
+from flows.policies import DEFAULT_POLICY, STAGE_POLICIES, StagePolicy, retry_unless_unhealthy
 from flows.report import MlflowRunInfo, RunReport, mlflow_line, promotion_line
 from flows.run_lock import run_lock
 from pipeline.config import PARAMS_FILE, Params, find_root, load_params
@@ -99,46 +100,6 @@ FLOW_NAME = "promptr1-retrain"
 
 EnvironmentChoice = Literal["local", "vllm", "api"]
 ENVIRONMENT_BACKENDS: dict[str, str] = {"local": "llamacpp", "vllm": "vllm", "api": "api"}
-
-
-@dataclass(frozen=True)
-class StagePolicy:
-    """How the flow treats one stage."""
-
-    retries: int = 0
-    retry_delays_s: tuple[float, ...] = ()
-    """Delay before retry 1, 2, … (the last one repeats)."""
-    needs_environment: bool = False
-    """Start and health-check the environment server before this stage (when it will run)."""
-
-
-STAGE_POLICIES: dict[str, StagePolicy] = {
-    "sources": StagePolicy(),
-    "sample": StagePolicy(),
-    "validate": StagePolicy(),
-    "build": StagePolicy(),
-    # Idempotent: the same seed, slices and cached environment replies give the same prompt.
-    "gepa": StagePolicy(retries=1, retry_delays_s=(30.0,), needs_environment=True),
-    # Safe to retry only because it resumes from the last checkpoint (persist: true output); see docstring.
-    "train": StagePolicy(retries=1, retry_delays_s=(60.0,), needs_environment=True),
-    "merge": StagePolicy(),
-    "evaluate": StagePolicy(retries=2, retry_delays_s=(30.0, 120.0), needs_environment=True),
-    "register": StagePolicy(retries=3, retry_delays_s=(10.0, 30.0, 90.0)),
-}
-DEFAULT_POLICY = StagePolicy()
-
-HEALTH_GATE_MARK = "training health gate"
-"""Start of the line a stage prints when the training health gate stopped it (pipeline/train/health.py)."""
-
-
-def retry_unless_unhealthy(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect's retry condition: retry a failed stage unless the training health gate stopped it (a resumed
-    run would train from the same last healthy checkpoint into the same breach, hours of GPU later)."""
-    try:
-        state.result()
-    except Exception as exc:  # noqa: BLE001 - the stage's failure, whatever it is, is what we judge
-        return HEALTH_GATE_MARK not in str(exc)
-    return True
 
 
 @dataclass
@@ -207,7 +168,7 @@ def run_stage(project_dir: str, stage: str, force: bool, skip: bool = False) -> 
 def record_experiment(project_dir: str, name: str) -> str | None:
     """`dvc exp save -n <name>`: this run's params, dvc.lock and metrics as a DVC experiment."""
     logger = get_run_logger()
-    saved = dvc_steps.save_experiment(Path(project_dir), name, on_line=logger.info)
+    saved = experiments.save_experiment(Path(project_dir), name, on_line=logger.info)
     if saved:
         logger.info("DVC experiment %s recorded (dvc exp show / dvc exp apply %s)", saved, saved)
     return saved

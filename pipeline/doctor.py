@@ -34,9 +34,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.config import Params
+
+if TYPE_CHECKING:
+    from pipeline.layout import Placement
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,8 @@ class Doctor:
     gpus: list[dict[str, str]] = field(default_factory=list)
     """nvidia-smi's GPUs (index, name, driver, memory); empty on a machine without one."""
     environment_url: str | None = None
+    reports_dir: Path = Path("reports")
+    """`paths.reports_dir`, resolved once by `run_doctor` (the report and the one-step run's outputs go under it)."""
     results: dict[str, StepResult] = field(default_factory=dict)
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -213,19 +218,17 @@ def step_imports(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------- 3. check
-def layout_gpus_needed(params: Params) -> int:
+def layout_gpus_needed(place: Placement) -> int:
     """GPUs this node must have for the layout: the highest CUDA device id placed on it, plus one."""
-    from pipeline.layout import environment_gpus, training_gpus
-
-    placed = [*environment_gpus(params), *training_gpus(params)]
+    placed = [*place.environment_gpus, *place.training_gpus]
     return max(placed) + 1 if placed else 0
 
 
 def step_check(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
-    from pipeline.layout import describe, layout_problems
+    from pipeline.layout import Placement, describe, layout_problems
 
     problems = [str(p) for p in layout_problems(doc.params)]
-    needed = layout_gpus_needed(doc.params)
+    needed = layout_gpus_needed(Placement.for_layout(doc.params))
     figures = {"problems": problems, "gpus_needed": needed, "host_gpus": len(doc.gpus)}
     if problems:
         more = f" (and {len(problems) - 1} more: promptr1 check lists them)" if len(problems) > 1 else ""
@@ -282,13 +285,13 @@ def steps() -> list[tuple[str, Step]]:
     ]
 
 
-def report_path(params: Params) -> Path:
-    return params.path(params.paths.reports_dir) / "doctor" / "doctor.json"
+def report_path(reports_dir: Path) -> Path:
+    return reports_dir / "doctor" / "doctor.json"
 
 
-def default_rows(params: Params) -> int:
+def default_rows(environment_backend: str) -> int:
     """Rows sent when `--rows` is not given: 64, or `CPU_ROWS` for a llama.cpp (CPU) environment."""
-    return CPU_ROWS if params.environment.backend == "llamacpp" else DEFAULT_ROWS
+    return CPU_ROWS if environment_backend == "llamacpp" else DEFAULT_ROWS
 
 
 def run_doctor(
@@ -300,8 +303,9 @@ def run_doctor(
     """Run the steps, echo one line each, write the JSON report; 0 when nothing failed, else 1."""
     from pipeline.data.schema import write_json_atomic
 
-    rows = default_rows(params) if rows is None else rows
-    doc = Doctor(params=params, rows=rows, rows_deadline_s=rows_deadline_s)
+    rows = default_rows(params.environment.backend) if rows is None else rows
+    doc = Doctor(params=params, rows=rows, rows_deadline_s=rows_deadline_s,
+                 reports_dir=params.path(params.paths.reports_dir))
     started = time.perf_counter()
     exit_code = 0
     with doc.stack:
@@ -326,5 +330,5 @@ def run_doctor(
         "steps": [asdict(r) for r in doc.results.values()],
         "not_run": [name for name, _ in steps() if name not in doc.results],
     }
-    write_json_atomic(report, report_path(params))
+    write_json_atomic(report, report_path(doc.reports_dir))
     return exit_code

@@ -66,13 +66,14 @@ def evaluation_rows(params: Params, n: int) -> tuple[list[dict[str, Any]], str] 
     from the built sets (data/rl/eval/) if there, else the mirror's authors' files. None when neither is."""
     import pyarrow.parquet as pq
 
-    from pipeline.data.sources import authors_eval_path, get_spec, load_authors_eval
+    from pipeline.data.sources import SourcePaths, authors_eval_path, get_spec, load_authors_eval
 
     names = list(params.eval_datasets)
     if not any(get_spec(name).task_type == "math" for name in names):
         names.append("gsm8k")  # the doctor always sends math rows (a reasoning environment's worst case)
     names.sort(key=lambda name: get_spec(name).task_type != "math")
     eval_dir = params.path(params.paths.rl_dir) / "eval"
+    sources = SourcePaths.of(params)
     per_dataset: dict[str, list[str]] = {}
     source = "data/rl/eval" if any((eval_dir / f"{name}.parquet").is_file() for name in names) else "mirror"
     for name in names:
@@ -80,8 +81,8 @@ def evaluation_rows(params: Params, n: int) -> tuple[list[dict[str, Any]], str] 
         if source == "data/rl/eval" and built.is_file():
             extra = pq.read_table(built, columns=["extra_info"]).column("extra_info").to_pylist()
             per_dataset[name] = [str(e["question"]) for e in extra]
-        elif params.mirror is not None and authors_eval_path(params, get_spec(name)).is_file():
-            per_dataset[name] = [row.question for row in load_authors_eval(params, get_spec(name))]
+        elif sources.mirror is not None and authors_eval_path(sources, get_spec(name)).is_file():
+            per_dataset[name] = [row.question for row in load_authors_eval(sources, get_spec(name))]
     if not per_dataset:
         return None
     rows: list[dict[str, Any]] = []

@@ -37,19 +37,20 @@ SEGMENT_CHARS = 160
 """Characters of each segment printed in the report (the whole text is in the dump)."""
 
 
-def doctor_dir(params: Params) -> Path:
-    return params.path(params.paths.reports_dir) / "doctor"
+def doctor_dir(reports_dir: Path) -> Path:
+    """`<paths.reports_dir>/doctor`: every output of the one-step run stays under it."""
+    return reports_dir / "doctor"
 
 
-def rollout_dir(params: Params) -> Path:
-    return doctor_dir(params) / "rollout"
+def rollout_dir(reports_dir: Path) -> Path:
+    return doctor_dir(reports_dir) / "rollout"
 
 
 def one_step_params(params: Params) -> Params:
     """`params` for one verl step whose outputs all stay under reports/doctor/ (module docstring)."""
     p = params.model_copy(deep=True)
     p.root = params.root
-    base = doctor_dir(params).resolve()
+    base = doctor_dir(params.path(params.paths.reports_dir)).resolve()
     p.paths.reports_dir = str(base)
     p.paths.checkpoint_dir = str(base / "checkpoints")
     p.paths.model_dir = str(base / "model")
@@ -58,7 +59,7 @@ def one_step_params(params: Params) -> Params:
     v.save_freq, v.test_freq, v.val_before_train = 1, -1, False
     ours = {
         "trainer.total_training_steps": "1",
-        "trainer.rollout_data_dir": str(rollout_dir(params).resolve()),
+        "trainer.rollout_data_dir": str((base / "rollout").resolve()),
     }
     kept = [
         o for o in v.extra_overrides if o.split("=", 1)[0].lstrip("+") not in ours
@@ -92,13 +93,13 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
         return skipped(reason)
     p = one_step_params(doc.params)
     shutil.rmtree(p.path(p.paths.checkpoint_dir), ignore_errors=True)
-    shutil.rmtree(rollout_dir(doc.params), ignore_errors=True)
+    shutil.rmtree(rollout_dir(doc.reports_dir), ignore_errors=True)
     p.environment.base_url = doc.environment_url  # the server step 5 holds: train_verl reuses it
     tracking.configure(p)
     with mlflow.start_run(run_name=f"doctor-{p.profile}") as run:
         train_verl(p, run)
     actor = ckpt.latest_verl_step(p.path(p.paths.checkpoint_dir))
-    dumps = sorted(rollout_dir(doc.params).glob("*.jsonl"))
+    dumps = sorted(rollout_dir(doc.reports_dir).glob("*.jsonl"))
     figures = {
         "checkpoint": str(actor) if actor else None,
         "rollout_dumps": [d.name for d in dumps],
@@ -111,7 +112,7 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
         )
     if not dumps:
         return failed(
-            f"verl saved {actor.parent.name} but dumped no rollout data into {rollout_dir(doc.params)} "
+            f"verl saved {actor.parent.name} but dumped no rollout data into {rollout_dir(doc.reports_dir)} "
             "(trainer.rollout_data_dir)",
             **figures,
         )
@@ -188,7 +189,7 @@ def decoded_trajectories(dump: Path, n: int = TRAJECTORIES_SHOWN) -> list[dict[s
 def step_trajectories(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     if doc.status("verl step") != "pass":
         return skipped("no rollout data (the verl step did not run)")
-    dump = max(rollout_dir(doc.params).glob("*.jsonl"))
+    dump = max(rollout_dir(doc.reports_dir).glob("*.jsonl"))
     trajectories = decoded_trajectories(dump)
     if len(trajectories) < TRAJECTORIES_SHOWN:
         return failed(

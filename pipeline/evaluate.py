@@ -32,6 +32,9 @@ Design decisions:
   trained agent and the baselines that use an environment run again with each listed environment, one
   environment at a time, on the same rows; metrics.json, summary.md and MLflow get the matrix
   (trained-with × evaluated-with), `matrix.csv` its DVC plot.
+- **One plan** (`pipeline.evaluation.plan.EvaluatePlan`): the entry resolves the paths, the engine, the
+  environments and the sections once; every step below gets the plan, and metrics.json records the engine
+  the plan decided (what ran), not a decision made again afterwards.
 - **Order.** Systems run in the order that keeps one model loaded, and are reported `prompt_r1` first,
   then the configured baselines in `BASELINES` order, whatever order `evaluate.baselines` lists them in.
 """
@@ -47,22 +50,17 @@ import pandas as pd
 
 from pipeline import metrics as M
 from pipeline.errors import DataError, UserError
-from pipeline.evaluation.agent_server import (
-    agent_engine,
-    evaluation_policy,
-    release_memory,
-    rollout_batch_size,
-)
+from pipeline.evaluation.agent_server import evaluation_policy, release_memory
 from pipeline.evaluation.costs import inference_costs, one_off_costs, read_gepa_prompt
 from pipeline.evaluation.matrix import (
     build_matrix,
     log_matrix_predictions,
     matrix_baselines,
     matrix_row,
-    variant_params,
     write_matrix,
 )
 from pipeline.evaluation.paper import paper_comparison
+from pipeline.evaluation.plan import EvaluatePlan
 from pipeline.evaluation.report import (
     describe_evaluation,
     format_ci,
@@ -75,7 +73,6 @@ from pipeline.evaluation.systems import (
     BASELINES,
     TRAINED,
     Answer,
-    evaluation_params,
     run_agent_only,
     run_agent_with_environment,
     run_env_only,
@@ -99,14 +96,13 @@ def _question_from(row: pd.Series) -> str:
     return first.removeprefix("Question:").strip()
 
 
-def load_eval_rows(params: Params) -> dict[str, list[EvalRow]]:
+def load_eval_rows(plan: EvaluatePlan) -> dict[str, list[EvalRow]]:
     """The first `rows_per_dataset` rows of every ID and OOD evaluation file, per dataset."""
-    eval_dir = params.path(params.paths.rl_dir) / "eval"
-    n = params.evaluate.rows_per_dataset
+    n = plan.evaluate.rows_per_dataset
     out: dict[str, list[EvalRow]] = {}
-    for split, names in (("id", params.data.id_eval_datasets), ("ood", params.data.ood_eval_datasets)):
+    for split, names in (("id", plan.id_datasets), ("ood", plan.ood_datasets)):
         for name in names:
-            path = eval_dir / f"{name}.parquet"
+            path = plan.rows_dir / f"{name}.parquet"
             if not path.is_file():
                 raise DataError(f"evaluation file {path} is missing: run `promptr1 build` (dvc repro build)")
             frame = pd.read_parquet(path).head(n)
@@ -124,44 +120,45 @@ def load_eval_rows(params: Params) -> dict[str, list[EvalRow]]:
     return out
 
 
-
-def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]], ep: Params | None = None,
+def evaluate_systems(plan: EvaluatePlan, rows_by_ds: dict[str, list[EvalRow]], ep: Params | None = None,
                      baselines: list[str] | None = None) -> dict[str, dict[str, list[Answer]]]:
     """Run the trained agent and each baseline on the same rows (environment started here).
 
     `ep`: the evaluation params whose `environment` the systems use (default: the training environment's,
-    `evaluation_params`); `baselines`: default `evaluate.baselines` (the matrix passes those that use one).
+    `plan.eval_params`); `baselines`: default `evaluate.baselines` (the matrix passes those that use one).
     """
     from pipeline.environment.client import EnvironmentClient
     from pipeline.environment.servers import environment_server
 
-    ep = evaluation_params(params) if ep is None else ep
-    model_dir = params.path(params.paths.model_dir)
-    if not model_dir.exists():
-        raise UserError(f"no merged agent at {model_dir}: run `promptr1 merge` (dvc repro merge) first")
-    baselines = list(dict.fromkeys(params.evaluate.baselines if baselines is None else baselines))
-    gepa_instruction = read_gepa_prompt(params)["optimised"]["instruction"] if "gepa" in baselines else None
+    ep = plan.eval_params if ep is None else ep
+    ev = plan.evaluate
+    if not plan.model_dir.exists():
+        raise UserError(f"no merged agent at {plan.model_dir}: run `promptr1 merge` (dvc repro merge) first")
+    baselines = list(dict.fromkeys(ev.baselines if baselines is None else baselines))
+    gepa_instruction = read_gepa_prompt(plan.gepa_prompt)["optimised"]["instruction"] if "gepa" in baselines else None
     answers: dict[str, dict[str, list[Answer]]] = {}
-    batch = rollout_batch_size(ep)
+    batch = plan.rollout_batch
+    agent, concurrency = plan.agent, ep.environment.concurrency
     with environment_server(ep):
         env = EnvironmentClient.from_params(ep)
         try:
             # The trained agent's server/model is gone when this block ends, before the base model comes.
-            with evaluation_policy(str(model_dir), params) as policy:
-                answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, ep, TRAINED, batch)
+            with evaluation_policy(str(plan.model_dir), plan.agent_params, engine=plan.engine) as policy:
+                answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, agent, ev, TRAINED, batch)
                 if "agent_only" in baselines:
-                    answers["agent_only"] = run_agent_only(policy, rows_by_ds, ep, batch)
+                    answers["agent_only"] = run_agent_only(policy, rows_by_ds, ev, batch)
                 tokenizer = policy.tokenizer  # merge wrote the base model's tokenizer: base_agent's too
             del policy
             release_memory()
             if "env_only" in baselines:
-                answers["env_only"] = run_env_only(env, rows_by_ds, ep)
+                answers["env_only"] = run_env_only(env, rows_by_ds, ev, concurrency)
             if gepa_instruction is not None:
-                answers["gepa"] = run_env_only(env, rows_by_ds, ep, instruction=gepa_instruction, system="gepa")
+                answers["gepa"] = run_env_only(env, rows_by_ds, ev, concurrency, instruction=gepa_instruction,
+                                               system="gepa")
             if "base_agent" in baselines:
-                with evaluation_policy(params.agent.model, params, tokenizer) as base:
-                    answers["base_agent"] = run_agent_with_environment(base, env, rows_by_ds, ep, "base_agent",
-                                                                       batch)
+                with evaluation_policy(agent.model, plan.agent_params, tokenizer, engine=plan.engine) as base:
+                    answers["base_agent"] = run_agent_with_environment(base, env, rows_by_ds, agent, ev,
+                                                                       "base_agent", batch)
                 del base
                 release_memory()
         finally:
@@ -170,60 +167,61 @@ def evaluate_systems(params: Params, rows_by_ds: dict[str, list[EvalRow]], ep: P
     return {s: answers[s] for s in order}
 
 
-def evaluate_matrix(params: Params, rows_by_ds: dict[str, list[EvalRow]], summary: dict[str, Any],
+def evaluate_matrix(plan: EvaluatePlan, rows_by_ds: dict[str, list[EvalRow]], summary: dict[str, Any],
                     ssim: M.SemanticSimilarity) -> dict[str, Any]:
     """The plug-and-play matrix (`evaluate.environments`, pipeline/evaluation/matrix.py): the trained agent and
     the baselines that use an environment, with each extra environment in turn, scored like the main run.
     Each environment's answers go to the evaluate run as the table `eval/matrix/<name>/predictions.json`."""
     rows = []
-    for variant in params.evaluate.environments:
-        ep = variant_params(params, variant)
-        log.info("plug-and-play: evaluating with environment %r (%s, %s)", variant.name, ep.environment.backend,
+    for run in plan.variants:
+        name, ep = run.name, run.eval_params
+        log.info("plug-and-play: evaluating with environment %r (%s, %s)", name, ep.environment.backend,
                  ep.environment.served_name)
-        answers = evaluate_systems(params, rows_by_ds, ep, matrix_baselines(params.evaluate.baselines))
+        answers = evaluate_systems(plan, rows_by_ds, ep, matrix_baselines(plan.evaluate.baselines))
         scores = {s: score_system(a, rows_by_ds, ssim) for s, a in answers.items()}
-        aggregated = aggregate(scores, rows_by_ds, params)
+        aggregated = aggregate(scores, rows_by_ds, plan.evaluate, plan.seed)
         aggregated["env_usage"] = usage_by_system(answers)
-        row = matrix_row(variant.name, ep.environment, aggregated)
-        row["cost"] = inference_costs(answers, ep)  # at this environment's prices
+        row = matrix_row(name, ep.environment, aggregated)
+        row["cost"] = inference_costs(answers, ep.environment)  # at this environment's prices
         rows.append(row)
-        log_matrix_predictions(variant.name, predictions_frame(answers, scores, rows_by_ds))
-    return build_matrix(params, summary, rows)
+        log_matrix_predictions(name, predictions_frame(answers, scores, rows_by_ds))
+    return build_matrix(plan.environment, summary, rows)
 
 
 def run_evaluate(params: Params) -> dict[str, Any]:
     """Stage 6: evaluate, write reports/eval/*, log the evaluate child run. Returns metrics.json's content."""
     from pipeline.tracking import describe_stage, stage_run
 
-    out_dir = params.path(params.paths.reports_dir) / "eval"
+    plan = EvaluatePlan.for_evaluate(params)
+    out_dir = plan.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows_by_ds = load_eval_rows(params)
-    log.info("evaluating on %d datasets × %d rows", len(rows_by_ds), params.evaluate.rows_per_dataset)
+    rows_by_ds = load_eval_rows(plan)
+    log.info("evaluating on %d datasets × %d rows", len(rows_by_ds), plan.evaluate.rows_per_dataset)
     with stage_run(params, "evaluate"):
         started = time.perf_counter()
-        all_answers = evaluate_systems(params, rows_by_ds)
-        ssim = M.SemanticSimilarity(params.evaluate.ssim_model, params.root)
+        all_answers = evaluate_systems(plan, rows_by_ds)
+        ssim = M.SemanticSimilarity(plan.evaluate.ssim_model, plan.root)
         all_scores = {s: score_system(a, rows_by_ds, ssim) for s, a in all_answers.items()}
-        summary = aggregate(all_scores, rows_by_ds, params)
+        summary = aggregate(all_scores, rows_by_ds, plan.evaluate, plan.seed)
         summary["env_usage"] = usage_by_system(all_answers)
         summary["wall_s"] = round(time.perf_counter() - started, 1)
-        summary["agent_engine"] = agent_engine(params)  # what ran the agents (auto decided)
+        summary["agent_engine"] = plan.engine  # what ran the agents (decided once, in the plan)
         summary["cost"] = {
-            "prices": {"usd_per_million_prompt": params.environment.price_per_million_prompt,
-                       "usd_per_million_completion": params.environment.price_per_million_completion},
-            "inference": inference_costs(all_answers, params),
-            "one_off": one_off_costs(params, summary["systems"]),
+            "prices": {"usd_per_million_prompt": plan.environment.price_per_million_prompt,
+                       "usd_per_million_completion": plan.environment.price_per_million_completion},
+            "inference": inference_costs(all_answers, plan.environment),
+            "one_off": one_off_costs(summary["systems"], plan.gepa_prompt, plan.steps_csv),
         }
-        summary["paper"] = paper_comparison(summary, params)
-        if params.evaluate.environments:
-            summary["matrix"] = evaluate_matrix(params, rows_by_ds, summary, ssim)
+        summary["paper"] = paper_comparison(summary, plan.agent.model, plan.environment)
+        if plan.variants:
+            summary["matrix"] = evaluate_matrix(plan, rows_by_ds, summary, ssim)
 
-        trace_ids = (log_traces(all_answers, all_scores, rows_by_ds, params.evaluate.metrics_mode)
-                     if params.mlflow.trace_evaluation else {})
+        trace_ids = (log_traces(all_answers, all_scores, rows_by_ds, plan.evaluate.metrics_mode)
+                     if plan.trace_evaluation else {})
         predictions = predictions_frame(all_answers, all_scores, rows_by_ds)
-        plots = write_reports(summary, predictions, params, out_dir)
-        write_matrix(summary, params, out_dir)
-        log_mlflow(summary, predictions, rows_by_ds, params, out_dir, plots, trace_ids)
+        plots = write_reports(summary, predictions, plan)
+        write_matrix(summary, plan.environment, out_dir)
+        log_mlflow(summary, predictions, rows_by_ds, plan, plots, trace_ids)
         flush_traces()
         describe_stage("evaluate", describe_evaluation(summary))
     for s in summary["systems"]:

@@ -28,7 +28,8 @@ Design decisions:
 - **Same sampling as the evaluation**: temperature `evaluate.env_temperature` and cache `evaluate.env_cache`,
   so the optimised instruction is selected under the conditions it is evaluated in, and a rerun with
   unchanged inputs costs no calls.
-- **GEPA's log lines go to `logging`** (no prints); its progress is recorded by `HistoryRecorder` (one row
+- **GEPA's log lines go to `logging`** (no prints); its progress is recorded by `HistoryRecorder`
+  (the adapter, proposer, recorder and logger GEPA calls are in pipeline/gepa_adapter.py) (one row
   per proposal and per candidate scored on the val slice), which becomes the score history.
 """
 
@@ -39,7 +40,7 @@ import json
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,30 +48,23 @@ import pandas as pd
 
 from pipeline.errors import DataError
 from pipeline.evaluation.costs import gepa_prompt_path
-from pipeline.evaluation.systems import env_only_prompt, evaluation_params
-from pipeline.metrics import token_f1
+from pipeline.evaluation.systems import evaluation_params
+from pipeline.gepa_adapter import (
+    COMPONENT,
+    EnvironmentInstructionAdapter,
+    HistoryRecorder,
+    LoggingLogger,
+    ReflectionProposer,
+    TaskExample,
+)
 from pipeline.progress import progress
 from pipeline.types import UsageStats
 
 if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig, Params
+    from pipeline.config import EnvironmentConfig, GepaConfig, Params
     from pipeline.environment.client import EnvironmentClient
 
 log = logging.getLogger(__name__)
-
-COMPONENT = "instruction"
-"""The one text component GEPA evolves: what the env_only prompt appends to the question."""
-
-
-@dataclass(frozen=True)
-class TaskExample:
-    """One training row as GEPA sees it (its `DataInst`)."""
-
-    uid: str
-    dataset: str
-    question: str
-    answers: tuple[str, ...]
-
 
 @dataclass
 class Slices:
@@ -84,10 +78,40 @@ class Slices:
     """Never shown to GEPA: the seed and the optimised instruction are compared on these."""
 
 
-def load_slices(params: Params) -> Slices:
-    """Three disjoint random slices of the RL training set (seeded by `gepa.seed`)."""
-    cfg = params.gepa
-    path = params.path(params.paths.rl_dir) / "train.parquet"
+@dataclass(frozen=True)
+class GepaPlan:
+    """What the stage resolves from the params, once, at its entry (`run_gepa`), and hands down."""
+
+    gepa: GepaConfig
+    train_file: Path
+    """`<paths.rl_dir>/train.parquet`: the slices' source."""
+    prompt_file: Path
+    """`<paths.gepa_dir>/prompt.json`: the optimised instruction, for evaluate."""
+    out_dir: Path
+    seed_instruction: str
+    """`evaluate.env_only_instruction`: GEPA's seed candidate."""
+    task_params: Params
+    """The evaluation's sampling (`evaluation_params`): what the environment's server and the task client take."""
+    reflection: EnvironmentConfig
+    """The reflection model's endpoint, name and sampling (`reflection_config`)."""
+    cache: Path
+    """The environment's response cache file (`paths.cache_dir`); the ledger lies beside it."""
+
+    @classmethod
+    def for_gepa(cls, params: Params) -> GepaPlan:
+        from pipeline.environment.client import CACHE_FILE
+
+        task_params = evaluation_params(params)
+        return cls(gepa=params.gepa, train_file=params.path(params.paths.rl_dir) / "train.parquet",
+                   prompt_file=gepa_prompt_path(params.path(params.paths.gepa_dir)),
+                   out_dir=params.path(params.paths.reports_dir) / "gepa",
+                   seed_instruction=params.evaluate.env_only_instruction, task_params=task_params,
+                   reflection=reflection_config(task_params.environment, params.gepa),
+                   cache=params.path(params.paths.cache_dir) / CACHE_FILE)
+
+
+def load_slices(path: Path, cfg: GepaConfig) -> Slices:
+    """Three disjoint random slices of the RL training set at `path` (seeded by `gepa.seed`)."""
     if not path.is_file():
         raise DataError(f"training set {path} is missing: run `promptr1 build` (dvc repro build)")
     frame = pd.read_parquet(path, columns=["data_source", "reward_model", "extra_info"])
@@ -105,124 +129,9 @@ def load_slices(params: Params) -> Slices:
     return Slices(train=examples[:a], val=examples[a:b], holdout=examples[b:])
 
 
-class EnvironmentInstructionAdapter:
-    """GEPA's adapter: a candidate instruction → the environment answers each row as in `env_only`."""
-
-    propose_new_texts = None
-    """Part of GEPA's adapter protocol: None = proposals come from the optimiser's proposer."""
-
-    def __init__(self, env: EnvironmentClient) -> None:
-        self.env = env
-
-    async def _answers(self, batch: list[TaskExample], instruction: str) -> list[str]:
-        replies = await asyncio.gather(*(self.env.reply([], env_only_prompt(ex.question, instruction))
-                                         for ex in batch))
-        return ["" if r.error else r.text.strip() for r in replies]
-
-    def evaluate(self, batch: list[TaskExample], candidate: dict[str, str], capture_traces: bool = False) -> Any:
-        from gepa import EvaluationBatch
-
-        predictions = asyncio.run(self._answers(batch, candidate[COMPONENT]))
-        scores = [token_f1(p, list(ex.answers)) for p, ex in zip(predictions, batch, strict=True)]
-        traces = None
-        if capture_traces:
-            traces = [{"question": ex.question, "dataset": ex.dataset, "prediction": p, "gold": list(ex.answers),
-                       "score": s} for ex, p, s in zip(batch, predictions, scores, strict=True)]
-        return EvaluationBatch(outputs=predictions, scores=scores, trajectories=traces)
-
-    def make_reflective_dataset(self, candidate: dict[str, str], eval_batch: Any,
-                                components_to_update: list[str]) -> dict[str, list[dict[str, Any]]]:
-        records = [{
-            "Inputs": {"question": t["question"]},
-            "Generated Outputs": t["prediction"] or "(empty reply)",
-            "Feedback": (f"Token F1 against the gold answer {t['score']:.2f} (1.0 is perfect). Gold answer(s): "
-                         + " | ".join(t["gold"]) + ". Short answers that match the gold's words score best."),
-        } for t in eval_batch.trajectories]
-        return {name: records for name in components_to_update}
-
-
-class ReflectionProposer:
-    """GEPA's proposal step with its own reflection prompt (`InstructionProposalSignature`), sent through an
-    `EnvironmentClient`; the new instruction is cut to `gepa.max_instruction_chars` (small models ramble)."""
-
-    def __init__(self, client: EnvironmentClient, max_chars: int) -> None:
-        self.client = client
-        self.max_chars = max_chars
-
-    def _complete(self, prompt: str | list[dict[str, Any]]) -> str:
-        text = prompt if isinstance(prompt, str) else "\n\n".join(str(m.get("content", "")) for m in prompt)
-        reply = asyncio.run(self.client.reply([], text))
-        return "" if reply.error else reply.text
-
-    def __call__(self, candidate: dict[str, str], reflective_dataset: Any,
-                 components_to_update: list[str]) -> dict[str, str]:
-        from gepa.strategies.instruction_proposal import InstructionProposalSignature
-
-        out = {}
-        for name in components_to_update:
-            proposed = InstructionProposalSignature.run(self._complete, {
-                "current_instruction_doc": candidate[name],
-                "dataset_with_feedback": list(reflective_dataset[name]), "prompt_template": None,
-            })["new_instruction"].strip()[: self.max_chars]
-            if proposed:  # an empty proposal is no proposal (GEPA then skips the iteration)
-                out[name] = proposed
-        return out
-
-
-@dataclass
-class HistoryRecorder:
-    """GEPA callback: every proposal (accepted or not) and every candidate scored on the val slice."""
-
-    proposals: list[dict[str, Any]] = field(default_factory=list)
-    val_scores: list[dict[str, Any]] = field(default_factory=list)
-    metric_calls: int = 0
-    bar: Any = None
-    """The stage's progress report (`pipeline.progress`), counted in metric calls."""
-
-    def on_budget_updated(self, event: dict[str, Any]) -> None:
-        used = int(event["metric_calls_used"])
-        if self.bar is not None and used > self.metric_calls:
-            self.bar.set_postfix(proposals=len(self.proposals),
-                                 accepted=sum(p["accepted"] for p in self.proposals))
-            self.bar.update(used - self.metric_calls)
-        self.metric_calls = used
-
-    def on_proposal_end(self, event: dict[str, Any]) -> None:
-        self.proposals.append({"iteration": event["iteration"],
-                               "instruction": event["new_instructions"].get(COMPONENT, ""), "accepted": False})
-
-    def on_candidate_accepted(self, event: dict[str, Any]) -> None:
-        self._close_proposal(event["iteration"], accepted=True, new_score=event["new_score"])
-
-    def on_candidate_rejected(self, event: dict[str, Any]) -> None:
-        self._close_proposal(event["iteration"], accepted=False, new_score=event["new_score"],
-                             old_score=event["old_score"], reason=event["reason"])
-
-    def on_valset_evaluated(self, event: dict[str, Any]) -> None:
-        # GEPA attaches its budget hook after scoring the seed, so the seed's calls are its val rows.
-        calls = self.metric_calls if event["iteration"] else int(event["num_examples_evaluated"])
-        self.val_scores.append({"iteration": event["iteration"], "candidate": event["candidate_idx"],
-                                "val_score": round(float(event["average_score"]), 4), "metric_calls": calls})
-
-    def _close_proposal(self, iteration: int, **outcome: Any) -> None:
-        for p in reversed(self.proposals):
-            if p["iteration"] == iteration:
-                p.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in outcome.items()})
-                return
-
-
-class _LoggingLogger:
-    """GEPA's logger protocol onto `logging` (GEPA would print to stdout). Its per-iteration lines (whole
-    proposed instructions, many lines each) are DEBUG (`promptr1 -v`); the stage's summary line is INFO."""
-
-    def log(self, message: str) -> None:
-        log.debug("GEPA: %s", message)
-
-
-def reflection_config(params: Params) -> EnvironmentConfig:
-    """The environment section with the reflection model's endpoint, name and sampling."""
-    cfg = params.gepa
-    out = params.environment.model_copy(deep=True)
+def reflection_config(environment: EnvironmentConfig, cfg: GepaConfig) -> EnvironmentConfig:
+    """The environment section with the reflection model's endpoint, name and sampling (`gepa.reflection_*`)."""
+    out = environment.model_copy(deep=True)
     out.served_name = cfg.reflection_served_name or out.served_name
     out.base_url = cfg.reflection_base_url or out.base_url
     out.max_tokens = cfg.reflection_max_tokens
@@ -239,13 +148,13 @@ def _usage(u: UsageStats) -> dict[str, Any]:
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(u).items()}
 
 
-def optimise(params: Params, slices: Slices, task: EnvironmentClient,
+def optimise(plan: GepaPlan, slices: Slices, task: EnvironmentClient,
              reflection: EnvironmentClient) -> dict[str, Any]:
     """GEPA from the seed instruction, then both instructions on the held-out slice: prompt.json's content."""
     from gepa import optimize
 
-    cfg = params.gepa
-    seed_instruction = params.evaluate.env_only_instruction
+    cfg = plan.gepa
+    seed_instruction = plan.seed_instruction
     adapter = EnvironmentInstructionAdapter(task)
     recorder = HistoryRecorder()
     started = time.perf_counter()
@@ -255,7 +164,7 @@ def optimise(params: Params, slices: Slices, task: EnvironmentClient,
             adapter=adapter, custom_candidate_proposer=ReflectionProposer(reflection, cfg.max_instruction_chars),
             candidate_selection_strategy="pareto",
             reflection_minibatch_size=cfg.minibatch_size, max_metric_calls=cfg.max_metric_calls,
-            logger=_LoggingLogger(), callbacks=[recorder], seed=cfg.seed, raise_on_exception=True,
+            logger=LoggingLogger(), callbacks=[recorder], seed=cfg.seed, raise_on_exception=True,
             display_progress_bar=False,
         )
     optimise_s = time.perf_counter() - started
@@ -292,7 +201,7 @@ def optimise(params: Params, slices: Slices, task: EnvironmentClient,
             "task": _usage(task_usage), "reflection": _usage(reflection_usage),
             "holdout": _usage(holdout_usage), "optimise_s": round(optimise_s, 1),
         },
-        "models": {"task": params.environment.served_name, "reflection": reflection.cfg.served_name},
+        "models": {"task": plan.task_params.environment.served_name, "reflection": reflection.cfg.served_name},
         "budget": cfg.model_dump(),
     }
 
@@ -329,11 +238,10 @@ def history_frame(content: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["iteration", "candidate", "val_score", "metric_calls", "best_val_score"])
 
 
-def log_slice_inputs(params: Params, slices: Slices) -> None:
-    """The three slices as MLflow dataset inputs of the active run (source train.parquet, with its DVC md5)."""
+def log_slice_inputs(source: Path, slices: Slices) -> None:
+    """The three slices as MLflow dataset inputs of the active run (`source`: train.parquet, with its DVC md5)."""
     from pipeline.tracking import log_dataset_inputs
 
-    source = params.path(params.paths.rl_dir) / "train.parquet"
     frames = {}
     for name in ("train", "val", "holdout"):
         rows = getattr(slices, name)
@@ -349,41 +257,41 @@ def run_gepa(params: Params) -> dict[str, Any]:
     import mlflow
 
     from pipeline.data.schema import write_json_atomic, write_text_atomic
-    from pipeline.environment.client import CACHE_FILE, LEDGER_FILE, EnvironmentClient
+    from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
     from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
     from pipeline.environment.servers import environment_server
     from pipeline.tracking import describe_stage, stage_run
 
-    slices = load_slices(params)
-    tp = evaluation_params(params)
-    cache = params.path(params.paths.cache_dir) / CACHE_FILE
+    plan = GepaPlan.for_gepa(params)
+    slices = load_slices(plan.train_file, plan.gepa)
+    tp, cache = plan.task_params, plan.cache
     # The run is open for the whole search, so its duration in MLflow is the stage's (it used to be opened
     # after the search, and read 65 ms for a 114 s stage).
     with stage_run(params, "gepa"):
-        log_slice_inputs(params, slices)
+        log_slice_inputs(plan.train_file, slices)
         started = time.perf_counter()
         with environment_server(tp):
             task = EnvironmentClient.from_params(tp)
-            reflection = EnvironmentClient(reflection_config(tp), cache if tp.environment.cache else None,
+            reflection = EnvironmentClient(plan.reflection, cache if tp.environment.cache else None,
                                            ledger_path=cache.with_name(LEDGER_FILE))  # one budget with the task's
             try:
-                content = optimise(params, slices, task, reflection)
+                content = optimise(plan, slices, task, reflection)
             finally:
                 asyncio.run(task.aclose())
                 asyncio.run(reflection.aclose())
         content["cost"]["wall_s"] = round(time.perf_counter() - started, 1)
-        out_dir = params.path(params.paths.reports_dir) / "gepa"
+        out_dir = plan.out_dir
         metrics = report_metrics(content)
-        write_json_atomic(content, gepa_prompt_path(params))
+        write_json_atomic(content, plan.prompt_file)
         write_json_atomic(metrics, out_dir / "metrics.json")
         write_text_atomic(history_frame(content).to_csv(index=False), out_dir / "history.csv")
         describe_stage("gepa", describe_gepa(metrics))
-        mlflow.log_params({f"gepa.{k}": v for k, v in params.gepa.model_dump().items()})
+        mlflow.log_params({f"gepa.{k}": v for k, v in plan.gepa.model_dump().items()})
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
         # The instruction and the examples are the reflection model's text: untrusted, sanitised.
         mlflow.log_text(sanitize_text(content["optimised"]["instruction"]), "gepa/optimised_instruction.txt")
         with tempfile.TemporaryDirectory() as tmp:
-            mlflow.log_artifact(str(sanitized_json_copy(gepa_prompt_path(params), Path(tmp))), artifact_path="gepa")
+            mlflow.log_artifact(str(sanitized_json_copy(plan.prompt_file, Path(tmp))), artifact_path="gepa")
     log.info("GEPA: %d proposals, %d accepted; held-out F1 seed %.2f → optimised %.2f (%d metric calls)",
              metrics["proposals"], metrics["accepted"], metrics["holdout_f1_seed"], metrics["holdout_f1_optimised"],
              metrics["metric_calls"])

@@ -55,9 +55,10 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
-from pipeline.config import ConfigError, Params
+from pipeline.config import ConfigError, EnvironmentConfig, Params, VerlConfig
 from pipeline.environment.budget import reply_budget_problems
 from pipeline.errors import UserError
 from pipeline.modelref import ModelRefError
@@ -102,6 +103,32 @@ class LayoutError(ConfigError):
         super().__init__("the params describe a layout that cannot run:\n" + "\n".join(map(str, problems)))
 
 
+@dataclass(frozen=True)
+class Placement:
+    """What the rules below read, resolved once from the params by `layout_problems`: the environment and
+    verl sections, the agent, and which GPUs each part takes (pipeline/placement.py's answers)."""
+
+    environment: EnvironmentConfig
+    verl: VerlConfig
+    agent_model: str
+    root: Path
+    environment_here: bool
+    """Whether the pipeline starts the environment server on this machine (`environment_started_here`)."""
+    environment_gpus: tuple[int, ...]
+    training_gpus: tuple[int, ...]
+
+    @classmethod
+    def for_layout(cls, params: Params) -> Placement:
+        return cls(environment=params.environment, verl=params.train.verl, agent_model=params.agent.model,
+                   root=params.root, environment_here=environment_started_here(params),
+                   environment_gpus=tuple(environment_gpus(params)), training_gpus=tuple(training_gpus(params)))
+
+    @property
+    def shared_gpus(self) -> list[int]:
+        """GPUs both the environment server and verl take."""
+        return sorted(set(self.environment_gpus) & set(self.training_gpus))
+
+
 def assert_runnable(params: Params) -> None:
     """Raise LayoutError when `layout_problems(params)` finds anything; call before starting any stage."""
     problems = layout_problems(params)
@@ -111,7 +138,8 @@ def assert_runnable(params: Params) -> None:
 
 def layout_problems(params: Params) -> list[LayoutProblem]:
     """Every problem with the placement, parallelism, batch arithmetic and memory of the active backends."""
-    problems = _environment_problems(params)
+    place = Placement.for_layout(params)
+    problems = _environment_problems(place)
     problems += [LayoutProblem(keys, message) for keys, message in reply_budget_problems(params)]
     if params.train.backend == "verl":
         try:
@@ -120,10 +148,10 @@ def layout_problems(params: Params) -> list[LayoutProblem]:
             return [*problems, LayoutProblem(("agent.model",), str(exc))]
         except ComposeError as exc:
             return [*problems, LayoutProblem((EXTRA_OVERRIDES,), str(exc))]
-        problems += _verl_problems(params, run)
+        problems += _verl_problems(place, run)
         problems += _batch_problems(run)
-        problems += _sharing_problems(params, run)
-        problems += _memory_problems(params, run)
+        problems += _sharing_problems(place, run)
+        problems += _memory_problems(place, run)
     return problems
 
 
@@ -145,9 +173,9 @@ def _device_list_problems(key: str, gpus: list[int]) -> list[LayoutProblem]:
     return []
 
 
-def _environment_problems(params: Params) -> list[LayoutProblem]:
-    server = params.environment.server
-    if params.environment.backend != "vllm" or not environment_started_here(params):
+def _environment_problems(place: Placement) -> list[LayoutProblem]:
+    server = place.environment.server
+    if place.environment.backend != "vllm" or not place.environment_here:
         return []
     problems = _device_list_problems("environment.server.gpus", server.gpus)
     problems += _fraction_problem("environment.server.gpu_memory_utilization", server.gpu_memory_utilization)
@@ -159,8 +187,8 @@ def _environment_problems(params: Params) -> list[LayoutProblem]:
     return problems
 
 
-def _verl_problems(params: Params, run: VerlRun) -> list[LayoutProblem]:
-    v = params.train.verl
+def _verl_problems(place: Placement, run: VerlRun) -> list[LayoutProblem]:
+    v, env = place.verl, place.environment
     per_node, nnodes, tp = run.value(GPUS[0]), run.value(GPUS[1]), run.value(TP)
     problems = _device_list_problems("train.verl.gpus", v.gpus)
     for p in _fraction_problem(ROLLOUT_FRACTION, run.value(ROLLOUT_FRACTION)):
@@ -187,11 +215,11 @@ def _verl_problems(params: Params, run: VerlRun) -> list[LayoutProblem]:
              *_keys(run, "trainer.test_freq", "trainer.val_before_train")),
             "validation is requested but the validation set is empty: name evaluation datasets, or set "
             "test_freq: -1 and val_before_train: false"))
-    if nnodes > 1 and is_loopback(urlsplit(params.environment.url).hostname or ""):
+    if nnodes > 1 and is_loopback(urlsplit(env.url).hostname or ""):
         problems.append(LayoutProblem(
-            (*run.ours(GPUS[1]), "environment.base_url" if params.environment.base_url else "environment.host"),
+            (*run.ours(GPUS[1]), "environment.base_url" if env.base_url else "environment.host"),
             f"agent-loop workers on {nnodes} nodes ({run.show(GPUS[1])}) cannot reach the environment at "
-            f"{params.environment.url}: give an address the other nodes reach"))
+            f"{env.url}: give an address the other nodes reach"))
     return problems
 
 
@@ -235,10 +263,10 @@ def _batch_problems(run: VerlRun) -> list[LayoutProblem]:
     return problems
 
 
-def _sharing_problems(params: Params, run: VerlRun) -> list[LayoutProblem]:
+def _sharing_problems(place: Placement, run: VerlRun) -> list[LayoutProblem]:
     """Environment server and verl's rollout on the same GPU: their memory fractions must fit in one."""
-    shared = sorted(set(environment_gpus(params)) & set(training_gpus(params)))
-    env_fraction = params.environment.server.gpu_memory_utilization
+    shared = place.shared_gpus
+    env_fraction = place.environment.server.gpu_memory_utilization
     rollout_fraction = run.value(ROLLOUT_FRACTION)
     if not shared or env_fraction + rollout_fraction <= 1:
         return []
@@ -251,11 +279,11 @@ def _sharing_problems(params: Params, run: VerlRun) -> list[LayoutProblem]:
 
 
 # --------------------------------------------------------------------------------------------- memory
-def actor_estimate(params: Params, run: VerlRun) -> tuple[memory.ActorMemory, float, str] | None:
+def actor_estimate(place: Placement, run: VerlRun) -> tuple[memory.ActorMemory, float, str] | None:
     """(the FSDP actor's per-GPU memory, the GiB the memory fractions leave it, where the parameter count
     comes from), or None when the parameter count is unknown offline or the strategy is not FSDP."""
     actor, ref = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
-    found = memory.parameter_count(params.agent.model, params.root)
+    found = memory.parameter_count(place.agent_model, place.root)
     if found is None or run.value(f"{actor}.strategy") not in ("fsdp", "fsdp2"):
         return None
     world = run.value(GPUS[0]) * run.value(GPUS[1])
@@ -269,26 +297,26 @@ def actor_estimate(params: Params, run: VerlRun) -> tuple[memory.ActorMemory, fl
         lora=bool(run.value("actor_rollout_ref.model.lora_rank")), reference=reference,
         ref_dtype=run.value(f"{ref}.fsdp_config.model_dtype") or "fp32",
         ref_offload=bool(run.value(f"{ref}.fsdp_config.param_offload")))
-    shared = set(environment_gpus(params)) & set(training_gpus(params))
-    taken = run.value(ROLLOUT_FRACTION) + (params.environment.server.gpu_memory_utilization if shared else 0)
-    return estimate, max(0.0, 1 - taken) * params.train.verl.gpu_memory_gb, found[1]
+    shared = place.shared_gpus
+    taken = run.value(ROLLOUT_FRACTION) + (place.environment.server.gpu_memory_utilization if shared else 0)
+    return estimate, max(0.0, 1 - taken) * place.verl.gpu_memory_gb, found[1]
 
 
-def _memory_problems(params: Params, run: VerlRun) -> list[LayoutProblem]:
-    found = actor_estimate(params, run)
+def _memory_problems(place: Placement, run: VerlRun) -> list[LayoutProblem]:
+    found = actor_estimate(place, run)
     if found is None:
         return []
     estimate, left_gib, source = found
     if estimate.total / memory.GIB <= left_gib:
         return []
-    shared = set(environment_gpus(params)) & set(training_gpus(params))
+    shared = place.shared_gpus
     offload = "actor_rollout_ref.actor.fsdp_config.param_offload/optimizer_offload"
     return [LayoutProblem(
         ("train.verl.gpu_memory_gb", *run.ours(ROLLOUT_FRACTION),
          *(("environment.server.gpu_memory_utilization",) if shared else ()), "agent.model",
          *run.ours(*GPUS, "actor_rollout_ref.actor.fsdp_config.param_offload")),
-        f"verl's FSDP actor for {params.agent.model} ({source}) holds ~{estimate.describe()} per training GPU "
-        f"during rollout, but the memory fractions leave {left_gib:.1f} of {params.train.verl.gpu_memory_gb:g} GiB "
+        f"verl's FSDP actor for {place.agent_model} ({source}) holds ~{estimate.describe()} per training GPU "
+        f"during rollout, but the memory fractions leave {left_gib:.1f} of {place.verl.gpu_memory_gb:g} GiB "
         f"({ROLLOUT_FRACTION}={run.value(ROLLOUT_FRACTION)}"
         f"{', plus the environment server' if shared else ''}): use more GPUs, lower the fractions, or offload "
         f"({offload}=true through {EXTRA_OVERRIDES})")]
@@ -300,7 +328,7 @@ def describe(params: Params) -> str:
     if t.backend == "verl":
         train = (f"verl on {v.nnodes} node(s) x GPUs {training_gpus(params)}, rollout TP {v.rollout_tp}, "
                  f"batch {t.batch_size} x group {t.group_size}")
-        found = actor_estimate(params, compose_run(params))
+        found = actor_estimate(Placement.for_layout(params), compose_run(params))
         train += (f", actor ~{found[0].total / memory.GIB:.1f} of {found[1]:.1f} GiB left per GPU" if found else
                   f", actor memory not estimated (no parameter count for {params.agent.model} offline)")
     else:

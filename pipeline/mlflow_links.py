@@ -45,6 +45,23 @@ class MlflowRunInfo:
     """How to open the run when there is no link (SQLite store), or why there is no run."""
 
 
+@dataclass(frozen=True)
+class MlflowStore:
+    """Where the pipeline's MLflow runs are, resolved once from the params by the public functions below
+    (the helpers get this, not the params)."""
+
+    uri: str
+    """The real tracking URI (`tracking.tracking_uri`: MLFLOW_TRACKING_URI or mlflow.tracking_uri)."""
+    root: Path
+    run_file: Path
+    """reports/mlflow_run.json: the recorded parent run."""
+
+    @classmethod
+    def for_links(cls, params: Params) -> MlflowStore:
+        return cls(uri=tracking_uri(params), root=params.root,
+                   run_file=params.path(params.paths.reports_dir) / RUN_FILE)
+
+
 def strip_credentials(uri: str) -> str:
     """Drop user:password@ from a URI before it is shown anywhere."""
     parts = urlsplit(uri)
@@ -64,7 +81,8 @@ def ui_link(uri: str, experiment_id: str, run_id: str) -> str | None:
 
 def mlflow_run_info(params: Params) -> MlflowRunInfo:
     """The parent run recorded in reports/mlflow_run.json, with a UI link when the tracking server is http(s)."""
-    info, uri = _parent(params)
+    store = MlflowStore.for_links(params)
+    info, uri = _parent(store)
     if info.run_id is None or info.open_hint is not None:
         return info
     try:
@@ -73,13 +91,14 @@ def mlflow_run_info(params: Params) -> MlflowRunInfo:
         info.experiment_id = mlflow.MlflowClient(tracking_uri=uri).get_run(info.run_id).info.experiment_id
     except Exception as exc:  # noqa: BLE001 - a summary must not fail the run; say what is missing
         log.warning("MLflow run %s not readable from %s: %s", info.run_id, info.tracking_uri, exc)
-    _point_at(info, params, uri)
+    _point_at(info, store)
     return info
 
 
 def stage_mlflow_run(params: Params, stage: str) -> MlflowRunInfo:
     """The newest child run tagged `stage=<stage>` under the recorded parent run (`sample@x` → `sample`)."""
-    parent, uri = _parent(params)
+    store = MlflowStore.for_links(params)
+    parent, uri = _parent(store)
     if parent.run_id is None:
         return parent
     if parent.open_hint is not None:  # the store is gone: nothing to look a child up in
@@ -103,7 +122,7 @@ def stage_mlflow_run(params: Params, stage: str) -> MlflowRunInfo:
         info.open_hint = f"stage {group} logged no MLflow run under the pipeline run {parent.run_id}"
         return info
     info.run_id = runs[0].info.run_id
-    _point_at(info, params, uri)
+    _point_at(info, store)
     return info
 
 
@@ -115,33 +134,34 @@ def mlflow_line(info: MlflowRunInfo) -> str:
     return f"run {info.run_id} — {where}"
 
 
-def _parent(params: Params) -> tuple[MlflowRunInfo, str]:
+def _parent(store: MlflowStore) -> tuple[MlflowRunInfo, str]:
     """(the recorded parent run, hint set when its store is missing; the real tracking URI)."""
-    path = params.path(params.paths.reports_dir) / RUN_FILE
     try:
-        recorded = json.loads(path.read_text())
+        recorded = json.loads(store.run_file.read_text())
     except (OSError, ValueError):
         return MlflowRunInfo(), ""
-    uri = tracking_uri(params)
+    uri = store.uri
     info = MlflowRunInfo(run_id=recorded.get("run_id"), experiment=recorded.get("experiment"),
                          tracking_uri=strip_credentials(uri))
     if info.run_id and uri.startswith(SQLITE) and not Path(uri[len(SQLITE):]).is_file():
-        info.open_hint = f"tracking store {_shown_store(uri, params)} not found"
+        info.open_hint = f"tracking store {_shown_store(store)} not found"
     return info, uri
 
 
-def _point_at(info: MlflowRunInfo, params: Params, uri: str) -> None:
+def _point_at(info: MlflowRunInfo, store: MlflowStore) -> None:
     """Set the UI link (http(s) with a known experiment) or the `mlflow ui` hint."""
+    uri = store.uri
     info.link = ui_link(uri, info.experiment_id, info.run_id) if info.experiment_id and info.run_id else None
     if info.link is None:
-        info.open_hint = (f"mlflow ui --backend-store-uri {_shown_store(uri, params)}, then experiment "
+        info.open_hint = (f"mlflow ui --backend-store-uri {_shown_store(store)}, then experiment "
                           f"{info.experiment or info.experiment_id!s}, run {info.run_id}")
 
 
-def _shown_store(uri: str, params: Params) -> str:
+def _shown_store(store: MlflowStore) -> str:
     """The store URI for a person: a SQLite file inside the project relative to it (run from there)."""
+    uri = store.uri
     if uri.startswith(SQLITE):
         db = Path(uri[len(SQLITE):])
-        if db.resolve().is_relative_to(params.root.resolve()):
-            return SQLITE + display_path(db, params.root)
+        if db.resolve().is_relative_to(store.root.resolve()):
+            return SQLITE + display_path(db, store.root)
     return strip_credentials(uri)

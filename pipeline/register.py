@@ -6,23 +6,7 @@ The straight path (`run_register`): read the candidate's evaluation averages (re
 (or not) → write reports/promotion.json, tag and describe the version (lineage: pipeline/registry_lineage.py),
 delete never-champion versions beyond `register.keep_versions`, print.
 
-Promotion rule (all numbers in points, the evaluation's headline metrics mode; `m` = `register.metric`):
-- `m` must be one of the candidate's ID averages; this is checked before anything is logged or
-  registered, so a typo fails without leaving a new model version behind.
-- No champion yet: the new version becomes champion.
-- Candidate and champion evaluated in different metrics modes (`reference` vs `ours`): never promoted
-  (the numbers are not comparable); the reason says so. A different number of rows per dataset is still
-  compared, with a note in the reasons.
-- `ci_rule: confident` (default) uses the candidate's bootstrap CIs (at `evaluate.confidence`); the
-  champion's stored *means* are the reference values:
-  1. ID gain (superiority): the *lower* bound of the candidate's ID CI of `m` ≥ champion ID mean + `margin`.
-  2. OOD guard (non-inferiority), for every OOD average the two share (EM, F1, SSim): the *lower* bound of
-     the candidate's OOD CI ≥ champion OOD mean − `ood_tolerance`.
-  Promote only if both hold. So a promotion needs evidence of a gain and evidence of no OOD loss beyond
-  the tolerance; with few rows per dataset the CIs are wide and the champion stays (the honest outcome:
-  a 4-row evaluation cannot show a 0.5-point gain).
-- `ci_rule: point` compares means only: ID mean ≥ champion + margin, and every OOD mean ≥ champion −
-  tolerance.
+Promotion rule: pipeline/promotion.py (`decide_promotion`).
 
 Fail closed (the alias is what serving trusts, so doubt keeps the champion):
 - The champion is read or the stage stops: only MLflow's "alias not found" / "model not found" mean "no
@@ -61,14 +45,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
-from pipeline.evaluation.systems import TRAINED
-from pipeline.metrics import HEADLINE_METRICS
+from pipeline.promotion import EvalAverages, PromotionDecision, check_metric, decide_promotion
 
 if TYPE_CHECKING:
     from pipeline.config import Params, RegisterConfig
@@ -76,17 +59,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROMOTION_FILE = "promotion.json"
-TAG_PREFIX = "eval."
 PRODUCTION_ALIAS = "champion"
 EXPERIMENT_PROFILES = frozenset({"learn"})
 """Profiles whose models are experiments: they may never move the production alias."""
 
 
-def check_production_alias(params: Params) -> None:
+@dataclass(frozen=True)
+class RegisterPlan:
+    """What the stage resolves from the params, once, at its entry (`run_register`), and hands down."""
+
+    profile: str
+    register: RegisterConfig
+    root: Path
+    model_dir: Path
+    """The merged agent (`paths.model_dir`) as the params name it (the version description shows it)."""
+    model_dir_param: str
+    metrics_file: Path
+    """The candidate's evaluation (`<paths.reports_dir>/eval/metrics.json`)."""
+    promotion_file: Path
+    lock_dir: Path
+    """Where the promotion locks live (`paths.cache_dir`)."""
+    environment_json: dict[str, Any]
+    """What the registered pyfunc bundles as its environment (`environment_json`)."""
+    model_config: dict[str, Any]
+    """The pyfunc's model config (`_agent_model_config`)."""
+
+    @classmethod
+    def for_register(cls, params: Params) -> RegisterPlan:
+        reports_dir = params.path(params.paths.reports_dir)
+        return cls(profile=params.profile, register=params.register, root=params.root,
+                   model_dir=params.path(params.paths.model_dir), model_dir_param=params.paths.model_dir,
+                   metrics_file=reports_dir / "eval" / "metrics.json", promotion_file=reports_dir / PROMOTION_FILE,
+                   lock_dir=params.path(params.paths.cache_dir), environment_json=environment_json(params),
+                   model_config=_agent_model_config(params))
+
+
+def check_production_alias(profile: str, cfg: RegisterConfig) -> None:
     """Raise UserError when an experiment profile would move the production `champion` alias."""
-    if params.profile in EXPERIMENT_PROFILES and params.register.alias == PRODUCTION_ALIAS:
-        raise UserError(f"profile {params.profile!r} is an experiment: it may not move the production alias "
-                        f"{PRODUCTION_ALIAS!r} (set register.alias to another name, as profiles/{params.profile}.yaml "
+    if profile in EXPERIMENT_PROFILES and cfg.alias == PRODUCTION_ALIAS:
+        raise UserError(f"profile {profile!r} is an experiment: it may not move the production alias "
+                        f"{PRODUCTION_ALIAS!r} (set register.alias to another name, as profiles/{profile}.yaml "
                         "does)")
 
 
@@ -100,118 +112,6 @@ def check_training_health(params: Params) -> None:
         raise UserError(f"train run {run.info.run_id} was stopped by the training health gate "
                         f"({HEALTH_BREACH_TAG}={tags[HEALTH_BREACH_TAG]} at step {tags.get('health.breach_step', '?')}):"
                         " its model is never registered or promoted; fix the run (or train.health) and train again")
-
-
-# --- the rule ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class EvalAverages:
-    """A model's ID/OOD averages (points) with CIs, as evaluate wrote them or as stored in version tags."""
-
-    id: dict[str, dict[str, float]]
-    """metric → {mean, low, high}"""
-    ood: dict[str, dict[str, float]]
-    mode: str = "ours"
-    rows_per_dataset: int = 0
-
-    @classmethod
-    def from_metrics_json(cls, metrics: dict[str, Any], system: str = TRAINED) -> EvalAverages:
-        try:
-            averages = metrics["averages"][system]
-        except KeyError as exc:
-            raise UserError(f"metrics.json has no averages for {system!r}: rerun `promptr1 evaluate`") from exc
-        return cls(id=dict(averages.get("id", {})), ood=dict(averages.get("ood", {})),
-                   mode=str(metrics.get("mode", "ours")), rows_per_dataset=int(metrics.get("rows_per_dataset", 0)))
-
-    def to_tags(self) -> dict[str, str]:
-        tags = {f"{TAG_PREFIX}mode": self.mode, f"{TAG_PREFIX}rows_per_dataset": str(self.rows_per_dataset)}
-        for split, per_metric in (("id", self.id), ("ood", self.ood)):
-            for metric, ci in per_metric.items():
-                for k in ("mean", "low", "high"):
-                    tags[f"{TAG_PREFIX}{split}.{metric}.{k}"] = f"{ci[k]:.4f}"
-        return tags
-
-    @classmethod
-    def from_tags(cls, tags: dict[str, str]) -> EvalAverages | None:
-        out: dict[str, dict[str, dict[str, float]]] = {"id": {}, "ood": {}}
-        for key, value in tags.items():
-            parts = key.split(".")
-            if len(parts) == 4 and parts[0] + "." == TAG_PREFIX and parts[1] in out:
-                out[parts[1]].setdefault(parts[2], {})[parts[3]] = float(value)
-        if not out["id"]:
-            return None
-        return cls(id=out["id"], ood=out["ood"], mode=tags.get(f"{TAG_PREFIX}mode", ""),
-                   rows_per_dataset=int(tags.get(f"{TAG_PREFIX}rows_per_dataset", "0")))
-
-
-@dataclass
-class PromotionDecision:
-    promote: bool
-    reasons: list[str] = field(default_factory=list)
-    checks: list[dict[str, Any]] = field(default_factory=list)
-    """Each comparison made: name, candidate value used, threshold, passed."""
-
-
-def check_metric(candidate: EvalAverages, metric: str) -> None:
-    """Raise UserError unless `metric` (register.metric) is one of the candidate's ID averages."""
-    if metric not in candidate.id:
-        raise UserError(f"register.metric={metric!r} has no ID average in metrics.json "
-                        f"(available: {', '.join(sorted(candidate.id)) or 'none'})")
-
-
-def decide_promotion(candidate: EvalAverages, champion: EvalAverages | None, cfg: RegisterConfig) -> PromotionDecision:
-    """Apply the promotion rule of the module docstring."""
-    metric, confident = cfg.metric, cfg.ci_rule == "confident"
-    check_metric(candidate, metric)
-    if champion is None:
-        return PromotionDecision(True, ["no current champion: the first version becomes champion"])
-    if not champion.mode:
-        return PromotionDecision(False, [("champion has no recorded metrics mode (eval.mode tag): not comparable, "
-                                         "kept")])
-    if candidate.mode != champion.mode:
-        reason = (f"not comparable: champion was evaluated in metrics mode {champion.mode!r}, candidate in "
-                  f"{candidate.mode!r}; re-evaluate with the same evaluate.metrics_mode to compare")
-        return PromotionDecision(False, [reason])
-    reasons: list[str] = []
-    checks: list[dict[str, Any]] = []
-    if candidate.rows_per_dataset != champion.rows_per_dataset:
-        reasons.append(f"note: champion was evaluated with rows={champion.rows_per_dataset}; "
-                       f"candidate with rows={candidate.rows_per_dataset}")
-    if metric not in champion.id:
-        return PromotionDecision(False, [*reasons, f"champion has no ID {metric} recorded: not comparable, kept"],
-                                 checks)
-    lacking = [m for m in HEADLINE_METRICS if m in champion.ood and m not in candidate.ood]
-    if lacking:
-        return PromotionDecision(False, [*reasons, (f"candidate has no OOD {', '.join(lacking)} while the champion "
-                                         "has: the OOD guard cannot be checked, kept")], checks)
-
-    bound = "low" if confident else "mean"
-    cand_id = candidate.id[metric][bound]
-    need = champion.id[metric]["mean"] + cfg.margin
-    id_ok = cand_id >= need
-    checks.append({"check": f"id.{metric}", "candidate_" + bound: cand_id, "threshold": round(need, 4),
-                   "champion_mean": champion.id[metric]["mean"], "passed": id_ok})
-    reasons.append(
-        f"ID {metric}: candidate {bound} {cand_id:.2f} {'≥' if id_ok else '<'} champion {champion.id[metric]['mean']:.2f}"
-        f" + margin {cfg.margin:g} = {need:.2f}"
-    )
-    ood_ok = True
-    for m in HEADLINE_METRICS:
-        if m not in candidate.ood or m not in champion.ood:
-            continue
-        value = candidate.ood[m][bound]
-        floor = champion.ood[m]["mean"] - cfg.ood_tolerance
-        ok = value >= floor
-        ood_ok &= ok
-        checks.append({"check": f"ood.{m}", "candidate_" + bound: value, "threshold": round(floor, 4),
-                       "champion_mean": champion.ood[m]["mean"], "passed": ok})
-        if not ok:
-            reasons.append(f"OOD {m}: candidate {bound} {value:.2f} < champion {champion.ood[m]['mean']:.2f}"
-                           f" − tolerance {cfg.ood_tolerance:g} = {floor:.2f}")
-    if ood_ok:
-        reasons.append(f"OOD: every candidate {bound} ≥ champion mean − {cfg.ood_tolerance:g}")
-    return PromotionDecision(id_ok and ood_ok, reasons, checks)
 
 
 # --- MLflow models -----------------------------------------------------------------------------------
@@ -251,7 +151,7 @@ def environment_json(params: Params) -> dict[str, Any]:
     return env
 
 
-def log_models(params: Params, model_dir: Path, tmp_dir: Path) -> Any:
+def log_models(plan: RegisterPlan, tmp_dir: Path) -> Any:
     """Log the registered pyfunc agent (one copy of the model) in the active run; return its ModelInfo."""
     import mlflow
     import mlflow.pyfunc
@@ -261,16 +161,16 @@ def log_models(params: Params, model_dir: Path, tmp_dir: Path) -> Any:
 
     reqs = _pip_requirements()
     env_file = tmp_dir / "environment.json"
-    env_file.write_text(json.dumps(environment_json(params), indent=2))
+    env_file.write_text(json.dumps(plan.environment_json, indent=2))
     return mlflow.pyfunc.log_model(
         name="agent",
         python_model=str(MODEL_CODE),  # models from code: no CloudPickle (pipeline/pyfunc_model.py)
-        artifacts={AGENT_ARTIFACT: str(model_dir), ENVIRONMENT_ARTIFACT: str(env_file)},
-        model_config=_agent_model_config(params),
+        artifacts={AGENT_ARTIFACT: str(plan.model_dir), ENVIRONMENT_ARTIFACT: str(env_file)},
+        model_config=plan.model_config,
         code_paths=[str(Path(pipeline.__file__).parent)],
         signature=signature(),
         pip_requirements=reqs,
-        registered_model_name=params.register.model_name,
+        registered_model_name=plan.register.model_name,
     )
 
 
@@ -307,12 +207,11 @@ def judge_against_champion(client: Any, candidate: EvalAverages, cfg: RegisterCo
 # --- the stage ---------------------------------------------------------------------------------------
 
 
-def promotion_lock(params: Params, model_name: str, purpose: str = "", timeout_s: float = 600.0) -> Any:
-    """An inter-process lock (one per registered model): around reading the champion and moving the alias,
-    or with `purpose="registering"` around a whole registration."""
+def promotion_lock(folder: Path, model_name: str, purpose: str = "", timeout_s: float = 600.0) -> Any:
+    """An inter-process lock (one per registered model) in `folder` (`paths.cache_dir`): around reading the
+    champion and moving the alias, or with `purpose="registering"` around a whole registration."""
     from filelock import FileLock
 
-    folder = params.path(params.paths.cache_dir)
     folder.mkdir(parents=True, exist_ok=True)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
     return FileLock(str(folder / f"register-{safe}{'.' + purpose if purpose else ''}.lock"), timeout=timeout_s)
@@ -321,7 +220,7 @@ def promotion_lock(params: Params, model_name: str, purpose: str = "", timeout_s
 def settle_orphans(client: Any, cfg: RegisterConfig) -> list[str]:
     """Delete the versions a killed register left without a decision (see the module docstring); returns them.
 
-    Call only under `promotion_lock(params, name, "registering")`: no live register holds an undecided version.
+    Call only under `promotion_lock(folder, name, "registering")`: no live register holds an undecided version.
     """
     champion = current_champion(client, cfg.model_name, cfg.alias)
     settled = []
@@ -353,28 +252,28 @@ def run_register(params: Params) -> dict[str, Any]:
     from pipeline import registry_lineage as lineage
     from pipeline.tracking import describe_stage, log_parent_metrics, parent_run_id, stage_run
 
-    cfg = params.register
-    check_production_alias(params)
-    model_dir = params.path(params.paths.model_dir)
-    if not model_dir.exists():
-        raise UserError(f"no merged agent at {model_dir}: run `promptr1 merge` (dvc repro merge) first")
-    metrics_file = params.path(params.paths.reports_dir) / "eval" / "metrics.json"
+    plan = RegisterPlan.for_register(params)
+    cfg = plan.register
+    check_production_alias(plan.profile, cfg)
+    if not plan.model_dir.exists():
+        raise UserError(f"no merged agent at {plan.model_dir}: run `promptr1 merge` (dvc repro merge) first")
+    metrics_file = plan.metrics_file
     if not metrics_file.is_file():
         raise UserError(f"{metrics_file} is missing: run `promptr1 evaluate` first")
     candidate = EvalAverages.from_metrics_json(json.loads(metrics_file.read_text()))
     check_metric(candidate, cfg.metric)  # before a model version is registered
     check_training_health(params)
 
-    with (promotion_lock(params, cfg.model_name, "registering"), stage_run(params, "register") as run,
+    with (promotion_lock(plan.lock_dir, cfg.model_name, "registering"), stage_run(params, "register") as run,
           tempfile.TemporaryDirectory() as tmp):
         client = mlflow.MlflowClient()
         settle_orphans(client, cfg)
-        info = log_models(params, model_dir, Path(tmp))
+        info = log_models(plan, Path(tmp))
         version = str(info.registered_model_version)
         for key, value in candidate.to_tags().items():
             client.set_model_version_tag(cfg.model_name, version, key, value)
         # Decide and move under one lock, on the champion as it is at that moment.
-        with promotion_lock(params, cfg.model_name):
+        with promotion_lock(plan.lock_dir, cfg.model_name):
             champ_version, champion, decision = judge_against_champion(client, candidate, cfg)
             if decision.promote:
                 client.set_registered_model_alias(cfg.model_name, cfg.alias, version)
@@ -390,11 +289,13 @@ def run_register(params: Params) -> dict[str, Any]:
         client.set_model_version_tag(cfg.model_name, version, "source_run_id", run.info.run_id)
         if decision.promote:
             client.set_model_version_tag(cfg.model_name, version, lineage.PROMOTION_DATE_TAG, lineage.promotion_date())
-        tags = lineage.lineage_tags(client, params, parent_run_id(params))
+        tags = lineage.lineage_tags(client, plan.model_dir, plan.root, parent_run_id(params))
         for key, value in tags.items():
             client.set_model_version_tag(cfg.model_name, version, key, value)
         client.update_model_version(cfg.model_name, version,
-                                    lineage.version_description(tags, params, candidate.id, verdict, reason))
+                                    lineage.version_description(tags, candidate.id, verdict, reason, metric=cfg.metric,
+                                                                profile=plan.profile,
+                                                                model_dir=plan.model_dir_param))
         pruned = lineage.prune_never_champion(client, cfg.model_name, cfg.keep_versions)
         mlflow.set_tags({"promotion.decision": verdict, "registered_model": cfg.model_name,
                          "registered_version": version})
@@ -413,7 +314,7 @@ def run_register(params: Params) -> dict[str, Any]:
             "candidate": asdict(candidate), "champion": asdict(champion) if champion is not None else None,
             "run_id": run.info.run_id, "lineage": tags, "pruned_versions": pruned,
         }
-        out = params.path(params.paths.reports_dir) / PROMOTION_FILE
+        out = plan.promotion_file
         write_json_atomic(result, out)
         mlflow.log_artifact(str(out))
     line = (f"{cfg.model_name} v{version}: {verdict} ({cfg.alias} → v{after}). {reason}")

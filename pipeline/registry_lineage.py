@@ -62,14 +62,14 @@ def _lock_entry(root: Path, rel: str) -> dict[str, Any] | None:
     return None
 
 
-def model_dvc_hash(params: Params) -> str:
-    """The md5 dvc.lock records for `paths.model_dir`, or `unknown: <why>` (module docstring)."""
-    model_dir = params.path(params.paths.model_dir)
+def model_dvc_hash(model_dir: Path, root: Path) -> str:
+    """The md5 the project's (`root`) dvc.lock records for `model_dir` (`paths.model_dir`), or `unknown: <why>`
+    (module docstring)."""
     try:
-        rel = model_dir.resolve().relative_to(params.root.resolve()).as_posix()
+        rel = model_dir.resolve().relative_to(root.resolve()).as_posix()
     except ValueError:
         return f"unknown: {model_dir} is outside the project"
-    entry = _lock_entry(params.root, rel)
+    entry = _lock_entry(root, rel)
     if entry is None or "md5" not in entry:
         return f"unknown: dvc.lock has no entry for {rel}"
     files = [p for p in model_dir.rglob("*") if p.is_file()] if model_dir.is_dir() else [model_dir]
@@ -84,8 +84,8 @@ def model_dvc_hash(params: Params) -> str:
     return str(entry["md5"])
 
 
-def lineage_tags(client: Any, params: Params, pipeline_run_id: str | None) -> dict[str, str]:
-    """`lineage.*` tags for a version registered under the pipeline run `pipeline_run_id`."""
+def lineage_tags(client: Any, model_dir: Path, root: Path, pipeline_run_id: str | None) -> dict[str, str]:
+    """`lineage.*` tags for a version of `model_dir` registered under the pipeline run `pipeline_run_id`."""
     from pipeline.tracking import git_commit
 
     train_run = commit = None
@@ -102,16 +102,17 @@ def lineage_tags(client: Any, params: Params, pipeline_run_id: str | None) -> di
     return {
         f"{TAG}train_run_id": train_run or f"unknown: no train run under pipeline run {pipeline_run_id}",
         f"{TAG}pipeline_run_id": pipeline_run_id or "unknown",
-        f"{TAG}git_commit": commit or git_commit(params.root),
-        f"{TAG}model_dvc_md5": model_dvc_hash(params),
+        f"{TAG}git_commit": commit or git_commit(root),
+        f"{TAG}model_dvc_md5": model_dvc_hash(model_dir, root),
     }
 
 
 def version_description(
-    lineage: dict[str, str], params: Params, id_avg: dict[str, dict[str, float]], verdict: str, reason: str
+    lineage: dict[str, str], id_avg: dict[str, dict[str, float]], verdict: str, reason: str, *, metric: str,
+    profile: str, model_dir: str
 ) -> str:
-    """The version's description: lineage, evaluation averages, promotion decision."""
-    metric = params.register.metric
+    """The version's description: lineage, evaluation averages (`metric`: register.metric), promotion decision;
+    `model_dir` as the params name it (`paths.model_dir`)."""
     figure = id_avg.get(metric)
     scored = (
         f"ID {metric} {figure['mean']:.2f} [{figure['low']:.2f}, {figure['high']:.2f}]"
@@ -119,9 +120,9 @@ def version_description(
         else f"no ID {metric}"
     )
     return (
-        f"Prompt-R1 agent, profile `{params.profile}`: trained by run {lineage[f'{TAG}train_run_id']} "
+        f"Prompt-R1 agent, profile `{profile}`: trained by run {lineage[f'{TAG}train_run_id']} "
         f"(pipeline run {lineage[f'{TAG}pipeline_run_id']}) at commit {lineage[f'{TAG}git_commit']}; "
-        f"{params.paths.model_dir} DVC md5 {lineage[f'{TAG}model_dvc_md5']}. Evaluation: {scored}. "
+        f"{model_dir} DVC md5 {lineage[f'{TAG}model_dvc_md5']}. Evaluation: {scored}. "
         f"Promotion: {verdict} — {reason}"
     )[:4900]
 

@@ -34,6 +34,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,26 @@ HEALTH_BREACH_TAG = "health.breach"
 KEY_PARAMS = ("profile", "git_commit", "agent.model", "environment.model", "train.steps", "train.group_size",
               "train.lr", "reward.preset")
 """The parent run's params a person compares two pipeline runs on (all of them are logged; these first)."""
+
+
+@dataclass(frozen=True)
+class ParentRecord:
+    """What a stage's parent run is made of, resolved once from the params by `stage_run` (the helpers below
+    get this, not the params): where the run file lies, the experiment, and the params the parent logs."""
+
+    root: Path
+    profile: str
+    experiment: str
+    run_file: Path
+    """reports/mlflow_run.json: the parent the later stages attach to."""
+    flat_params: tuple[tuple[str, Any], ...]
+    """Every param, flattened (`flatten`): the parent run's params."""
+
+    @classmethod
+    def for_stage(cls, params: Params) -> ParentRecord:
+        return cls(root=params.root, profile=params.profile, experiment=params.mlflow.experiment,
+                   run_file=params.path(params.paths.reports_dir) / RUN_FILE,
+                   flat_params=tuple(flatten(params).items()))
 
 
 def tracking_uri(params: Params) -> str:
@@ -115,13 +136,12 @@ def dvc_data_hashes(root: Path) -> dict[str, str]:
     return hashes
 
 
-def _run_file(params: Params) -> Path:
-    return params.path(params.paths.reports_dir) / RUN_FILE
-
-
 def parent_run_id(params: Params) -> str | None:
     """The parent run recorded by the last `train` stage, if any."""
-    path = _run_file(params)
+    return _recorded_parent(params.path(params.paths.reports_dir) / RUN_FILE)
+
+
+def _recorded_parent(path: Path) -> str | None:
     if path.is_file():
         return json.loads(path.read_text()).get("run_id")
     return None
@@ -149,43 +169,43 @@ def breached_train_run(params: Params) -> Any | None:
     return runs[0] if runs and HEALTH_BREACH_TAG in runs[0].data.tags else None
 
 
-def _start_parent(params: Params) -> str:
+def _start_parent(record: ParentRecord) -> str:
     import mlflow
 
-    root = params.root
+    root = record.root
     tags = {
         "git_commit": git_commit(root),
-        "profile": params.profile,
+        "profile": record.profile,
         "pipeline": "prompt-r1",
         **{f"dvc.{k}": v for k, v in dvc_data_hashes(root).items()},
     }
-    with mlflow.start_run(run_name=f"pipeline-{params.profile}", tags=tags) as run:
-        for chunk in _chunks(_parent_params(params), 100):
+    with mlflow.start_run(run_name=f"pipeline-{record.profile}", tags=tags) as run:
+        for chunk in _chunks(_parent_params(record), 100):
             mlflow.log_params(chunk)
         run_id = run.info.run_id
-    _record_parent(params, run_id)
+    _record_parent(record, run_id)
     log.info("MLflow parent run %s", run_id)
     return run_id
 
 
-def _record_parent(params: Params, run_id: str) -> None:
+def _record_parent(record: ParentRecord, run_id: str) -> None:
     """Write reports/mlflow_run.json (atomically): the parent the later stages attach to."""
-    path = _run_file(params)
+    path = record.run_file
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"run_id": run_id, "experiment": params.mlflow.experiment,
+    tmp.write_text(json.dumps({"run_id": run_id, "experiment": record.experiment,
                                "tracking_uri_env": "MLFLOW_TRACKING_URI"}, indent=2))
     tmp.replace(path)
 
 
-def _gepa_parent(params: Params) -> str | None:
+def _gepa_parent(record: ParentRecord) -> str | None:
     """The parent run this execution's gepa stage opened, for `train` to continue (module docstring): the
     newest pipeline parent in the experiment, if it holds a gepa summary and no later stage's, and was
     opened at this commit with this profile and exactly these params. None otherwise."""
     import mlflow
 
     client = mlflow.MlflowClient()
-    experiment = client.get_experiment_by_name(params.mlflow.experiment)
+    experiment = client.get_experiment_by_name(record.experiment)
     if experiment is None:
         return None
     runs = client.search_runs([experiment.experiment_id], filter_string="tags.pipeline = 'prompt-r1'",
@@ -196,17 +216,17 @@ def _gepa_parent(params: Params) -> str | None:
     tags = run.data.tags
     if "summary.gepa" not in tags or any(f"summary.{s}" in tags for s in DESCRIBED_STAGES if s != "gepa"):
         return None
-    if tags.get("git_commit") != git_commit(params.root) or tags.get("profile") != params.profile:
+    if tags.get("git_commit") != git_commit(record.root) or tags.get("profile") != record.profile:
         return None
-    expected = {k: v for chunk in _chunks(_parent_params(params), 100) for k, v in chunk.items()}
+    expected = {k: v for chunk in _chunks(_parent_params(record), 100) for k, v in chunk.items()}
     if run.data.params != expected:
         return None
     return run.info.run_id
 
 
-def _parent_params(params: Params) -> dict[str, Any]:
+def _parent_params(record: ParentRecord) -> dict[str, Any]:
     """Every param, plus the commit the run was made at (a tag too; a param so runs compare on it)."""
-    return {**flatten(params), "git_commit": git_commit(params.root)}
+    return {**dict(record.flat_params), "git_commit": git_commit(record.root)}
 
 
 def _chunks(d: dict[str, Any], n: int) -> Iterator[dict[str, Any]]:
@@ -225,9 +245,10 @@ def stage_run(params: Params, stage: str, new_parent: bool = False) -> Iterator[
     import mlflow
 
     configure(params)
-    parent = None if new_parent else parent_run_id(params)
-    if new_parent and (parent := _gepa_parent(params)) is not None:
-        _record_parent(params, parent)
+    record = ParentRecord.for_stage(params)
+    parent = None if new_parent else _recorded_parent(record.run_file)
+    if new_parent and (parent := _gepa_parent(record)) is not None:
+        _record_parent(record, parent)
         log.info("MLflow parent run %s (the gepa stage's, continued)", parent)
     if parent is not None:
         try:
@@ -236,7 +257,7 @@ def stage_run(params: Params, stage: str, new_parent: bool = False) -> Iterator[
             log.warning("parent run %s not found in %s; starting a new one", parent, tracking_uri(params))
             parent = None
     if parent is None:
-        parent = _start_parent(params)
+        parent = _start_parent(record)
     with (
         mlflow.start_run(run_id=parent),
         mlflow.start_run(run_name=stage, nested=True, tags={"stage": stage}) as child,

@@ -38,12 +38,12 @@ def test_auto_serves_a_gguf_agent_with_llama_cpp(params):
 def test_batching_follows_the_engine(params):
     params.evaluate.agent_engine = "llama.cpp"
     params.evaluate.agent_parallel, params.evaluate.agent_rollout_batch = 16, 48
-    assert rollout_batch_size(params) == 48  # all 48 default rows in one batch, queued on 16 slots
+    assert rollout_batch_size(agent_engine(params), params.evaluate) == 48  # all 48 default rows in one batch, queued on 16 slots
     params.evaluate.agent_rollout_batch = 8
-    assert rollout_batch_size(params) == 16  # never fewer questions than slots
+    assert rollout_batch_size(agent_engine(params), params.evaluate) == 16  # never fewer questions than slots
     params.evaluate.agent_engine = "transformers"
     params.evaluate.batch_size = 8
-    assert rollout_batch_size(params) == 8
+    assert rollout_batch_size(agent_engine(params), params.evaluate) == 8
 
 
 def test_server_params_describe_the_agent_server_not_the_environment(params, tmp_path):
@@ -70,6 +70,22 @@ def test_a_hugging_face_base_model_needs_the_transformers_engine(agent_params, t
     with pytest.raises(UserError, match="agent_engine: transformers"), evaluation_policy(str(tiny_llama_dir),
                                                                                         agent_params):
         pass
+
+
+def test_the_agent_runs_on_the_engine_the_evaluate_plan_decided(agent_params, tiny_llama_dir):
+    """evaluate decides `auto` once (EvaluatePlan.engine, what metrics.json records as having run) and the
+    policy runs on that decision instead of deciding again."""
+    from dataclasses import replace
+
+    from pipeline.agent.policy import TransformersPolicy
+    from pipeline.evaluation.plan import EvaluatePlan
+
+    plan = EvaluatePlan.for_evaluate(agent_params)
+    assert plan.engine == agent_engine(agent_params) == "llama.cpp"  # auto on a GGUF agent.model
+    assert plan.rollout_batch == rollout_batch_size("llama.cpp", agent_params.evaluate)
+    plan = replace(plan, engine="transformers")  # a decision auto would not make: the policy must follow it
+    with evaluation_policy(str(tiny_llama_dir), plan.agent_params, engine=plan.engine) as policy:
+        assert isinstance(policy, TransformersPolicy)
 
 
 @pytest.mark.slow

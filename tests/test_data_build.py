@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.agent.template import render_user_message
 from pipeline.data.build import AGENT_NAME, RL_SCHEMA, run_build
+from pipeline.data.plan import ValidatePlan
 from pipeline.data.sources import REGISTRY
-from pipeline.data.validate import summary_path
 from pipeline.errors import DataError
 
 
@@ -71,7 +71,7 @@ def test_build_is_deterministic(built_data, tmp_path):
     params.paths.rl_dir = str(tmp_path / "rl")
     params.paths.reports_dir = str(tmp_path / "reports")
     (tmp_path / "reports" / "validate").mkdir(parents=True)
-    (tmp_path / "reports" / "validate" / "summary.json").write_bytes(summary_path(built_data).read_bytes())
+    (tmp_path / "reports" / "validate" / "summary.json").write_bytes(ValidatePlan.for_validate(built_data).summary_path.read_bytes())
     run_build(params)
     assert (tmp_path / "rl" / "train.parquet").read_bytes() == first
 
@@ -83,7 +83,7 @@ def test_build_refuses_unvalidated_data(built_data, tmp_path):
     with pytest.raises(DataError, match="run `promptr1 validate` first"):
         run_build(params)
 
-    summary = json.loads(summary_path(built_data).read_text())
+    summary = json.loads(ValidatePlan.for_validate(built_data).summary_path.read_text())
     target = tmp_path / "reports" / "validate" / "summary.json"
     target.parent.mkdir(parents=True)
     target.write_text(json.dumps({**summary, "success": False}))

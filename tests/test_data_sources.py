@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.sample import run_sample
-from pipeline.data.sources import REGISTRY, DatasetSpec, get_spec, load_authors_eval, register
+from pipeline.data.sources import REGISTRY, DatasetSpec, SourcePaths, get_spec, load_authors_eval, register
 from pipeline.data.sources.long_form import (
     article_task,
     booksum_hub_title,
@@ -94,7 +94,7 @@ def test_every_source_file_is_in_the_shared_mirror(shared_datasets):
 
 def test_authors_eval_rows_read_back(params):
     for spec in REGISTRY.values():
-        rows = load_authors_eval(params, spec)
+        rows = load_authors_eval(SourcePaths.of(params), spec)
         assert len(rows) == 128
         assert len({r.id for r in rows}) == 128 and rows[5].id == f"{spec.name}-eval-005"
         assert all(r.question and r.answers for r in rows)

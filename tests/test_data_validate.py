@@ -8,14 +8,15 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.data.plan import ValidatePlan
 from pipeline.data.schema import rows_to_table, write_parquet_atomic
-from pipeline.data.sources import REGISTRY, load_authors_eval
-from pipeline.data.validate import run_validate, summary_path
+from pipeline.data.sources import REGISTRY, SourcePaths, load_authors_eval
+from pipeline.data.validate import run_validate
 from pipeline.errors import DataError
 
 
 def test_real_data_passes_every_suite(built_data):
-    summary = json.loads(summary_path(built_data).read_text())
+    summary = json.loads(ValidatePlan.for_validate(built_data).summary_path.read_text())
     assert summary["success"] is True
     assert summary["files_validated"] == 20 and summary["files_failed"] == 0
     kinds = [f["kind"] for f in summary["files"].values()]
@@ -52,7 +53,7 @@ def test_duplicate_ids_empty_answers_and_overlap_fail_with_a_clear_message(built
     params = _copy_gsm8k_project(built_data, data_params)
     path = params.path(params.paths.sampled_dir) / "gsm8k.parquet"
     rows = pq.read_table(path).to_pylist()
-    eval_question = load_authors_eval(params, REGISTRY["hotpotqa"])[3].question
+    eval_question = load_authors_eval(SourcePaths.of(params), REGISTRY["hotpotqa"])[3].question
     rows[1]["id"] = rows[0]["id"]
     rows[2]["answers"] = []
     rows[3]["answers"] = ["ok", "  "]
@@ -71,7 +72,7 @@ def test_duplicate_ids_empty_answers_and_overlap_fail_with_a_clear_message(built
         "expect_column_values_to_be_in_set (column in_eval_set)" in message and eval_question[:40] in message
     )
 
-    summary = json.loads(summary_path(params).read_text())  # written before the error
+    summary = json.loads(ValidatePlan.for_validate(params).summary_path.read_text())  # written before the error
     assert summary["success"] is False and summary["files_failed"] == 1
     failed = next(iter(f for f in summary["files"].values() if not f["success"]))
     assert {f["expectation"] for f in failed["failed_expectations"]} == {

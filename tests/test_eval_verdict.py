@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.evaluation.paper import paper_comparison
+from pipeline.evaluation.plan import EvaluatePlan
 from pipeline.evaluation.report import summary_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def _section(md: str, title: str) -> str:
 
 def test_verdict_opens_the_summary_with_the_winner_the_difference_and_why(recorded):
     summary, params = recorded
-    md = summary_markdown(summary, params)
+    md = summary_markdown(summary, EvaluatePlan.for_evaluate(params))
     assert md.startswith("# Evaluation summary\n\n## Verdict\n\n")
     verdict = _section(md, "Verdict")
     assert ("ID: `env_only` wins with F1 5.64 [3.31, 8.86]; `prompt_r1` has 1.09 [0.30, 2.06]: Δ -4.55 "
@@ -47,7 +48,7 @@ def test_verdict_opens_the_summary_with_the_winner_the_difference_and_why(record
 
 def test_each_metric_is_defined_once_and_spelled_one_way(recorded):
     summary, params = recorded
-    md = summary_markdown(summary, params)
+    md = summary_markdown(summary, EvaluatePlan.for_evaluate(params))
     for name in ("EM", "SM", "F1", "SSim"):
         assert md.count(f"- **{name}**:") == 1, name
     assert "SSIM" not in md and "| SSim |" in md
@@ -57,7 +58,7 @@ def test_each_metric_is_defined_once_and_spelled_one_way(recorded):
 
 def test_gepa_rows_say_when_gepa_kept_the_seed(recorded, tmp_path):
     summary, params = recorded
-    md = summary_markdown(summary, params)
+    md = summary_markdown(summary, EvaluatePlan.for_evaluate(params))
     averages = _section(md, "Averages")
     assert "| gepa (kept the seed) | id |" in averages and "| gepa | id |" not in averages
     assert "| gepa (kept the seed) | id |" in _section(md, "Deltas of prompt_r1 (paired bootstrap)")
@@ -67,7 +68,7 @@ def test_gepa_rows_say_when_gepa_kept_the_seed(recorded, tmp_path):
     (tmp_path / "gepa").mkdir()
     (tmp_path / "gepa" / "prompt.json").write_text(json.dumps(record))
     params.paths.gepa_dir = str(tmp_path / "gepa")
-    md = summary_markdown(summary, params)
+    md = summary_markdown(summary, EvaluatePlan.for_evaluate(params))
     assert "| gepa | id |" in _section(md, "Averages") and "kept the seed" not in md
 
 
@@ -78,8 +79,8 @@ def test_verdict_when_prompt_r1_wins_on_the_papers_setup(recorded):
     params.agent.model = "Qwen/Qwen3-4B"
     params.environment.model = params.environment.served_name = "gpt-4o-mini"
     summary["rows_per_dataset"] = 128
-    summary["paper"] = paper_comparison(summary, params)
-    verdict = _section(summary_markdown(summary, params), "Verdict")
+    summary["paper"] = paper_comparison(summary, params.agent.model, params.environment)
+    verdict = _section(summary_markdown(summary, EvaluatePlan.for_evaluate(params)), "Verdict")
     assert ("ID: `prompt_r1` wins with F1 42.45 [40.00, 45.00], ahead of `env_only` (5.64 [3.31, 8.86]): "
             "Δ +1.20 [-0.50, +2.90] points (`prompt_r1` − `env_only`, paired bootstrap); the CI includes 0: "
             "within noise") in verdict

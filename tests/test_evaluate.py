@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +15,7 @@ from pipeline import evaluate as E
 from pipeline.errors import UserError
 from pipeline.evaluation.costs import grpo_one_off, inference_costs, one_off_costs
 from pipeline.evaluation.paper import load_paper_results, paper_comparison, paper_markdown
+from pipeline.evaluation.plan import EvaluatePlan
 from pipeline.evaluation.report import (
     flat_metrics,
     plot_rows,
@@ -39,7 +41,7 @@ def test_load_eval_rows_first_n(tmp_path, repo_root, shared_datasets, with_extra
     project = make_project(tmp_path, repo_root, shared_datasets, {"hotpotqa": "id", "xsum": "ood"}, with_extra_info)
     params = _params(project, {"data": {"id_eval_datasets": ["hotpotqa"], "ood_eval_datasets": ["xsum"]},
                                "evaluate": {"rows_per_dataset": 3}})
-    rows = E.load_eval_rows(params)
+    rows = E.load_eval_rows(EvaluatePlan.for_evaluate(params))
     assert list(rows) == ["hotpotqa", "xsum"]
     assert [r.index for r in rows["hotpotqa"]] == [0, 1, 2]
     assert rows["xsum"][0].split == "ood" and rows["hotpotqa"][0].split == "id"
@@ -55,7 +57,7 @@ def test_load_eval_rows_missing_file_is_a_data_error(tmp_path, repo_root, shared
     project = make_project(tmp_path, repo_root, shared_datasets, {"hotpotqa": "id"})
     params = _params(project, {"data": {"id_eval_datasets": ["hotpotqa"], "ood_eval_datasets": ["xsum"]}})
     with pytest.raises(DataError, match="xsum"):
-        E.load_eval_rows(params)
+        E.load_eval_rows(EvaluatePlan.for_evaluate(params))
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,7 @@ def test_aggregate_and_outputs_hand_computed(tmp_path, params, ssim):
     scores = {s: score_system(a, rows, ssim) for s, a in answers.items()}
     params.data.id_eval_datasets = ["hotpotqa"]
     params.data.ood_eval_datasets = ["triviaqa", "xsum"]
-    summary = aggregate(scores, rows, params)
+    summary = aggregate(scores, rows, params.evaluate, params.seed)
     summary["env_usage"] = usage_by_system(answers)
 
     pd_ = summary["per_dataset"]
@@ -181,7 +183,7 @@ def test_aggregate_and_outputs_hand_computed(tmp_path, params, ssim):
     pngs = write_plots(summary, tmp_path / "plots")
     assert sorted(p.name for p in pngs) == ["hotpotqa.png", "triviaqa.png", "xsum.png"]
     assert all(p.stat().st_size > 1000 for p in pngs)
-    md = summary_markdown(summary, params)
+    md = summary_markdown(summary, EvaluatePlan.for_evaluate(params))
     assert "| prompt_r1 | id |" in md and "vs" in md
     flat = flat_metrics(summary)
     assert flat["prompt_r1/hotpotqa/em"] == 50.0 and "prompt_r1/ood/f1_low" in flat
@@ -272,7 +274,7 @@ def test_inference_cost_counts_every_reply_used_cached_or_not_at_the_configured_
         "env_only": {"hotpotqa": [_with_env("a", (1000, 100, True)), _with_env("b", (3000, 300, False))]},
         TRAINED: {"hotpotqa": [_with_env("a", (500, 50, False), (700, 70, False)), _with_env("b")]},
     }
-    cost = inference_costs(answers, params)
+    cost = inference_costs(answers, params.environment)
     # env_only: 4000 prompt + 400 completion tokens -> (4000 * 0.15 + 400 * 0.60) / 1e6 = 840e-6 USD
     assert cost["env_only"] == {"questions": 2, "env_requests": 2, "prompt_tokens": 4000, "completion_tokens": 400,
                                 "usd": 0.00084, "env_requests_per_question": 1.0,
@@ -297,15 +299,21 @@ def test_one_off_costs_from_the_training_steps_and_the_gepa_record(tmp_path, par
     assert grpo_one_off(tmp_path / "absent.csv") is None
 
     with pytest.raises(UserError, match="promptr1 gepa"):
-        one_off_costs(params, ["gepa"])
+        one_off_costs(["gepa"], *_cost_files(params))
     shutil.copytree(FIXTURES / "gepa", tmp_path / "gepa")
     recorded = json.loads((FIXTURES / "gepa" / "prompt.json").read_text())
-    out = one_off_costs(params, [TRAINED, "env_only", "gepa"])
+    out = one_off_costs([TRAINED, "env_only", "gepa"], *_cost_files(params))
     assert out["env_only"] is None and out[TRAINED]["env_requests"] == 23
     task, refl = recorded["cost"]["task"], recorded["cost"]["reflection"]
     assert out["gepa"]["env_requests"] == task["calls"] + task["cache_hits"] + refl["calls"] + refl["cache_hits"]
     assert out["gepa"]["prompt_tokens"] == task["prompt_tokens"] + refl["prompt_tokens"]
     assert out["gepa"]["what"].startswith(f"GEPA: {recorded['cost']['metric_calls']} metric calls")
+
+
+def _cost_files(params) -> tuple:
+    """GEPA's prompt.json and the train stage's steps.csv, where the evaluate stage's plan finds them."""
+    plan = EvaluatePlan.for_evaluate(params)
+    return plan.gepa_prompt, plan.steps_csv
 
 
 def _fixture_summary(params) -> dict:
@@ -321,11 +329,12 @@ def _fixture_summary(params) -> dict:
     }
     params.data.id_eval_datasets = ["hotpotqa"]
     params.data.ood_eval_datasets = ["triviaqa"]
-    summary = aggregate({s: score_system(a, rows, None) for s, a in answers.items()}, rows, params)
+    scores = {s: score_system(a, rows, None) for s, a in answers.items()}
+    summary = aggregate(scores, rows, params.evaluate, params.seed)
     summary["env_usage"] = usage_by_system(answers)
     summary["cost"] = {"prices": {"usd_per_million_prompt": 0.15, "usd_per_million_completion": 0.6},
-                       "inference": inference_costs(answers, params),
-                       "one_off": one_off_costs(params, summary["systems"])}
+                       "inference": inference_costs(answers, params.environment),
+                       "one_off": one_off_costs(summary["systems"], *_cost_files(params))}
     return summary
 
 
@@ -333,7 +342,7 @@ def test_paper_numbers_beside_ours_only_compared_on_the_papers_setup(tmp_path, p
     params.paths.gepa_dir = str(FIXTURES / "gepa")
     params.paths.reports_dir = str(tmp_path / "reports")
     summary = _fixture_summary(params)
-    cmp_ = paper_comparison(summary, params)
+    cmp_ = paper_comparison(summary, params.agent.model, params.environment)
     assert not cmp_["comparable"]
     assert cmp_["reasons"] == ["agent is smollm2-135m-instruct.q4_1, not Qwen3-4B",
                                "environment is smollm2-135m-instruct, not gpt-4o-mini", "4 rows per set, not 128"]
@@ -350,7 +359,7 @@ def test_paper_numbers_beside_ours_only_compared_on_the_papers_setup(tmp_path, p
     params.environment.model = params.environment.served_name = "gpt-4o-mini"
     params.evaluate.rows_per_dataset = 128
     summary = _fixture_summary(params)
-    cmp_ = paper_comparison(summary, params)
+    cmp_ = paper_comparison(summary, params.agent.model, params.environment)
     assert cmp_["comparable"] and cmp_["reasons"] == []
     by_key = {(r["system"], r["scope"], r["metric"]): r for r in cmp_["rows"]}
     assert by_key[(TRAINED, "hotpotqa", "em")]["delta"] == pytest.approx(50.0 - 44.53)
@@ -381,13 +390,14 @@ def test_report_shows_five_systems_cost_beside_quality_and_the_chart(tmp_path, p
     params.paths.gepa_dir = str(FIXTURES / "gepa")
     params.paths.reports_dir = str(tmp_path / "reports")
     summary = _fixture_summary(params)
-    summary["paper"] = paper_comparison(summary, params)
+    summary["paper"] = paper_comparison(summary, params.agent.model, params.environment)
     summary["wall_s"] = 1.0
     rows = {d: r for d, r in _rows().items() if d != "xsum"}
     answers = {s: {d: [Answer(prediction="x")] * len(r) for d, r in rows.items()} for s in summary["systems"]}
     scores = {s: score_system(a, rows, None) for s, a in answers.items()}
     out = tmp_path / "eval"
-    plots = write_reports(summary, predictions_frame(answers, scores, rows), params, out)
+    plots = write_reports(summary, predictions_frame(answers, scores, rows),
+                          replace(EvaluatePlan.for_evaluate(params), out_dir=out))
 
     points = pd.read_csv(out / "quality_cost.csv")
     assert sorted(points["point"]) == sorted(f"{s} ({sp})" for s in (TRAINED, "env_only", "gepa")

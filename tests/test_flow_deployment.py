@@ -43,7 +43,7 @@ def _flow_schema() -> dict:
 def test_served_deployment_follows_params(repo_params):
     from prefect.client.schemas.objects import ConcurrencyLimitStrategy
 
-    deployment = build_deployment(repo_params, project_dir="/srv/project")
+    deployment = build_deployment(repo_params.profile, repo_params.flow, project_dir="/srv/project")
     (schedule,) = deployment.schedules
     assert schedule.schedule.cron == repo_params.flow.cron
     assert schedule.schedule.timezone == repo_params.flow.timezone
@@ -61,7 +61,7 @@ def test_served_deployment_follows_changed_params(repo_params):
     repo_params.flow.cron = "30 1 * * *"
     repo_params.flow.timezone = "Europe/Paris"
     repo_params.flow.concurrency_limit = 2
-    deployment = build_deployment(repo_params)
+    deployment = build_deployment(repo_params.profile, repo_params.flow)
     assert deployment.schedules[0].schedule.cron == "30 1 * * *"
     assert deployment.schedules[0].schedule.timezone == "Europe/Paris"
     assert deployment.concurrency_limit == 2

@@ -65,13 +65,13 @@ def gepa_params(tmp_path, repo_root):
 
 def test_slices_are_disjoint_seeded_and_read_the_training_rows(gepa_params):
     params = gepa_params("http://127.0.0.1:9/v1")
-    slices = load_slices(params)
+    slices = load_slices(params.path(params.paths.rl_dir) / "train.parquet", params.gepa)
     uids = [e.uid for part in (slices.train, slices.val, slices.holdout) for e in part]
     assert (len(slices.train), len(slices.val), len(slices.holdout)) == (4, 3, 5)
     assert len(set(uids)) == 12  # disjoint: the held-out rows are never seen by the optimiser
-    assert [e.uid for e in load_slices(params).holdout] == [e.uid for e in slices.holdout]  # seeded
+    assert [e.uid for e in load_slices(params.path(params.paths.rl_dir) / "train.parquet", params.gepa).holdout] == [e.uid for e in slices.holdout]  # seeded
     params.gepa.seed = 1
-    assert [e.uid for e in load_slices(params).train] != [e.uid for e in slices.train]
+    assert [e.uid for e in load_slices(params.path(params.paths.rl_dir) / "train.parquet", params.gepa).train] != [e.uid for e in slices.train]
     ex = slices.train[0]
     assert ex.answers == (QUESTIONS[ex.question],)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import deep_merge, load_params, parse_override
-from pipeline.layout import actor_estimate, layout_problems
+from pipeline.layout import Placement, actor_estimate, layout_problems
 from pipeline.train import memory
 from pipeline.train.plan import TrainPlan
 from pipeline.train.resources import checkpoint_disk_problem, gpu_problems
@@ -111,7 +111,7 @@ def test_actor_memory_arithmetic():
 def test_shipped_gpu_profiles_fit_and_smoke_declares_its_gpu():
     for profile, per_gpu in (("paper", 9.3), ("paper-1node", 12.4), ("smoke-1gpu", 11.2)):
         params = merged(f"profile={profile}")
-        estimate, left, _ = actor_estimate(params, compose_run(params))
+        estimate, left, _ = actor_estimate(Placement.for_layout(params), compose_run(params))
         assert round(estimate.total / GIB, 1) == per_gpu and estimate.total / GIB <= left, profile
     assert merged("profile=smoke-1gpu").train.verl.gpu_memory_gb == 40
 
@@ -135,7 +135,7 @@ def test_actor_memory_must_fit_beside_the_vllm_fractions(sets, fix):
 
 def test_unknown_model_is_not_judged_but_said(tmp_path):
     params = merged("profile=paper", "agent.model=example-org/unlisted-7b")
-    assert actor_estimate(params, compose_run(params)) is None and layout_problems(params) == []
+    assert actor_estimate(Placement.for_layout(params), compose_run(params)) is None and layout_problems(params) == []
     from pipeline.layout import describe
 
     assert "actor memory not estimated" in describe(params)

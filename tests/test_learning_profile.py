@@ -42,7 +42,8 @@ def test_register_refuses_to_move_champion_for_the_learn_profile(learn, tmp_path
     learn.paths.model_dir = str(tmp_path / "missing-model")  # refused before this is even looked at
     with pytest.raises(UserError, match="may not move the production alias"):
         run_register(learn)
-    check_production_alias(load_params(REPO_ROOT / "params.yaml"))  # the default profile may
+    default = load_params(REPO_ROOT / "params.yaml")
+    check_production_alias(default.profile, default.register)  # the default profile may
 
 
 class _CountingEnvironment:

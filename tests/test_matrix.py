@@ -162,7 +162,7 @@ def test_matrix_outputs_one_row_per_environment(params):
     with_kb = _load({"environments": [{"name": "kb", "served_name": "kb"}]})
     other = variant_params(with_kb, with_kb.evaluate.environments[0])
     rows = [matrix_row("kb", other.environment, _aggregate({"prompt_r1": 60.0, "env_only": 50.0}))]
-    main["matrix"] = build_matrix(params, main, rows)
+    main["matrix"] = build_matrix(params.environment, main, rows)
 
     md = "\n".join(matrix_markdown(main))
     table = _matrix_table(md)
@@ -192,7 +192,7 @@ def test_without_extra_environments_the_report_is_unchanged_but_the_plot_has_the
 
     summary = _aggregate({"prompt_r1": 30.0, "env_only": 20.0})
     assert matrix_markdown(summary) == [] and matrix_metrics(summary) == {}
-    plot = pd.read_csv(write_matrix(summary, params, tmp_path))
+    plot = pd.read_csv(write_matrix(summary, params.environment, tmp_path))
     assert set(plot.evaluated_with) == {TRAINING_ENVIRONMENT} and len(plot) == 4
 
 

@@ -111,7 +111,7 @@ def test_paper_average_convention_reproduces_headline_numbers(params):
     scores = {d: {m: [per_metric[m][d] / 100] for m in reported_metrics(d) if m != "sm"} | {"sm": [0.0]}
               for d in splits}
     params.evaluate.bootstrap_samples = 10
-    summary = aggregate({TRAINED: {"ours": scores, "reference": scores}}, rows, params)
+    summary = aggregate({TRAINED: {"ours": scores, "reference": scores}}, rows, params.evaluate, params.seed)
     id_avg, ood_avg = (summary["averages"][TRAINED][s] for s in ("id", "ood"))
     assert id_avg["em"]["mean"] == pytest.approx(44.01, abs=0.01)
     assert id_avg["f1"]["mean"] == pytest.approx(42.45, abs=0.01)

@@ -250,7 +250,7 @@ def test_untagged_champion_is_kept_and_the_alias_moves_under_a_lock_with_a_reche
     # register (a 50/50 model that would beat the untagged v1) waits on the lock.
     write_eval_metrics(tmp_path, 50.0, 50.0)
     result: dict = {}
-    lock = promotion_lock(params, name)
+    lock = promotion_lock(params.path(params.paths.cache_dir), name)
     lock.acquire()
     worker = threading.Thread(target=lambda: result.update(run_register(params)))
     worker.start()

@@ -117,12 +117,12 @@ def test_dvc_hash_is_not_claimed_for_a_model_dvc_did_not_record(project):
     from pipeline.registry_lineage import model_dvc_hash
 
     params, _, _ = project
-    assert model_dvc_hash(params) == "unknown: dvc.lock has no entry for models/agent"
+    assert model_dvc_hash(params.path(params.paths.model_dir), params.root) == "unknown: dvc.lock has no entry for models/agent"
     _lock_model(params.root, "feedfeedfeedfeedfeedfeedfeedfeed.dir")
-    assert model_dvc_hash(params) == "feedfeedfeedfeedfeedfeedfeedfeed.dir"
+    assert model_dvc_hash(params.path(params.paths.model_dir), params.root) == "feedfeedfeedfeedfeedfeedfeedfeed.dir"
     (params.path(params.paths.model_dir) / "notes.txt").write_text("changed outside DVC\n")
-    assert model_dvc_hash(params).startswith("unknown: models/agent (2 files, ")
-    assert "is not what dvc.lock recorded (2 files" in model_dvc_hash(params)
+    assert model_dvc_hash(params.path(params.paths.model_dir), params.root).startswith("unknown: models/agent (2 files, ")
+    assert "is not what dvc.lock recorded (2 files" in model_dvc_hash(params.path(params.paths.model_dir), params.root)
 
 
 def test_retention_deletes_the_oldest_never_champion_versions_and_their_files(project):

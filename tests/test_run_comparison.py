@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -57,6 +58,7 @@ def _rows_and_predictions(summary: dict) -> tuple[dict, pd.DataFrame]:
 def _micro_run(project: Path, label: str, model_dir: Path) -> str:
     """One pipeline execution from recorded outputs; returns its parent run id."""
     from pipeline.config import load_params
+    from pipeline.evaluation.plan import EvaluatePlan
     from pipeline.evaluation.report import log_mlflow
     from pipeline.register import run_register
     from pipeline.tracking import parent_run_id, stage_run
@@ -79,7 +81,7 @@ def _micro_run(project: Path, label: str, model_dir: Path) -> str:
     summary = json.loads((reports / "eval" / "metrics.json").read_text())
     rows, preds = _rows_and_predictions(summary)
     with stage_run(params, "evaluate"):
-        log_mlflow(summary, preds, rows, params, reports / "eval", [])
+        log_mlflow(summary, preds, rows, replace(EvaluatePlan.for_evaluate(params), out_dir=reports / "eval"), [])
     run_register(params)
     return parent_run_id(params)
 

@@ -11,7 +11,7 @@ Design decisions:
 - Secrets never live here: the environment section names the *variable* holding an API key.
 
 Layout: `sections.py` holds the typed sections and `Params` (what a key means, its bounds, its default);
-`loading.py` turns files and overrides into a validated `Params` (profiles, `-S` overrides, output-path
+`train.py` holds the `train` section and its sub-sections; `loading.py` turns files and overrides into a validated `Params` (profiles, `-S` overrides, output-path
 confinement, flattening for MLflow). Import from `pipeline.config`: both are re-exported here.
 """
 
@@ -36,20 +36,15 @@ from pipeline.config.sections import (
     EvaluateConfig,
     FlowConfig,
     GepaConfig,
-    KlLossType,
     KnowledgeConfig,
-    LoraConfig,
-    LossAggMode,
     MlflowConfig,
     Params,
     PathsConfig,
     RegisterConfig,
     RewardConfig,
     ServerConfig,
-    TrainConfig,
-    VerlConfig,
-    WarmupConfig,
 )
+from pipeline.config.train import KlLossType, LoraConfig, LossAggMode, TrainConfig, VerlConfig, WarmupConfig
 
 __all__ = [
     "OUTPUT_PATH_KEYS", "PARAMS_FILE", "PROFILES_DIR", "PROTECTED_FOLDERS", "AgentConfig", "ConfigError",

@@ -31,10 +31,10 @@ import pyarrow.parquet as pq
 
 from pipeline.agent.template import render_user_message
 from pipeline.config import Params
-from pipeline.data.sample import sampled_path
-from pipeline.data.schema import display_path, write_json_atomic, write_parquet_atomic
+from pipeline.data.plan import BuildPlan, sampled_path, validate_summary_path
+from pipeline.data.schema import write_json_atomic, write_parquet_atomic
 from pipeline.data.sources import authors_eval_path, get_spec, load_authors_eval
-from pipeline.data.validate import file_sha256, summary_path
+from pipeline.data.validate import file_sha256
 from pipeline.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,9 @@ def rl_row(
     }
 
 
-def _check_validated(params: Params) -> dict[str, Any]:
-    path = summary_path(params)
-    shown = display_path(path, params.root)
+def _check_validated(plan: BuildPlan) -> dict[str, Any]:
+    path = validate_summary_path(plan.reports_dir)
+    shown = plan.shown(path)
     if not path.is_file():
         raise DataError(
             f"{shown}: not found; run `promptr1 validate` first (build only reads validated data)"
@@ -110,23 +110,23 @@ def _check_validated(params: Params) -> dict[str, Any]:
     by_dataset = {
         f["dataset"]: (name, f) for name, f in summary.get("files", {}).items() if f.get("kind") == "train"
     }
-    for ds in params.data.train_datasets:
-        sampled = sampled_path(params, ds)
+    for ds in plan.train_datasets:
+        sampled = sampled_path(plan.sampled_dir, ds)
         if ds not in by_dataset:
             raise DataError(f"{shown}: {ds} was not validated; rerun `promptr1 validate`")
         if not sampled.is_file() or file_sha256(sampled) != by_dataset[ds][1].get("sha256"):
             raise DataError(
-                f"{display_path(sampled, params.root)} changed since it was validated; "
+                f"{plan.shown(sampled)} changed since it was validated; "
                 "rerun `promptr1 validate`"
             )
     return summary
 
 
-def _train_rows(params: Params) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def _train_rows(plan: BuildPlan) -> tuple[list[dict[str, Any]], dict[str, int]]:
     rows: list[dict[str, Any]] = []
     per_dataset: dict[str, int] = {}
-    for ds in params.data.train_datasets:
-        table = pq.read_table(sampled_path(params, ds))
+    for ds in plan.train_datasets:
+        table = pq.read_table(sampled_path(plan.sampled_dir, ds))
         per_dataset[ds] = table.num_rows
         for r in table.to_pylist():
             rows.append(
@@ -141,7 +141,7 @@ def _train_rows(params: Params) -> tuple[list[dict[str, Any]], dict[str, int]]:
                     index=0,
                 )
             )
-    order = np.random.default_rng(params.seed).permutation(len(rows))
+    order = np.random.default_rng(plan.seed).permutation(len(rows))
     shuffled = [rows[i] for i in order]
     for i, row in enumerate(shuffled):
         row["extra_info"]["index"] = i
@@ -150,26 +150,27 @@ def _train_rows(params: Params) -> tuple[list[dict[str, Any]], dict[str, int]]:
 
 def run_build(params: Params) -> dict[str, Any]:
     """Write data/rl/train.parquet and data/rl/eval/<dataset>.parquet; summary in reports/build/."""
-    _check_validated(params)
-    rl_dir = params.path(params.paths.rl_dir)
+    plan = BuildPlan.for_build(params)
+    _check_validated(plan)
+    rl_dir = plan.rl_dir
     summary: dict[str, Any] = {"train": {}, "eval": {}, "skipped": []}
 
-    rows, per_dataset = _train_rows(params)
+    rows, per_dataset = _train_rows(plan)
     write_parquet_atomic(pa.Table.from_pylist(rows, schema=RL_SCHEMA), rl_dir / "train.parquet")
     summary["train"] = {
         "rows": len(rows),
         "rows_per_dataset": per_dataset,
-        "file": display_path(rl_dir / "train.parquet", params.root),
+        "file": plan.shown(rl_dir / "train.parquet"),
     }
     for ds in [d for d, n in per_dataset.items() if n == 0]:
         summary["skipped"].append(ds)
 
-    for ds in params.eval_datasets:
+    for ds in plan.eval_datasets:
         spec = get_spec(ds)
         try:
-            eval_rows = load_authors_eval(params, spec)
+            eval_rows = load_authors_eval(plan.sources, spec)
         except DataError:
-            if ds not in params.data.allow_skip:
+            if ds not in plan.allow_skip:
                 raise
             summary["skipped"].append(f"eval:{ds}")
             continue
@@ -194,13 +195,13 @@ def run_build(params: Params) -> dict[str, Any]:
         write_parquet_atomic(pa.Table.from_pylist(out, schema=RL_SCHEMA), target)
         summary["eval"][ds] = {
             "rows": len(out),
-            "source": display_path(authors_eval_path(params, spec), params.root),
+            "source": plan.shown(authors_eval_path(plan.sources, spec)),
             "authors_tag": spec.eval_tag,
             "template_reproduced": reproduced,
             "rows_with_dataset_instruction": sum(r.has_instruction for r in eval_rows),
         }
     summary["eval_rows_total"] = sum(e["rows"] for e in summary["eval"].values())
-    write_json_atomic(summary, params.path(params.paths.reports_dir) / "build" / "summary.json")
+    write_json_atomic(summary, plan.reports_dir / "build" / "summary.json")
     log.debug(
         "built %s (%d rows) and %d evaluation files (%d rows)",
         summary["train"]["file"],

@@ -45,7 +45,7 @@ from typing import Any
 
 from pipeline.config import Params
 from pipeline.data.schema import display_path
-from pipeline.data.sources import AUTHORS_EVAL_URL, REGISTRY, DatasetSpec
+from pipeline.data.sources import AUTHORS_EVAL_URL, REGISTRY, DatasetSpec, SourcePaths
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ HUB_TIMEOUT_S = 10.0
 _HASH_CACHE = "sources_md5.json"
 
 
-def sources_dir(params: Params) -> Path:
-    return params.path(SOURCES_DIR)
+def sources_dir(root: Path) -> Path:
+    return root / SOURCES_DIR
 
 
 class _Md5Cache:
@@ -130,18 +130,17 @@ def _hub_revisions(repos: list[str], timeout_s: float = HUB_TIMEOUT_S) -> dict[s
         return dict(zip(repos, pool.map(one, repos), strict=True))
 
 
-def _eval_entry(params: Params, spec: DatasetSpec, cache: _Md5Cache) -> dict[str, Any]:
-    mirror = params.mirror
+def _eval_entry(mirror: Path | None, spec: DatasetSpec, cache: _Md5Cache) -> dict[str, Any]:
     if mirror is not None:
         return _file_entry(mirror, f"prompt-r1/eval/{spec.eval_file}", cache)
     # Hub mode: `sample` fetches the authors' fixed file from this URL (once, into paths.cache_dir).
     return {"file": spec.eval_file, "url": AUTHORS_EVAL_URL.format(file=spec.eval_file)}
 
 
-def fingerprints(params: Params) -> dict[str, dict[str, Any]]:
+def fingerprints(where: SourcePaths) -> dict[str, dict[str, Any]]:
     """File name (`<dataset>.json`, `eval.json`) → its content, for every registry dataset."""
-    mirror = params.mirror
-    cache = _Md5Cache(params.path(params.paths.cache_dir) / _HASH_CACHE)
+    mirror = where.mirror
+    cache = _Md5Cache(where.cache_dir / _HASH_CACHE)
     revisions = {} if mirror is not None else _hub_revisions(sorted({s.hub.path for s in REGISTRY.values()}))
     out: dict[str, dict[str, Any]] = {}
     evals: dict[str, Any] = {}
@@ -155,7 +154,7 @@ def fingerprints(params: Params) -> dict[str, dict[str, Any]]:
             entry["source"] = "hub"
             entry["hub"] = {"id": hub.path, "config": hub.config, "split": hub.split,
                             "revision": revisions[hub.path]}
-        entry["eval"] = evals[spec.name] = _eval_entry(params, spec, cache)
+        entry["eval"] = evals[spec.name] = _eval_entry(mirror, spec, cache)
         out[f"{spec.name}.json"] = entry
     out[EVAL_FILE] = {"source": "mirror" if mirror is not None else "hub", "eval": evals}
     cache.save()
@@ -168,10 +167,11 @@ def _dump(content: dict[str, Any]) -> bytes:
 
 def run_sources(params: Params, out_dir: Path | None = None) -> dict[str, bool]:
     """Write the fingerprints into `out_dir` (default `data/sources/`); return file name → rewritten?"""
-    target = out_dir if out_dir is not None else sources_dir(params)
+    where = SourcePaths.of(params)
+    target = out_dir if out_dir is not None else sources_dir(where.root)
     target.mkdir(parents=True, exist_ok=True)
     written: dict[str, bool] = {}
-    for name, content in fingerprints(params).items():
+    for name, content in fingerprints(where).items():
         path, data = target / name, _dump(content)
         if path.is_file() and path.read_bytes() == data:
             written[name] = False
@@ -180,7 +180,7 @@ def run_sources(params: Params, out_dir: Path | None = None) -> dict[str, bool]:
         tmp.write_bytes(data)
         os.replace(tmp, path)
         written[name] = True
-    where = display_path(params.mirror, params.root) if params.mirror is not None else "the Hugging Face Hub"
-    log.debug("source fingerprints of %d datasets (%s) in %s; %d changed", len(written) - 1, where,
-             display_path(target, params.root), sum(written.values()))
+    shown = display_path(where.mirror, where.root) if where.mirror is not None else "the Hugging Face Hub"
+    log.debug("source fingerprints of %d datasets (%s) in %s; %d changed", len(written) - 1, shown,
+             display_path(target, where.root), sum(written.values()))
     return written

@@ -33,13 +33,14 @@ from __future__ import annotations
 import logging
 import zlib
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pipeline.config import Params
+from pipeline.data.plan import SamplePlan
 from pipeline.data.schema import (
     empty_table,
     estimate_tokens,
@@ -48,7 +49,15 @@ from pipeline.data.schema import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from pipeline.data.sources import REGISTRY, DatasetSpec, RawRecord, get_spec, load_authors_eval, load_raw
+from pipeline.data.sources import (
+    REGISTRY,
+    DatasetSpec,
+    RawRecord,
+    SourcePaths,
+    get_spec,
+    load_authors_eval,
+    load_raw,
+)
 from pipeline.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -65,14 +74,6 @@ DROP_REASONS = (
     "answer_unparseable",
     "source_layout",
 )
-
-
-def sampled_path(params: Params, dataset: str) -> Path:
-    return params.path(params.paths.sampled_dir) / f"{dataset}.parquet"
-
-
-def sample_metrics_path(params: Params, dataset: str) -> Path:
-    return params.path(params.paths.reports_dir) / "sample" / f"{dataset}.json"
 
 
 @dataclass
@@ -133,14 +134,16 @@ def normalise_record(rec: RawRecord, spec: DatasetSpec, max_tokens: int) -> tupl
     }, ""
 
 
-def evaluation_keys(params: Params, report: SampleReport | None = None) -> dict[str, str]:
+def evaluation_keys(
+    sources: SourcePaths, allow_skip: Collection[str], report: SampleReport | None = None
+) -> dict[str, str]:
     """question_key → the authors' evaluation file it appears in, over all 12 evaluation files."""
     keys: dict[str, str] = {}
     for spec in REGISTRY.values():
         try:
-            rows = load_authors_eval(params, spec)
+            rows = load_authors_eval(sources, spec)
         except DataError as exc:
-            if spec.name not in params.data.allow_skip:
+            if spec.name not in allow_skip:
                 raise
             if report is not None:
                 report.warnings.append(f"leakage check without {spec.eval_file}: {exc}")
@@ -156,9 +159,9 @@ def draw_indices(n: int, k: int, seed: int, dataset: str) -> np.ndarray:
     return np.sort(rng.choice(n, size=k, replace=False))
 
 
-def _require_usable(params: Params, report: SampleReport) -> None:
-    """DataError unless at least `data.min_usable_fraction` of the source rows (and at least one) are usable."""
-    floor = params.data.min_usable_fraction
+def _require_usable(floor: float, report: SampleReport) -> None:
+    """DataError unless at least `data.min_usable_fraction` (`floor`) of the source rows (and at least one)
+    are usable."""
     usable, total = report.rows_available, report.rows_source
     if total and usable and usable >= floor * total:
         return
@@ -170,10 +173,10 @@ def _require_usable(params: Params, report: SampleReport) -> None:
     )
 
 
-def _write(params: Params, report: SampleReport, rows: list[dict[str, Any]] | None) -> None:
+def _write(plan: SamplePlan, report: SampleReport, rows: list[dict[str, Any]] | None) -> None:
     table = rows_to_table(rows) if rows else empty_table()
-    write_parquet_atomic(table, sampled_path(params, report.dataset))
-    write_json_atomic(report.as_dict(), sample_metrics_path(params, report.dataset))
+    write_parquet_atomic(table, plan.sampled_file)
+    write_json_atomic(report.as_dict(), plan.metrics_file)
 
 
 def run_sample(params: Params, dataset: str) -> SampleReport:
@@ -181,18 +184,19 @@ def run_sample(params: Params, dataset: str) -> SampleReport:
     spec = get_spec(dataset)
     if not spec.trains:
         raise DataError(f"{dataset} is an evaluation-only dataset; the sample stage draws training rows")
-    report = SampleReport(dataset=dataset, sample_size=params.data.sample_size, seed=params.seed)
+    plan = SamplePlan.for_sample(params, dataset)
+    report = SampleReport(dataset=dataset, sample_size=plan.sample_size, seed=plan.seed)
 
     try:
-        raw = load_raw(spec, params)
+        raw = load_raw(spec, plan.sources)
     except DataError as exc:
-        if dataset not in params.data.allow_skip:
+        if dataset not in plan.allow_skip:
             raise
         report.skipped, report.skip_reason = True, str(exc)
-        report.shortfall = params.data.sample_size
+        report.shortfall = plan.sample_size
         report.warnings.append(f"skipped (listed in data.allow_skip): {exc}")
         log.warning("%s: skipped: %s", dataset, exc)
-        _write(params, report, None)
+        _write(plan, report, None)
         return report
     report.source, report.rows_source = raw.origin, raw.rows_read
 
@@ -201,7 +205,7 @@ def run_sample(params: Params, dataset: str) -> SampleReport:
     seen_ids: set[str] = set()
     seen_questions: set[str] = set()
     for rec in raw.records:
-        row, reason = normalise_record(rec, spec, params.data.max_question_tokens)
+        row, reason = normalise_record(rec, spec, plan.max_question_tokens)
         if row is None:
             drops[reason] += 1
             continue
@@ -219,7 +223,7 @@ def run_sample(params: Params, dataset: str) -> SampleReport:
     report.dropped_by_reason.update(drops)
     report.rows_clean = len(clean)
 
-    eval_keys = evaluation_keys(params, report)
+    eval_keys = evaluation_keys(plan.sources, plan.allow_skip, report)
     kept: list[dict[str, Any]] = []
     leaked: Counter[str] = Counter()
     for row in clean:
@@ -231,19 +235,19 @@ def run_sample(params: Params, dataset: str) -> SampleReport:
     report.leaked_removed = sum(leaked.values())
     report.leaked_by_eval_file = dict(sorted(leaked.items()))
     report.rows_available = len(kept)
-    _require_usable(params, report)
+    _require_usable(plan.min_usable_fraction, report)
 
-    k = min(params.data.sample_size, len(kept))
+    k = min(plan.sample_size, len(kept))
     report.rows_written = k
-    report.shortfall = params.data.sample_size - k
+    report.shortfall = plan.sample_size - k
     if report.shortfall:
         report.warnings.append(
             f"only {len(kept)} usable rows after cleaning and leakage removal; "
-            f"wrote all of them ({report.shortfall} short of sample_size {params.data.sample_size})"
+            f"wrote all of them ({report.shortfall} short of sample_size {plan.sample_size})"
         )
         log.warning("%s: %s", dataset, report.warnings[-1])
-    chosen = [kept[i] for i in draw_indices(len(kept), k, params.seed, dataset)]
-    _write(params, report, chosen)
+    chosen = [kept[i] for i in draw_indices(len(kept), k, plan.seed, dataset)]
+    _write(plan, report, chosen)
     log.debug(
         "%s: %d source rows, %d dropped %s, %d leaked, %d written",
         dataset,

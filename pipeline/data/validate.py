@@ -40,10 +40,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from pipeline.config import Params
-from pipeline.data.sample import sample_metrics_path, sampled_path
+from pipeline.data.plan import ValidatePlan, sample_metrics_path, sampled_path
 from pipeline.data.schema import (
     COLUMNS,
-    display_path,
     estimate_tokens,
     question_key,
     write_json_atomic,
@@ -72,14 +71,6 @@ DERIVED = [
 ]
 TOKEN_ESTIMATE = "ceil(utf8_bytes / 3)"
 EXAMPLES = 5
-
-
-def validate_dir(params: Params) -> Path:
-    return params.path(params.paths.reports_dir) / "validate"
-
-
-def summary_path(params: Params) -> Path:
-    return validate_dir(params) / "summary.json"
 
 
 def file_sha256(path: Path) -> str:
@@ -130,7 +121,7 @@ def _derive(rows: list[dict[str, Any]], columns: list[str], eval_keys: set[str])
     return pd.DataFrame(data)
 
 
-def build_suite(target: Target, params: Params) -> list[Any]:
+def build_suite(target: Target, max_question_tokens: int) -> list[Any]:
     """The expectations for one file (GX 1.x expectation objects)."""
     import great_expectations.expectations as gxe
 
@@ -150,7 +141,7 @@ def build_suite(target: Target, params: Params) -> list[Any]:
         gxe.ExpectColumnValuesToBeInSet(column="task_type", value_set=[spec.task_type]),
         gxe.ExpectColumnValuesToBeInSet(column="dataset", value_set=[spec.name]),
         gxe.ExpectColumnValuesToBeBetween(
-            column="question_tokens_est", max_value=params.data.max_question_tokens
+            column="question_tokens_est", max_value=max_question_tokens
         ),
     ]
     if target.kind == "train":
@@ -161,17 +152,17 @@ def build_suite(target: Target, params: Params) -> list[Any]:
 # --- collecting the files ----------------------------------------------------------------------------
 
 
-def _read_sampled(params: Params, dataset: str) -> Target:
-    path = sampled_path(params, dataset)
-    shown = display_path(path, params.root)
+def _read_sampled(plan: ValidatePlan, dataset: str) -> Target:
+    path = sampled_path(plan.sampled_dir, dataset)
+    shown = plan.shown(path)
     if not path.is_file():
         raise DataError(f"{shown}: not found; run `promptr1 sample {dataset}` (or `dvc repro sample`) first")
     try:
         table = pq.read_table(path)
     except Exception as exc:  # noqa: BLE001 — any unreadable file is the same user-facing problem
         raise DataError(f"{shown}: cannot read as Parquet ({exc})") from None
-    expected, notes = params.data.sample_size, []
-    report_file = sample_metrics_path(params, dataset)
+    expected, notes = plan.sample_size, []
+    report_file = sample_metrics_path(plan.reports_dir, dataset)
     if report_file.is_file():
         report = json.loads(report_file.read_text(encoding="utf-8"))
         if report.get("skipped"):
@@ -181,7 +172,7 @@ def _read_sampled(params: Params, dataset: str) -> Target:
             expected = int(report.get("rows_written", 0))
             notes.append(
                 f"source smaller than sample_size; {expected} rows recorded in "
-                f"{display_path(report_file, params.root)}"
+                f"{plan.shown(report_file)}"
             )
     return Target(
         name=shown,
@@ -195,33 +186,33 @@ def _read_sampled(params: Params, dataset: str) -> Target:
     )
 
 
-def _read_eval(params: Params, spec: DatasetSpec) -> Target | None:
+def _read_eval(plan: ValidatePlan, spec: DatasetSpec) -> Target | None:
     try:
-        rows = load_authors_eval(params, spec)
+        rows = load_authors_eval(plan.sources, spec)
     except DataError as exc:
-        if spec.name in params.data.allow_skip:
+        if spec.name in plan.allow_skip:
             log.warning("%s: evaluation file skipped: %s", spec.name, exc)
             return None
         raise
-    path = authors_eval_path(params, spec)
+    path = authors_eval_path(plan.sources, spec)
     return Target(
-        name=display_path(path, params.root),
+        name=plan.shown(path),
         dataset=spec.name,
         kind="eval",
         rows=[normalised_eval_row(r, spec) for r in rows],
         columns=list(COLUMNS),
-        expected_rows=params.data.eval_rows,
+        expected_rows=plan.eval_rows,
         sha256=file_sha256(path),
     )
 
 
-def _all_eval_keys(params: Params) -> set[str]:
+def _all_eval_keys(plan: ValidatePlan) -> set[str]:
     keys: set[str] = set()
     for spec in REGISTRY.values():
         try:
-            keys.update(question_key(r.question) for r in load_authors_eval(params, spec))
+            keys.update(question_key(r.question) for r in load_authors_eval(plan.sources, spec))
         except DataError:
-            if spec.name not in params.data.allow_skip:
+            if spec.name not in plan.allow_skip:
                 raise
     return keys
 
@@ -271,14 +262,14 @@ def _examples(frame: pd.DataFrame, result: dict[str, Any]) -> list[Any]:
     return []
 
 
-def _validate(context: Any, target: Target, frame: pd.DataFrame, params: Params, n: int) -> dict[str, Any]:
+def _validate(context: Any, target: Target, frame: pd.DataFrame, max_question_tokens: int, n: int) -> dict[str, Any]:
     import great_expectations as gx
 
     asset_name = f"{target.kind}__{target.dataset}"
     asset = context.data_sources.add_pandas(f"src_{n}").add_dataframe_asset(asset_name)
     batch = asset.add_batch_definition_whole_dataframe("whole")
     suite = context.suites.add(gx.ExpectationSuite(name=asset_name))
-    for expectation in build_suite(target, params):
+    for expectation in build_suite(target, max_question_tokens):
         suite.add_expectation(expectation)
     definition = context.validation_definitions.add(
         gx.ValidationDefinition(name=asset_name, data=batch, suite=suite)
@@ -322,9 +313,9 @@ def _validate(context: Any, target: Target, frame: pd.DataFrame, params: Params,
     }
 
 
-def _failure_message(summary: dict[str, Any], params: Params) -> str:
-    docs = display_path(validate_dir(params) / "data_docs" / "index.html", params.root)
-    lines = [f"data validation failed: see {display_path(summary_path(params), params.root)} and {docs}"]
+def _failure_message(summary: dict[str, Any], plan: ValidatePlan) -> str:
+    docs = plan.shown(plan.validate_dir / "data_docs" / "index.html")
+    lines = [f"data validation failed: see {plan.shown(plan.summary_path)} and {docs}"]
     for name, result in summary["files"].items():
         for f in result["failed_expectations"]:
             col = f" (column {f['column']})" if f.get("column") else ""
@@ -339,12 +330,13 @@ def _failure_message(summary: dict[str, Any], params: Params) -> str:
 def run_validate(params: Params, datasets: Iterable[str] | None = None) -> dict[str, Any]:
     """Validate every sampled file and every evaluation file; write the summary and Data Docs."""
     started = time.perf_counter()
-    train = list(datasets) if datasets is not None else list(params.data.train_datasets)
-    targets = [_read_sampled(params, ds) for ds in train]
-    targets += [t for t in (_read_eval(params, get_spec(ds)) for ds in params.eval_datasets) if t is not None]
-    eval_keys = _all_eval_keys(params)
+    plan = ValidatePlan.for_validate(params)
+    train = list(datasets) if datasets is not None else list(plan.train_datasets)
+    targets = [_read_sampled(plan, ds) for ds in train]
+    targets += [t for t in (_read_eval(plan, get_spec(ds)) for ds in plan.eval_datasets) if t is not None]
+    eval_keys = _all_eval_keys(plan)
 
-    docs_dir = validate_dir(params) / "data_docs"
+    docs_dir = plan.validate_dir / "data_docs"
     if docs_dir.exists():
         shutil.rmtree(docs_dir)
     docs_dir.mkdir(parents=True)
@@ -359,7 +351,7 @@ def run_validate(params: Params, datasets: Iterable[str] | None = None) -> dict[
     files: dict[str, Any] = {}
     for n, target in enumerate(targets):
         frame = _derive(target.rows, target.columns, eval_keys)
-        files[target.name] = _validate(context, target, frame, params, n)
+        files[target.name] = _validate(context, target, frame, plan.max_question_tokens, n)
         if files[target.name]["success"]:
             log.debug("%s: ok", target.name)
         else:
@@ -374,17 +366,17 @@ def run_validate(params: Params, datasets: Iterable[str] | None = None) -> dict[
         "expectations_failed": sum(len(f["failed_expectations"]) for f in files.values()),
         "skipped_eval_datasets": [
             ds
-            for ds in params.eval_datasets
-            if ds in params.data.allow_skip
+            for ds in plan.eval_datasets
+            if ds in plan.allow_skip
             and not any(f["dataset"] == ds and f["kind"] == "eval" for f in files.values())
         ],
         "question_token_estimate": TOKEN_ESTIMATE,
-        "max_question_tokens": params.data.max_question_tokens,
-        "data_docs": display_path(docs_dir / "index.html", params.root),
+        "max_question_tokens": plan.max_question_tokens,
+        "data_docs": plan.shown(docs_dir / "index.html"),
         "files": files,
     }
-    write_json_atomic(summary, summary_path(params))
+    write_json_atomic(summary, plan.summary_path)
     if not summary["success"]:
-        raise DataError(_failure_message(summary, params))
+        raise DataError(_failure_message(summary, plan))
     log.debug("validated %d files, all expectations met (%.1f s)", len(files), time.perf_counter() - started)
     return summary

@@ -14,7 +14,10 @@
   paper's, each metric's definition and its one spelling.
 - `report`: turn that content into files (metrics.json, headline.json, predictions, plot data, PNG plots,
   summary.md) and MLflow records.
+- `plan`: what the stage resolves from the params once at its entry (`EvaluatePlan`: paths, the engine that
+  runs the agents, the environments) and hands to the parts above instead of the whole params.
 
 Imports point one way inside the package: `report` → `costs`, `paper`, `traces`, `verdict` → `scores` →
-`systems`; `paper` → `verdict`.
+`systems`; `paper` → `verdict`; `plan` → `agent_server`, `costs`, `matrix`, `systems` (the parts name
+`EvaluatePlan` only in annotations).
 """

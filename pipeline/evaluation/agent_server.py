@@ -38,7 +38,7 @@ from pipeline.hardware import resolve_autocast
 from pipeline.paths import display_path
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.config import EvaluateConfig, Params
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +53,18 @@ def agent_engine(params: Params) -> str:
     return engine if engine != "auto" else decide_engine(engine, resolved_or_none(params.agent.model, params.root))
 
 
-def rollout_batch_size(params: Params) -> int:
-    """Questions the evaluation rolls out together, one batch at a time: `evaluate.agent_rollout_batch`
-    (llama.cpp; at least one per server slot) or `evaluate.batch_size` (transformers).
+def rollout_batch_size(engine: str, evaluate: EvaluateConfig) -> int:
+    """Questions the evaluation rolls out together, one batch at a time, with `engine` (`agent_engine`'s
+    decision) running the agents: `evaluate.agent_rollout_batch` (llama.cpp; at least one per server slot)
+    or `evaluate.batch_size` (transformers).
 
     One batch at a time: with two in flight, one batch's agent turns and the other's environment calls ran
     at once, the two servers' 2 + 2 threads fought over the 2 cores and llama.cpp's decode fell from ~7 to
     0.8 tokens/s per slot (measured in a default-profile repro).
     """
-    if agent_engine(params) == "llama.cpp":
-        return max(params.evaluate.agent_parallel, params.evaluate.agent_rollout_batch)
-    return params.evaluate.batch_size
+    if engine == "llama.cpp":
+        return max(evaluate.agent_parallel, evaluate.agent_rollout_batch)
+    return evaluate.batch_size
 
 
 def agent_gguf(ref: str, params: Params) -> Path:
@@ -95,20 +96,21 @@ def server_params(gguf_path: Path, params: Params) -> Params:
     return served_params(gguf_path, params, params.evaluate.agent_parallel)
 
 
-def _tokenizer(ref: str, params: Params) -> Any:
+def _tokenizer(ref: str, root: Path) -> Any:
     from pipeline.modelref import load_tokenizer
 
-    return load_tokenizer(ref, params.root)
+    return load_tokenizer(ref, root)
 
 
 @contextmanager
-def evaluation_policy(ref: str, params: Params, tokenizer: Any = None) -> Iterator[Any]:
+def evaluation_policy(ref: str, params: Params, tokenizer: Any = None, *, engine: str | None = None) -> Iterator[Any]:
     """The agent at `ref` as a Policy for the evaluation's rollouts (see module docstring); released after.
 
     `tokenizer` (llama.cpp engine): the agent's tokenizer when the caller has it already (the untrained
     agent's is the merged agent's: merge writes the base model's tokenizer); else loaded from `ref`
-    (~10 s from a GGUF file)."""
-    engine = agent_engine(params)
+    (~10 s from a GGUF file). `engine`: what runs the agent as the stage decided it once
+    (`EvaluatePlan.engine`), so what ran is what metrics.json records; None decides it here."""
+    engine = agent_engine(params) if engine is None else engine
     logger.info("evaluation agent %s: %s", display_path(ref, params.root) if Path(ref).exists() else ref,
                 "llama.cpp server" if engine == "llama.cpp" else "transformers, in this process")
     if engine == "transformers":
@@ -121,7 +123,7 @@ def evaluation_policy(ref: str, params: Params, tokenizer: Any = None) -> Iterat
         return
 
     gguf_path = agent_gguf(ref, params)
-    tokenizer = tokenizer if tokenizer is not None else _tokenizer(ref, params)
+    tokenizer = tokenizer if tokenizer is not None else _tokenizer(ref, params.root)
     with served_policy(gguf_path, params, tokenizer, params.evaluate.agent_parallel) as policy:
         yield policy
 

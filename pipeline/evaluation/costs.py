@@ -28,34 +28,34 @@ from pipeline.errors import UserError
 from pipeline.evaluation.systems import TRAINED, Answer
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.config import EnvironmentConfig
 
 GEPA_PROMPT_FILE = "prompt.json"
 STEPS_CSV = "train/steps.csv"
 ENV_STEP_COLUMNS = ("env/calls", "env/cache_hits", "env/prompt_tokens", "env/completion_tokens", "env/cost_usd")
 
 
-def gepa_prompt_path(params: Params) -> Path:
-    """Where the gepa stage writes, and the evaluation reads, the optimised instruction."""
-    return params.path(params.paths.gepa_dir) / GEPA_PROMPT_FILE
+def gepa_prompt_path(gepa_dir: Path) -> Path:
+    """Where the gepa stage writes, and the evaluation reads, the optimised instruction (`paths.gepa_dir`)."""
+    return gepa_dir / GEPA_PROMPT_FILE
 
 
-def read_gepa_prompt(params: Params) -> dict[str, Any]:
-    """The gepa stage's output (see `pipeline.gepa_prompt`)."""
-    path = gepa_prompt_path(params)
+def read_gepa_prompt(path: Path) -> dict[str, Any]:
+    """The gepa stage's output (see `pipeline.gepa_prompt`) at `path` (`gepa_prompt_path`)."""
     if not path.is_file():
         raise UserError(f"no optimised prompt at {path}: run `promptr1 gepa` (dvc repro gepa) or drop `gepa` "
                         "from evaluate.baselines")
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _usd(prompt_tokens: float, completion_tokens: float, params: Params) -> float:
-    env = params.environment
+def _usd(prompt_tokens: float, completion_tokens: float, env: EnvironmentConfig) -> float:
     return (prompt_tokens * env.price_per_million_prompt + completion_tokens * env.price_per_million_completion) / 1e6
 
 
-def inference_costs(all_answers: dict[str, dict[str, list[Answer]]], params: Params) -> dict[str, dict[str, float]]:
-    """Per system: questions, environment requests and tokens of every reply used, USD, per-question figures."""
+def inference_costs(all_answers: dict[str, dict[str, list[Answer]]],
+                    env: EnvironmentConfig) -> dict[str, dict[str, float]]:
+    """Per system: questions, environment requests and tokens of every reply used, USD, per-question figures,
+    at `env`'s prices."""
     out = {}
     for system, answers in all_answers.items():
         questions = requests = prompt_tokens = completion_tokens = 0
@@ -68,7 +68,7 @@ def inference_costs(all_answers: dict[str, dict[str, list[Answer]]], params: Par
                         requests += 1
                         prompt_tokens += int(reply.get("prompt_tokens", 0))
                         completion_tokens += int(reply.get("completion_tokens", 0))
-        usd = _usd(prompt_tokens, completion_tokens, params)
+        usd = _usd(prompt_tokens, completion_tokens, env)
         out[system] = {
             "questions": questions, "env_requests": requests, "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens, "usd": round(usd, 6),
@@ -117,14 +117,15 @@ def grpo_one_off(steps_csv: Path) -> dict[str, Any] | None:
     return out
 
 
-def one_off_costs(params: Params, systems: list[str]) -> dict[str, dict[str, Any] | None]:
-    """Each system's one-off cost (None where it has none or its record is missing)."""
+def one_off_costs(systems: list[str], gepa_prompt: Path, steps_csv: Path) -> dict[str, dict[str, Any] | None]:
+    """Each system's one-off cost (None where it has none or its record is missing): GEPA's from its
+    `prompt.json`, GRPO's from the train stage's `steps.csv`."""
     out: dict[str, dict[str, Any] | None] = {}
     for system in systems:
         if system == "gepa":
-            out[system] = gepa_one_off(read_gepa_prompt(params))
+            out[system] = gepa_one_off(read_gepa_prompt(gepa_prompt))
         elif system == TRAINED:
-            out[system] = grpo_one_off(params.path(params.paths.reports_dir) / STEPS_CSV)
+            out[system] = grpo_one_off(steps_csv)
         else:
             out[system] = None
     return out

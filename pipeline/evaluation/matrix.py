@@ -78,19 +78,19 @@ def matrix_row(name: str, cfg: EnvironmentConfig, summary: dict[str, Any]) -> di
 
 
 def build_matrix(
-    params: Params, summary: dict[str, Any], variant_rows: list[dict[str, Any]]
+    training_env: EnvironmentConfig, summary: dict[str, Any], variant_rows: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """metrics.json's `matrix`: the training environment's row (from the main summary) first, then each entry's."""
-    training = matrix_row(TRAINING_ENVIRONMENT, params.environment, summary)
+    training = matrix_row(TRAINING_ENVIRONMENT, training_env, summary)
     return {
-        "trained_with": {"name": TRAINING_ENVIRONMENT, **_describe(params.environment)},
+        "trained_with": {"name": TRAINING_ENVIRONMENT, **_describe(training_env)},
         "metric": MATRIX_METRIC,
         "rows": [training, *variant_rows],
     }
 
 
-def _matrix_or_training(summary: dict[str, Any], params: Params) -> dict[str, Any]:
-    return summary.get("matrix") or build_matrix(params, summary, [])
+def _matrix_or_training(summary: dict[str, Any], training_env: EnvironmentConfig) -> dict[str, Any]:
+    return summary.get("matrix") or build_matrix(training_env, summary, [])
 
 
 def matrix_plot_rows(matrix: dict[str, Any]) -> pd.DataFrame:
@@ -133,10 +133,11 @@ def matrix_plot_rows(matrix: dict[str, Any]) -> pd.DataFrame:
     )
 
 
-def write_matrix(summary: dict[str, Any], params: Params, out_dir: Path) -> Path:
-    """Write matrix.csv (always: DVC declares it as a plot) and return its path."""
+def write_matrix(summary: dict[str, Any], training_env: EnvironmentConfig, out_dir: Path) -> Path:
+    """Write matrix.csv (always: DVC declares it as a plot) and return its path; without plug-and-play
+    environments it holds the training environment's row (`training_env`) alone."""
     path = out_dir / MATRIX_FILE
-    write_text_atomic(matrix_plot_rows(_matrix_or_training(summary, params)).to_csv(index=False), path)
+    write_text_atomic(matrix_plot_rows(_matrix_or_training(summary, training_env)).to_csv(index=False), path)
     return path
 
 

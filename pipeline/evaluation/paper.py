@@ -22,7 +22,7 @@ import yaml
 from pipeline.evaluation.verdict import metric_label
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.config import EnvironmentConfig
 
 PAPER_FILE = "paper_results.yaml"
 
@@ -38,14 +38,16 @@ def _model_name(ref: str) -> str:
     return ref.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf").lower()
 
 
-def not_comparable_reasons(params: Params, rows_per_dataset: int, paper: dict[str, Any]) -> dict[str, str]:
-    """Why this run cannot be compared number for number with the paper, by what differs (empty: it can)."""
+def not_comparable_reasons(agent_model: str, env: EnvironmentConfig, rows_per_dataset: int,
+                           paper: dict[str, Any]) -> dict[str, str]:
+    """Why this run (agent `agent_model`, environment `env`) cannot be compared number for number with the
+    paper, by what differs (empty: it can)."""
     reasons = {}
-    if _model_name(params.agent.model) != paper["agent"].lower():
-        reasons["agent"] = f"agent is {_model_name(params.agent.model)}, not {paper['agent']}"
-    env_names = {_model_name(params.environment.model), _model_name(params.environment.served_name)}
+    if _model_name(agent_model) != paper["agent"].lower():
+        reasons["agent"] = f"agent is {_model_name(agent_model)}, not {paper['agent']}"
+    env_names = {_model_name(env.model), _model_name(env.served_name)}
     if paper["environment"].lower() not in env_names:
-        reasons["environment"] = f"environment is {params.environment.served_name}, not {paper['environment']}"
+        reasons["environment"] = f"environment is {env.served_name}, not {paper['environment']}"
     if rows_per_dataset < paper["rows_per_dataset"]:
         reasons["rows"] = f"{rows_per_dataset} rows per set, not {paper['rows_per_dataset']}"
     return reasons
@@ -55,10 +57,12 @@ def _ours_in_paper_mode(summary: dict[str, Any], mode: str) -> dict[str, Any]:
     return summary if summary["mode"] == mode else summary[mode]
 
 
-def paper_comparison(summary: dict[str, Any], params: Params, paper: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rows (system, scope, metric, paper, ours, delta) and whether the run is comparable, with the reasons."""
+def paper_comparison(summary: dict[str, Any], agent_model: str, env: EnvironmentConfig,
+                     paper: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rows (system, scope, metric, paper, ours, delta) and whether the run (agent `agent_model`, environment
+    `env`) is comparable, with the reasons."""
     paper = load_paper_results() if paper is None else paper
-    reasons = not_comparable_reasons(params, summary["rows_per_dataset"], paper)
+    reasons = not_comparable_reasons(agent_model, env, summary["rows_per_dataset"], paper)
     ours = _ours_in_paper_mode(summary, paper["metrics_mode"])
     rows = []
     for system, published in paper["systems"].items():

@@ -44,7 +44,7 @@ import pyarrow as pa
 from pipeline import metrics as M
 from pipeline.data.schema import write_json_atomic, write_parquet_atomic, write_text_atomic
 from pipeline.environment.sanitize import redact_value
-from pipeline.evaluation.costs import STEPS_CSV, gepa_prompt_path, quality_cost_rows
+from pipeline.evaluation.costs import quality_cost_rows
 from pipeline.evaluation.matrix import MATRIX_FILE, matrix_markdown, matrix_metrics
 from pipeline.evaluation.paper import paper_markdown
 from pipeline.evaluation.scores import SPLITS, Scores, other_mode
@@ -55,7 +55,7 @@ from pipeline.headline import HEADLINE_FILE, headline, last_step_reward, parent_
 from pipeline.types import EvalRow
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.evaluation.plan import EvaluatePlan
 
 PLOT_METRIC = "f1"
 SUMMARY_METRICS = ("em", "f1", "ssim", "sm")
@@ -202,24 +202,24 @@ def describe_evaluation(summary: dict[str, Any]) -> str:
             f"{PLOT_METRIC.upper()} ID / OOD in points: " + "; ".join(scores) + ".")
 
 
-def _gepa_record(summary: dict[str, Any], params: Params) -> dict[str, Any] | None:
-    """data/gepa/prompt.json when gepa was evaluated and the file is there (its seed/optimised instructions)."""
-    path = gepa_prompt_path(params)
+def _gepa_record(summary: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """data/gepa/prompt.json (`path`) when gepa was evaluated and the file is there (its seed/optimised
+    instructions)."""
     if "gepa" not in summary["systems"] or not path.is_file():
         return None
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def summary_markdown(summary: dict[str, Any], params: Params) -> str:
+def summary_markdown(summary: dict[str, Any], plan: EvaluatePlan) -> str:
     """A short human-readable report of metrics.json: the verdict first (`verdict`), then the tables."""
     mode = summary["mode"]
     systems = summary["systems"]
-    gepa_record = _gepa_record(summary, params)
+    gepa_record = _gepa_record(summary, plan.gepa_prompt)
     kept = gepa_kept_seed(gepa_record)
     lines = [
         "# Evaluation summary",
         "",
-        *verdict_markdown(summary, params, gepa_record),
+        *verdict_markdown(summary, plan, gepa_record),
         "",
         "## Setup",
         "",
@@ -227,7 +227,7 @@ def summary_markdown(summary: dict[str, Any], params: Params) -> str:
         f"(the `{other_mode(mode)}` numbers are in metrics.json)."),
         "",
         "Systems: " + "; ".join(f"`{s}` = {SYSTEM_LABELS.get(s, s)}" for s in systems) + ".",
-        f"env_only prompt: the question, a blank line, then: \"{params.evaluate.env_only_instruction}\"",
+        f"env_only prompt: the question, a blank line, then: \"{plan.evaluate.env_only_instruction}\"",
         "",
         "## Averages",
         "",
@@ -308,26 +308,26 @@ def flat_metrics(summary: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, params: Params, out_dir: Path) -> list[Path]:
-    """Every file of the report under `out_dir`, each written atomically; returns the plots' paths.
+def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, plan: EvaluatePlan) -> list[Path]:
+    """Every file of the report under `plan.out_dir`, each written atomically; returns the plots' paths.
 
     The predictions keep the environment's replies whole but with secrets redacted (`redact_value`): a
     server echoing the API key must not put it in a DVC output."""
+    out_dir = plan.out_dir
     redacted = predictions.copy()
     for column in redacted.columns:
         if pd.api.types.is_object_dtype(redacted[column]) or pd.api.types.is_string_dtype(redacted[column]):
             redacted[column] = redacted[column].map(redact_value, na_action="ignore")
     write_parquet_atomic(pa.Table.from_pandas(redacted, preserve_index=False), out_dir / "predictions.parquet")
     write_json_atomic(summary, out_dir / "metrics.json")
-    steps_csv = params.path(params.paths.reports_dir) / STEPS_CSV
-    write_json_atomic(headline(summary, last_step_reward(steps_csv)), out_dir / HEADLINE_FILE)
+    write_json_atomic(headline(summary, last_step_reward(plan.steps_csv)), out_dir / HEADLINE_FILE)
     write_text_atomic(plot_rows(summary).to_csv(index=False), out_dir / "plot_data.csv")
     plots = write_plots(summary, out_dir / "plots")
     if "cost" in summary:
         points = quality_cost_rows(summary, PLOT_METRIC)
         write_text_atomic(points.to_csv(index=False), out_dir / "quality_cost.csv")
         plots.append(write_quality_cost_plot(points, out_dir / "plots" / "quality_vs_cost.png"))
-    write_text_atomic(summary_markdown(summary, params), out_dir / "summary.md")
+    write_text_atomic(summary_markdown(summary, plan), out_dir / "summary.md")
     return plots
 
 
@@ -340,21 +340,22 @@ def _input_frame(rows: list[EvalRow]) -> pd.DataFrame:
 
 
 def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: dict[str, list[EvalRow]],
-               params: Params, out_dir: Path, plots: list[Path], trace_ids: TraceIds | None = None) -> None:
+               plan: EvaluatePlan, plots: list[Path], trace_ids: TraceIds | None = None) -> None:
     """Params, flat metrics, dataset inputs, the predictions table (each row with its trace id, when traced)
-    and the report files, to the active run."""
+    and the report files (in `plan.out_dir`), to the active run. The engine logged is the one that ran
+    (`plan.engine`)."""
     import mlflow
 
     from pipeline.tracking import log_dataset_inputs, log_parent_metrics
 
-    mlflow.log_params({"evaluate.rows_per_dataset": params.evaluate.rows_per_dataset,
+    out_dir = plan.out_dir
+    mlflow.log_params({"evaluate.rows_per_dataset": plan.evaluate.rows_per_dataset,
                        "evaluate.systems": ",".join(summary["systems"]),
-                       "evaluate.metrics_mode": params.evaluate.metrics_mode,
-                       "evaluate.agent_engine": summary.get("agent_engine", params.evaluate.agent_engine)})
+                       "evaluate.metrics_mode": plan.evaluate.metrics_mode,
+                       "evaluate.agent_engine": plan.engine})
     mlflow.log_metrics(flat_metrics(summary))
     log_parent_metrics(parent_metrics(summary))
-    eval_dir = params.path(params.paths.rl_dir) / "eval"
-    log_dataset_inputs({f"eval/{d}": (_input_frame(rows), eval_dir / f"{d}.parquet")
+    log_dataset_inputs({f"eval/{d}": (_input_frame(rows), plan.rows_dir / f"{d}.parquet")
                         for d, rows in rows_by_ds.items()}, context="evaluation")
     mlflow.log_table(evaluation_table(predictions, trace_ids or {}), artifact_file="eval/predictions.json")
     for name in ("metrics.json", HEADLINE_FILE, "summary.md", "plot_data.csv", "quality_cost.csv", MATRIX_FILE):

@@ -22,7 +22,7 @@ from pipeline.evaluation.systems import TRAINED, Answer
 from pipeline.types import EvalRow, UsageStats
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.config import EvaluateConfig
 
 SPLITS = ("id", "ood")
 AVERAGED_METRICS = (*M.HEADLINE_METRICS, "sm")
@@ -63,10 +63,10 @@ def _split_groups(scores: dict[str, dict[str, list[float]]], datasets: Sequence[
 
 
 def aggregate(all_scores: dict[str, Scores], rows_by_ds: dict[str, list[EvalRow]],
-              params: Params) -> dict[str, Any]:
-    """metrics.json content: per dataset × system × metric, ID/OOD averages with CIs, deltas, both modes."""
-    ev = params.evaluate
-    boot = {"samples": ev.bootstrap_samples, "confidence": ev.confidence, "seed": params.seed}
+              ev: EvaluateConfig, seed: int) -> dict[str, Any]:
+    """metrics.json content: per dataset × system × metric, ID/OOD averages with CIs, deltas, both modes
+    (bootstrap seeded by the run's `seed`)."""
+    boot = {"samples": ev.bootstrap_samples, "confidence": ev.confidence, "seed": seed}
     split_ds = {s: [d for d in rows_by_ds if rows_by_ds[d][0].split == s] for s in SPLITS}
     systems = list(all_scores)
 

@@ -43,7 +43,7 @@ from pipeline.progress import progress
 from pipeline.types import EvalRow, PromptItem, Trajectory, UsageStats
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.config import AgentConfig, EvaluateConfig, Params
 
 TRAINED = "prompt_r1"
 BASELINES = ("env_only", "agent_only", "base_agent", "gepa")
@@ -135,37 +135,38 @@ def _prompt_items(rows: Sequence[EvalRow]) -> list[PromptItem]:
                        question=r.question) for r in rows]
 
 
-def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
-                               system: str, batch_size: int | None = None) -> dict[str, list[Answer]]:
+def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list[EvalRow]], agent: AgentConfig,
+                               evaluate: EvaluateConfig, system: str,
+                               batch_size: int | None = None) -> dict[str, list[Answer]]:
     """`rollout()` (greedy) on every dataset: the trained agent (`prompt_r1`) or the untrained one.
     `batch_size` questions together (default `evaluate.batch_size`)."""
 
     async def answer_batch(chunk: Sequence[EvalRow], bar: Any) -> list[Answer]:
         trajs = await rollout(
-            policy, env, _prompt_items(chunk), group_size=1, max_turns=params.agent.max_turns,
-            max_turn_tokens=params.evaluate.agent_max_turn_tokens,
-            max_response_tokens=params.agent.max_response_tokens,
-            env_reply_max_chars=params.agent.env_reply_max_chars, temperature=0.0, top_p=1.0,
+            policy, env, _prompt_items(chunk), group_size=1, max_turns=agent.max_turns,
+            max_turn_tokens=evaluate.agent_max_turn_tokens,
+            max_response_tokens=agent.max_response_tokens,
+            env_reply_max_chars=agent.env_reply_max_chars, temperature=0.0, top_p=1.0,
             return_logprobs=False, reward_fn=None, progress=bar,
-            max_prompt_tokens=params.agent.max_prompt_tokens,
+            max_prompt_tokens=agent.max_prompt_tokens,
         )
         return [_answer_from(t) for t in trajs]
 
-    return run_system(system, answer_batch, rows_by_ds, batch_size or params.evaluate.batch_size)
+    return run_system(system, answer_batch, rows_by_ds, batch_size or evaluate.batch_size)
 
 
-def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
+def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], evaluate: EvaluateConfig,
                    batch_size: int | None = None) -> dict[str, list[Answer]]:
     """The agent answers alone in one turn (no environment): greedy, stops at `</answer>`."""
     builder = ConversationBuilder(policy.tokenizer)
-    instruction = params.evaluate.agent_only_instruction
+    instruction = evaluate.agent_only_instruction
 
     async def answer_batch(chunk: Sequence[EvalRow], _bar: Any) -> list[Answer]:
         prompts = [builder.start([{"role": "user", "content": f"Question: {r.question}\n{instruction}"}])
                    for r in chunk]
         start = time.perf_counter()
         gens = await asyncio.to_thread(policy.generate, prompts,
-                                       max_new_tokens=params.evaluate.agent_max_turn_tokens, temperature=0.0,
+                                       max_new_tokens=evaluate.agent_max_turn_tokens, temperature=0.0,
                                        top_p=1.0, stop=[ANSWER_CLOSE], return_logprobs=False)
         per_row = (time.perf_counter() - start) / max(1, len(chunk))
         answers = []
@@ -182,7 +183,7 @@ def run_agent_only(policy: Any, rows_by_ds: dict[str, list[EvalRow]], params: Pa
             ))
         return answers
 
-    return run_system("agent_only", answer_batch, rows_by_ds, batch_size or params.evaluate.batch_size)
+    return run_system("agent_only", answer_batch, rows_by_ds, batch_size or evaluate.batch_size)
 
 
 def env_only_prompt(question: str, instruction: str) -> str:
@@ -194,13 +195,14 @@ def env_only_prompt(question: str, instruction: str) -> str:
     return f"{question}\n\n{instruction}"
 
 
-def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params, instruction: str | None = None,
-                 system: str = "env_only") -> dict[str, list[Answer]]:
+def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], evaluate: EvaluateConfig, concurrency: int,
+                 instruction: str | None = None, system: str = "env_only") -> dict[str, list[Answer]]:
     """The environment answers each question directly (one call, no agent); a batch's calls run together.
 
     `instruction` defaults to `evaluate.env_only_instruction`; the `gepa` system passes the optimised one.
+    `concurrency`: the environment's (`environment.concurrency`).
     """
-    instruction = params.evaluate.env_only_instruction if instruction is None else instruction
+    instruction = evaluate.env_only_instruction if instruction is None else instruction
 
     async def one(row: EvalRow) -> Answer:
         prompt = env_only_prompt(row.question, instruction)
@@ -219,7 +221,7 @@ def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], params: Params,
 
     # One row per batch, `evaluate.batch_size` in flight (at most what the client sends at once): a slow reply
     # holds up nothing else, and a kill leaves at most that many calls unanswered (uncached).
-    in_flight = min(params.environment.concurrency, params.evaluate.batch_size)
+    in_flight = min(concurrency, evaluate.batch_size)
     return run_system(system, answer_batch, rows_by_ds, 1, in_flight=in_flight)
 
 

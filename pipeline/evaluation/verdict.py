@@ -18,7 +18,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.evaluation.plan import EvaluatePlan
 
 TRAINED = "prompt_r1"
 VERDICT_METRIC = "f1"
@@ -95,7 +95,7 @@ def _delta_clause(summary: dict[str, Any], other: str, split: str) -> str:
             f"`{other}`, paired bootstrap); {how}.")
 
 
-def _why_not_paper(summary: dict[str, Any], params: Params) -> str | None:
+def _why_not_paper(summary: dict[str, Any], plan: EvaluatePlan) -> str | None:
     """Why this run's numbers are not the paper's: each differing part of the setup and what it does."""
     paper = summary.get("paper")
     if not paper or paper.get("comparable"):
@@ -103,16 +103,18 @@ def _why_not_paper(summary: dict[str, Any], params: Params) -> str | None:
     differs = set(paper.get("differs", []))
     parts = []
     if "environment" in differs:
-        size = _size(params.environment.served_name) or _size(str(params.environment.model))
-        what = f"a {size}-parameter environment" if size else f"the environment `{params.environment.served_name}`"
+        env = plan.environment
+        size = _size(env.served_name) or _size(str(env.model))
+        what = f"a {size}-parameter environment" if size else f"the environment `{env.served_name}`"
         parts.append(f"{what} instead of GPT-4o-mini: its replies rarely state the answer, so an agent that "
                      "relays them cannot beat asking it directly (`env_only`), and the environment's own wording "
                      "earns partial F1 on long gold answers")
     if "agent" in differs:
-        size = _size(str(params.agent.model))
+        size = _size(str(plan.agent.model))
         what = f"a {size}-parameter agent" if size else "a smaller agent"
-        parts.append(f"{what} instead of Qwen3-4B, trained {params.train.steps} GRPO steps of "
-                     f"{params.train.batch_size} questions × {params.train.group_size} trajectories: far too "
+        trained = plan.trained
+        parts.append(f"{what} instead of Qwen3-4B, trained {trained.steps} GRPO steps of "
+                     f"{trained.batch_size} questions × {trained.group_size} trajectories: far too "
                      "little to learn what to ask")
     if "rows" in differs:
         parts.append(f"{summary['rows_per_dataset']} rows per set instead of 128: the CIs are wide")
@@ -123,10 +125,11 @@ def _why_not_paper(summary: dict[str, Any], params: Params) -> str | None:
             "end; the paper's numbers need the paper profile (docs/gpu.md).")
 
 
-def verdict_markdown(summary: dict[str, Any], params: Params, gepa_record: dict[str, Any] | None = None) -> list[str]:
+def verdict_markdown(summary: dict[str, Any], plan: EvaluatePlan,
+                     gepa_record: dict[str, Any] | None = None) -> list[str]:
     """summary.md's opening: the verdict paragraph, then the metric definitions."""
     sentences = [s for s in (_split_verdict(summary, split) for split in ("id", "ood")) if s]
-    why = _why_not_paper(summary, params)
+    why = _why_not_paper(summary, plan)
     if why:
         sentences.append(why)
     if "gepa" in summary["systems"] and gepa_kept_seed(gepa_record):

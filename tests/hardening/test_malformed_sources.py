@@ -23,7 +23,7 @@ from demo_project import tmp_mirror
 
 from pipeline.config import Params
 from pipeline.data.sample import run_sample
-from pipeline.data.sources import REGISTRY, load_authors_eval
+from pipeline.data.sources import REGISTRY, SourcePaths, load_authors_eval
 from pipeline.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def _duplicate_column(path: Path, _: Params) -> None:
 
 
 def _all_leaked(path: Path, params: Params) -> None:
-    questions = [r.question for r in load_authors_eval(params, REGISTRY["gsm8k"])[:20]]
+    questions = [r.question for r in load_authors_eval(SourcePaths.of(params), REGISTRY["gsm8k"])[:20]]
     pq.write_table(pa.table(_rows(len(questions), question=questions)), path)
 
 CASES: list[tuple[str, Writer, str]] = [

@@ -27,7 +27,7 @@ from pipeline.data.sources.authors_eval import (
     load_authors_eval,
     normalised_eval_row,
 )
-from pipeline.data.sources.reading import MIRROR_COLUMNS, RawSource, load_raw, read_mirror_file
+from pipeline.data.sources.reading import MIRROR_COLUMNS, RawSource, SourcePaths, load_raw, read_mirror_file
 from pipeline.data.sources.registry import (
     PAPER_ORDER,
     REGISTRY,
@@ -57,6 +57,7 @@ __all__ = [
     "MirrorSource",
     "RawRecord",
     "RawSource",
+    "SourcePaths",
     "TaskType",
     "authors_eval_path",
     "get_spec",

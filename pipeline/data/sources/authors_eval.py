@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.agent.template import split_user_message
-from pipeline.config import Params
 from pipeline.data.schema import display_path
-from pipeline.data.sources.reading import read_mirror_file
+from pipeline.data.sources.reading import SourcePaths, read_mirror_file
 from pipeline.data.sources.registry import DatasetSpec
 from pipeline.errors import DataError
 from pipeline.types import EvalRow
@@ -23,12 +22,11 @@ EVAL_COLUMNS = ("prompt", "reward_model")
 AUTHORS_EVAL_URL = "https://raw.githubusercontent.com/QwenQKing/Prompt-R1/main/dataset/eval_data/{file}"
 
 
-def authors_eval_path(params: Params, spec: DatasetSpec) -> Path:
+def authors_eval_path(where: SourcePaths, spec: DatasetSpec) -> Path:
     """Local path of the authors' evaluation file (fetched into the cache once in Hub mode)."""
-    mirror = params.mirror
-    if mirror is not None:
-        return mirror / "prompt-r1" / "eval" / spec.eval_file
-    target = params.path(params.paths.cache_dir) / "prompt-r1" / "eval" / spec.eval_file
+    if where.mirror is not None:
+        return where.mirror / "prompt-r1" / "eval" / spec.eval_file
+    target = where.cache_dir / "prompt-r1" / "eval" / spec.eval_file
     if not target.is_file():
         url = AUTHORS_EVAL_URL.format(file=spec.eval_file)
         try:
@@ -61,11 +59,11 @@ def normalised_eval_row(row: EvalRow, spec: DatasetSpec) -> dict[str, Any]:
     }
 
 
-def load_authors_eval(params: Params, spec: DatasetSpec) -> list[EvalRow]:
+def load_authors_eval(where: SourcePaths, spec: DatasetSpec) -> list[EvalRow]:
     """The authors' evaluation rows of `spec`; ids are `<dataset>-eval-<row index>` (files are fixed)."""
-    path = authors_eval_path(params, spec)
-    shown = display_path(path, params.root)
-    rows = read_mirror_file(path, params.root, EVAL_COLUMNS)
+    path = authors_eval_path(where, spec)
+    shown = display_path(path, where.root)
+    rows = read_mirror_file(path, where.root, EVAL_COLUMNS)
     out: list[EvalRow] = []
     for i, row in enumerate(rows):
         prompt, reward = row["prompt"], row["reward_model"]

@@ -39,6 +39,23 @@ from pipeline.errors import DataError
 
 MIRROR_COLUMNS = ("id", "question", "answers", "context", "source_split")
 
+
+@dataclass(frozen=True)
+class SourcePaths:
+    """Where a data stage reads its sources: resolved once from the params at the stage's entry
+    (`SourcePaths.of`) and handed down, so no reader re-derives a path from the whole params."""
+
+    root: Path
+    """The project root: shown paths are relative to it."""
+    mirror: Path | None
+    """The local mirror (`paths.mirror`), or None to read the Hugging Face Hub."""
+    cache_dir: Path
+    """`paths.cache_dir`: the Hub's downloads and the authors' evaluation files in Hub mode."""
+
+    @classmethod
+    def of(cls, params: Params) -> SourcePaths:
+        return cls(root=params.root, mirror=params.mirror, cache_dir=params.path(params.paths.cache_dir))
+
 COLUMN_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "id": ((str, int), "text or an integer"),
     "question": ((str,), "text"),
@@ -191,9 +208,8 @@ def _load_hub(spec: DatasetSpec, cache_dir: Path) -> RawSource:
     return out
 
 
-def load_raw(spec: DatasetSpec, params: Params) -> RawSource:
+def load_raw(spec: DatasetSpec, where: SourcePaths) -> RawSource:
     """The raw records of `spec` from the mirror (if `paths.mirror` is set) or the Hub."""
-    mirror = params.mirror
-    if mirror is not None:
-        return _load_mirror(spec, mirror, params.root)
-    return _load_hub(spec, params.path(params.paths.cache_dir))
+    if where.mirror is not None:
+        return _load_mirror(spec, where.mirror, where.root)
+    return _load_hub(spec, where.cache_dir)

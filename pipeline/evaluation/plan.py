@@ -1,0 +1,108 @@
+"""What the evaluate stage resolves from the params, once, at its entry (issue 29: one plan per stage).
+
+`EvaluatePlan.for_evaluate(params)` decides every fact the stage's parts would otherwise re-derive from the
+whole params: the files it reads and writes, who runs the agents (`evaluate.agent_engine` with `auto`
+decided: recorded in metrics.json as what ran, not re-decided afterwards), how many questions go together,
+the environment every system answers under (the evaluation's sampling), and each plug-and-play
+environment's. The runners, the scores, the report and the matrix get this plan or a single section.
+
+Two whole params travel inside the plan, for the APIs outside the stage that take nothing else:
+`eval_params` (the environment's server and client: `environment_server`, `EnvironmentClient.from_params`)
+and `agent_params` (the agent's own llama.cpp server, `pipeline.agent.served`). Open-r1's `grpo.py` is the
+model: the config is parsed once into typed arguments handed to `main`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig, Params
+from pipeline.evaluation.agent_server import agent_engine, rollout_batch_size
+from pipeline.evaluation.costs import GEPA_PROMPT_FILE, STEPS_CSV
+from pipeline.evaluation.matrix import variant_params
+from pipeline.evaluation.systems import evaluation_params
+
+
+@dataclass(frozen=True)
+class TrainedSetup:
+    """How the evaluated agent was trained, as the verdict describes it (`train.*`)."""
+
+    steps: int
+    batch_size: int
+    group_size: int
+
+
+@dataclass(frozen=True)
+class EnvironmentRun:
+    """One plug-and-play environment (`evaluate.environments`): its name and the params its systems answer
+    under (`variant_params`: the entry's environment with the evaluation's sampling)."""
+
+    name: str
+    eval_params: Params
+
+
+@dataclass(frozen=True)
+class EvaluatePlan:
+    """Stage `evaluate`, resolved (module docstring)."""
+
+    root: Path
+    seed: int
+    rows_dir: Path
+    """`<paths.rl_dir>/eval`: the built evaluation sets."""
+    out_dir: Path
+    """`<paths.reports_dir>/eval`: the report."""
+    model_dir: Path
+    """The merged agent (`paths.model_dir`)."""
+    gepa_prompt: Path
+    """The gepa stage's optimised instruction (`<paths.gepa_dir>/prompt.json`)."""
+    steps_csv: Path
+    """The train stage's per-step figures (GRPO's one-off cost, the headline's last reward)."""
+    id_datasets: tuple[str, ...]
+    ood_datasets: tuple[str, ...]
+    evaluate: EvaluateConfig
+    agent: AgentConfig
+    environment: EnvironmentConfig
+    """The training environment: its prices and names (the paper comparison, the matrix's trained-with row)."""
+    trained: TrainedSetup
+    trace_evaluation: bool
+    engine: str
+    """What runs the agents: `evaluate.agent_engine` with `auto` decided, once."""
+    rollout_batch: int
+    """Questions rolled out together (`rollout_batch_size` for `engine`)."""
+    eval_params: Params
+    """The params every system answers under (`evaluation_params`: the evaluation's sampling)."""
+    agent_params: Params
+    """The loaded params, for the agent's llama.cpp server (`evaluation_policy`)."""
+    variants: tuple[EnvironmentRun, ...]
+    """Each plug-and-play environment (`evaluate.environments`), in order."""
+
+    @classmethod
+    def for_evaluate(cls, params: Params) -> EvaluatePlan:
+        reports_dir = params.path(params.paths.reports_dir)
+        engine = agent_engine(params)
+        return cls(
+            root=params.root,
+            seed=params.seed,
+            rows_dir=params.path(params.paths.rl_dir) / "eval",
+            out_dir=reports_dir / "eval",
+            model_dir=params.path(params.paths.model_dir),
+            gepa_prompt=params.path(params.paths.gepa_dir) / GEPA_PROMPT_FILE,
+            steps_csv=reports_dir / STEPS_CSV,
+            id_datasets=tuple(params.data.id_eval_datasets),
+            ood_datasets=tuple(params.data.ood_eval_datasets),
+            evaluate=params.evaluate,
+            agent=params.agent,
+            environment=params.environment,
+            trained=TrainedSetup(
+                steps=params.train.steps, batch_size=params.train.batch_size, group_size=params.train.group_size
+            ),
+            trace_evaluation=params.mlflow.trace_evaluation,
+            engine=engine,
+            rollout_batch=rollout_batch_size(engine, params.evaluate),
+            eval_params=evaluation_params(params),
+            agent_params=params,
+            variants=tuple(
+                EnvironmentRun(name=v.name, eval_params=variant_params(params, v)) for v in params.evaluate.environments
+            ),
+        )
