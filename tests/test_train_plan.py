@@ -75,15 +75,20 @@ def test_environment_with_validates_the_copy(params):
 
 
 def test_the_agent_server_config_is_the_served_agents(params, tmp_path):
-    """The one constructor of the agent server's environment config gives what pipeline.agent.served serves."""
-    from pipeline.agent.served import agent_port, served_params
+    """What pipeline.agent.served serves is the one constructor's config: its own port and threads when a
+    caller (ask, the pyfunc, serve) asks for them, the environment section itself never edited."""
+    from pipeline.agent.served import agent_environment, agent_port
 
     gguf = tmp_path / "agent-abc.gguf"
     n_ctx = params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64
     built = agent_server_environment(
         params.environment, gguf, port=agent_port(params), parallel=3, n_ctx=n_ctx
     )
-    assert built == served_params(gguf, params, 3).environment
+    assert built == agent_environment(gguf, params, 3)
+    threads_before = params.environment.server.n_threads
+    own = agent_environment(gguf, params, 2, port=1234, threads=1)
+    assert (own.port, own.server.n_threads, own.server.parallel) == (1234, 1, 2)
+    assert params.environment.server.n_threads == threads_before
     other = agent_server_environment(params.environment, tmp_path / "x.gguf", port=1, parallel=1, n_ctx=512)
     assert other.served_name == "agent-x" and other.base_url == "" and other.server.extra_args == []
 

@@ -52,13 +52,6 @@ def agent_environment(gguf_path: Path, params: Params, parallel: int, *, port: i
         n_ctx=params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64)
 
 
-def served_params(gguf_path: Path, params: Params, parallel: int) -> Params:
-    """Params whose `environment` section is `agent_environment`'s (for callers that hold params)."""
-    p = params.model_copy(update={"environment": agent_environment(gguf_path, params, parallel)})
-    p.root = params.root
-    return p
-
-
 @contextmanager
 def served_policy(gguf_path: Path, params: Params, tokenizer: Any, parallel: int,
                   quiet: bool = False, *, port: int | None = None,

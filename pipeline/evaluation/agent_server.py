@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.agent.served import served_params, served_policy
+from pipeline.agent.served import served_policy
 from pipeline.errors import UserError
 from pipeline.hardware import resolve_autocast
 from pipeline.paths import display_path
@@ -88,12 +88,6 @@ def agent_gguf(ref: str, params: Params) -> Path:
     cache = params.path(params.paths.cache_dir)
     return cached_export(resolved.location, template.location, cache, params.evaluate.agent_gguf_dtype,
                          root=params.root)
-
-
-def server_params(gguf_path: Path, params: Params) -> Params:
-    """Params whose `environment` section describes the evaluation agent's llama.cpp server (for servers.py):
-    one slot per question rolled out together (`evaluate.agent_parallel`)."""
-    return served_params(gguf_path, params, params.evaluate.agent_parallel)
 
 
 def _tokenizer(ref: str, root: Path) -> Any:

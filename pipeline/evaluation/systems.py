@@ -228,8 +228,10 @@ def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], evaluate: Evalu
 def evaluation_params(params: Params) -> Params:
     """A copy of params with the evaluation's environment sampling (`evaluate.env_temperature`, `env_cache`):
     the conditions every evaluated system, and GEPA's task model, answer under."""
-    p = params.model_copy(deep=True)
+    from pipeline.environment.spec import environment_with
+
+    env = environment_with(params.environment, temperature=params.evaluate.env_temperature,
+                           cache=params.evaluate.env_cache)
+    p = params.model_copy(update={"environment": env})
     p.root = params.root
-    p.environment.temperature = params.evaluate.env_temperature
-    p.environment.cache = params.evaluate.env_cache
     return p
