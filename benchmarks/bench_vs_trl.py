@@ -148,14 +148,16 @@ def run_ours(cfg: dict[str, Any], engine: str) -> dict[str, Any]:
     import torch
 
     from pipeline.train.models import load_policy_models
+    from pipeline.train.plan import TrainPlan
     from pipeline.train.questions import QuestionSampler
     from pipeline.train.trainer import LocalTrainer
 
     params = scratch_params(Path(cfg["scratch"]), cfg, engine)
     torch.manual_seed(params.seed)
     frame = pd.read_parquet(cfg["prompts"])
-    models = load_policy_models(params, None, torch.device("cpu"))
-    trainer = LocalTrainer(params, models, frame, torch.device("cpu"), QuestionSampler(len(frame), params.seed))
+    plan = TrainPlan.from_params(params)  # what the train stage resolves once
+    models = load_policy_models(plan.require_agent_model(), plan.agent, plan.train, None, torch.device("cpu"))
+    trainer = LocalTrainer(plan, models, frame, torch.device("cpu"), QuestionSampler(len(frame), params.seed))
     trainer.reference_is_policy = True  # a fresh run, as train_local sets it
     steps = []
     for step in range(1, cfg["steps"] + 1):
@@ -251,13 +253,15 @@ def run_parity(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from pipeline.train.batch import collate
     from pipeline.train.models import load_policy_models
+    from pipeline.train.plan import TrainPlan
     from pipeline.train.questions import QuestionSampler
     from pipeline.train.trainer import LocalTrainer
 
     params = scratch_params(Path(cfg["scratch"]), cfg)
     frame = pd.read_parquet(cfg["prompts"])
-    models = load_policy_models(params, None, torch.device("cpu"))
-    trainer = LocalTrainer(params, models, frame, torch.device("cpu"), QuestionSampler(len(frame), params.seed))
+    plan = TrainPlan.from_params(params)  # what the train stage resolves once
+    models = load_policy_models(plan.require_agent_model(), plan.agent, plan.train, None, torch.device("cpu"))
+    trainer = LocalTrainer(plan, models, frame, torch.device("cpu"), QuestionSampler(len(frame), params.seed))
     trajectories = trainer.rollout(None, trainer.draw_items(), 1)
     scores = torch.tensor([t.reward.total for t in trajectories], dtype=torch.float32)
     formulas = advantage_formulas(scores, cfg["group"])
