@@ -105,20 +105,11 @@ def hf_copy(scratch: Path) -> Path:
 
 
 def matmul_peak(seconds: float = 1.5) -> dict[str, float]:
-    """Best fp32 torch.mm FLOP/s over square sizes and the model's own shapes (tokens × 576 @ 576 × 1536)."""
-    import torch
+    """Best fp32 torch.mm FLOP/s over square sizes and the model's own shapes (tokens × 576 @ 576 × 1536):
+    bench_train.py's measurement."""
+    from bench_train import matmul_flops
 
-    best: dict[str, float] = {}
-    for m, k, n in ((1024, 1024, 1024), (2048, 2048, 2048), (2048, 576, 1536), (2048, 1536, 576)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        torch.mm(a, b)
-        top, end = 0.0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            top = max(top, 2 * m * k * n / (time.perf_counter() - t0))
-        best[f"{m}x{k}x{n}"] = top
-    return best
+    return matmul_flops([(1024, 1024, 1024), (2048, 2048, 2048), (2048, 576, 1536), (2048, 1536, 576)], seconds)
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
