@@ -27,9 +27,10 @@ def test_learn_profile_is_the_experiment_the_issue_asks_for(learn):
     assert learn.environment.backend == "knowledge"
     assert learn.environment.port != load_params(REPO_ROOT / "params.yaml").environment.port  # never reuse llama.cpp
     assert learn.reward.preset == "released"
-    assert learn.train.backend == "local" and learn.train.steps >= 40
+    assert learn.train.backend == "local" and learn.train.steps >= 12
     assert learn.agent.model == load_params(REPO_ROOT / "params.yaml").agent.model  # the real SmolLM2 agent
     assert learn.train.warmup.replies == "withheld"
+    assert learn.train.warmup.request == "verbatim"  # framing words would put every request over terse's limit
     # held-out = the authors' evaluation rows of the trained datasets; the knowledge server knows both
     assert set(learn.data.id_eval_datasets) <= set(learn.data.train_datasets)
     assert {"data/rl/train.parquet", "data/rl/eval"} <= set(learn.environment.knowledge.sources)

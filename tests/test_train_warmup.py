@@ -97,6 +97,22 @@ def test_demonstrations_vary_their_wording_and_respect_budgets(tmp_path, tiny_ll
         build(params, 2)
 
 
+def test_verbatim_request_sends_the_question_alone_and_keeps_the_other_wordings():
+    import random
+
+    from pipeline.train.warmup import FIRST_PROMPT, demo_texts
+
+    question = "Who wrote Dune?"
+    framed = [demo_texts(question, "Frank Herbert", 2, random.Random(s)) for s in range(12)]
+    verbatim = [demo_texts(question, "Frank Herbert", 2, random.Random(s), "verbatim") for s in range(12)]
+    assert {d.prompts[0] for d in verbatim} == {question}
+    assert {d.prompts[0] for d in framed} == {p.format(question=question) for p in FIRST_PROMPT}  # all four seen
+    for f, v in zip(framed, verbatim, strict=True):  # same draws: thinks, follow-up and final turn unchanged
+        assert v.prompts[1] == f.prompts[1] and v.final_turn == f.final_turn
+        assert v.interaction_turns[0].split("</think>")[0] == f.interaction_turns[0].split("</think>")[0]
+        assert v.interaction_turns[0].endswith(f"<interaction_prompt>{question}</interaction_prompt>")
+
+
 def test_warmup_loss_decreases_on_the_tiny_model(tmp_path, tiny_llama_dir, env_server):
     from transformers import AutoModelForCausalLM
 

@@ -81,6 +81,11 @@ class WarmupConfig(_Section):
         "what the environment said; gold: the row's gold answer whatever the replies said (with a weak "
         "environment that teaches the agent to make answers up); auto: reply. Withheld replies always give "
         "the gold (nothing to ground an answer in).")
+    request: Literal["framed", "verbatim"] = Field(
+        "framed", description="The first request's wording. framed: the question in one of a few short "
+        "framings ('Please answer this question: ...'); verbatim: the question alone (the learn profile: its "
+        "`terse` environment refuses requests over 8 words, so framing words would make even the shortest "
+        "questions refused and GRPO would start with no answered request, measured 0 of 24).")
 
 
 class TrainConfig(_Section):

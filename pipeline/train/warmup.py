@@ -13,7 +13,7 @@ A demonstration (`build_demonstrations`) is a `Trajectory` built as the rollout 
         agent:  short reasoning</think>\\n<interaction_prompt>request</interaction_prompt>         mask 1
         env:    ConversationBuilder.env_turn_ids(LIVE environment reply)                          mask 0
     agent:      final reasoning</think>\\n<answer>{answer}</answer>                                mask 1
-The first request is the question (with a short framing), later ones ask the environment to verify/refine.
+The first request is the question (with a short framing; `train.warmup.request: verbatim`: alone), later ones ask the environment to verify/refine.
 The answer (`train.warmup.answer`) is grounded in the replies (`reply`, the default with live replies): a gold
 answer when a reply states it, else the short answer the last reply gives (`reply_answer`). `gold` puts the
 row's gold answer there whatever the replies said. Why: on the default profile the replies rarely hold the
@@ -135,12 +135,16 @@ class DemoTexts:
     final_turn: str
 
 
-def demo_texts(question: str, answer: str, turns: int, rng: random.Random) -> DemoTexts:
-    """Pick wordings for one demonstration; the texts start after the `<think>\\n` opener."""
+def demo_texts(question: str, answer: str, turns: int, rng: random.Random, request: str = "framed") -> DemoTexts:
+    """Pick wordings for one demonstration; the texts start after the `<think>\\n` opener. `request`
+    (`WarmupConfig.request`): `framed` draws the first request from `FIRST_PROMPT`, `verbatim` sends the
+    question alone (the same number of draws from `rng`, so the other wordings do not change)."""
     texts, prompts = [], []
     for t in range(turns):
         think = rng.choice(FIRST_THINK if t == 0 else FOLLOW_THINK)
         prompt = rng.choice(FIRST_PROMPT if t == 0 else FOLLOW_PROMPT).format(question=question)
+        if t == 0 and request == "verbatim":
+            prompt = question
         texts.append(f"{think}{THINK_CLOSE}\n{PROMPT_OPEN}{prompt}{PROMPT_CLOSE}")
         prompts.append(prompt)
     final = f"{rng.choice(FINAL_THINK)}{THINK_CLOSE}\n{ANSWER_OPEN}{answer}{ANSWER_CLOSE}"
@@ -214,7 +218,7 @@ def _plan(builder: ConversationBuilder, item: PromptItem, w: WarmupConfig, a: Ag
     answer = str(item.gold_answers[0]).strip()
     if not answer or len(builder.encode(answer)) > w.max_answer_tokens:
         return None
-    texts = demo_texts(question, answer, w.interaction_turns, rng)
+    texts = demo_texts(question, answer, w.interaction_turns, rng, w.request)
     turn_ids = [builder.encode(t) for t in [*texts.interaction_turns, texts.final_turn]]
     if any(len(ids) > a.max_turn_tokens for ids in turn_ids):
         return None
