@@ -20,7 +20,8 @@ What one seed runs, all through the pipeline's own code (the steps `dvc exp run 
    sampling, the KL term and weight decay alone), `warmup_live_replies` (the warm-up with the environment's
    live replies in its demonstrations, no GRPO).
 Every evaluation is saved per question under `benchmarks/results/learning/<mode>/seed<N>/` (F1, EM, format,
-whether the request was answered, the prediction), with the run's `steps.csv` and `run.json`; `--report`
+whether the request was answered, the prediction), with the run's `steps.csv`, its training rollouts
+(`rollouts.jsonl.gz`) and `run.json`; `--report`
 (benchmarks/learning_report.py) pools the seeds found there into `learning.json`.
 """
 
@@ -174,6 +175,18 @@ def zeroed_advantages():
         trainer.grpo_advantages = original
 
 
+def keep_rollouts(reports_dir: Path, target: Path) -> None:
+    """The run's sampled trajectories (`reports/train/trajectories.jsonl`), gzipped beside its evaluations:
+    what the agent asked during training and what the environment answered (`learning_report.rollout_requests`)."""
+    import gzip
+
+    from pipeline.train.trajectory_log import TRAJECTORIES_FILE
+
+    source = reports_dir / "train" / TRAJECTORIES_FILE
+    if source.is_file():
+        target.write_bytes(gzip.compress(source.read_bytes(), mtime=0))
+
+
 def record(out: Path, args, params, rows_by_ds, timings: dict[str, float], t_all: float, done: int,
            eval_steps: list[int], finished: list[str]) -> None:
     """run.json: what this seed ran so far (written after each phase, so an interrupted run still reports)."""
@@ -284,6 +297,7 @@ def run(args: argparse.Namespace) -> None:
                     done = target
                 evaluate_at(f"grpo_step{target}", ckpt.latest_checkpoint(root) / "model", target)
             shutil.copy(steps_csv_path(params.path(params.paths.reports_dir)), out / "steps.csv")
+            keep_rollouts(params.path(params.paths.reports_dir), out / "rollouts.jsonl.gz")
             finished.append("grpo")
             record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
             if "zero_advantage" in args.controls:
@@ -292,6 +306,7 @@ def run(args: argparse.Namespace) -> None:
                 zero_root = zero.path(zero.paths.checkpoint_dir)
                 evaluate_at(f"zero_advantage_step{steps}", ckpt.latest_checkpoint(zero_root) / "model", steps)
                 shutil.copy(steps_csv_path(zero.path(zero.paths.reports_dir)), out / "zero_advantage_steps.csv")
+                keep_rollouts(zero.path(zero.paths.reports_dir), out / "zero_advantage_rollouts.jsonl.gz")
                 finished.append("zero_advantage")
                 record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
             if "warmup_live_replies" in args.controls:

@@ -10,6 +10,8 @@ question's score, its 95% CI a bootstrap over questions resampled within each da
 (`bootstrap_ci_average`); the GRPO gain is the paired bootstrap of (GRPO - warm-up) per question
 (`paired_bootstrap_delta`). The CIs reflect question sampling, not seed-to-seed variation: with one seed, they
 say nothing about how another seed would do.
+Training rollouts (`rollouts.jsonl.gz`, `rollout_requests`): per seed, what the requests sampled during GRPO
+got from the environment, so a flat request side can be traced to whether any group held a short request.
 Request side: the share of questions whose interaction request got an answer from the environment (not a
 refusal, not "unknown": `pipeline.environment.terse.answered`); extraction side: the mean F1 over those
 questions only.
@@ -66,6 +68,34 @@ def control(evaluations: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             "request_side": [sides(e) for e in evaluations]}
 
 
+def rollout_requests(path: Path) -> dict[str, Any] | None:
+    """The request side during training, from a run's `rollouts.jsonl.gz`: per dataset, how many rollouts
+    sent a request of at most `terse.MAX_REQUEST_WORDS` words and how many requests were answered; and the
+    share answered per GRPO step. It shows whether the groups ever held a reward difference on the request."""
+    import gzip
+
+    from pipeline.environment.terse import MAX_REQUEST_WORDS, answered
+
+    if not path.is_file():
+        return None
+    by_dataset: dict[str, dict[str, int]] = {}
+    by_step: dict[int, list[float]] = {}
+    for line in gzip.decompress(path.read_bytes()).decode("utf-8").splitlines():
+        if not line.strip():
+            continue
+        traj = json.loads(line)
+        asks = [t for t in traj["turns"] if t.get("interaction_prompt")]
+        hit = any(answered((t.get("environment") or {}).get("text", "")) for t in asks)
+        short = any(len(t["interaction_prompt"].split()) <= MAX_REQUEST_WORDS for t in asks)
+        counts = by_dataset.setdefault(traj["data_source"], {"rollouts": 0, "short_requests": 0, "answered": 0})
+        counts["rollouts"] += 1
+        counts["short_requests"] += int(short)
+        counts["answered"] += int(hit)
+        by_step.setdefault(int(traj["step"]), []).append(float(hit))
+    return {"by_dataset": by_dataset,
+            "answered_share_by_step": {str(s): round(sum(v) / len(v), 3) for s, v in sorted(by_step.items())}}
+
+
 def rules_for(folder: Path, questions: int | None) -> Path | None:
     """The trivial rules' file on the same held-out rows as the seeds (`trivial_rules_<N>q.json`, N questions);
     with no seed run, the one on the most rows."""
@@ -107,7 +137,9 @@ def mode_summary(folder: Path) -> dict[str, Any] | None:
             "grpo_steps": last, "heldout_f1_warmup": figure([evals[0]])["mean"],
             "heldout_f1_grpo": figure([evals[last]])["mean"], "heldout_f1_gain": gain["mean"],
             "heldout_f1_gain_ci": gain["ci"], "timing_s": run.get("timing_s"),
-            "request_vs_extraction": {str(s): sides(evals[s]) for s in sorted(evals)}}
+            "request_vs_extraction": {str(s): sides(evals[s]) for s in sorted(evals)},
+            "training_requests": {name: rollout_requests(run_dir / f"{prefix}rollouts.jsonl.gz")
+                                  for name, prefix in (("grpo", ""), ("zero_advantage", "zero_advantage_"))}}
         curves[str(seed)] = [{"step": s, "f1": round(100 * evals[s]["f1_mean"], 2),
                               "em": round(100 * evals[s]["em_mean"], 2), **sides(evals[s])} for s in sorted(evals)]
         zero_file = run_dir / f"zero_advantage_step{last}.json"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from learning_report import build, sides
+from learning_report import build, rollout_requests, sides
 
 
 def evaluation(f1: list[float], answered: list[float]) -> dict:
@@ -77,3 +77,28 @@ def test_learning_json_from_the_files(results):
     for key in ("heldout_f1_gain_ci", "heldout_f1_warmup_ci", "heldout_f1_grpo_ci"):
         low, high = out[key]
         assert low <= out[key.replace("_ci", "")] <= high
+
+
+def test_training_requests_count_short_and_answered_requests_by_hand(tmp_path):
+    import gzip
+
+    from pipeline.environment.terse import TOO_LONG_REPLY
+
+    refused = TOO_LONG_REPLY.format(words=12, limit=8)
+
+    def traj(step, source, request, reply):
+        return {"step": step, "data_source": source, "turns": [
+            {"interaction_prompt": request, "environment": {"text": reply}}, {"interaction_prompt": None}]}
+
+    lines = [traj(1, "hotpotqa", "a b c d e f g h i j k l", refused),
+             traj(1, "hotpotqa", "Naranjo occupation", "On naranjo my notes give psychiatrist."),
+             traj(2, "popqa", "Who wrote Dune?", "Herbert is listed under dune wrote."),
+             traj(2, "popqa", "Who is it", "I'm sorry, I don't know which question you mean. Please restate the "
+                                          "full question you want answered.")]
+    path = tmp_path / "rollouts.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(t) + "\n" for t in lines).encode()))
+    got = rollout_requests(path)
+    assert got["by_dataset"] == {"hotpotqa": {"rollouts": 2, "short_requests": 1, "answered": 1},
+                                 "popqa": {"rollouts": 2, "short_requests": 2, "answered": 1}}
+    assert got["answered_share_by_step"] == {"1": 0.5, "2": 0.5}
+    assert rollout_requests(tmp_path / "missing.jsonl.gz") is None
