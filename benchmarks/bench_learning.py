@@ -16,7 +16,8 @@ What one seed runs, all through the pipeline's own code (the steps `dvc exp run 
    checkpoint), evaluated greedily on the fixed held-out rows at step 0, half-way and the last step
    (`pipeline.evaluation.systems.run_agent_with_environment`, what the evaluate stage runs);
 3. the controls on the same rows (`--controls`): `trivial_rule` (pipeline/evaluation/trivial_rules.py, no
-   agent), `zero_advantage` (the same GRPO steps from the same warm-up checkpoint with every advantage zeroed:
+   agent, asked the seed's own environment: the environment knows the seed's training sample as well as the
+   held-out rows, so its key words and distractors differ from seed to seed), `zero_advantage` (the same GRPO steps from the same warm-up checkpoint with every advantage zeroed:
    sampling, the KL term and weight decay alone), `warmup_live_replies` (the warm-up with the environment's
    live replies in its demonstrations, no GRPO).
 Every evaluation is saved per question under `benchmarks/results/learning/<mode>/seed<N>/` (F1, EM, format,
@@ -234,9 +235,8 @@ def run(args: argparse.Namespace) -> None:
     build_data(params)
     timings["data_s"] = time.perf_counter() - t0
     rows_by_ds = heldout_rows(params)
-    if "trivial_rule" in args.controls or args.rules_only:
-        questions = sum(len(r) for r in rows_by_ds.values())
-        trivial_rules(params, rows_by_ds, LEARNING / args.mode / f"trivial_rules_{questions}q.json")
+    if "trivial_rule" in args.controls or args.rules_only:  # against this seed's store (its training sample)
+        trivial_rules(params, rows_by_ds, out / "trivial_rules.json")
     if args.rules_only:
         return
     tokenizer = load_tokenizer(params.agent.model, params.root)

@@ -97,8 +97,9 @@ def rollout_requests(path: Path) -> dict[str, Any] | None:
 
 
 def rules_for(folder: Path, questions: int | None) -> Path | None:
-    """The trivial rules' file on the same held-out rows as the seeds (`trivial_rules_<N>q.json`, N questions);
-    with no seed run, the one on the most rows."""
+    """The older layout's one trivial-rules file for a mode (`trivial_rules_<N>q.json`, N questions), used when
+    the seeds have no `trivial_rules.json` of their own; with no seed run, the one on the most rows. Each seed
+    now asks its own environment (its store holds its training sample), so the rules are pooled over seeds."""
     if questions is not None:
         path = folder / f"trivial_rules_{questions}q.json"
         return path if path.is_file() else None
@@ -112,16 +113,23 @@ def mode_summary(folder: Path) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"seeds": [], "per_seed": {}, "controls": {}, "ceilings": {}}
     runs = sorted((p for p in folder.glob("seed*") if (p / "run.json").is_file()), key=lambda p: int(p.name[4:]))
-    rules_file = rules_for(folder, load(runs[0] / "run.json")["heldout"]["questions"] if runs else None)
-    if rules_file is not None:
-        rules = load(rules_file)
-        trivial = {name: r for name, r in rules["rules"].items() if name in rules["trivial"]}
-        best = max(trivial, key=lambda n: trivial[n]["f1_mean"])
-        out["controls"]["trivial_rule"] = control([trivial[best]], rule=best, file=rules_file.name, all_rules={
-            n: round(100 * r["f1_mean"], 2) for n, r in trivial.items()})
-        for name, r in rules["rules"].items():
-            if name not in rules["trivial"]:
-                out["ceilings"][name] = control([r], why=" ".join(rules["informed"][name].split()))
+    rule_files = [run / "trivial_rules.json" for run in runs if (run / "trivial_rules.json").is_file()]
+    if not rule_files or len(rule_files) < len(runs):  # the older layout: one file for the mode
+        legacy = rules_for(folder, load(runs[0] / "run.json")["heldout"]["questions"] if runs else None)
+        rule_files = [legacy] if legacy is not None else rule_files
+    if rule_files:
+        rules = [load(f) for f in rule_files]
+        names = list(rules[0]["rules"])
+        trivial = {n: figure([r["rules"][n] for r in rules]) for n in names if n in rules[0]["trivial"]}
+        best = max(trivial, key=lambda n: trivial[n]["mean"])
+        out["controls"]["trivial_rule"] = control(
+            [r["rules"][best] for r in rules], rule=best, seeds=len(rules),
+            files=[str(f.relative_to(folder)) for f in rule_files],
+            all_rules={n: f["mean"] for n, f in trivial.items()})
+        for name in names:
+            if name not in rules[0]["trivial"]:
+                out["ceilings"][name] = control([r["rules"][name] for r in rules],
+                                                why=" ".join(rules[0]["informed"][name].split()))
     grpo0, grpo_last, zero, live, curves = [], [], [], [], {}
     for run_dir in runs:
         run = load(run_dir / "run.json")
@@ -248,7 +256,9 @@ def unfinished(folder: Path) -> dict[str, Any]:
     """Seeds stopped before their last GRPO evaluation (no run.json): what they evaluated, never pooled."""
     out: dict[str, Any] = {}
     for run_dir in sorted(p for p in folder.glob("seed*") if not (p / "run.json").is_file()):
-        evals = {p.stem: load(p) for p in sorted(run_dir.glob("*.json"))}
+        evals = {p.stem: load(p) for p in sorted(run_dir.glob("*.json")) if p.name != "trivial_rules.json"}
+        if not evals:  # a `--rules-only` folder: no agent evaluated
+            continue
         out[run_dir.name] = {name: {"f1": round(100 * e["f1_mean"], 2), "em": round(100 * e["em_mean"], 2),
                                     "format_rate": round(e["format_mean"], 4), **sides(e),
                                     "seconds": round(e.get("seconds", 0.0), 1)} for name, e in evals.items()}

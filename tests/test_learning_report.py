@@ -102,3 +102,31 @@ def test_training_requests_count_short_and_answered_requests_by_hand(tmp_path):
                                  "popqa": {"rollouts": 2, "short_requests": 2, "answered": 1}}
     assert got["answered_share_by_step"] == {"1": 0.5, "2": 0.5}
     assert rollout_requests(tmp_path / "missing.jsonl.gz") is None
+
+
+def test_trivial_rules_are_pooled_over_the_seeds_own_environments(results):
+    """Each seed's environment knows its own training sample, so each seed keeps its own rules' file; the
+    control is the rule with the best mean over seeds, per question, and a rules-only folder is not a run."""
+    mode = results / "learning" / "terse"
+    rules = lambda full, first: {
+        "trivial": ["question+full_reply", "question+first_sentence"],
+        "rules": {"question+full_reply": evaluation(full, [1, 1, 0, 0]),
+                  "question+first_sentence": evaluation(first, [1, 1, 0, 0]),
+                  "content_words+label_match": evaluation([1, 1, 1, 1], [1, 1, 1, 1])},
+        "informed": {"content_words+label_match": "Not a trivial rule"}}
+    write(mode / "seed1" / "trivial_rules.json", rules([0.4, 0.4, 0.4, 0.4], [0.2, 0.2, 0.2, 0.2]))
+    seed3 = mode / "seed3"
+    write(seed3 / "run.json", {"seed": 3, "grpo_steps_done": 2, "timing_s": {}, "heldout": {"questions": 4},
+                               "machine": {}, "params": {}})
+    for step in (0, 2):
+        write(seed3 / f"grpo_step{step}.json", evaluation([0.0, 0.0, 0.0, 0.0], [0, 0, 0, 0]))
+    write(seed3 / "trivial_rules.json", rules([0.0, 0.0, 0.0, 0.0], [0.3, 0.3, 0.3, 0.3]))
+    write(mode / "seed4" / "trivial_rules.json", rules([1, 1, 1, 1], [1, 1, 1, 1]))  # --rules-only: no run
+    out = build(results, [])
+    assert out["seeds"] == [1, 3]
+    trivial = out["controls"]["trivial_rule"]
+    # full reply: (0.4 + 0.0) / 2 = 20.0; first sentence: (0.2 + 0.3) / 2 = 25.0 -> the best is first sentence
+    assert trivial["rule"] == "question+first_sentence" and trivial["heldout_f1"] == 25.0
+    assert trivial["all_rules"] == {"question+full_reply": 20.0, "question+first_sentence": 25.0}
+    assert trivial["seeds"] == 2 and trivial["files"] == ["seed1/trivial_rules.json", "seed3/trivial_rules.json"]
+    assert "seed4" not in out["unfinished_runs"]
