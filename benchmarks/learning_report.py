@@ -312,15 +312,21 @@ def write_report(results: Path, notes: list[str], main_mode: str = "terse") -> d
     top.set_ylabel("training reward (released)")
     top.legend(loc="lower right", fontsize=8)
     curve = pd.DataFrame(result["heldout_curve"])
-    for seed, rows in (curve.groupby("seed") if len(curve) else []):
-        bottom.plot(rows["step"], rows["f1"], marker="o", label=f"held-out F1, seed {seed}")
-        bottom.plot(rows["step"], 100 * rows["answered_rate"], linestyle="--", label=f"% requests answered, seed {seed}")
+    for k, (seed, rows) in enumerate(curve.groupby("seed") if len(curve) else []):
+        color = f"C{k}"
+        bottom.plot(rows["step"], rows["f1"], marker="o", color=color, label=f"held-out F1, seed {seed}")
+        bottom.plot(rows["step"], 100 * rows["answered_rate"], linestyle="--", color=color,
+                    label=f"% requests answered (request side), seed {seed}")
+        bottom.plot(rows["step"], rows["f1_when_answered"].astype(float), linestyle="-.", marker="x", color=color,
+                    label=f"F1 when answered (extraction side), seed {seed}")
+    last = max((p["step"] for p in result["heldout_curve"]), default=0)
     for name, c in result["controls"].items():
         bottom.axhline(c["heldout_f1"], linestyle=":", color="grey")
-        bottom.annotate(f"{name} F1 {c['heldout_f1']:.1f}", (0, c["heldout_f1"]), fontsize=7, color="grey")
+        bottom.annotate(f"{name} F1 {c['heldout_f1']:.1f}", (last, c["heldout_f1"]), fontsize=7, color="grey",
+                        ha="right", va="bottom")
     bottom.set_xlabel("GRPO step (0 = warm-up only)")
     bottom.set_ylabel("points")
-    bottom.legend(loc="upper right", fontsize=8)
+    bottom.legend(loc="upper left", fontsize=6, ncol=2)
     n = len(result["seeds"])
     fig.suptitle(f"GRPO, knowledge environment ({result['mode']} mode): {n} seed{'s' * (n != 1)}, "
                  f"{result['grpo_steps_evaluated']} steps")
