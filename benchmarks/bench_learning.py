@@ -115,9 +115,10 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
     answers = run_agent_with_environment(policy, env, rows_by_ds, params.agent, params.evaluate, label)
     seconds = time.perf_counter() - start
     out: dict[str, Any] = {"f1": {}, "em": {}, "format": {}, "answered": {}, "predictions": {}, "requests": {},
+                           "replies": {},
                            "env_calls": 0, "seconds": seconds, "examples": []}
     for name, rows in rows_by_ds.items():
-        f1s, ems, fmts, hits, preds, asks = [], [], [], [], [], []
+        f1s, ems, fmts, hits, preds, asks, said = [], [], [], [], [], [], []
         for row, answer in zip(rows, answers[name], strict=True):
             f1s.append(token_f1(answer.prediction, row.answers))
             ems.append(exact_match(answer.prediction, row.answers))
@@ -127,6 +128,7 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
             hits.append(float(any(answered(r) for r in replies)))
             preds.append(answer.prediction)
             asks.append([t.interaction_prompt for t in turns if t.interaction_prompt])
+            said.append(replies)
             out["env_calls"] += answer.usage.calls
             if len(out["examples"]) < 3:
                 out["examples"].append({"question": row.question, "golds": row.answers,
@@ -134,10 +136,36 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
                                         "prediction": answer.prediction})
         out["f1"][name], out["em"][name], out["format"][name] = f1s, ems, fmts
         out["answered"][name], out["predictions"][name], out["requests"][name] = hits, preds, asks
+        out["replies"][name] = said
     for key in ("f1", "em", "format", "answered"):
         values = [v for vs in out[key].values() for v in vs]
         out[f"{key}_mean"] = sum(values) / len(values)
     return out
+
+
+def backfill_replies(args: argparse.Namespace) -> None:
+    """Add `replies` to evaluation files written before they were kept (`--backfill-replies`): the seed's
+    store is rebuilt (its data stages are deterministic per seed) and every stored request is asked again
+    through the server's own reply code (`trivial_rules.ask`, the same `max_tokens` cut); the environment is
+    deterministic, so these are the replies the agent got. Files that already hold `replies` are left alone."""
+    from pipeline.environment.knowledge import knowledge_base, load_facts
+    from pipeline.evaluation.trivial_rules import ask
+
+    out = LEARNING / args.mode / f"seed{args.seed}"
+    work = ROOT / ".cache" / f"bench_learning_{args.mode}_rules"
+    shutil.rmtree(work, ignore_errors=True)
+    params = learn_params(work / "grpo", args, free_port())
+    build_data(params)
+    k = params.environment.knowledge
+    kb = knowledge_base(load_facts(k.sources), k.min_overlap, k.mode)
+    for path in sorted(out.glob("*.json")):
+        content = json.loads(path.read_text(encoding="utf-8"))
+        if "requests" not in content or "replies" in content:
+            continue
+        content["replies"] = {name: [[ask(kb, r, params.environment.max_tokens) for r in asks] for asks in per_q]
+                              for name, per_q in content["requests"].items()}
+        write_json(path, content)
+        log.info("%s: replies added (%d questions)", path.name, sum(len(v) for v in content["replies"].values()))
 
 
 def write_json(path: Path, content: dict[str, Any]) -> None:
@@ -331,6 +359,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="resume in the existing work folder")
     parser.add_argument("--rules-only", action="store_true",
                         help="only the trivial rules on the held-out rows (seconds; no agent, no training)")
+    parser.add_argument("--backfill-replies", action="store_true",
+                        help="add the environment's replies to this seed's evaluation files written without them")
     parser.add_argument("--report", action="store_true",
                         help="only write learning.json/.png/_steps.csv from benchmarks/results/learning/")
     parser.add_argument("--note", action="append", help="a line added to the results' notes (repeatable)")
@@ -340,7 +370,9 @@ def main() -> None:
     if unknown:
         parser.error(f"--controls: unknown {sorted(unknown)}; choose from {list(CONTROLS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not args.report:
+    if args.backfill_replies:
+        backfill_replies(args)
+    elif not args.report:
         run(args)
     from learning_report import write_report
 

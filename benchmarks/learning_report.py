@@ -62,10 +62,38 @@ def sides(evaluation: dict[str, Any]) -> dict[str, Any]:
             "questions_answered": int(sum(answered)), "questions": len(answered)}
 
 
+def picks(evaluation: dict[str, Any]) -> dict[str, int] | None:
+    """What the answers were, against the reply each request got (`replies`; None for files without them):
+    `gold` (F1 1), `distractor` (another entry of a `terse` reply, word for word after SQuAD normalisation),
+    `other` (neither: made up, or a partial answer), `unanswered` (no reply answered the request). It tells a
+    reading that picks the right entry from one that copies any entry, which F1 alone does not."""
+    from pipeline.environment.terse import answered
+    from pipeline.evaluation.trivial_rules import terse_entries
+    from pipeline.metrics import normalize_answer
+
+    if "replies" not in evaluation:
+        return None
+    out = {"gold": 0, "distractor": 0, "other": 0, "unanswered": 0}
+    for name, per_question in evaluation["replies"].items():
+        for replies, prediction, f1 in zip(per_question, evaluation["predictions"][name], evaluation["f1"][name],
+                                           strict=True):
+            heard = [r for r in replies if answered(r)]
+            entries = [a for r in heard for _, a in (terse_entries(r) or [])]
+            if not heard:
+                out["unanswered"] += 1
+            elif f1 == 1.0:
+                out["gold"] += 1
+            elif normalize_answer(prediction) in {normalize_answer(a) for a in entries}:
+                out["distractor"] += 1
+            else:
+                out["other"] += 1
+    return out
+
+
 def control(evaluations: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     f = figure(evaluations)
     return {"heldout_f1": f["mean"], "heldout_f1_ci": f["ci"], **extra,
-            "request_side": [sides(e) for e in evaluations]}
+            "request_side": [{**sides(e), "picks": picks(e)} for e in evaluations]}
 
 
 def rollout_requests(path: Path) -> dict[str, Any] | None:
@@ -145,7 +173,7 @@ def mode_summary(folder: Path) -> dict[str, Any] | None:
             "grpo_steps": last, "heldout_f1_warmup": figure([evals[0]])["mean"],
             "heldout_f1_grpo": figure([evals[last]])["mean"], "heldout_f1_gain": gain["mean"],
             "heldout_f1_gain_ci": gain["ci"], "timing_s": run.get("timing_s"),
-            "request_vs_extraction": {str(s): sides(evals[s]) for s in sorted(evals)},
+            "request_vs_extraction": {str(s): {**sides(evals[s]), "picks": picks(evals[s])} for s in sorted(evals)},
             "training_requests": {name: rollout_requests(run_dir / f"{prefix}rollouts.jsonl.gz")
                                   for name, prefix in (("grpo", ""), ("zero_advantage", "zero_advantage_"))}}
         curves[str(seed)] = [{"step": s, "f1": round(100 * evals[s]["f1_mean"], 2),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from learning_report import build, rollout_requests, sides
+from learning_report import build, picks, rollout_requests, sides
 
 
 def evaluation(f1: list[float], answered: list[float]) -> dict:
@@ -130,3 +130,14 @@ def test_trivial_rules_are_pooled_over_the_seeds_own_environments(results):
     assert trivial["all_rules"] == {"question+full_reply": 20.0, "question+first_sentence": 25.0}
     assert trivial["seeds"] == 2 and trivial["files"] == ["seed1/trivial_rules.json", "seed3/trivial_rules.json"]
     assert "seed4" not in out["unfinished_runs"]
+
+
+def test_picks_tell_the_right_entry_from_a_distractor_by_hand():
+    from pipeline.environment.terse import TOO_LONG_REPLY
+
+    reply = "On dune wrote my notes give Frank Herbert. Isaac Asimov is listed under foundation wrote."
+    ev = {"f1": {"a": [1.0, 0.0, 0.0, 0.5]}, "predictions": {"a": ["Frank Herbert", "isaac asimov.", "Tolkien",
+                                                                    "Herbert"]},
+          "replies": {"a": [[reply], [reply], [TOO_LONG_REPLY.format(words=12, limit=8)], [reply]]}}
+    assert picks(ev) == {"gold": 1, "distractor": 1, "other": 1, "unanswered": 1}
+    assert picks({"f1": {}, "predictions": {}}) is None  # written before replies were kept
