@@ -17,7 +17,8 @@ What one seed runs, all through the pipeline's own code (the steps `dvc exp run 
    (`pipeline.evaluation.systems.run_agent_with_environment`, what the evaluate stage runs);
 3. the controls on the same rows (`--controls`): `trivial_rule` (pipeline/evaluation/trivial_rules.py, no
    agent, asked the seed's own environment: the environment knows the seed's training sample as well as the
-   held-out rows, so its key words and distractors differ from seed to seed), `zero_advantage` (the same GRPO steps from the same warm-up checkpoint with every advantage zeroed:
+   held-out rows, so its key words and distractors differ from seed to seed), `zero_advantage` (the same
+   GRPO steps from the same warm-up checkpoint with every advantage zeroed:
    sampling, the KL term and weight decay alone), `warmup_live_replies` (the warm-up with the environment's
    live replies in its demonstrations, no GRPO).
 Every evaluation is saved per question under `benchmarks/results/learning/<mode>/seed<N>/` (F1, EM, format,
@@ -143,12 +144,19 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
     return out
 
 
+def knowledge_store(params):
+    """The knowledge base the seed's environment server answers from (its sources, overlap and mode)."""
+    from pipeline.environment.knowledge import knowledge_base, load_facts
+
+    k = params.environment.knowledge
+    return knowledge_base(load_facts(k.sources), k.min_overlap, k.mode)
+
+
 def backfill_replies(args: argparse.Namespace) -> None:
     """Add `replies` to evaluation files written before they were kept (`--backfill-replies`): the seed's
     store is rebuilt (its data stages are deterministic per seed) and every stored request is asked again
     through the server's own reply code (`trivial_rules.ask`, the same `max_tokens` cut); the environment is
     deterministic, so these are the replies the agent got. Files that already hold `replies` are left alone."""
-    from pipeline.environment.knowledge import knowledge_base, load_facts
     from pipeline.evaluation.trivial_rules import ask
 
     out = LEARNING / args.mode / f"seed{args.seed}"
@@ -156,8 +164,7 @@ def backfill_replies(args: argparse.Namespace) -> None:
     shutil.rmtree(work, ignore_errors=True)
     params = learn_params(work / "grpo", args, free_port())
     build_data(params)
-    k = params.environment.knowledge
-    kb = knowledge_base(load_facts(k.sources), k.min_overlap, k.mode)
+    kb = knowledge_store(params)
     for path in sorted(out.glob("*.json")):
         content = json.loads(path.read_text(encoding="utf-8"))
         if "requests" not in content or "replies" in content:
@@ -175,11 +182,10 @@ def write_json(path: Path, content: dict[str, Any]) -> None:
 
 def trivial_rules(params, rows_by_ds, out: Path) -> None:
     """The trivial rules (and the informed ceiling) on the held-out rows, asked the mode's own reply code."""
-    from pipeline.environment.knowledge import knowledge_base, load_facts
     from pipeline.evaluation import trivial_rules as tr
 
     k = params.environment.knowledge
-    kb = knowledge_base(load_facts(k.sources), k.min_overlap, k.mode)
+    kb = knowledge_store(params)
     rules = tr.evaluate_rules(kb, rows_by_ds, params.environment.max_tokens, {**tr.RULES, **tr.INFORMED_RULES})
     write_json(out, {"mode": k.mode, "trivial": list(tr.RULES), "rules": rules,
                      "informed": {n: (tr.INFORMED_RULES[n][1].__doc__ or "").split(".")[0] for n in

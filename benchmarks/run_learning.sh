@@ -4,7 +4,7 @@
 #   SEEDS="4 5" bash benchmarks/run_learning.sh    # more terse seeds (the question seed is skipped when present)
 # Each seed is `benchmarks/bench_learning.py` (one process, its own work folder under .cache/); every seed's
 # files land in benchmarks/results/learning/<mode>/seed<N>/ and the last step pools them into learning.json.
-# ~30 min a terse seed with its controls, ~15 min the question seed (2 idle cores; see benchmarks/README.md).
+# 36-37 min a terse seed with its controls, ~21 min the question seed (2 idle cores; see benchmarks/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-"1 2 3"}

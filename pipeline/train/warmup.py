@@ -13,7 +13,8 @@ A demonstration (`build_demonstrations`) is a `Trajectory` built as the rollout 
         agent:  short reasoning</think>\\n<interaction_prompt>request</interaction_prompt>         mask 1
         env:    ConversationBuilder.env_turn_ids(LIVE environment reply)                          mask 0
     agent:      final reasoning</think>\\n<answer>{answer}</answer>                                mask 1
-The first request is the question (with a short framing; `train.warmup.request: verbatim`: alone), later ones ask the environment to verify/refine.
+The first request is the question (with a short framing; `train.warmup.request: verbatim`: alone), later
+ones ask the environment to verify/refine.
 The answer (`train.warmup.answer`) is grounded in the replies (`reply`, the default with live replies): a gold
 answer when a reply states it, else the short answer the last reply gives (`reply_answer`). `gold` puts the
 row's gold answer there whatever the replies said. Why: on the default profile the replies rarely hold the
