@@ -25,10 +25,10 @@ the same request for every backend). Read from vLLM 0.24.0's source (the version
 its chat-completions path for GPT-OSS (`vllm/entrypoints/serve/render/serving.py`
 `_make_request_with_harmony`) peels a leading `system` or `developer` message off
 (`vllm/entrypoints/openai/parser/harmony_utils.py` `extract_instructions_from_messages`, vLLM PR 44330) and
-`build_harmony_preamble` renders it as the developer message's `# Instructions`, after a system message that
-carries only the reasoning effort and date. A `system` and a `developer` first message render identically,
-so the role stays `system`. Older vLLM releases rendered a chat `system` message as a second harmony system
-message instead. The one switch that moves the instruction into the system message's model identity is
+`build_harmony_preamble` renders it as the developer message's `# Instructions`, after a system message with
+harmony's default identity, the reasoning effort, the date and the channels. A `system` and a `developer` first message render identically,
+so the role stays `system` (before that PR, by its description, the message was rendered separately after
+the harmony preamble). The one switch that moves the instruction into the system message's model identity is
 `VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS=1` (`vllm/envs.py`, default off): the server the pipeline starts gets
 it set to 0 (`harmony_server_env`), whatever the operator's shell holds.
 """
