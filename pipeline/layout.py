@@ -45,9 +45,10 @@ Design decisions:
 - **GPU memory is judged by fractions**, as vLLM and verl's rollout take it: on a GPU that both the
   environment server and verl's rollout use, `gpu_memory_utilization` + `rollout_gpu_memory_utilization`
   must not exceed 1 (vLLM refuses to start, or the second one runs out of memory). What the fractions leave
-  of `train.verl.gpu_memory_gb` must hold the FSDP actor's weights, gradients and Adam states and the
-  reference model, which verl keeps on the GPU during rollout (`pipeline.train.memory`, a floor: activations
-  are not counted); a model whose parameter count is unknown offline is not judged (`describe` says so).
+  of `train.verl.gpu_memory_gb` must hold what verl's FSDP actor keeps on the GPU while the rollout runs: its
+  weights and Adam states, a CUDA context and the weight-sync bucket (no gradients, the reference in CPU
+  memory; `pipeline.train.memory`, an estimate whose assumptions it lists); a model whose parameter count is
+  unknown offline is not judged (`describe` says so).
 - **What only the machine knows** (its GPUs, a Ray cluster's GPUs, free disk for checkpoints) is checked at
   the verl stage's start, by `pipeline.train.resources`, not here.
 """
@@ -82,6 +83,7 @@ LOG_PROB_MICRO = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
 TP, ROLLOUT_FRACTION = "actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.rollout.gpu_memory_utilization"
 AGENT_WORKERS = "actor_rollout_ref.rollout.agent.num_workers"
+WEIGHT_SYNC_BUCKET = "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes"
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,9 @@ def actor_estimate(place: Placement, run: VerlRun) -> tuple[memory.ActorMemory, 
         optimizer_offload=bool(run.value(f"{actor}.fsdp_config.optimizer_offload")),
         lora=bool(run.value("actor_rollout_ref.model.lora_rank")), reference=reference,
         ref_dtype=run.value(f"{ref}.fsdp_config.model_dtype") or "fp32",
-        ref_offload=bool(run.value(f"{ref}.fsdp_config.param_offload")))
+        ref_on_cpu=bool(run.value(f"{ref}.fsdp_config.forward_only")
+                        or run.value(f"{ref}.fsdp_config.param_offload")),
+        weight_sync_megabytes=run.value(WEIGHT_SYNC_BUCKET))
     shared = place.shared_gpus
     taken = run.value(ROLLOUT_FRACTION) + (place.environment.server.gpu_memory_utilization if shared else 0)
     return estimate, max(0.0, 1 - taken) * place.verl.gpu_memory_gb, found[1]
@@ -315,9 +319,9 @@ def _memory_problems(place: Placement, run: VerlRun) -> list[LayoutProblem]:
         ("train.verl.gpu_memory_gb", *run.ours(ROLLOUT_FRACTION),
          *(("environment.server.gpu_memory_utilization",) if shared else ()), "agent.model",
          *run.ours(*GPUS, "actor_rollout_ref.actor.fsdp_config.param_offload")),
-        f"verl's FSDP actor for {place.agent_model} ({source}) holds ~{estimate.describe()} per training GPU "
-        f"during rollout, but the memory fractions leave {left_gib:.1f} of {place.verl.gpu_memory_gb:g} GiB "
-        f"({ROLLOUT_FRACTION}={run.value(ROLLOUT_FRACTION)}"
+        f"verl's FSDP actor for {place.agent_model} ({source}) holds an estimated {estimate.describe()} per "
+        f"training GPU during rollout, but the memory fractions leave {left_gib:.1f} of "
+        f"{place.verl.gpu_memory_gb:g} GiB ({ROLLOUT_FRACTION}={run.value(ROLLOUT_FRACTION)}"
         f"{', plus the environment server' if shared else ''}): use more GPUs, lower the fractions, or offload "
         f"({offload}=true through {EXTRA_OVERRIDES})")]
 

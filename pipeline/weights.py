@@ -20,6 +20,11 @@ Decisions:
 - **GPT-OSS's harmony encoding** (`o200k_base.tiktoken`, not in the model repository) is fetched and checked
   with the weights when vLLM serves a GPT-OSS environment (pipeline/environment/harmony.py), reported as
   one more line under `environment.model`; without it vLLM cannot start offline.
+- **The processes that load weights run offline, on local paths**: once a model's check passed here,
+  `cached_location` gives its verified local folder (for a Hub id, the snapshot folder in the Hugging Face
+  cache, found by `snapshot_download(local_files_only=True)`), and the vLLM server and verl's trainer and Ray
+  workers are started on that path with `OFFLINE_ENV`. Set only for those processes, never globally: the
+  data stages still read the Hub where the profile says so (the GPU profiles have no mirror).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tik
 HUB_IGNORE = ["original/*", "metal/*"]
 """Folders no loader reads: GPT-OSS's original-format checkpoint (~13.8 GB) and its Metal weights."""
 HARMONY_KEY = "environment.model"
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+"""The environment of a process that loads verified weights: neither huggingface_hub nor transformers asks the
+Hub (a missing file fails at once instead of a download inside a GPU job's startup)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,8 @@ class ModelStatus:
     state: State
     detail: str
     """Where it is, or what is wrong / missing."""
+    location: Path | None = None
+    """The verified local file or folder (a Hub id's snapshot folder); None unless present or fetched."""
 
     @property
     def ok(self) -> bool:
@@ -117,7 +127,9 @@ def model_status(key: str, ref: str, root: Path, *, fetch: bool) -> ModelStatus:
         return ModelStatus(key, ref, "missing", str(exc))
     if resolved.is_local:
         problem = verify_local(Path(resolved.location))
-        return ModelStatus(key, ref, "invalid" if problem else "present", problem or resolved.location)
+        if problem:
+            return ModelStatus(key, ref, "invalid", problem)
+        return ModelStatus(key, ref, "present", resolved.location, Path(resolved.location))
     snapshot = _hub_snapshot(resolved.location, fetch=False)
     state: State = "present"
     if snapshot is None and fetch:
@@ -130,7 +142,20 @@ def model_status(key: str, ref: str, root: Path, *, fetch: bool) -> ModelStatus:
     if snapshot is None:
         return ModelStatus(key, ref, "missing", "not in the Hugging Face cache (run `promptr1 weights`)")
     problem = verify_local(snapshot)
-    return ModelStatus(key, ref, "invalid" if problem else state, problem or str(snapshot))
+    if problem:
+        return ModelStatus(key, ref, "invalid", problem)
+    return ModelStatus(key, ref, state, str(snapshot), snapshot)
+
+
+def cached_location(key: str, ref: str, root: Path) -> Path:
+    """The verified local copy of the model `ref` (params key `key`) for a process that runs with `OFFLINE_ENV`:
+    a local file or folder as it is, a Hub id's snapshot folder in the Hugging Face cache. Looks only on this
+    machine; raises UserError naming the key and `promptr1 weights` when the model is missing or incomplete."""
+    status = model_status(key, ref, root, fetch=False)
+    if status.location is None:
+        raise UserError(f"{key}={ref!r} is {status.state} on this machine ({status.detail}): run `promptr1 weights` "
+                        "first (the processes that load it run offline)")
+    return status.location
 
 
 def harmony_status(*, fetch: bool) -> ModelStatus:

@@ -11,7 +11,10 @@
 #         in step 1, which an isolated build cannot see (the failure `pip install -e ".[gpu]"` used to hit).
 #         Fast path: FLASH_ATTN_WHEEL names a prebuilt wheel (path or URL) for this Python, torch 2.11 and
 #         CUDA 13, and nothing compiles. Otherwise it compiles (nvcc needed: a CUDA devel image or toolkit),
-#         since no official 2.8.3 wheel exists for torch 2.11 + CUDA 13, and the compile is bounded:
+#         since no official 2.8.3 wheel exists for torch 2.11 + CUDA 13. The build command itself sets
+#         FLASH_ATTENTION_FORCE_BUILD=TRUE: without it flash-attn's setup.py (CachedWheelsCommand) first
+#         tries to download a prebuilt wheel from GitHub with urllib and no timeout, so an offline or
+#         firewalled node waits or fails before compiling anything. The compile is bounded:
 #         - only this node's GPU architecture: FLASH_ATTN_CUDA_ARCHS (what flash-attn's setup.py reads; its
 #           default builds four: 80;90;100;120) from `nvidia-smi --query-gpu=compute_cap`, each capability
 #           mapped to the flash-attn target whose kernels run on it (8.x -> 80, 9.0 -> 90, 10.x -> 100,
@@ -19,6 +22,8 @@
 #         - MAX_JOBS from memory: one compile job per ~9 GB (flash-attn's own estimate, nvcc at 4 threads)
 #           of MemAvailable in /proc/meminfo, or of the cgroup's memory.max when that is lower (a container
 #           sees the host's meminfo), at least 1.
+#         Compile time, an estimate until a node measures it: ~15-20 minutes on 16 cores for one
+#         architecture, about twice that for the Dockerfile's two (80;90).
 #         Each variable set beforehand wins. Without nvidia-smi (a `docker build`) FLASH_ATTN_CUDA_ARCHS
 #         must be given. `scripts/install-gpu.sh --print-build-env` prints the derived values and
 #         installs nothing (NVIDIA_SMI, MEMINFO and CGROUP_MEMORY_MAX name other sources, for tests).
@@ -127,8 +132,9 @@ else
   derive_cuda_archs
   derive_max_jobs
   echo "install-gpu.sh: compiling flash-attn for FLASH_ATTN_CUDA_ARCHS=$FLASH_ATTN_CUDA_ARCHS" \
-       "(TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST) with MAX_JOBS=$MAX_JOBS"
-  pip_install --no-build-isolation flash-attn
+       "(TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST) with MAX_JOBS=$MAX_JOBS (estimate: ~15-20 minutes on 16 cores" \
+       "per architecture)"
+  FLASH_ATTENTION_FORCE_BUILD=TRUE pip_install --no-build-isolation flash-attn
 fi
 
 # step 3

@@ -26,6 +26,7 @@ from pipeline.environment.servers import (
     is_healthy,
     server_command,
     started_server,
+    vllm_command,
 )
 from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
@@ -72,10 +73,11 @@ def test_llamacpp_command_from_params(local_params, engine, module):
 
 
 def test_vllm_command_from_paper_profile(repo_root):
+    """The command on the weights' local path (tests/test_offline_weights.py: the snapshot folder it gets)."""
     params = load_params(repo_root / "params.yaml", {"profile": "paper",
                                                       "environment": {"server": {"extra_args": ["--enforce-eager"]}}})
-    assert server_command(ServerSpec.from_params(params)) == [
-        "vllm", "serve", "openai/gpt-oss-20b",
+    assert vllm_command(params.environment, "/hf/hub/models--openai--gpt-oss-20b/snapshots/abc") == [
+        "vllm", "serve", "/hf/hub/models--openai--gpt-oss-20b/snapshots/abc",
         "--served-model-name", "gpt-oss-20b",
         "--tensor-parallel-size", "8",
         "--gpu-memory-utilization", "0.9",
@@ -154,9 +156,9 @@ def test_startup_timeout_kills_the_process(local_params, monkeypatch, tmp_path):
     assert started_server(local_params.environment.url) is None
 
 
-def test_missing_server_binary(local_params):
+def test_missing_server_binary(local_params, tiny_llama_dir):
     local_params.environment.backend = "vllm"
-    local_params.environment.model = "some-org/some-model"
+    local_params.environment.model = str(tiny_llama_dir)  # weights present: the missing binary is the problem
     if shutil.which("vllm"):
         pytest.skip("vllm is installed here (GPU node)")
     with pytest.raises(EnvironmentUnavailable, match="cannot start"), environment_server(local_params):

@@ -175,8 +175,17 @@ def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path,
     p.train.verl.ray_address = ""
     p.train.verl.extra_overrides = ["+ray_kwargs.ray_init.promptr1_stop_here=1"]
     run = SimpleNamespace(info=SimpleNamespace(run_id="0" * 32))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path / "encodings"))
+    # the agent's weights in a Hugging Face cache (the stage checks them first and hands verl their folder)
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "hub/models--Qwen--Qwen3-4B/snapshots/0123456789abcdef0123456789abcdef01234567"
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(snapshot.name)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").write_bytes(b"w")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     # The stage owns the environment: a server already serving the configured model at the URL is reused.
     with FaultServer(model=p.environment.served_name) as environment, pytest.raises(UserError) as excinfo:
         p.environment.base_url = environment.url
@@ -187,8 +196,10 @@ def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path,
     assert "All configuration checks passed" in log_text  # our overrides survived the real CLI parser
     # verl hands our MLflow run to every Ray worker through the job's runtime_env
     assert "'MLFLOW_RUN_ID': '" + "0" * 32 + "'" in log_text
-    # ... and the driver's offline variables (Ray workers inherit the raylet's environment, not ours)
-    assert "'HF_HUB_OFFLINE': '1'" in log_text
+    # ... and the offline variables (Ray workers inherit the raylet's environment, not ours)
+    assert "'HF_HUB_OFFLINE': '1'" in log_text and "'TRANSFORMERS_OFFLINE': '1'" in log_text
+    overrides = (tmp_path / "reports/train/verl_overrides.txt").read_text()
+    assert f"actor_rollout_ref.model.path='{snapshot}'" in overrides
     assert f"'TIKTOKEN_ENCODINGS_BASE': '{tmp_path / 'encodings'}'" in log_text
     assert (tmp_path / "reports/train/verl_overrides.txt").read_text().count("\n") > 50
 

@@ -178,7 +178,11 @@ class EnvironmentClient:
         return self.cache is not None and self.cfg.temperature == 0
 
     def messages(self, history: list[dict[str, str]], prompt: str) -> list[dict[str, str]]:
-        """The request: the method's system message, the environment's own history, then the new prompt."""
+        """The request: the method's system message, the environment's own history, then the new prompt.
+
+        The same for every backend: vLLM renders a GPT-OSS model's leading `system` message as harmony's
+        developer instructions (pipeline/environment/harmony.py says why the role stays `system`).
+        """
         return [
             {"role": "system", "content": self.cfg.system_prompt},
             *({"role": m["role"], "content": m["content"]} for m in history),

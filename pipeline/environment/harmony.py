@@ -1,4 +1,5 @@
-"""GPT-OSS's harmony encoding file, fetched with the weights so a vLLM server starts on an offline node.
+"""GPT-OSS on vLLM: the harmony encoding file, fetched with the weights so the server starts on an offline
+node, and where harmony puts our instruction.
 
 vLLM renders and parses GPT-OSS conversations with `openai_harmony`, whose `load_harmony_encoding(
 HARMONY_GPT_OSS)` needs tiktoken's `o200k_base.tiktoken` vocabulary. That file is not in the model's Hub
@@ -16,6 +17,20 @@ server is started with `TIKTOKEN_ENCODINGS_BASE` pointing at it (pipeline/enviro
 `$TIKTOKEN_ENCODINGS_BASE` if the operator set it (a shared or pre-filled folder), else
 `<HF_HOME>/tiktoken-encodings`, beside the Hub cache that holds the weights, so a copied or shared cache
 brings it along.
+
+**Our instruction is GPT-OSS's developer message.** GPT-OSS reads instructions from harmony's developer
+message; its system message carries the model identity, reasoning effort, date and channels. The client
+sends the method's instruction as the first chat message with role `system` (`EnvironmentClient.messages`,
+the same request for every backend). Read from vLLM 0.24.0's source (the version constraints/gpu.txt pins):
+its chat-completions path for GPT-OSS (`vllm/entrypoints/serve/render/serving.py`
+`_make_request_with_harmony`) peels a leading `system` or `developer` message off
+(`vllm/entrypoints/openai/parser/harmony_utils.py` `extract_instructions_from_messages`, vLLM PR 44330) and
+`build_harmony_preamble` renders it as the developer message's `# Instructions`, after a system message with
+harmony's default identity, the reasoning effort, the date and the channels. A `system` and a `developer` first message render identically,
+so the role stays `system` (before that PR, by its description, the message was rendered separately after
+the harmony preamble). The one switch that moves the instruction into the system message's model identity is
+`VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS=1` (`vllm/envs.py`, default off): the server the pipeline starts gets
+it set to 0 (`harmony_server_env`), whatever the operator's shell holds.
 """
 
 from __future__ import annotations
@@ -40,6 +55,9 @@ ENCODINGS_URL = "https://openaipublic.blob.core.windows.net/encodings/"
 ENCODING_FILES = {"o200k_base.tiktoken": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"}
 """File → sha256, as harmony checks it (public_encodings.rs: Encoding::expected_hash)."""
 DOWNLOAD_TIMEOUT_S = 120.0
+SYSTEM_INSTRUCTIONS_VARIABLE = "VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS"
+"""vLLM's switch that renders a leading system/developer instruction into harmony's system message (off: the
+developer message, where GPT-OSS reads instructions)."""
 
 
 def needs_harmony(env: EnvironmentConfig) -> bool:
@@ -107,6 +125,7 @@ def fetch_encodings(folder: Path) -> None:
         os.replace(partial, target)
 
 
-def harmony_env() -> dict[str, str]:
-    """The server environment that makes harmony read the local files instead of the network."""
-    return {ENCODINGS_VARIABLE: str(encodings_dir().resolve())}
+def harmony_server_env() -> dict[str, str]:
+    """The vLLM server environment for GPT-OSS: harmony reads the local encoding files instead of the network,
+    and our instruction renders as the developer message (module docstring)."""
+    return {ENCODINGS_VARIABLE: str(encodings_dir().resolve()), SYSTEM_INSTRUCTIONS_VARIABLE: "0"}

@@ -47,7 +47,7 @@ import httpx
 
 from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
-from pipeline.environment.harmony import encodings_dir, harmony_env, needs_harmony, verify_encodings
+from pipeline.environment.harmony import encodings_dir, harmony_server_env, needs_harmony, verify_encodings
 from pipeline.environment.knowledge import knowledge_command
 from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
@@ -55,7 +55,7 @@ from pipeline.hardware import server_threads
 from pipeline.modelref import ModelRefError, as_resolved
 from pipeline.paths import display_path
 from pipeline.placement import cuda_visible_devices, gpus_of_environment
-from pipeline.weights import model_status
+from pipeline.weights import OFFLINE_ENV, model_status
 
 if TYPE_CHECKING:
     from pipeline.config import EnvironmentConfig, Params
@@ -115,7 +115,7 @@ def _llamacpp_launcher(spec: ServerSpec) -> list[str]:
 
 @register_launcher("vllm")
 def _vllm_launcher(spec: ServerSpec) -> list[str]:
-    return vllm_command(spec.environment, _model_location(spec))
+    return vllm_command(spec.environment, str(_verified_weights(spec)))
 
 
 @register_launcher("knowledge")
@@ -142,7 +142,8 @@ def llamacpp_command(cfg: EnvironmentConfig, model_path: str) -> list[str]:
 
 
 def vllm_command(cfg: EnvironmentConfig, model: str) -> list[str]:
-    """`vllm serve` for GPU nodes (the paper's GPT-OSS-20B environment)."""
+    """`vllm serve` for GPU nodes (the paper's GPT-OSS-20B environment); `model` is the weights' local path
+    (`_verified_weights`), served under `environment.served_name`."""
     return [
         "vllm", "serve", model,
         "--served-model-name", cfg.served_name,
@@ -230,14 +231,27 @@ def _check_startable(cfg: EnvironmentConfig) -> None:
         )
 
 
+def _verified_weights(spec: ServerSpec) -> Path:
+    """The local path of the vLLM model's verified weights (a Hub id's snapshot folder in the Hugging Face
+    cache); EnvironmentUnavailable naming `promptr1 weights` when they are not on this machine."""
+    cfg = spec.environment
+    status = model_status("environment.model", cfg.model, spec.root, fetch=False)
+    if status.location is None:
+        raise EnvironmentUnavailable(f"environment.model={cfg.model!r} is {status.state} on this "
+                                     f"machine ({status.detail}): run `promptr1 weights` before starting vLLM")
+    return status.location
+
+
 def server_env(spec: ServerSpec) -> dict[str, str]:
     """The server's environment: its GPUs only (`environment.server.gpus`), and offline Hub access for vLLM.
 
     vLLM is given only the devices the layout assigns it, so it cannot land on verl's GPUs. Its weights
-    must already be in the Hugging Face cache (`promptr1 weights`), so it starts with `HF_HUB_OFFLINE=1`
-    instead of downloading ~13 GB inside its startup timeout while the GPUs wait. A GPT-OSS model also needs
-    harmony's encoding file, which `HF_HUB_OFFLINE` does not cover: `TIKTOKEN_ENCODINGS_BASE` points harmony
-    at the copy `promptr1 weights` fetched (pipeline/environment/harmony.py), so it never downloads.
+    must already be in the Hugging Face cache (`promptr1 weights`); it is started on their local path with
+    `HF_HUB_OFFLINE=1` and `TRANSFORMERS_OFFLINE=1` (`pipeline.weights.OFFLINE_ENV`) instead of downloading
+    ~13 GB inside its startup timeout while the GPUs wait. A GPT-OSS model also needs harmony's encoding file,
+    which those variables do not cover: `TIKTOKEN_ENCODINGS_BASE` points harmony at the copy `promptr1 weights`
+    fetched (pipeline/environment/harmony.py), so it never downloads; and `harmony_server_env` keeps our
+    instruction in harmony's developer message.
     """
     env = dict(os.environ)
     cfg = spec.environment
@@ -245,18 +259,15 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
     if cfg.backend == "vllm":
-        status = model_status("environment.model", cfg.model, spec.root, fetch=False)
-        if not status.ok:
-            raise EnvironmentUnavailable(f"environment.model={cfg.model!r} is {status.state} on this "
-                                         f"machine ({status.detail}): run `promptr1 weights` before starting vLLM")
-        env["HF_HUB_OFFLINE"] = "1"
+        _verified_weights(spec)
+        env.update(OFFLINE_ENV)
         if needs_harmony(cfg):
             problem = verify_encodings(encodings_dir())
             if problem:
                 raise EnvironmentUnavailable(f"environment.model={cfg.model!r} is GPT-OSS, whose "
                                              f"harmony encoding vLLM loads at start: {problem}. Run `promptr1 "
                                              "weights` before starting vLLM")
-            env.update(harmony_env())
+            env.update(harmony_server_env())
     return env
 
 

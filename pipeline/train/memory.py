@@ -1,21 +1,35 @@
 """Memory and disk that verl's FSDP actor needs, estimated from the parameter count (no GPU, no network).
 
-What verl 0.9.1 keeps, read from its source (the legacy trainer's workers, `verl/workers/engine_workers.py`,
-build the FSDP engine `verl/workers/engine/fsdp/transformer_impl.py`):
-- **Weights**: loaded in `fsdp_config.model_dtype` (ppo_trainer.yaml: `fp32` for the actor and the reference;
-  `transformer_impl.py` `_build_module`), sharded over the FSDP group (`fsdp_size`, -1 = every training GPU).
-  Mixed precision (`dtype: bfloat16`) only casts for compute; the sharded fp32 master weights stay.
-- **Gradients**: one per weight, in the weights' dtype. **Optimizer**: AdamW, two states (`exp_avg`,
-  `exp_avg_sq`) per weight in the weights' dtype. So a full fine-tune in fp32 holds 16 bytes per parameter,
-  divided by the FSDP group. `param_offload` moves weights and gradients to CPU between uses,
-  `optimizer_offload` the optimizer states (`fsdp_config` of `actor_rollout_ref.actor`).
-- **Reference model** (when `use_kl_loss` or `use_kl_in_reward`): weights only, its own `model_dtype`, unless
-  `actor_rollout_ref.ref.fsdp_config.param_offload`. With LoRA the reference is the actor without its adapter
-  (`ray_trainer.py` `ref_in_actor`): no second copy, and gradients/optimizer cover only the (small, ignored)
-  adapter.
-- These stay on the GPU while vLLM's rollout holds its `gpu_memory_utilization` share (and a colocated
-  environment server its own), so they must fit in what the fractions leave. Activations, the CUDA context
-  and fragmentation are not counted: the estimate is a floor, and a layout under it certainly fails.
+`actor_memory` is an **estimate** of what one training GPU holds for the actor while vLLM's rollout runs
+beside it (the rollout's `gpu_memory_utilization` share and a colocated environment server's are separate).
+Read from verl 0.9.1's source: the legacy trainer (`main_ppo_v0`) builds `verl/workers/engine_workers.py`
+workers, whose FSDP engine is `verl/workers/engine/fsdp/transformer_impl.py`. Its assumptions:
+- **Weights**: loaded in `fsdp_config.model_dtype` (ppo_trainer.yaml: `fp32` for the actor; `_build_module`),
+  sharded over the FSDP group (`fsdp_size`, -1 = every training GPU). Mixed precision (`dtype: bfloat16`)
+  only casts for compute; the sharded fp32 master weights stay. **Optimizer**: AdamW, two states
+  (`exp_avg`, `exp_avg_sq`) per weight in the weights' dtype. So an fp32 full fine-tune keeps 4 + 8 = 12
+  bytes per parameter, divided by the FSDP group. `param_offload` moves the weights to CPU between uses,
+  `optimizer_offload` the Adam states (`fsdp_config` of `actor_rollout_ref.actor`).
+- **No gradients**: they exist only inside an update. The engine's train mode ends with
+  `optimizer_zero_grad` (`transformer_impl.py` `EngineTrainModeCtx.__exit__`, `zero_grad_on_exit` defaults to
+  true in `verl/workers/engine/base.py` `BaseEngineCtx`), which calls `optimizer.zero_grad()`, and torch's
+  default `set_to_none=True` frees them before the next rollout.
+- **Reference model** (when `use_kl_loss` or `use_kl_in_reward`): not on the GPU. verl's reference config is
+  `forward_only` (`trainer/config/ref/dp_ref.yaml`), and a forward-only FSDP engine keeps its parameters in CPU
+  memory: fsdp2 with `CPUOffloadPolicy(pin_memory=True)`, fsdp with `CPUOffload(offload_params=True)`
+  (`transformer_impl.py` `_build_fsdp_module`); a layer is copied to the GPU only while its forward runs. A
+  reference built without `forward_only` (an override) would count its weights in `ref_dtype`. With LoRA the
+  reference is the actor without its adapter (`ray_trainer.py` `ref_in_actor`): no second copy, and the Adam
+  states cover only the (small, ignored) adapter.
+- **CUDA context**: one per training GPU (the worker process), `CUDA_CONTEXT_BYTES` = 1 GiB, an estimate
+  (typically 0.5-1 GiB with torch's kernels and NCCL's buffers; not measured here).
+- **Weight-sync bucket**: before each rollout the actor sends its weights to vLLM through a buffer of
+  `actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes` (2048 MiB by default) that it
+  allocates on its own GPU (`verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py`
+  `BucketedWeightSender._init_buffer`) while vLLM's weights are already loaded; it is freed after the sync, but
+  the sync must fit too, so it is counted.
+- Not counted: activations of a forward or an update (they come after vLLM has released its KV cache,
+  `free_cache_engine`), allocator fragmentation, and a layer of the reference copied in for its forward.
 - **Checkpoints** (`verl/utils/checkpoint/fsdp_checkpoint_manager.py::save_checkpoint`): each rank saves its
   model shard (weights, `model_dtype`), its optimizer shard (both Adam states) and a small extra state (RNG,
   LR scheduler) per save (`checkpoint.save_contents` = model, optimizer, extra); `hf_model` adds a bf16
@@ -46,6 +60,8 @@ PUBLISHED_PARAMETERS = {
 id's name lower-cased (an -Instruct/-Base suffix is ignored: same size)."""
 DENSE_DECODERS = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+CUDA_CONTEXT_BYTES = GIB
+"""One CUDA context per training GPU (torch, its kernels, NCCL): an estimate, not a measurement."""
 
 
 def _table_key(model: str) -> str:
@@ -115,33 +131,42 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class ActorMemory:
-    """Bytes one training GPU holds for the FSDP actor and reference model, outside any forward pass."""
+    """Bytes one training GPU holds for verl's FSDP actor while the rollout runs: an estimate (module docstring)."""
 
     weights: float
-    gradients: float
     optimizer: float
+    """Both AdamW states."""
     reference: float
+    """The reference model's weights: 0 when verl keeps them in CPU memory (its default)."""
+    cuda_context: float
+    weight_sync: float
+    """The bucket the actor's weights travel to vLLM through."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.reference
+        return self.weights + self.optimizer + self.reference + self.cuda_context + self.weight_sync
 
     def describe(self) -> str:
-        parts = [("weights", self.weights), ("gradients", self.gradients), ("Adam states", self.optimizer),
-                 ("reference", self.reference)]
-        return " + ".join(f"{name} {value / GIB:.1f}" for name, value in parts) + f" = {self.total / GIB:.1f} GiB"
+        parts = [("weights", self.weights), ("Adam states", self.optimizer), ("reference", self.reference),
+                 ("CUDA context", self.cuda_context), ("weight-sync bucket", self.weight_sync)]
+        shown = " + ".join(f"{name} {value / GIB:.1f}" for name, value in parts if value)
+        return f"{shown} = {self.total / GIB:.1f} GiB"
 
 
 def actor_memory(parameters: int, *, shards: int, model_dtype: str, param_offload: bool, optimizer_offload: bool,
-                 lora: bool, reference: bool, ref_dtype: str, ref_offload: bool) -> ActorMemory:
-    """Per-GPU resident memory of verl's FSDP actor (module docstring)."""
+                 lora: bool, reference: bool, ref_dtype: str, ref_on_cpu: bool,
+                 weight_sync_megabytes: int) -> ActorMemory:
+    """Per-GPU memory of verl's FSDP actor during rollout, an estimate (the module docstring's assumptions).
+
+    `ref_on_cpu`: the reference keeps its parameters in CPU memory (verl's `forward_only` reference, or its
+    `param_offload`); `weight_sync_megabytes`: `checkpoint_engine.update_weights_bucket_megabytes`.
+    """
     per_gpu = parameters / shards
     weight_bytes = dtype_bytes(model_dtype)
     weights = 0.0 if param_offload else per_gpu * weight_bytes
-    gradients = 0.0 if param_offload or lora else per_gpu * weight_bytes
     optimizer = 0.0 if optimizer_offload or lora else 2 * per_gpu * weight_bytes
-    ref = per_gpu * dtype_bytes(ref_dtype) if reference and not lora and not ref_offload else 0.0
-    return ActorMemory(weights, gradients, optimizer, ref)
+    ref = per_gpu * dtype_bytes(ref_dtype) if reference and not lora and not ref_on_cpu else 0.0
+    return ActorMemory(weights, optimizer, ref, float(CUDA_CONTEXT_BYTES), float(weight_sync_megabytes * 1024**2))
 
 
 def checkpoint_bytes(parameters: int, *, save_contents: list[str], model_dtype: str, lora: bool) -> int:

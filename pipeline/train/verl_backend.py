@@ -35,9 +35,14 @@ Decisions:
 - **Health gate** (`train.health`, pipeline/train/verl_health.py): every output line goes to a watch that
   judges each step from verl's step line and its rollout dump (`trainer.rollout_data_dir`); a breach stops
   verl's process group, sets the breaching step's checkpoints aside and fails the stage with one line.
-- **Offline workers**: the driver's `HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE`, `HF_HOME`, tiktoken folders
-  and the like (`OFFLINE_VARIABLES`, those set) go into the Ray job's `runtime_env` too, since Ray workers
-  inherit the raylet's environment, not the driver's.
+- **Offline, on a local path**: before verl starts, the agent's weights are checked in this machine's
+  Hugging Face cache (`pipeline.weights.cached_location`; missing: a UserError naming `promptr1 weights`).
+  verl then gets the snapshot folder as `actor_rollout_ref.model.path` instead of the Hub id, and the launch
+  runs with `HF_HUB_OFFLINE=1` and `TRANSFORMERS_OFFLINE=1` (`pipeline.weights.OFFLINE_ENV`). Those, with the
+  driver's `HF_HOME`, tiktoken folders and the like (`OFFLINE_VARIABLES`, those set), go into the Ray job's
+  `runtime_env` too, since Ray workers inherit the raylet's environment, not the driver's. On several nodes
+  the snapshot folder must exist at the same path on each (the shared filesystem, or `promptr1 weights` with
+  the same `HF_HOME` on every node). `verl_launch` builds the command line and environment.
 - **Secrets** (the environment API key) never go into overrides (verl prints its whole config): the
   variable named by `environment.api_key_env` must be set where `ray start` ran on every node, because
   Ray workers inherit the raylet's environment.
@@ -70,7 +75,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -81,6 +86,7 @@ from pipeline.errors import DataError, UserError
 from pipeline.placement import cuda_visible_devices, gpus_of_training
 from pipeline.train import health
 from pipeline.train.verl_health import BreachSeen, VerlHealthWatch
+from pipeline.weights import OFFLINE_ENV, cached_location
 
 if TYPE_CHECKING:
     from pipeline.train.plan import TrainPlan
@@ -105,7 +111,7 @@ from pipeline.train.verl_overrides import (
 __all__ = [  # the override mapping lives in verl_overrides; re-exported for callers of this module
     "AGENT_LOOP_CONFIG", "AGENT_NAME", "OVERRIDE_TABLE", "REWARD_FUNCTION_FILE", "REWARD_FUNCTION_NAME",
     "agent_loop_overrides", "build_overrides", "eval_files", "export_steps_csv", "hydra_value", "model_location",
-    "param_value", "reward_kwargs_overrides", "rollout_dump_dir", "train_file", "train_verl",
+    "param_value", "reward_kwargs_overrides", "rollout_dump_dir", "train_file", "train_verl", "verl_launch",
 ]
 
 log = logging.getLogger(__name__)
@@ -177,8 +183,9 @@ def run_verl(plan: TrainPlan, uri: str, run: Any) -> None:
 
     val_files = _preflight(plan)
     _refuse_credentials_in_tracking_uri(uri)
+    agent_path = cached_location("agent.model", plan.agent.model, plan.root)
     with serve_environment(plan.server) as url:  # started/reused and health-checked here, stopped on any exit
-        _launch(plan, uri, run, val_files, url)
+        _launch(plan, uri, run, val_files, url, agent_path)
 
 
 def _refuse_credentials_in_tracking_uri(uri: str) -> None:
@@ -189,21 +196,35 @@ def _refuse_credentials_in_tracking_uri(uri: str) -> None:
                         "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) on every node instead")
 
 
-def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environment_url: str) -> None:
+def verl_launch(plan: TrainPlan, *, uri: str, run_id: str, val_files: list[Path], environment_url: str,
+                agent_path: Path, base_env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(command line, environment) of `python -m verl.trainer.main_ppo` for this plan; pure, nothing started.
+
+    verl loads the agent from `agent_path` (its verified local copy) with the offline variables set, in its own
+    process and, through the Ray job's runtime_env, in every worker. `base_env` is the caller's environment.
+    """
+    env = dict(base_env)
+    env.update({"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_DISABLE_TELEMETRY": "true",
+                "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1",
+                "RAY_USAGE_STATS_ENABLED": env.get("RAY_USAGE_STATS_ENABLED", "0"), **OFFLINE_ENV})
+    overrides = (build_overrides(plan, val_files=val_files, environment_url=environment_url, agent_path=agent_path)
+                 + _mlflow_runtime_env_overrides(uri, run_id) + offline_runtime_env_overrides(env))
+    return [sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env
+
+
+def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environment_url: str,
+            agent_path: Path) -> None:
     """Start verl's trainer against the running environment at `environment_url` and wait for it."""
     run_id = run.info.run_id
-    overrides = (build_overrides(plan, val_files=val_files, environment_url=environment_url)
-                 + _mlflow_runtime_env_overrides(uri, run_id) + offline_runtime_env_overrides(dict(os.environ)))
+    command, env = verl_launch(plan, uri=uri, run_id=run_id, val_files=val_files, environment_url=environment_url,
+                               agent_path=agent_path, base_env=os.environ)
+    overrides = command[3:]
 
     reports = plan.reports_dir / "train"
     reports.mkdir(parents=True, exist_ok=True)
     (reports / "verl_overrides.txt").write_text("\n".join(overrides) + "\n", encoding="utf-8")
     plan.checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
-    env = dict(os.environ)
-    env.update({"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "MLFLOW_DISABLE_TELEMETRY": "true",
-                "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1",
-                "RAY_USAGE_STATS_ENABLED": env.get("RAY_USAGE_STATS_ENABLED", "0")})
     verl = plan.train.verl
     if verl.ray_address:
         env["RAY_ADDRESS"] = verl.ray_address
@@ -214,7 +235,7 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
 
     # Under the owner guard: verl and its process group stop even if this process is SIGKILLed.
-    command = guarded([sys.executable, "-m", "verl.trainer.main_ppo", *overrides])
+    command = guarded(command)
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
              reports / "verl_overrides.txt", verl.ray_address or "local")
     health_cfg = plan.train.health

@@ -95,16 +95,19 @@ def eval_files(plan: TrainPlan) -> list[Path]:
 
 
 def build_overrides(plan: TrainPlan, *, val_files: list[Path] | None = None,
-                    environment_url: str | None = None) -> list[str]:
+                    environment_url: str | None = None, agent_path: Path | None = None) -> list[str]:
     """verl Hydra overrides for `ppo_trainer.yaml` from the train plan, then `train.verl.extra_overrides`.
 
-    `val_files` defaults to every evaluation set named by params (`train_verl` passes the existing ones).
+    `val_files` defaults to every evaluation set named by params (`train_verl` passes the existing ones);
+    `agent_path`, the agent's verified local copy (`pipeline.weights.cached_location`), replaces its reference
+    as verl's model path, so workers that run offline never look a Hub id up.
     """
     val = [str(p) for p in (val_files if val_files is not None else eval_files(plan))]
+    model = model_location(plan)  # also refuses a GGUF agent
     computed = {
         "data.train_files": str(train_file(plan)),
         "data.val_files": val,
-        "actor_rollout_ref.model.path": model_location(plan),
+        "actor_rollout_ref.model.path": str(agent_path) if agent_path is not None else model,
         "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(AGENT_LOOP_CONFIG),
         "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_NAME,
         "reward.custom_reward_function.path": str(REWARD_FUNCTION_FILE),
