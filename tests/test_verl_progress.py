@@ -235,6 +235,18 @@ def test_step_bounds_of_the_smoke_profile_by_hand(smoke_plan):
     assert StepBounds.of(schedule, measured, smoke_plan.environment, smoke_plan.agent).seconds(2, False) == 1000
 
 
+def test_a_training_set_verl_cannot_train_on_is_named(smoke_plan):
+    from pipeline.errors import DataError
+    from pipeline.train.verl_progress import verl_schedule
+
+    pd.DataFrame({"x": range(3)}).to_parquet(smoke_plan.train_file)  # fewer rows than one batch of 4
+    with pytest.raises(DataError, match=r"train.parquet gives verl no training step \(3 rows"):
+        verl_schedule(smoke_plan)
+    smoke_plan.train_file.write_bytes(b"not parquet")
+    with pytest.raises(DataError, match=r"train.parquet is not a readable Parquet file"):
+        verl_schedule(smoke_plan)
+
+
 def test_train_stage_calls_verl_training_complete_on_verl_s_total(smoke_plan, tmp_path):
     """The stage's "nothing to do" decision for backend verl: verl's checkpoint against the total verl computes.
     Without it the stage relaunched verl past its last step (verl then trains one step beyond the total)."""

@@ -124,9 +124,14 @@ def schedule_from_config(value: Callable[[str], Any], train_rows: int, validatio
 
 
 def parquet_rows(path: Path) -> int:
+    """Rows of a Parquet file (its footer only); DataError naming the file when it is not one."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.ParquetFile(path).metadata.num_rows
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, pa.ArrowException) as exc:
+        raise DataError(f"{path} is not a readable Parquet file ({exc}): run `dvc repro build` again") from None
 
 
 def verl_schedule(plan: TrainPlan, val_files: list[Path] | None = None) -> VerlSchedule:
@@ -139,7 +144,11 @@ def verl_schedule(plan: TrainPlan, val_files: list[Path] | None = None) -> VerlS
         raise DataError(f"{path} not found: run `dvc repro build` (or `promptr1 build`) first")
     run = compose_plan(plan)
     val_rows = sum(parquet_rows(p) for p in (val_files or []) if p.is_file())
-    return schedule_from_config(run.value, parquet_rows(path), val_rows)
+    schedule = schedule_from_config(run.value, parquet_rows(path), val_rows)
+    if schedule.steps_per_epoch < 1 or schedule.total_steps < 1:
+        raise DataError(f"{path} gives verl no training step ({parquet_rows(path)} rows, {schedule.derivation}): "
+                        "build more rows or lower train.batch_size")
+    return schedule
 
 
 def resumed_step(checkpoint_dir: Path) -> int:
