@@ -74,6 +74,13 @@ def test_resume_to_step_zero_is_stopped_at_its_first_step(tmp_path):
     assert message.startswith(f"{RESUME_CHECK_MARK}: verl restarted at step 0")
     assert "first training step was 1" in message and "global_step_20" in message and "step 21" in message
     assert check.first == 1 and check.logged == 0  # stopped at the first step line, before a second one
+    # verl saved the restart's step 1 (save_freq 1) and its marker before printing the line: set aside, and the
+    # marker points at the checkpoint the launch should have resumed from, so the next launch does
+    verl_checkpoints(ckpt, 1)
+    assert resumed_step(ckpt) == 1
+    assert check.undo_restart() == ("set aside global_step_1 as restarted-*; verl's marker points at global_step_20 "
+                                    "again")
+    assert (ckpt / "restarted-global_step_1" / "actor").is_dir() and resumed_step(ckpt) == 20
 
 
 def test_resume_to_step_zero_stops_the_real_process_and_is_not_retried(tmp_path):

@@ -81,7 +81,7 @@ from urllib.parse import urlsplit
 
 from pipeline.config import Params
 from pipeline.environment.guard import guarded
-from pipeline.errors import DataError, UserError
+from pipeline.errors import DataError, TrainingIncomplete, UserError
 from pipeline.placement import cuda_visible_devices, gpus_of_training
 from pipeline.train import health
 from pipeline.train.verl_health import BreachSeen, VerlHealthWatch
@@ -241,6 +241,8 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
         kept = set_aside_verl_steps(plan.checkpoint_dir, seen.breach.step)
         raise health.stop_training(seen.breach, f"kept checkpoint {kept.parent.name}" if kept is not None
                                    else "no checkpoint kept (none was saved before the breach)") from None
+    except TrainingIncomplete as restarted:  # stopped at its first step (verl_progress): keep the resume point
+        raise TrainingIncomplete(f"{restarted}; {progress.check.undo_restart()}") from None
     stalled = progress.stalled()
     if stalled is not None:
         raise stalled

@@ -19,7 +19,7 @@ What this module checks, from the same output stream the health gate reads:
 - **The resume** (`ResumeCheck`): the checkpoint a launch must resume from is the newest `global_step_N`
   before the launch (verl's marker first, `checkpoint.latest_verl_step`). The first training step logged must
   be N+1; anything else stops verl's process group at once (before a restart overwrites more checkpoints) with
-  `TrainingIncomplete`. When verl exits 0, its last training step must be the total: a resume at an epoch
+  `TrainingIncomplete`, after setting aside what the restart saved and pointing verl's marker back at N. When verl exits 0, its last training step must be the total: a resume at an epoch
   boundary that logged at least a whole epoch fewer steps than it should is named a skipped epoch, any other
   shortfall a short run. Every message
   names both figures: the step logged and the step expected, the last step and the total.
@@ -47,6 +47,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -71,6 +72,7 @@ RESUME_CHECK_MARK = "training resume check"
 STALL_MARK = "training stalled"
 """Start of the watchdog's message (the flow retries it)."""
 _TOTAL_LINE = re.compile(r"Total training steps: (\d+)")
+_STEP_FOLDER = re.compile(r"global_step_\d+")
 STOP_GRACE_S = 30.0
 """SIGTERM to SIGKILL: longer than the owner guard's own grace (pipeline/environment/guard.py)."""
 
@@ -160,6 +162,11 @@ def resumed_step(checkpoint_dir: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------- resume
+def verl_step_folders(root: Path) -> set[str]:
+    """The names of verl's `global_step_N` folders under `root`."""
+    return {c.name for c in root.iterdir() if _STEP_FOLDER.fullmatch(c.name)} if root.is_dir() else set()
+
+
 class ResumeCheck:
     """Fed verl's lines; holds a launch to resuming at `resumed_from` + 1 and ending at the total."""
 
@@ -167,6 +174,8 @@ class ResumeCheck:
         self.schedule = schedule
         self.resumed_from = resumed_from
         self.checkpoint_dir = checkpoint_dir
+        self.folders_before = verl_step_folders(checkpoint_dir)
+        """verl's checkpoint folders before the launch: what a stopped restart wrote is the rest."""
         self.first: int | None = None
         self.last: int | None = None
         self.logged = 0
@@ -217,6 +226,26 @@ class ResumeCheck:
             what = f"verl's first training step was {step}, but the launch resumed from {start}: expected step {expected}"
         return (f"{RESUME_CHECK_MARK}: {what}; verl was stopped so it cannot overwrite the checkpoints "
                 "(see verl issue 7952)")
+
+    def undo_restart(self) -> str:
+        """After a restart was stopped: set the checkpoints it wrote aside (`restarted-global_step_K`, kept for
+        inspection, invisible to verl and merge) and point verl's marker back at the checkpoint it should have
+        resumed from. verl saves a step before printing its line, so with `save_freq` 1 the restart's step 1 is on
+        disk and would otherwise be what the next launch resumes from. Returns what was done, for the message."""
+        root = self.checkpoint_dir
+        moved = sorted(verl_step_folders(root) - self.folders_before)
+        for name in moved:
+            target = root / f"restarted-{name}"
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(root / name, target)
+        done = [f"set aside {', '.join(moved)} as restarted-*"] if moved else []
+        if self.resumed_from and (root / f"global_step_{self.resumed_from}" / "actor").is_dir():
+            tmp = root / ".latest_checkpointed_iteration.tmp"
+            tmp.write_text(str(self.resumed_from))
+            os.replace(tmp, root / "latest_checkpointed_iteration.txt")
+            done.append(f"verl's marker points at global_step_{self.resumed_from} again")
+        return "; ".join(done) or "no checkpoint was written"
 
     def verify(self) -> TrainingProgress:
         """After verl exited 0: the launch's progress; raises TrainingIncomplete when it ended short of the total."""
