@@ -1,5 +1,6 @@
 """How the retraining flow (flows/retrain.py) treats each stage: retries, their delays, whether it needs the
-environment server, and the retry condition that never retries a run the training health gate stopped.
+environment server, and the retry condition that never retries a run the training health gate or the resume
+check stopped (a stalled run is retried: it resumes from its last checkpoint).
 
 In its own module so the flow stays readable; `flows.retrain` re-exports these names.
 """
@@ -38,13 +39,26 @@ DEFAULT_POLICY = StagePolicy()
 
 HEALTH_GATE_MARK = "training health gate"
 """Start of the line a stage prints when the training health gate stopped it (pipeline/train/health.py)."""
+RESUME_CHECK_MARK = "training resume check"
+"""Start of the line when verl did not train the steps it should have (pipeline/train/verl_progress.py)."""
+STALL_MARK = "training stalled"
+"""Start of the line when the progress watchdog stopped verl (pipeline/train/verl_progress.py): retried."""
+
+NOT_RETRIED = {
+    HEALTH_GATE_MARK: "a resumed run would train from the same last healthy checkpoint into the same breach",
+    RESUME_CHECK_MARK: "a rerun resumes from the same checkpoint with the same verl: the same restart or skip",
+}
+"""Failures a retry cannot fix, by the mark their line starts with, and why. Anything else is retried,
+including a stall (`STALL_MARK`): a hang in weight sync or a collective is transient, and the retry resumes
+from the last checkpoint."""
 
 
 def retry_unless_unhealthy(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect's retry condition: retry a failed stage unless the training health gate stopped it (a resumed
-    run would train from the same last healthy checkpoint into the same breach, hours of GPU later)."""
+    """Prefect's retry condition: retry a failed stage unless its failure is one a retry cannot fix
+    (`NOT_RETRIED`: the training health gate, the resume check), hours of GPU later."""
     try:
         state.result()
     except Exception as exc:  # noqa: BLE001 - the stage's failure, whatever it is, is what we judge
-        return HEALTH_GATE_MARK not in str(exc)
+        text = str(exc)
+        return not any(mark in text for mark in NOT_RETRIED)
     return True

@@ -25,3 +25,13 @@ class EnvironmentUnhealthy(UserError):
 class TrainingUnhealthy(UserError):
     """The training health gate (`train.health`, pipeline/train/health.py) saw a breach: the run stops with one
     line naming the figure, its value, the threshold and the step; the last healthy checkpoint is kept."""
+
+
+class TrainingStalled(UserError):
+    """The progress watchdog (pipeline/train/verl_progress.py) saw no new verl step line within the step's bound:
+    verl's process group was stopped; the last checkpoint stays, so a retry resumes from it."""
+
+
+class TrainingIncomplete(UserError):
+    """verl ended without training the steps it should have from the checkpoint it resumed from (a restart at
+    step 0, a skipped epoch, a short run); the message names the expected and the logged steps."""

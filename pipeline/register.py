@@ -24,7 +24,9 @@ Fail closed (the alias is what serving trusts, so doubt keeps the champion):
   (the kill came after the alias moved, on a decision already taken with its `eval.*` tags): then it is
   tagged `promoted` with the reason "recovered". The rerun registers its own version as usual.
 
-A model whose train run the health gate stopped (tag `health.breach`, pipeline/train/health.py) is refused first.
+A model whose train run the health gate stopped (tag `health.breach`, pipeline/train/health.py) is refused first,
+and so is one whose train run did not reach its total (`train.progress.*` tags, pipeline/train/completion.py:
+the figures the train stage decides "complete" with).
 
 Experiment profiles never touch production: for a profile in `EXPERIMENT_PROFILES` (`learn`, the learning
 experiment) the stage refuses to run when `register.alias` is the production `champion`, before anything is
@@ -112,6 +114,23 @@ def check_training_health(params: Params) -> None:
         raise UserError(f"train run {run.info.run_id} was stopped by the training health gate "
                         f"({HEALTH_BREACH_TAG}={tags[HEALTH_BREACH_TAG]} at step {tags.get('health.breach_step', '?')}):"
                         " its model is never registered or promoted; fix the run (or train.health) and train again")
+
+
+def check_training_complete(params: Params) -> None:
+    """Raise UserError, before anything is logged, when this execution's train run did not reach its total.
+
+    The train run carries how far training got (`train.progress.*` tags, pipeline/train/completion.py), on the
+    figures the train stage decided "complete" with; a run without the record (older than it) is not refused.
+    """
+    from pipeline.tracking import newest_train_run
+    from pipeline.train.completion import TrainingProgress
+
+    run = newest_train_run(params)
+    progress = TrainingProgress.from_tags(run.data.tags) if run is not None else None
+    if progress is not None and not progress.complete:
+        raise UserError(f"train run {run.info.run_id} ended at {progress.describe()}: training is not complete, so its "
+                        "model is never registered or promoted; run `promptr1 train` again (it resumes from the "
+                        "last checkpoint)")
 
 
 # --- MLflow models -----------------------------------------------------------------------------------
@@ -263,6 +282,7 @@ def run_register(params: Params) -> dict[str, Any]:
     candidate = EvalAverages.from_metrics_json(json.loads(metrics_file.read_text()))
     check_metric(candidate, cfg.metric)  # before a model version is registered
     check_training_health(params)
+    check_training_complete(params)
 
     with (promotion_lock(plan.lock_dir, cfg.model_name, "registering"), stage_run(params, "register") as run,
           tempfile.TemporaryDirectory() as tmp):

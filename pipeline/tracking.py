@@ -147,11 +147,11 @@ def _recorded_parent(path: Path) -> str | None:
     return None
 
 
-def breached_train_run(params: Params) -> Any | None:
-    """The newest train run of the recorded parent when the health gate stopped it (`HEALTH_BREACH_TAG`), else None.
+def newest_train_run(params: Params) -> Any | None:
+    """The newest train run of the recorded parent (reports/mlflow_run.json), or None.
 
-    A train stage rerun after a breach may continue the same parent (`_gepa_parent`), so only its newest train
-    run counts.
+    A train stage rerun (after a breach, a stall) may continue the same parent (`_gepa_parent`), so only its
+    newest train run counts.
     """
     import mlflow
 
@@ -166,7 +166,13 @@ def breached_train_run(params: Params) -> Any | None:
         return None
     runs = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}' and tags.stage = 'train'",
                               order_by=["attributes.start_time DESC"], max_results=1)
-    return runs[0] if runs and HEALTH_BREACH_TAG in runs[0].data.tags else None
+    return runs[0] if runs else None
+
+
+def breached_train_run(params: Params) -> Any | None:
+    """The newest train run of the recorded parent when the health gate stopped it (`HEALTH_BREACH_TAG`), else None."""
+    run = newest_train_run(params)
+    return run if run is not None and HEALTH_BREACH_TAG in run.data.tags else None
 
 
 def _start_parent(record: ParentRecord) -> str:

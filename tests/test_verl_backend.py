@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 from fault_server import FaultServer
 from omegaconf import OmegaConf
@@ -170,8 +171,9 @@ def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path,
     p = paper_params
     p.root = tmp_path
     (tmp_path / "data/rl/eval").mkdir(parents=True)
-    (tmp_path / "data/rl/train.parquet").write_bytes(b"")
-    (tmp_path / "data/rl/eval/hotpotqa.parquet").write_bytes(b"")
+    # Parquet files the stage can count rows of (verl's total steps); verl stops before it reads them.
+    pd.DataFrame({"x": range(256)}).to_parquet(tmp_path / "data/rl/train.parquet")
+    pd.DataFrame({"x": range(4)}).to_parquet(tmp_path / "data/rl/eval/hotpotqa.parquet")
     p.train.verl.ray_address = ""
     p.train.verl.extra_overrides = ["+ray_kwargs.ray_init.promptr1_stop_here=1"]
     run = SimpleNamespace(info=SimpleNamespace(run_id="0" * 32))

@@ -44,12 +44,20 @@ from pipeline.config.sections import (
     RewardConfig,
     ServerConfig,
 )
-from pipeline.config.train import KlLossType, LoraConfig, LossAggMode, TrainConfig, VerlConfig, WarmupConfig
+from pipeline.config.train import (
+    KlLossType,
+    LoraConfig,
+    LossAggMode,
+    TrainConfig,
+    VerlConfig,
+    WarmupConfig,
+    WatchdogConfig,
+)
 
 __all__ = [
     "OUTPUT_PATH_KEYS", "PARAMS_FILE", "PROFILES_DIR", "PROTECTED_FOLDERS", "AgentConfig", "ConfigError",
     "DataConfig", "EnvironmentConfig", "EvaluateConfig", "FlowConfig", "GepaConfig", "KlLossType",
     "KnowledgeConfig", "LoraConfig", "LossAggMode", "MlflowConfig", "Params", "PathsConfig", "RegisterConfig",
-    "RewardConfig", "ServerConfig", "TrainConfig", "VerlConfig", "WarmupConfig", "deep_merge", "find_root",
-    "flatten", "flatten_dict", "load_params", "output_path_problems", "parse_override",
+    "RewardConfig", "ServerConfig", "TrainConfig", "VerlConfig", "WarmupConfig", "WatchdogConfig", "deep_merge",
+    "find_root", "flatten", "flatten_dict", "load_params", "output_path_problems", "parse_override",
 ]

@@ -31,6 +31,29 @@ class LoraConfig(_Section):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+class WatchdogConfig(_Section):
+    """The progress watchdog of the verl backend (pipeline/train/verl_progress.py): verl's process group is stopped
+    when no new step line comes within the step's bound, the environment's worst case for one step's rollout
+    (derived from `environment.timeout_s`, `environment.concurrency` and `agent.max_turns`) plus these allowances."""
+
+    enabled: bool = Field(True, description="Stop a verl run whose next step line is overdue; false: wait forever.")
+    startup_s: float = Field(
+        1800.0, gt=0, description="The first step after a launch: Ray, loading the weights, starting the rollout "
+        "engines, resuming a checkpoint.")
+    update_s: float = Field(
+        900.0, gt=0, description="Every step besides waiting on the environment: the agent's generation, the "
+        "log-prob passes, the actor update, syncing weights to the rollout.")
+    validation_s: float = Field(
+        1800.0, gt=0, description="One validation pass (before training, every test_freq steps and at the last "
+        "step), besides its environment worst case.")
+    rollout_s: float | None = Field(
+        None, gt=0, description="One training step's rollout, when measured; null: the environment's worst case "
+        "derived from its timeout, concurrency and the turns (a validation pass scales it by its conversations).")
+    checkpoint_s: float = Field(
+        900.0, gt=0, description="One checkpoint save (every save_freq steps and at the last step); verl saves "
+        "before it prints the step's line.")
+
+
 class VerlConfig(_Section):
     nnodes: int = 1
     n_gpus_per_node: int = 8
@@ -48,6 +71,7 @@ class VerlConfig(_Section):
                                  "80GB): what the rollout's memory fraction leaves of it must hold the FSDP actor "
                                  "(pipeline/train/memory.py; `promptr1 check`).")
     extra_overrides: list[str] = Field(default_factory=list)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
 
 
 class WarmupConfig(_Section):

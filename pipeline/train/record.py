@@ -8,6 +8,8 @@ Design decisions:
 - **The input as an MLflow dataset**: `data/rl/train.parquet`, tagged with its DVC md5
   (`tracking.log_dataset_inputs`). The dataset is a light view (data source, question, gold answers as
   JSON): MLflow infers a schema from it, which the nested chat-message columns would not give.
+- **How far training got** (`pipeline.train.completion.TrainingProgress`) as `train.progress.*` tags, which the
+  register stage reads to refuse a model whose training did not reach its total.
 - **The headline figure on the parent run**: the last step's mean reward (`pipeline.headline`), read back
   from `reports/train/steps.csv`, which both backends write (verl's through `export_steps_csv`).
 """
@@ -22,6 +24,7 @@ from pipeline.config import flatten_dict
 if TYPE_CHECKING:
     import pandas as pd
 
+    from pipeline.train.completion import TrainingProgress
     from pipeline.train.plan import TrainPlan
 
 TRAIN_SECTIONS = ("seed", "agent", "environment", "reward", "train")
@@ -48,8 +51,9 @@ def train_input_frame(path: Any) -> pd.DataFrame:
     })
 
 
-def log_training_record(plan: TrainPlan) -> None:
-    """Into the active train run: its params and its input dataset; onto the parent: the last step's reward."""
+def log_training_record(plan: TrainPlan, progress: TrainingProgress | None = None) -> None:
+    """Into the active train run: its params, its input dataset and, when given, how far training got (the
+    `train.progress.*` tags register reads); onto the parent: the last step's reward."""
     import mlflow
 
     from pipeline import tracking
@@ -60,6 +64,8 @@ def log_training_record(plan: TrainPlan) -> None:
     train_file = plan.train_file
     if train_file.is_file():
         tracking.log_dataset_inputs({"train": (train_input_frame(train_file), train_file)}, context="training")
+    if progress is not None:
+        mlflow.set_tags(progress.tags())
     reward = last_step_reward(plan.steps_csv)
     if reward is not None:
         tracking.log_parent_metrics({LAST_REWARD_METRIC: reward})

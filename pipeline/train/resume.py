@@ -1,4 +1,4 @@
-"""Resuming local training: which checkpoint belongs to the current params, and when training is complete.
+"""Resuming local training: which checkpoint belongs to the current params; when training is complete (both backends).
 
 Design decisions:
 - **A checkpoint carries the training config it was trained with** (`training_config`: agent, environment
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.completion import TrainingProgress
 
 if TYPE_CHECKING:
     from pipeline.config import TrainConfig
@@ -84,11 +85,32 @@ def reached_steps(step: int, train: TrainConfig) -> bool:
     return step >= train.steps
 
 
-def training_complete(plan: TrainPlan) -> bool:
-    """True when a checkpoint of the current training config reached train.steps and steps.csv exists
-    (the stage then has nothing to do; checked once, at its entry)."""
+def training_progress(plan: TrainPlan) -> TrainingProgress:
+    """Where training stands before a run, on the figures register reads back (pipeline/train/completion.py).
+
+    local: the newest checkpoint of the current training config against `train.steps`; verl: the checkpoint verl
+    would resume from against the total verl computes (`pipeline.train.verl_progress.verl_schedule`).
+    """
+    if plan.train.backend == "verl":
+        from pipeline.train.verl_progress import resumed_step, verl_schedule
+
+        schedule = verl_schedule(plan)
+        step = resumed_step(plan.checkpoint_dir)
+        return TrainingProgress(backend="verl", resumed_from=step, last_step=step, total_steps=schedule.total_steps,
+                                total_from=schedule.derivation)
     found = _usable_checkpoint(plan)
-    return found is not None and reached_steps(found[1].step, plan.train) and plan.steps_csv.is_file()
+    step = found[1].step if found is not None else 0
+    return TrainingProgress(backend="local", resumed_from=step, last_step=step, total_steps=plan.train.steps,
+                            total_from="train.steps")
+
+
+def training_complete(plan: TrainPlan) -> bool:
+    """True when training reached its total (`training_progress`) and steps.csv exists (the stage then has
+    nothing to do; checked once, at its entry). A verl plan without its training set is not complete: the
+    stage's own check names the missing file."""
+    if plan.train.backend == "verl" and not plan.train_file.is_file():
+        return False
+    return training_progress(plan).complete and plan.steps_csv.is_file()
 
 
 def discard_stale_checkpoints(plan: TrainPlan) -> Path | None:

@@ -11,10 +11,14 @@ by logging its params, its input dataset and the last step's reward on the paren
 The trajectory log reaches MLflow as a sanitised copy (`pipeline.environment.sanitize`): it holds the
 environment's replies, untrusted text.
 
-Rerunning is safe: the local backend resumes from its last checkpoint. When training is already complete
-(checkpoint at `train.steps`, `reports/train/steps.csv` and `reports/mlflow_run.json` present) the stage
-does nothing, so a forced `dvc repro` does not open an empty MLflow run; if the run file is missing it
-opens one and logs the recorded curve into it, so the stage's outputs are always valid.
+Rerunning is safe: both backends resume from their last checkpoint. Whether training is complete is decided
+once, at the entry, by `pipeline.train.resume.training_progress`: the newest checkpoint against the total
+(`train.steps` on the local backend; on verl the total verl computes, `pipeline.train.verl_progress`). When
+it is complete (and `reports/train/steps.csv` and `reports/mlflow_run.json` are present) the stage does
+nothing, so a forced `dvc repro` neither opens an empty MLflow run nor relaunches verl past its last step; if
+the run file is missing it opens one and logs the recorded curve into it, so the stage's outputs are always
+valid. The same figures go onto the train run as `train.progress.*` tags (incomplete before training, the
+verified figures after), which the register stage reads (pipeline/train/completion.py).
 """
 
 from __future__ import annotations
@@ -40,16 +44,16 @@ def run_train(params: Params) -> None:
     """Train the agent (see module docstring). The one place that reads `Params` for what lies below it:
     the train plan (pipeline.train.plan) is resolved here, and whether training is complete decided once."""
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.resume import training_complete
+    from pipeline.train.resume import training_complete, training_progress
 
     plan = TrainPlan.from_params(params)
     backend = plan.train.backend
-    complete = backend == "local" and training_complete(plan)
+    complete = training_complete(plan)
     if complete and (plan.reports_dir / tracking.RUN_FILE).is_file():
-        log.info("train: already complete at %d steps (checkpoints in %s); nothing to do",
-                 plan.train.steps, params.paths.checkpoint_dir)
+        log.info("train: already complete at %s (checkpoints in %s); nothing to do",
+                 training_progress(plan).describe(), params.paths.checkpoint_dir)
         return
-    if backend == "verl":  # GPUs here and in Ray, disk, verl's validation: before anything starts
+    if backend == "verl" and not complete:  # GPUs here and in Ray, disk, verl's validation: before anything starts
         from pipeline.train.resources import assert_resources
 
         assert_resources(plan)
@@ -57,14 +61,20 @@ def run_train(params: Params) -> None:
         import mlflow
 
         mlflow.set_tag("train.backend", backend)
+        if complete:
+            _relog_curve(plan.steps_csv)
+            log_training_record(plan, training_progress(plan))
+            return
+        if plan.train_file.is_file():  # recorded incomplete first: a run killed mid-way stays so for register
+            mlflow.set_tags(training_progress(plan).tags())
         if backend == "verl":
             from pipeline.train.verl_backend import run_verl
 
             if plan.train.warmup.steps > 0:
                 log.warning("train.warmup is a local-backend feature: ignored with backend verl")
 
-            run_verl(plan, tracking.tracking_uri(params), run)
-            log_training_record(plan)
+            progress = run_verl(plan, tracking.tracking_uri(params), run)
+            log_training_record(plan, progress)
             tracking.describe_stage("train", describe_training(plan, {}))
             # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.
             from pipeline.train.trajectory_log import TRAJECTORIES_FILE
@@ -76,12 +86,8 @@ def run_train(params: Params) -> None:
         from pipeline.train.local import train_local
         from pipeline.train.trajectory_log import TRAJECTORIES_FILE
 
-        if complete:
-            _relog_curve(plan.steps_csv)
-            log_training_record(plan)
-            return
         final = train_local(plan, run)
-        log_training_record(plan)
+        log_training_record(plan, training_progress(plan))
         tracking.describe_stage("train", describe_training(plan, final))
         csv = plan.steps_csv
         if csv.is_file():

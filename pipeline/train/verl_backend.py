@@ -43,6 +43,9 @@ Decisions:
   `runtime_env` too, since Ray workers inherit the raylet's environment, not the driver's. On several nodes
   the snapshot folder must exist at the same path on each (the shared filesystem, or `promptr1 weights` with
   the same `HF_HOME` on every node). `verl_launch` builds the command line and environment.
+- **Resume verified, progress watched** (pipeline/train/verl_progress.py): the same lines go to a check that the
+  first training step follows the checkpoint verl resumed from and that the last one reaches the total verl
+  computes, and to a watchdog that stops verl's process group when the next step line is overdue.
 - **Secrets** (the environment API key) never go into overrides (verl prints its whole config): the
   variable named by `environment.api_key_env` must be set where `ray start` ran on every node, because
   Ray workers inherit the raylet's environment.
@@ -68,6 +71,7 @@ model merger.
 from __future__ import annotations
 
 import collections
+import contextlib
 import csv
 import importlib.util
 import logging
@@ -82,13 +86,15 @@ from urllib.parse import urlsplit
 
 from pipeline.config import Params
 from pipeline.environment.guard import guarded
-from pipeline.errors import DataError, UserError
+from pipeline.errors import DataError, TrainingIncomplete, UserError
 from pipeline.placement import cuda_visible_devices, gpus_of_training
 from pipeline.train import health
 from pipeline.train.verl_health import BreachSeen, VerlHealthWatch
+from pipeline.train.verl_progress import VerlProgress
 from pipeline.weights import OFFLINE_ENV, cached_location
 
 if TYPE_CHECKING:
+    from pipeline.train.completion import TrainingProgress
     from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_overrides import (
     AGENT_LOOP_CONFIG,
@@ -163,21 +169,22 @@ def _preflight(plan: TrainPlan) -> list[Path]:
     return present
 
 
-def train_verl(params: Params, run: Any) -> None:
+def train_verl(params: Params, run: Any) -> TrainingProgress:
     """`run_verl` for these params (the entry for callers that hold params: `promptr1 doctor`)."""
     from pipeline.tracking import tracking_uri
     from pipeline.train.plan import TrainPlan
 
-    run_verl(TrainPlan.from_params(params), tracking_uri(params), run)
+    return run_verl(TrainPlan.from_params(params), tracking_uri(params), run)
 
 
-def run_verl(plan: TrainPlan, uri: str, run: Any) -> None:
+def run_verl(plan: TrainPlan, uri: str, run: Any) -> TrainingProgress:
     """Run verl's PPO trainer (GRPO) with our agent loop and reward; `run` is the active MLflow child run,
     `uri` the MLflow tracking URI verl's logger writes to.
 
     The environment's lifecycle belongs to this stage, as in the local backend: started (or reused once it
     serves the configured model) and health-checked before verl starts, stopped however verl ends.
-    Raises UserError (with the log tail) when verl exits non-zero.
+    Raises UserError (with the log tail) when verl exits non-zero, TrainingStalled when the watchdog stopped it,
+    TrainingIncomplete when it did not train the steps it should have; returns the verified progress.
     """
     from pipeline.environment.servers import serve_environment
 
@@ -185,7 +192,7 @@ def run_verl(plan: TrainPlan, uri: str, run: Any) -> None:
     _refuse_credentials_in_tracking_uri(uri)
     agent_path = cached_location("agent.model", plan.agent.model, plan.root)
     with serve_environment(plan.server) as url:  # started/reused and health-checked here, stopped on any exit
-        _launch(plan, uri, run, val_files, url, agent_path)
+        return _launch(plan, uri, run, val_files, url, agent_path)
 
 
 def _refuse_credentials_in_tracking_uri(uri: str) -> None:
@@ -213,7 +220,7 @@ def verl_launch(plan: TrainPlan, *, uri: str, run_id: str, val_files: list[Path]
 
 
 def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environment_url: str,
-            agent_path: Path) -> None:
+            agent_path: Path) -> TrainingProgress:
     """Start verl's trainer against the running environment at `environment_url` and wait for it."""
     run_id = run.info.run_id
     command, env = verl_launch(plan, uri=uri, run_id=run_id, val_files=val_files, environment_url=environment_url,
@@ -240,14 +247,26 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
              reports / "verl_overrides.txt", verl.ray_address or "local")
     health_cfg = plan.train.health
     watch = VerlHealthWatch(health_cfg, rollout_dump_dir(plan) if health_cfg.enabled else None)
+    progress = VerlProgress.for_launch(plan, val_files)
+
+    def on_line(line: str) -> None:
+        progress(line)
+        watch(line)
+
     try:
-        rc, tail = _stream(command, env=env, cwd=plan.root, log_file=reports / "verl.log", on_line=watch)
+        rc, tail = _stream(command, env=env, cwd=plan.root, log_file=reports / "verl.log", on_line=on_line,
+                           watching=progress.watching)
     except BreachSeen as seen:  # verl's process group is already stopped (_stream)
         from pipeline.train.checkpoint import set_aside_verl_steps
 
         kept = set_aside_verl_steps(plan.checkpoint_dir, seen.breach.step)
         raise health.stop_training(seen.breach, f"kept checkpoint {kept.parent.name}" if kept is not None
                                    else "no checkpoint kept (none was saved before the breach)") from None
+    except TrainingIncomplete as restarted:  # stopped at its first step (verl_progress): keep the resume point
+        raise TrainingIncomplete(f"{restarted}; {progress.check.undo_restart()}") from None
+    stalled = progress.stalled()
+    if stalled is not None:
+        raise stalled
     if rc != 0:
         hint = ""
         if "Could not find any running Ray instance" in tail:
@@ -257,19 +276,25 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
                     f" in {plan.checkpoint_dir} is kept and `promptr1 train` resumes from it)")
         raise UserError(f"verl training failed with exit code {rc}{hint}; see {reports / 'verl.log'}. "
                         f"Last lines:\n{tail}")
+    verified = progress.verify()
     rows = export_steps_csv(run_id, reports / "steps.csv")
     log.info("verl finished: %d logged steps written to %s", rows, reports / "steps.csv")
     import mlflow
 
     mlflow.log_artifact(str(reports / "steps.csv"), artifact_path="train")
     mlflow.log_artifact(str(reports / "verl_overrides.txt"), artifact_path="train")
+    return verified
 
 
 def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path,
-            on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
+            on_line: Callable[[str], None] | None = None,
+            watching: Callable[[subprocess.Popen], contextlib.AbstractContextManager[None]] | None = None,
+            ) -> tuple[int, str]:
     """Run `command`, mirroring its output to the log and `log_file`; (exit code, last lines).
 
-    `on_line` sees every line (the health gate); an exception it raises stops the process group and propagates.
+    `on_line` sees every line (the health gate, the resume check); an exception it raises stops the process group
+    and propagates. `watching(process)` is held while the output is read (the progress watchdog, which may stop
+    the process group itself; the output then ends and the exit code is returned).
     """
     tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
     child_log = logging.getLogger("verl")
@@ -278,13 +303,14 @@ def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Pat
                                    text=True, bufsize=1, start_new_session=True)
         try:
             assert process.stdout is not None
-            for line in process.stdout:
-                sink.write(line)
-                line = line.rstrip("\n")
-                tail.append(line)
-                child_log.info("%s", line)
-                if on_line is not None:
-                    on_line(line)
+            with watching(process) if watching is not None else contextlib.nullcontext():
+                for line in process.stdout:
+                    sink.write(line)
+                    line = line.rstrip("\n")
+                    tail.append(line)
+                    child_log.info("%s", line)
+                    if on_line is not None:
+                        on_line(line)
             rc = process.wait()
         except BaseException:
             # Ctrl-C or a failure here: take the whole verl process group down with us.
