@@ -274,10 +274,17 @@ def write_random_model(config: dict[str, Any], out: Path, seed: int) -> Path:
 
 
 def actor_config(
-    model_dir: Path, ckpt_root: Path, *, attn: str, remove_padding: bool, lr: float | None
+    model_dir: Path,
+    ckpt_root: Path,
+    *,
+    attn: str,
+    remove_padding: bool,
+    lr: float | None,
+    compile_entropy: bool,
 ) -> Any:
     """verl's config for the smoke-1gpu profile as our train stage composes it, with the random model (and
-    another learning rate if `lr` is given)."""
+    another learning rate if `lr` is given; `compile_entropy` False turns off verl's torch.compile of the
+    entropy, which needs a C compiler at run time)."""
     from omegaconf import OmegaConf
 
     from pipeline.config import load_params
@@ -291,6 +298,19 @@ def actor_config(
         "actor_rollout_ref.model.override_config.attn_implementation": attn,
         "trainer.default_local_dir": str(ckpt_root),
         **({"actor_rollout_ref.actor.optim.lr": lr} if lr is not None else {}),
+        **(
+            {}
+            if compile_entropy
+            else {
+                f"actor_rollout_ref.{key}": False
+                for key in (
+                    "actor.use_torch_compile",
+                    "actor.fsdp_config.use_torch_compile",
+                    "ref.use_torch_compile",
+                    "ref.fsdp_config.use_torch_compile",
+                )
+            }
+        ),
     }.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     return cfg
@@ -588,6 +608,7 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
         attn=args.attn_implementation,
         remove_padding=args.remove_padding,
         lr=args.lr,
+        compile_entropy=args.torch_compile,
     )
 
     with clock.phase("build"):
@@ -667,6 +688,7 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
                 else None
             ),
             "lr": float(a.actor.optim.lr),
+            "torch_compile": bool(a.actor.fsdp_config.use_torch_compile),
         },
         "batch": {
             "sequences": len(batch),
@@ -746,6 +768,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--lr", type=float, default=None, help="learning rate (default: the profile's train.lr)"
+    )
+    parser.add_argument(
+        "--torch-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="verl's torch.compile of the entropy (the profile's setting; off where no C compiler is installed)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="keep the model, checkpoint and merge here")

@@ -1,16 +1,18 @@
 """benchmarks/gpu_actor_check.py end to end on CPU, so the GPU check cannot rot between GPU runs.
 
-The script is run as a user runs it (a subprocess, `--device cpu --tiny`): verl's own actor worker
-(FSDP2 engine, gloo, world size 1) from the smoke-1gpu profile's composed config, one GRPO update, verl's
-checkpoint manager, `python -m verl.model_merger`, and the comparison. The JSON must show an update that
-ran (finite loss, weights moved), a saved checkpoint, and merged weights equal to the trained ones rounded
-to bfloat16 with every key present.
+The script is run as a user runs it: a subprocess, the `--device cpu --tiny` command benchmarks/README.md
+gives. It drives verl's own actor worker (FSDP2 engine, gloo, world size 1) from the smoke-1gpu profile's
+composed config through one GRPO update, verl's checkpoint manager, `python -m verl.model_merger`, and the
+comparison. The JSON must show an update that ran (finite loss, weights moved), a saved checkpoint, merged
+weights equal to the trained ones rounded to bfloat16 with every key present and different from the initial
+ones, and the memory rule's estimate for this actor.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -22,30 +24,22 @@ from pipeline.config import load_params
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def cpu_command(out: Path) -> list[str]:
+    """The CPU command benchmarks/README.md gives, writing to `out`."""
+    text = (REPO_ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    (line,) = [
+        ln for ln in text.splitlines() if ln.startswith("python benchmarks/gpu_actor_check.py --device cpu")
+    ]
+    words = shlex.split(line)
+    words[words.index("--out") + 1] = str(out)
+    return [sys.executable, *words[1:]]
+
+
 @pytest.mark.slow
 def test_gpu_actor_check_runs_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "check.json"
     done = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/gpu_actor_check.py",
-            "--device",
-            "cpu",
-            "--tiny",
-            "--prompt-tokens",
-            "16",
-            "--response-tokens",
-            "24",
-            "--lr",
-            "1e-3",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        cpu_command(out), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False
     )
     assert out.is_file(), done.stderr[-4000:]
     report = json.loads(out.read_text())
