@@ -450,6 +450,9 @@ def drain_weight_sync(worker: Any) -> int:
 
 def memory_rule(cfg: Any, parameters: int) -> Any:
     """Our memory rule's estimate for this actor: the one call into pipeline/train/memory.py."""
+    from omegaconf import OmegaConf
+
+    from pipeline.layout import WEIGHT_SYNC_BUCKET
     from pipeline.train import memory
 
     actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
@@ -462,7 +465,9 @@ def memory_rule(cfg: Any, parameters: int) -> Any:
         lora=bool(cfg.actor_rollout_ref.model.lora_rank),
         reference=bool(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward),
         ref_dtype=ref.fsdp_config.model_dtype or "fp32",
-        ref_offload=bool(ref.fsdp_config.param_offload),
+        ref_on_cpu=bool(OmegaConf.select(cfg, "actor_rollout_ref.ref.fsdp_config.forward_only")
+                        or ref.fsdp_config.param_offload),
+        weight_sync_megabytes=int(OmegaConf.select(cfg, WEIGHT_SYNC_BUCKET)),
     )
 
 
