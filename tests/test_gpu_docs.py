@@ -113,3 +113,35 @@ def test_the_doctor_section_lists_the_steps_in_the_order_the_doctor_runs_them():
     assert listed == [name for name, _ in steps()]
     # the Ray it checks is started (section 3) before the doctor runs (section 4)
     assert text.index("## 3. Ray") < text.index("## 4. `promptr1 doctor`")
+
+
+def test_the_documented_ray_starts_give_ray_the_training_devices_only():
+    """Each `ray start` of section 3 whose comment names a profile, judged as the stage start judges a joined
+    Ray that owns exactly the devices of that command's CUDA_VISIBLE_DEVICES."""
+    from pipeline.placement import gpus_of_environment, gpus_of_training
+    from pipeline.train.resources import RayNode, RayProbe, ray_gpu_problems
+
+    text = DOC.read_text(encoding="utf-8")
+    section = text[text.index("## 3. Ray") : text.index("## 4.")]
+    judged, profile = [], None
+    for line in re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1).splitlines():
+        if line.startswith("# "):
+            first = line[2:].split()[0]
+            profile = first if (REPO / "profiles" / f"{first}.yaml").is_file() else None
+        elif "ray start" in line and profile is not None:
+            devices = re.search(r"CUDA_VISIBLE_DEVICES=([\d,]+) ", line).group(1).split(",")
+            assert f"--num-gpus={len(devices)}" in line
+            params = params_of(["-S", f"profile={profile}", "-S", "train.verl.ray_address=auto"])
+            assert [int(d) for d in devices] == gpus_of_training(params.train)
+            owned = RayProbe(
+                "auto", float(len(devices)), (RayNode("head", "10.0.0.1", True, tuple(devices)),)
+            )
+            assert (
+                ray_gpu_problems(
+                    owned, gpus_of_environment(params.environment), gpus_of_training(params.train)
+                )
+                == []
+            )
+            judged.append(profile)
+            profile = None
+    assert judged == ["paper", "paper-1node"]
