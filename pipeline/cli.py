@@ -49,18 +49,20 @@ def _load(params_file: str | None, sets: list[str] | None) -> Params:
     return load_params(params_file, overrides or None)
 
 
-def _load_runnable(params_file: str | None, sets: list[str] | None) -> Params:
+def _load_runnable(params_file: str | None, sets: list[str] | None, check: str = "assert_runnable") -> Params:
     """`_load`, then the layout check (`promptr1 check`): a stage never starts on a layout that cannot run.
 
-    First of all, no stage runs on the overrides a killed flow run left in the params files
-    (flows/override_guard.py: it refuses and names `promptr1 flow restore`).
+    `check` names the function of `pipeline.layout` that judges the params: the whole layout
+    (`assert_runnable`), or only the environment server's (`assert_environment_runnable`, for `promptr1 env`,
+    which may run on a node that holds nothing else). First of all, no stage runs on the overrides a killed
+    flow run left in the params files (flows/override_guard.py: it refuses and names `promptr1 flow restore`).
     """
     from flows.override_guard import refuse_dead_run_overrides
-    from pipeline.layout import assert_runnable
+    from pipeline import layout
 
     refuse_dead_run_overrides(Path(params_file).resolve().parent if params_file else find_root())
     params = _load(params_file, sets)
-    assert_runnable(params)
+    getattr(layout, check)(params)
     return params
 
 
@@ -92,24 +94,26 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> N
     configure_logging(verbose)
 
 
-def _params_command(target: str, help_: str, stage: str | None = None) -> Callable[..., None]:
+def _params_command(target: str, help_: str, stage: str | None = None,
+                    check: str = "assert_runnable") -> Callable[..., None]:
     """A command `… [--params FILE] [--set key=value …]` that calls `module:function` with the loaded params.
 
     The module is imported when the command runs, not when the CLI starts. A `stage` command ends with its
-    key figure (`_run_stage`).
+    key figure (`_run_stage`); `check` names the layout check it runs first (`_load_runnable`).
     """
     module, function = target.split(":")
 
     def command(params: ParamsOption = None, set_: SetOption = None) -> None:
         call = getattr(importlib.import_module(module), function)
         if stage is None:
-            _run(lambda: call(_load_runnable(params, set_)))
+            _run(lambda: call(_load_runnable(params, set_, check)))
         else:
             _run_stage(stage, params, set_, call)
 
     command.__doc__ = help_
     command.target = target  # what the command runs, for readers and the dvc.yaml deps test
     command.stage = stage  # the stage whose key figure ends it (None: not a pipeline stage)
+    command.check = check  # the pipeline.layout check it runs first (the docs' commands test calls it too)
     return command
 
 
@@ -142,13 +146,16 @@ STAGE_COMMANDS: dict[str, Callable[..., None]] = {
     "register": _params_command("pipeline.register:run_register", "Stage 7: log the model to the MLflow registry; "
                                 "move the champion alias if the rule holds.", "register"),
 }
+ENV_ONLY = "assert_environment_runnable"
+"""`promptr1 env …` judges the environment server alone: it may run on a node that holds nothing else."""
 ENV_COMMANDS: dict[str, Callable[..., None]] = {
     "start": _params_command("pipeline.environment.manual:cli_start",
-                             "Start (or reuse) the configured environment server and leave it running."),
+                             "Start (or reuse) the configured environment server and leave it running.",
+                             check=ENV_ONLY),
     "stop": _params_command("pipeline.environment.manual:cli_stop",
-                            "Stop the environment server started by `promptr1 env start`."),
+                            "Stop the environment server started by `promptr1 env start`.", check=ENV_ONLY),
     "status": _params_command("pipeline.environment.manual:cli_status",
-                              "Health-check the configured environment endpoint."),
+                              "Health-check the configured environment endpoint.", check=ENV_ONLY),
 }
 for _name, _command in STAGE_COMMANDS.items():
     app.command(_name)(_command)

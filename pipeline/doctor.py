@@ -1,6 +1,6 @@
 """`promptr1 doctor`: a node's first five minutes as one command, before anyone pays for its GPUs.
 
-Nine steps, in order, each printing one line `pass|fail|skipped: <step>: <figures or reason>`; the first
+Ten steps, in order, each printing one line `pass|fail|skipped: <step>: <figures or reason>`; the first
 failure stops the run (exit 1) with what to change. Everything is written to `reports/doctor/doctor.json`
 (atomically) with each step's status, figures and seconds, also when a step fails.
 
@@ -9,15 +9,21 @@ failure stops the run (exit 1) with what to change. Everything is written to `re
 3. `check`: `pipeline.layout.layout_problems` (what `promptr1 check` runs) and the host's GPU count
    against the highest device id the layout places on this node.
 4. `weights`: every model the params need is in the Hugging Face cache (`promptr1 weights --check`'s logic).
-5-6. `environment`, `rows`: pipeline/doctor_environment.py (the server starts; `--rows` real evaluation
-   rows through `EnvironmentClient`: p50/p95 latency, failures, empty-after-length).
-7-9. `verl step`, `merge`, `trajectories`: pipeline/doctor_train.py (one verl step on the GPU path).
+5. `resources`: pipeline/doctor_train.py: the train stage's start checks, with the Ray the profile says
+   found or started, and probed for the CUDA devices it owns (GPU nodes, backend verl).
+6-7. `environment`, `rows`: pipeline/doctor_environment.py (the server starts; `--rows` real evaluation
+   rows through `EnvironmentClient`: p50/p95 latency, failures, empty-after-length, and the decode speed
+   measured against the timeout rule).
+8-10. `verl step`, `merge`, `trajectories`: pipeline/doctor_train.py (one verl step of the smallest batch on
+   the GPU path, its merge, two decoded trajectories).
 
 Decisions:
 - **Skipped is not passed.** A step that needs a GPU, or inputs not built yet (`data/rl/` before
   `dvc repro`), prints `skipped: <reason>` and the run goes on; the CPU default profile ends with exit 0.
-- **The environment stays up from step 5 to step 7**, as the train stage holds it: verl's agent loop talks
-  to the server step 5 started (train_verl reuses a healthy server at the URL), and it is stopped at the end.
+- **The machine before the environment**: step 5 runs before GPT-OSS loads (minutes), as the train stage
+  checks its machine before it starts the server.
+- **The environment stays up from step 6 to step 8**, as the train stage holds it: verl's agent loop talks
+  to the server step 6 started (train_verl reuses a healthy server at the URL), and it is stopped at the end.
 - **Figures, not just verdicts**: every line carries the numbers a person would otherwise look up (driver
   version, GPU count, latencies), so a pasted doctor output answers the first support questions.
 """
@@ -96,6 +102,8 @@ class Doctor:
     gpus: list[dict[str, str]] = field(default_factory=list)
     """nvidia-smi's GPUs (index, name, driver, memory); empty on a machine without one."""
     environment_url: str | None = None
+    checkpoint_dir: Path | None = None
+    """The one-step verl run's temporary checkpoint folder (pipeline.doctor_train.checkpoint_folder)."""
     reports_dir: Path = Path("reports")
     """`paths.reports_dir`, resolved once by `run_doctor` (the report and the one-step run's outputs go under it)."""
     results: dict[str, StepResult] = field(default_factory=dict)
@@ -268,15 +276,16 @@ def step_weights(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------- run
 def steps() -> list[tuple[str, Step]]:
-    """The steps in the order they run (7-9 from pipeline.doctor_train)."""
+    """The steps in the order they run (5 and 8-10 from pipeline.doctor_train)."""
     from pipeline.doctor_environment import step_environment, step_rows
-    from pipeline.doctor_train import step_merge, step_trajectories, step_verl
+    from pipeline.doctor_train import step_merge, step_resources, step_trajectories, step_verl
 
     return [
         ("driver", step_driver),
         ("imports", step_imports),
         ("check", step_check),
         ("weights", step_weights),
+        ("resources", step_resources),
         ("environment", step_environment),
         ("rows", step_rows),
         ("verl step", step_verl),

@@ -1,4 +1,4 @@
-"""`promptr1 doctor` steps 5-6: the environment server starts, then real evaluation rows go through it.
+"""`promptr1 doctor` steps 6-7: the environment server starts, then real evaluation rows go through it.
 
 - `environment`: `pipeline.environment.servers.environment_server`, as the train and evaluate stages use it
   (reuse a healthy server at the URL, else start llama.cpp / vLLM / the knowledge server; nothing for a paid
@@ -9,12 +9,18 @@
   built sets (`data/rl/eval/`) when they exist, else the authors' files in the mirror. Each is sent as the
   env-only baseline sends it (question + `evaluate.env_only_instruction`) through `EnvironmentClient`
   with its response cache off, so the latencies are the server's. More failures than
-  `environment.max_failure_rate` fail the step.
+  `environment.max_failure_rate` fail the step. So does the measured decode speed when it breaks the
+  timeout rule of pipeline/environment/budget.py: the completion tokens of the replies that came back at the
+  first try over their seconds (`decode_speed`; prefill and queueing included, as a run's calls have them),
+  and the length retry's `max_tokens x length_retry_factor` tokens at that speed must finish within
+  `environment.timeout_s`. The rule `promptr1 check` applies to the declared
+  `environment.decode_tokens_per_s`, applied to what this server does under the doctor's load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from asyncio import FIRST_EXCEPTION
@@ -22,12 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Params
 from pipeline.doctor import BUILD_FIRST, Status, failed, passed, skipped
+from pipeline.environment.budget import longest_reply_seconds, longest_reply_tokens
 
 if TYPE_CHECKING:
+    from pipeline.config import EnvironmentConfig
     from pipeline.doctor import Doctor
+    from pipeline.types import EnvironmentReply
 
 
-# ------------------------------------------------------------------------------------------- 5. environment
+# ------------------------------------------------------------------------------------------- 6. environment
 def step_environment(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     from pipeline.environment.client import resolve_api_key
     from pipeline.environment.servers import environment_server, served_models, started_server
@@ -60,7 +69,7 @@ def step_environment(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     )
 
 
-# ------------------------------------------------------------------------------------------- 6. rows
+# ------------------------------------------------------------------------------------------- 7. rows
 def evaluation_rows(params: Params, n: int) -> tuple[list[dict[str, Any]], str] | None:
     """`n` real evaluation rows (dataset, task type, question), math datasets first, then round-robin;
     from the built sets (data/rl/eval/) if there, else the mirror's authors' files. None when neither is."""
@@ -104,6 +113,34 @@ def _percentile(values: list[float], q: int) -> float | None:
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
+
+
+def decode_speed(replies: list[EnvironmentReply]) -> tuple[float, int, float, int] | None:
+    """(tokens/s, completion tokens, seconds, replies counted) over the replies that came back at their first
+    try with tokens (a retry's backoff is no decoding); None when there is none."""
+    timed = [
+        r for r in replies if not r.error and not r.retries and r.completion_tokens > 0 and r.latency_s > 0
+    ]
+    if not timed:
+        return None
+    tokens, seconds = sum(r.completion_tokens for r in timed), sum(r.latency_s for r in timed)
+    return tokens / seconds, tokens, seconds, len(timed)
+
+
+def speed_problem(env: EnvironmentConfig, measured: tuple[float, int, float, int]) -> str | None:
+    """Why the measured decode speed breaks the timeout rule (pipeline/environment/budget.py), or None."""
+    speed, tokens, seconds, count = measured
+    needed_s = longest_reply_seconds(env, speed)
+    if needed_s <= env.timeout_s:
+        return None
+    return (
+        f"measured decode speed {speed:.1f} tokens/s ({tokens} completion tokens in {seconds:.1f} s over "
+        f"{count} replies) breaks the timeout rule: the length retry's {longest_reply_tokens(env)} tokens "
+        f"(environment.max_tokens={env.max_tokens} x length_retry_factor={env.length_retry_factor:g}) take "
+        f"{needed_s:.0f} s at that speed, more than environment.timeout_s={env.timeout_s:g}; "
+        f"environment.decode_tokens_per_s declares {env.decode_tokens_per_s:g}: set it to the measured "
+        f"{speed:.1f} and raise timeout_s to >= {math.ceil(needed_s)}, or lower max_tokens"
+    )
 
 
 def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
@@ -170,13 +207,21 @@ def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
         "cost_usd": round(sum(r.cost_usd for r in replies), 6),
         "first_error": errors[0] if errors else None,
     }
+    measured = decode_speed(replies)
+    figures["decode_tokens_per_s"] = round(measured[0], 1) if measured else None
+    figures["declared_decode_tokens_per_s"] = params.environment.decode_tokens_per_s
     detail = (
         f"{len(rows)} rows from {source} ({by_type.get('math', 0)} math, "
         f"{len(figures['datasets'])} datasets) "
         f"in {wall:.1f} s: p50 {_seconds(figures['p50_s'])}, p95 {_seconds(figures['p95_s'])}, "
         f"{len(errors)} failed{f' ({late} unanswered at the deadline)' if late else ''}, "
         f"{figures['empty_after_length']} empty after length, "
-        f"{figures['truncated']} cut at max_tokens"
+        f"{figures['truncated']} cut at max_tokens; decode "
+        + (
+            f"{measured[0]:.1f} tokens/s (declared {params.environment.decode_tokens_per_s:g})"
+            if measured
+            else "speed not measured (no reply with tokens at its first try)"
+        )
     )
     if len(errors) > params.environment.max_failure_rate * len(rows):
         return failed(
@@ -184,4 +229,7 @@ def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
             f"failed (first: {errors[0]}): fix the environment at {doc.environment_url}",
             **figures,
         )
+    slow = speed_problem(params.environment, measured) if measured else None
+    if slow:
+        return failed(f"{detail}; {slow}", **figures)
     return passed(detail, **figures)

@@ -1,14 +1,25 @@
-"""`promptr1 doctor` steps 7-9: one verl step, its merge, and two of its trajectories (GPU nodes only).
+"""`promptr1 doctor` steps 5 and 8-10: the train stage's start checks, one verl step, its merge, and two of its
+trajectories (GPU nodes only).
 
+- `resources`: what the train stage checks before it starts anything (`pipeline.train.resources`), on the
+  one-step params below: this host's GPUs, the Ray the profile says and which GPUs it owns, free disk for the
+  step's checkpoint (estimated from the parameter count), verl's own validation. The Ray is found
+  (`train.verl.ray_address` set: the cluster there is probed) or started (`""`: a private Ray started as
+  verl's launch starts it, pinned to `train.verl.gpus`, probed and stopped again), so a node whose Ray would
+  put verl on the environment's GPUs, or that has no Ray to join, fails here, before the environment server
+  loads and the rows are sent.
 - `verl step`: one GRPO step through `pipeline.train.verl_backend.train_verl`, the path `promptr1 train`
   runs (same overrides, same environment reuse, same Ray handling), with params changed only where a
-  check differs from a run: checkpoints under `reports/doctor/checkpoints` (emptied first, so verl's
-  `resume_mode: auto` starts at step 0), `save_freq: 1`, no validation, `trainer.total_training_steps=1`
-  and `trainer.rollout_data_dir` (verl dumps the step's decoded rollouts as `<step>.jsonl`), its log and
+  check differs from a run: the smallest batch verl accepts for the profile as one mini-batch
+  (`pipeline.layout.smallest_batch`: `paper` 16 questions x 5, not 128 x 5), checkpoints in a temporary
+  folder beside `paths.checkpoint_dir` (on the disk the run will use; removed after the merge, and however
+  the doctor ends), `save_freq: 1`, no validation, `trainer.total_training_steps=1` and
+  `trainer.rollout_data_dir` (verl dumps the step's decoded rollouts as `<step>.jsonl`), its log and
   overrides under `reports/doctor/train/`, and its MLflow run in the experiment `<experiment>-doctor`, so
   the doctor never adds a run to the project's own experiment or a checkpoint to `paths.checkpoint_dir`.
+  Its line gives the step's wall time.
 - `merge`: `pipeline.train.merge.run_merge` of that checkpoint into `reports/doctor/model` (verl's merger,
-  then the load-and-generate check).
+  then the load-and-generate check); the checkpoint folder is removed afterwards.
 - `trajectories`: two trajectories of the dump, each split into its agent turns (mask 1) and the
   environment's replies (mask 0). verl's dump holds decoded text, not the token mask, so the split is at
   the protocol's `<interaction_response>` blocks with the template text around them (the role words and
@@ -22,6 +33,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,13 +59,17 @@ def rollout_dir(reports_dir: Path) -> Path:
     return doctor_dir(reports_dir) / "rollout"
 
 
-def one_step_params(params: Params) -> Params:
-    """`params` for one verl step whose outputs all stay under reports/doctor/ (module docstring)."""
+def one_step_params(params: Params, checkpoint_dir: Path) -> Params:
+    """`params` for one verl step of the smallest batch, saved to `checkpoint_dir`, every other output under
+    reports/doctor/ (module docstring)."""
+    from pipeline.layout import smallest_batch
+    from pipeline.train.verl_config import compose_run
+
     p = params.model_copy(deep=True)
     p.root = params.root
     base = doctor_dir(params.path(params.paths.reports_dir)).resolve()
     p.paths.reports_dir = str(base)
-    p.paths.checkpoint_dir = str(base / "checkpoints")
+    p.paths.checkpoint_dir = str(checkpoint_dir.resolve())
     p.paths.model_dir = str(base / "model")
     p.mlflow.experiment = f"{params.mlflow.experiment}-doctor"
     v = p.train.verl
@@ -65,7 +82,71 @@ def one_step_params(params: Params) -> Params:
         o for o in v.extra_overrides if o.split("=", 1)[0].lstrip("+") not in ours
     ]  # a profile's own step count
     v.extra_overrides = [*kept, *(f"{key}={value}" for key, value in ours.items())]
+    p.train.batch_size = p.train.mini_batch_size = smallest_batch(compose_run(p))
     return p
+
+
+def checkpoint_folder(doc: Doctor) -> Path:
+    """The one-step run's temporary checkpoint folder, made on first use beside `paths.checkpoint_dir` (the
+    disk a run saves to) and removed when the doctor ends, whatever step it stops at."""
+    if doc.checkpoint_dir is None:
+        parent = doc.params.path(doc.params.paths.checkpoint_dir).parent
+        parent.mkdir(parents=True, exist_ok=True)
+        doc.checkpoint_dir = Path(tempfile.mkdtemp(prefix="doctor-", dir=parent))
+        doc.stack.callback(shutil.rmtree, doc.checkpoint_dir, ignore_errors=True)
+    return doc.checkpoint_dir
+
+
+def step_resources(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    from pipeline.placement import gpus_of_environment, gpus_of_training
+    from pipeline.train.plan import TrainPlan
+    from pipeline.train.resources import (
+        checkpoint_estimate,
+        free_bytes,
+        probe_private_ray,
+        probe_ray_cluster,
+        resource_problems,
+    )
+    from pipeline.train.verl_config import compose_plan
+
+    params = doc.params
+    if params.train.backend != "verl":
+        return skipped("train.backend=local: no verl stage to start")
+    if not doc.gpus:
+        return skipped("needs a GPU: none on this machine")
+    plan = TrainPlan.from_params(one_step_params(params, checkpoint_folder(doc)))
+    run = compose_plan(plan)
+    address = params.train.verl.ray_address
+    probe = probe_ray_cluster(address) if address else probe_private_ray(plan.train)
+    ray = (f"Ray at {address!r} found" if address else "private Ray started and stopped") + (
+        f": CUDA devices {probe.owned_here() or 'none'} on this host, {probe.gpus:g} GPU(s) in all; "
+        f"environment on {gpus_of_environment(plan.environment) or 'no GPU here'}, "
+        f"training on {gpus_of_training(plan.train)}"
+    )
+    estimate = checkpoint_estimate(plan, run)
+    free = free_bytes(plan.checkpoint_dir)
+    figures: dict[str, Any] = {
+        "ray_address": address,
+        "ray_devices_here": probe.owned_here(),
+        "ray_gpus": probe.gpus,
+        "ray_nodes": len(probe.nodes),
+        "checkpoint_gib": round(estimate[0] / 2**30, 1) if estimate else None,
+        "free_gib": round(free / 2**30, 1),
+        "checkpoint_dir": str(plan.checkpoint_dir),
+    }
+    problems = resource_problems(plan, run, probe)
+    if problems:
+        return failed(
+            f"{ray}; but {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+            problems=problems,
+            **figures,
+        )
+    disk = (
+        f"checkpoint ~{figures['checkpoint_gib']} GiB fits in {figures['free_gib']} GiB free"
+        if estimate
+        else "checkpoint size not estimated (no parameter count offline)"
+    )
+    return passed(f"{ray}; {disk}; verl's validation passes", **figures)
 
 
 def _verl_skip_reason(doc: Doctor) -> str | None:
@@ -91,19 +172,26 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     reason = _verl_skip_reason(doc)
     if reason:
         return skipped(reason)
-    p = one_step_params(doc.params)
-    shutil.rmtree(p.path(p.paths.checkpoint_dir), ignore_errors=True)
+    p = one_step_params(doc.params, checkpoint_folder(doc))
     shutil.rmtree(rollout_dir(doc.reports_dir), ignore_errors=True)
-    p.environment.base_url = doc.environment_url  # the server step 5 holds: train_verl reuses it
+    p.environment.base_url = (
+        doc.environment_url
+    )  # the server the environment step holds: train_verl reuses it
     tracking.configure(p)
+    started = time.perf_counter()
     with mlflow.start_run(run_name=f"doctor-{p.profile}") as run:
         train_verl(p, run)
+    seconds = time.perf_counter() - started
     actor = ckpt.latest_verl_step(p.path(p.paths.checkpoint_dir))
     dumps = sorted(rollout_dir(doc.reports_dir).glob("*.jsonl"))
+    batch, group = p.train.batch_size, p.train.group_size
     figures = {
         "checkpoint": str(actor) if actor else None,
         "rollout_dumps": [d.name for d in dumps],
         "log": str(p.path(p.paths.reports_dir) / "train" / "verl.log"),
+        "batch_size": batch,
+        "trajectories": batch * group,
+        "step_s": round(seconds, 1),
     }
     if actor is None:
         return failed(
@@ -116,7 +204,11 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
             "(trainer.rollout_data_dir)",
             **figures,
         )
-    return passed(f"1 step saved {actor.parent.name}/actor; rollouts dumped to {dumps[-1].name}", **figures)
+    return passed(
+        f"1 step of {batch} questions x {group} = {batch * group} trajectories (one mini-batch) in "
+        f"{seconds:.0f} s saved {actor.parent.name}/actor; rollouts dumped to {dumps[-1].name}",
+        **figures,
+    )
 
 
 def step_merge(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
@@ -124,11 +216,12 @@ def step_merge(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
 
     if doc.status("verl step") != "pass":
         return skipped("no verl checkpoint (the verl step did not run)")
-    p = one_step_params(doc.params)
+    p = one_step_params(doc.params, checkpoint_folder(doc))
     report = run_merge(p)
+    shutil.rmtree(checkpoint_folder(doc))  # the one-step checkpoint has served its purpose
     return passed(
         f"{report.checkpoint} merged into {p.paths.model_dir}: generated {report.generated_tokens} tokens "
-        f"({report.sample!r})",
+        f"({report.sample!r}); checkpoint folder removed",
         source=report.source,
         step=report.step,
         generated_tokens=report.generated_tokens,

@@ -55,6 +55,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -73,8 +74,9 @@ from pipeline.placement import (  # re-exported: the layout's vocabulary
 from pipeline.train import memory
 from pipeline.train.verl_config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_run
 
-__all__ = ["LayoutError", "LayoutProblem", "actor_estimate", "assert_runnable", "cuda_visible_devices", "describe",
-           "environment_gpus", "environment_started_here", "is_loopback", "layout_problems", "training_gpus"]
+__all__ = ["LayoutError", "LayoutProblem", "actor_estimate", "assert_environment_runnable", "assert_runnable",
+           "cuda_visible_devices", "describe", "environment_gpus", "environment_layout_problems",
+           "environment_started_here", "is_loopback", "layout_problems", "smallest_batch", "training_gpus"]
 
 GPUS = ("trainer.n_gpus_per_node", "trainer.nnodes")
 BATCH, N, MINI = "data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_mini_batch_size"
@@ -136,6 +138,22 @@ def assert_runnable(params: Params) -> None:
     problems = layout_problems(params)
     if problems:
         raise LayoutError(problems)
+
+
+def assert_environment_runnable(params: Params) -> None:
+    """Raise LayoutError when `environment_layout_problems(params)` finds anything (`promptr1 env …`)."""
+    problems = environment_layout_problems(params)
+    if problems:
+        raise LayoutError(problems)
+
+
+def environment_layout_problems(params: Params) -> list[LayoutProblem]:
+    """The problems of the environment server alone: its devices, memory fraction and tensor parallelism, and
+    one call's time budget. What `promptr1 env start` judges: on a node that runs only the environment server
+    (the paper's second 8-GPU node) the trainer's placement, which the params also describe, is not this
+    node's to run, so its GPUs, memory and batch arithmetic are not judged there."""
+    problems = _environment_problems(Placement.for_layout(params))
+    return problems + [LayoutProblem(keys, message) for keys, message in reply_budget_problems(params)]
 
 
 def layout_problems(params: Params) -> list[LayoutProblem]:
@@ -263,6 +281,19 @@ def _batch_problems(run: VerlRun) -> list[LayoutProblem]:
         problem((*failing, BATCH, N), f"each GPU's {share} trajectories per batch do not split into micro-batches "
                                       f"of {', '.join(map(run.show, failing))} (log-prob passes)")
     return problems
+
+
+def smallest_batch(run: VerlRun) -> int:
+    """The fewest questions per step verl accepts for the config `run` composes, as one mini-batch
+    (`train_batch_size` = `ppo_mini_batch_size`): the smallest m for which m × `rollout.n` trajectories pass
+    `_batch_problems` (module docstring, rules 1-4, 6, 7): a multiple of the training GPUs times each
+    per-GPU micro-batch (the update's and both log-prob passes'; the GPUs alone with `use_dynamic_bsz`) and of
+    the agent-loop workers. `promptr1 doctor`'s verl step runs one step of it."""
+    n, world = run.value(N), run.value(GPUS[0]) * run.value(GPUS[1])
+    micro = [] if run.value("actor_rollout_ref.actor.use_dynamic_bsz") else [MICRO, *LOG_PROB_MICRO]
+    trajectories = math.lcm(world, *(world * run.value(key) for key in micro if run.value(key)),
+                            run.value(AGENT_WORKERS) or 1)
+    return trajectories // math.gcd(trajectories, n)
 
 
 def _sharing_problems(place: Placement, run: VerlRun) -> list[LayoutProblem]:

@@ -70,6 +70,13 @@ def gpus_of_training(train: TrainConfig) -> list[int]:
     return list(train.verl.gpus) or list(range(train.verl.n_gpus_per_node))
 
 
+def private_ray_devices(train: TrainConfig) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the private Ray verl starts (`train.verl.ray_address: ""`): `train.verl.gpus`,
+    so that Ray sees only the training devices; None when they are not given (Ray takes every device)."""
+    gpus = gpus_of_training(train)
+    return cuda_visible_devices(gpus) if gpus and train.verl.gpus else None
+
+
 def cuda_visible_devices(gpus: list[int]) -> str:
     """The CUDA_VISIBLE_DEVICES value for a device list."""
     return ",".join(str(g) for g in gpus)

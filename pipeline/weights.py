@@ -8,7 +8,8 @@ Servers and trainers then start with `HF_HUB_OFFLINE=1`.
 
 Decisions:
 - **Which models** follow from the active components only: the agent (`agent.model`), the environment
-  (`environment.model`) when the pipeline serves it itself (llamacpp, vllm; a paid API needs nothing), and
+  (`environment.model`) when the pipeline serves it itself on this machine (llamacpp, vllm; a paid API, or a
+  server at an `environment.base_url` elsewhere, as on the paper's training node, needs nothing here), and
   the SSim embedding model (`evaluate.ssim_model`). Each is reported under the params key that names it.
 - **Verification** is structural, not a load: a model directory needs `config.json` and its weights (every
   shard an `*.index.json` lists, or at least one `*.safetensors`/`*.bin`); a GGUF must be a non-empty file
@@ -18,7 +19,7 @@ Decisions:
   `original/` (the checkpoint in OpenAI's own format, ~13.8 GB) and `metal/` (Apple Metal), which neither
   vLLM nor transformers read; its top-level safetensors are what they load.
 - **GPT-OSS's harmony encoding** (`o200k_base.tiktoken`, not in the model repository) is fetched and checked
-  with the weights when vLLM serves a GPT-OSS environment (pipeline/environment/harmony.py), reported as
+  with the weights when vLLM serves a GPT-OSS environment here (pipeline/environment/harmony.py), reported as
   one more line under `environment.model`; without it vLLM cannot start offline.
 - **The processes that load weights run offline, on local paths**: once a model's check passed here,
   `cached_location` gives its verified local folder (for a Hub id, the snapshot folder in the Hugging Face
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Literal
 from pipeline.config import Params
 from pipeline.errors import UserError
 from pipeline.modelref import ModelRefError, as_resolved
+from pipeline.placement import started_here
 
 if TYPE_CHECKING:
     from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig
@@ -77,7 +79,7 @@ class ModelStatus:
 def required_models(agent: AgentConfig, environment: EnvironmentConfig, evaluate: EvaluateConfig) -> dict[str, str]:
     """Params key → model reference, for the models the active components load."""
     needed = {"agent.model": agent.model}
-    if environment.backend in ("llamacpp", "vllm"):
+    if environment.backend in ("llamacpp", "vllm") and started_here(environment):
         needed["environment.model"] = environment.model
     needed["evaluate.ssim_model"] = evaluate.ssim_model
     return needed

@@ -25,7 +25,9 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.train.plan import TrainPlan
 
-STEPS = ["driver", "imports", "check", "weights", "environment", "rows", "verl step", "merge", "trajectories"]
+STEPS = [
+    "driver", "imports", "check", "weights", "resources", "environment", "rows", "verl step", "merge", "trajectories"
+]
 KEY_ENV = "PROMPTR1_DOCTOR_TEST_KEY"
 NO_GPU = shutil.which("nvidia-smi") is None
 
@@ -53,6 +55,7 @@ LOCAL_BACKEND_PASSES = {
     "imports": "pass",
     "check": "pass",
     "weights": "pass",
+    "resources": "skipped",
     "environment": "pass",
     "rows": "pass",
     "verl step": "skipped",
@@ -138,10 +141,11 @@ def test_unreachable_environment_fails_at_the_environment_step_naming_the_url(pr
         "imports": "pass",
         "check": "pass",
         "weights": "pass",
+        "resources": "skipped",
         "environment": "fail",
     }
     assert lines[-1].startswith("fail: environment: ") and url in lines[-1]
-    assert report["not_run"] == STEPS[5:]
+    assert report["not_run"] == STEPS[6:]
     assert "sk-doctor-test-0000" not in json.dumps(report)
 
 
@@ -173,7 +177,7 @@ def test_rows_through_the_environment_client_with_their_figures(project, shared_
         sent = [r.body["messages"][-1]["content"] for r in server.chat_requests]
     assert code == 0, lines
     assert statuses(lines) == LOCAL_BACKEND_PASSES
-    rows = report["steps"][5]["figures"]
+    rows = report["steps"][6]["figures"]
     assert rows["rows"] == 24 and rows["source"] == "mirror" and len(rows["datasets"]) == 12
     assert rows["rows_by_task_type"]["math"] == 6  # gsm8k, dapo_math, mathqa first: 2 rows each
     assert (
@@ -186,7 +190,7 @@ def test_rows_through_the_environment_client_with_their_figures(project, shared_
     assert sent[0].startswith("An alien invades Earth.") and sent[0].endswith(
         "reply with only that answer and no explanation."
     )  # the authors' gsm8k row 0
-    assert "1 failed, 1 empty after length" in lines[5]
+    assert "1 failed, 1 empty after length" in lines[6]
     verl = next(line for line in lines if line.startswith("skipped: verl step: "))
     assert "train.backend=local" in verl
     assert (project / "reports" / "doctor" / "doctor.json").is_file() and report["not_run"] == []
@@ -214,7 +218,7 @@ def test_too_many_failed_rows_fail_the_rows_step(project, shared_datasets):
             env={KEY_ENV: "sk-doctor-test-0000"},
         )
     assert code == 1 and lines[-1].startswith("fail: rows: 8 rows") and "8 failed" in lines[-1]
-    assert "environment.max_failure_rate" in lines[-1] and report["not_run"] == STEPS[6:]
+    assert "environment.max_failure_rate" in lines[-1] and report["not_run"] == STEPS[7:]
 
 
 def test_rows_unanswered_at_the_deadline_fail_the_step_in_bounded_time(project, shared_datasets, monkeypatch):
@@ -293,10 +297,10 @@ def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_pat
     assert segments[1]["text"].startswith("\nuser\n<interaction_response>")
 
 
-def test_the_verl_step_runs_one_step_saved_and_dumped_under_reports_doctor(repo_root):
+def test_the_verl_step_runs_one_mini_batch_saved_to_a_temporary_folder(repo_root, tmp_path):
     """What the GPU-only verl step hands `train_verl`, composed with verl 0.9.1's own Hydra config and
-    validated by verl: one step (smoke-1gpu's own 3 replaced), saved, rollouts dumped, all under
-    reports/doctor/."""
+    validated by verl: one step (smoke-1gpu's own 3 replaced) of the smallest batch verl accepts, as one
+    mini-batch, saved to the given checkpoint folder, rollouts dumped under reports/doctor/."""
     from verl.utils.config import validate_config
     from verl_cpu import compose_verl
 
@@ -305,21 +309,92 @@ def test_the_verl_step_runs_one_step_saved_and_dumped_under_reports_doctor(repo_
     from pipeline.train.verl_backend import build_overrides
 
     params = load_params(repo_root / "params.yaml", {"profile": "smoke-1gpu"})
-    one = one_step_params(params)
+    one = one_step_params(params, tmp_path / "doctor-ckpt")
     cfg = compose_verl(build_overrides(TrainPlan.from_params(one)))
     doctor_dir = (repo_root / "reports" / "doctor").resolve()
     assert cfg.trainer.total_training_steps == 1 and cfg.trainer.save_freq == 1
     assert cfg.trainer.test_freq == -1 and cfg.trainer.val_before_train is False
     assert cfg.trainer.rollout_data_dir == str(doctor_dir / "rollout")
-    assert cfg.trainer.default_local_dir == str(doctor_dir / "checkpoints")
+    assert cfg.trainer.default_local_dir == str((tmp_path / "doctor-ckpt").resolve())
     assert cfg.trainer.project_name == "prompt-r1-doctor"
+    # 2 questions x group 4 = 8 trajectories: one per agent-loop worker (8), 8 per GPU = 4 micro-batches of 2
+    assert cfg.data.train_batch_size == cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 2
+    assert cfg.actor_rollout_ref.rollout.n == 4
     assert [o for o in one.train.verl.extra_overrides if "total_training_steps" in o] == [
         "trainer.total_training_steps=1"
     ]
     validate_config(cfg, use_reference_policy=True, use_critic=False)
     # the project's own params are left as they were
     assert params.train.verl.save_freq == 3 and params.paths.checkpoint_dir == "checkpoints/agent"
-    assert params.train.verl.extra_overrides == ["trainer.total_training_steps=3"]
+    assert params.train.verl.extra_overrides == ["trainer.total_training_steps=3"] and params.train.batch_size == 4
+
+
+@pytest.mark.parametrize(("profile", "questions"), [("paper", 16), ("paper-1node", 24)])
+def test_the_doctors_batch_is_the_smallest_the_layout_check_accepts(repo_root, tmp_path, profile, questions):
+    """paper: 8 GPUs x micro-batch 2 = 16 trajectories, and 8 agent-loop workers: lcm 16, over group 5 -> 16
+    questions (80 trajectories, not 128 x 5); paper-1node: lcm(6 x 2, 8) = 24 -> 24 questions. The layout
+    check (verl's arithmetic) accepts it, and one question fewer it refuses."""
+    from pipeline.config import load_params
+    from pipeline.doctor_train import one_step_params
+    from pipeline.layout import layout_problems
+
+    params = load_params(repo_root / "params.yaml", {"profile": profile})
+    one = one_step_params(params, tmp_path)
+    assert one.train.batch_size == one.train.mini_batch_size == questions
+    assert layout_problems(one) == []
+    fewer = one.model_copy(deep=True)
+    fewer.train.batch_size = fewer.train.mini_batch_size = questions - 1
+    assert any("train.mini_batch_size" in p.keys for p in layout_problems(fewer))
+
+
+def test_the_checkpoint_folder_is_beside_the_checkpoints_and_removed_when_the_doctor_ends(project):
+    from pipeline.config import load_params
+    from pipeline.doctor import Doctor
+    from pipeline.doctor_train import checkpoint_folder
+
+    params = load_params(project / "params.yaml", {"paths": {"checkpoint_dir": "ckpt/agent"}})
+    doc = Doctor(params=params)
+    with doc.stack:
+        folder = checkpoint_folder(doc)
+        assert folder.parent == project / "ckpt" and folder.name.startswith("doctor-") and folder.is_dir()
+        assert checkpoint_folder(doc) == folder  # one folder for the verl step and the merge
+        (folder / "global_step_1").mkdir()
+    assert not folder.exists() and not (project / "ckpt" / "agent").exists()
+
+
+def speed_environment(url: str) -> list[str]:
+    """The api environment at `url` with a small reply budget: the length retry asks for 64 x 4 = 256 tokens;
+    the declared 50 tokens/s takes 5.1 s, within the 10 s timeout, so `promptr1 check` passes."""
+    return [*api_environment(url), "-S", "environment.max_tokens=64", "-S", "environment.timeout_s=10",
+            "-S", "environment.decode_tokens_per_s=50"]
+
+
+TWENTY_WORDS = " ".join(["word"] * 20)
+"""A reply of 20 completion tokens (the fault server counts words)."""
+
+
+def test_rows_fail_when_the_measured_decode_speed_breaks_the_timeout_rule(project, shared_datasets):
+    # 20 tokens in >= 2 s a reply: <= 10 tokens/s, so 256 tokens take >= 25.6 s, more than the 10 s timeout
+    with FaultServer(model="fault-model", default=Behaviour(delay_s=2.0, text=TWENTY_WORDS)) as server:
+        code, lines, report = doctor(project, *speed_environment(server.url), "-S", f"paths.mirror={shared_datasets}",
+                                     "--rows", "4", env={KEY_ENV: "sk-doctor-test-0000"})
+    assert code == 1 and lines[-1].startswith("fail: rows: 4 rows") and "0 failed" in lines[-1]
+    rows = report["steps"][6]["figures"]
+    assert 5 <= rows["decode_tokens_per_s"] <= 10 and rows["declared_decode_tokens_per_s"] == 50
+    assert f"measured decode speed {rows['decode_tokens_per_s']:.1f} tokens/s" in lines[-1]
+    assert "environment.decode_tokens_per_s declares 50" in lines[-1] and "environment.timeout_s=10" in lines[-1]
+    assert report["not_run"] == STEPS[7:]
+
+
+def test_rows_pass_with_the_measured_decode_speed_when_it_keeps_the_rule(project, shared_datasets):
+    # 20 tokens at once: hundreds of tokens/s, 256 tokens well within 10 s
+    with FaultServer(model="fault-model", default=Behaviour(text=TWENTY_WORDS)) as server:
+        code, lines, report = doctor(project, *speed_environment(server.url), "-S", f"paths.mirror={shared_datasets}",
+                                     "--rows", "4", env={KEY_ENV: "sk-doctor-test-0000"})
+    assert code == 0, lines
+    rows = report["steps"][6]["figures"]
+    assert rows["decode_tokens_per_s"] > 25.6  # 256 tokens in under 10 s
+    assert f"decode {rows['decode_tokens_per_s']:.1f} tokens/s (declared 50)" in lines[6]
 
 
 @pytest.mark.slow
@@ -356,12 +431,12 @@ def test_default_profile_on_cpu_ends_in_time_with_exit_0(project, shared_dataset
     assert [line.split(": ")[1] for line in lines] == STEPS
     assert statuses(lines) == LOCAL_BACKEND_PASSES
     report = json.loads((project / "reports" / "doctor" / "doctor.json").read_text())
-    rows = report["steps"][5]["figures"]
+    rows = report["steps"][6]["figures"]
     assert (
         rows["rows"] == 16 and rows["failures"] == 0 and rows["rows_by_task_type"]["math"] == 6
     )  # CPU default
-    assert "smollm2-135m-instruct" in lines[4] and "started here" in lines[4]
+    assert "smollm2-135m-instruct" in lines[5] and "started here" in lines[5]
     assert wall < 300 and report["wall_s"] < 300
     with pytest.raises(httpx.ConnectError):  # the server it started is stopped again
-        httpx.get(report["steps"][4]["figures"]["url"] + "/models", timeout=5)
+        httpx.get(report["steps"][5]["figures"]["url"] + "/models", timeout=5)
     print(f"doctor wall time {wall:.1f} s\n" + "\n".join(lines), file=sys.stderr)

@@ -182,7 +182,7 @@ def test_paper_1node_is_the_paper_but_for_the_layout():
 
     layout_keys = {"train.batch_size", "train.mini_batch_size", "train.verl.n_gpus_per_node", "train.verl.gpus",
                    "train.verl.rollout_tp", "environment.server.tensor_parallel_size", "environment.server.gpus",
-                   "profile"}
+                   "train.verl.ray_address", "profile"}
     paper, one_node = flatten(merged("profile=paper")), flatten(merged("profile=paper-1node"))
     differing = {k for k in paper.keys() | one_node.keys() if paper.get(k) != one_node.get(k)}
     assert differing == layout_keys

@@ -12,9 +12,10 @@ reasoning on the math rows of `val_before_train`, long replies are likely, so th
 The rule: `ceil(max_tokens × length_retry_factor) / decode_tokens_per_s <= timeout_s`, where
 `environment.decode_tokens_per_s` is a *declared* figure: the slowest per-request decode speed expected
 from the environment server at the load the run puts on it (every agent-loop worker's client keeps up to
-`environment.concurrency` requests in flight). Nothing here measures it; a profile states it next to the
-model and the server it describes, so the arithmetic is visible and `promptr1 check` refuses a combination
-that cannot finish instead of the run discovering it. Prompt prefill and queueing are not counted: the
+`environment.concurrency` requests in flight). A profile states it next to the model and the server it
+describes, so the arithmetic is visible and `promptr1 check` refuses a combination that cannot finish instead
+of the run discovering it; `promptr1 doctor`'s rows step measures the speed (completion tokens / seconds of
+its replies) and applies the same rule to the measured figure. Prompt prefill and queueing are not counted: the
 declared speed must be low enough to absorb them.
 
 Also refused: a GPT-OSS environment with `reasoning_effort` unset. The server then reasons at medium, which
@@ -49,12 +50,18 @@ def longest_reply_tokens(env: EnvironmentConfig) -> int:
     return math.ceil(env.max_tokens * env.length_retry_factor)
 
 
+def longest_reply_seconds(env: EnvironmentConfig, tokens_per_s: float) -> float:
+    """Seconds the longest reply (`longest_reply_tokens`) takes at `tokens_per_s`: what the rule compares with
+    `environment.timeout_s`, for the declared speed (`promptr1 check`) or a measured one (`promptr1 doctor`)."""
+    return longest_reply_tokens(env) / tokens_per_s
+
+
 def reply_budget_problems(params: Params) -> list[Problem]:
     """Every reason an environment call cannot finish within its timeout (see module docstring)."""
     env = params.environment
     problems: list[Problem] = []
     tokens = longest_reply_tokens(env)
-    needed_s = tokens / env.decode_tokens_per_s
+    needed_s = longest_reply_seconds(env, env.decode_tokens_per_s)
     if needed_s > env.timeout_s:
         problems.append((
             ("environment.timeout_s", "environment.max_tokens", "environment.length_retry_factor",

@@ -12,7 +12,7 @@ loading vocab file", vLLM issue 22525). Read from openai/harmony's `src/tiktoken
 - the GPT-OSS encoding (`O200kHarmony`, `src/registry.rs`) reads `o200k_base.tiktoken` only; `cl100k_base`
   is another encoding, not fetched.
 
-So `promptr1 weights` fetches the file (when vLLM serves a GPT-OSS environment), verifies its sha256, and the
+So `promptr1 weights` fetches the file (when vLLM serves a GPT-OSS environment on this machine), verifies its sha256, and the
 server is started with `TIKTOKEN_ENCODINGS_BASE` pointing at it (pipeline/environment/servers.py). Where:
 `$TIKTOKEN_ENCODINGS_BASE` if the operator set it (a shared or pre-filled folder), else
 `<HF_HOME>/tiktoken-encodings`, beside the Hub cache that holds the weights, so a copied or shared cache
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.environment.budget import is_gpt_oss
+from pipeline.placement import started_here
 
 if TYPE_CHECKING:
     from pipeline.config import EnvironmentConfig
@@ -61,8 +62,9 @@ developer message, where GPT-OSS reads instructions)."""
 
 
 def needs_harmony(env: EnvironmentConfig) -> bool:
-    """Whether the server the pipeline starts loads the harmony encoding: vLLM serving a GPT-OSS model."""
-    return env.backend == "vllm" and is_gpt_oss(env)
+    """Whether the server the pipeline starts loads the harmony encoding: vLLM serving a GPT-OSS model on this
+    machine. An environment at a `base_url` elsewhere (the paper's second node) loads it there, not here."""
+    return env.backend == "vllm" and is_gpt_oss(env) and started_here(env)
 
 
 def encodings_dir() -> Path:

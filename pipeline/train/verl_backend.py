@@ -53,15 +53,16 @@ Decisions:
 Multi-node (one head, N-1 workers; every node has this package installed, e.g. the project's Docker image,
 the same path to the data and checkpoint folders (a shared filesystem), and the API key variable set):
 
-    # on the head node
-    ray start --head --port=6379 --num-gpus=8
+    # on the head node, with exactly the training devices (train.verl.gpus; docs/gpu.md section 3)
+    CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 ray start --head --port=6379 --num-gpus=8
     # on each worker node
-    ray start --address=<head-ip>:6379 --num-gpus=8
+    CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 ray start --address=<head-ip>:6379 --num-gpus=8
     # on the head node, from the project root
     promptr1 train -S profile=paper -S train.verl.nnodes=N -S train.verl.ray_address=auto
 
-`ray_address: auto` joins the cluster started on this machine (`ray status` must list all nodes);
-`ray_address: ""` lets verl start a private single-node Ray instance instead. With more than one node use
+`ray_address: auto` joins the cluster started on this machine (`ray status` must list all nodes; the stage
+start probes which devices it owns, pipeline/train/resources.py); `ray_address: ""` lets verl start a private
+single-node Ray instance instead, pinned to `train.verl.gpus` (`smoke-1gpu`, `paper-1node`). With more than one node use
 an MLflow tracking server (`MLFLOW_TRACKING_URI=http://…`) rather than the default SQLite file, since
 verl's logger may run on any node. Checkpoints land in `paths.checkpoint_dir/global_step_N/actor/`
 (`trainer.resume_mode=auto` resumes from the latest one); `promptr1 merge` converts them with verl's
@@ -87,7 +88,7 @@ from urllib.parse import urlsplit
 from pipeline.config import Params
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, TrainingIncomplete, UserError
-from pipeline.placement import cuda_visible_devices, gpus_of_training
+from pipeline.placement import private_ray_devices
 from pipeline.train import health
 from pipeline.train.verl_health import BreachSeen, VerlHealthWatch
 from pipeline.train.verl_progress import VerlProgress
@@ -237,9 +238,9 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
         env["RAY_ADDRESS"] = verl.ray_address
     else:  # a private Ray started by verl here: it sees only the training GPUs the layout assigns
         env.pop("RAY_ADDRESS", None)
-        gpus = gpus_of_training(plan.train)
-        if gpus and verl.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus)
+        devices = private_ray_devices(plan.train)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
 
     # Under the owner guard: verl and its process group stop even if this process is SIGKILLed.
     command = guarded(command)
