@@ -11,9 +11,9 @@ The summary says what *this* run did, never what an earlier one left in those fi
 comes from promotion.json only when this run reproduced `register`; otherwise it reads "no new version;
 champion is vN, promoted by run … on …" from the MLflow registry (pipeline.registry_lineage.champion_status).
 Likewise the MLflow run is this run's only when a stage that logs to MLflow (`MLFLOW_STAGES`) was
-reproduced; otherwise the summary says `up to date (last run <run>: <link or command>)`, the same words every
-stage artifact of an up-to-date stage uses (`up_to_date`), and the evaluation section links
-reports/eval/summary.md (the last run's) instead of embedding it as if this run had written it.
+reproduced; otherwise (a run that changed nothing) the summary says `up to date (last run <run>: <link or
+command>)`, the same words every stage artifact of an up-to-date stage uses (`up_to_date`), and the evaluation
+section links reports/eval/summary.md (the last run's) instead of embedding it as if this run had written it.
 
 A stage task's artifact (`stage_markdown`, published by flows/artifacts.py) holds its result, key figure and
 MLflow run, or its error when it failed, and names the flow run (name and id) it belongs to.
@@ -144,9 +144,9 @@ def to_markdown(report: RunReport) -> str:
     for stage in report.stages:
         figure = _cell(stage.get("key_figure") or "")
         lines.append(f"| {stage['stage']} | {_cell(stage['result'])} | {stage['seconds']:.1f} | {figure} |")
-    if report.reproduced("evaluate") or report.eval_summary is None:
+    if report.mlflow_current or report.eval_summary is None:
         evaluation = report.eval_summary or "_reports/eval/summary.md not found_"
-    else:  # the last run's summary: linked, not shown as this run's
+    else:  # a run that logged nothing: the summary is the last run's, linked, not shown as this run's
         where = Path(report.eval_summary_path or EVAL_SUMMARY).resolve()
         evaluation = f"{up_to_date(report.mlflow)}: its summary is [{where.name}]({where.as_uri()})"
     lines += ["", "## Evaluation", "", evaluation, ""]

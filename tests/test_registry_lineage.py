@@ -212,7 +212,7 @@ def test_report_of_a_run_that_registered_nothing_names_the_champion_not_an_old_d
                            flow_run="quiet-run (0c5b7e3a)")
     assert "- **Flow run:** quiet-run (0c5b7e3a)" in stage
     assert "- **MLflow:** up to date (last run " in stage and "[run " not in stage
-    assert "old verdict" in to_markdown(report("reproduced"))  # a run that evaluated shows its own summary
+    assert "old verdict" in to_markdown(report("reproduced"))  # a run that logged to MLflow shows the summary
 
     busy = report("reproduced")  # a run that did register: its own decision and its pipeline run
     assert promotion_line(busy.promotion).startswith("promoted to @champion (model version 1)")
