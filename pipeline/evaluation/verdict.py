@@ -127,7 +127,7 @@ def _why_not_paper(summary: dict[str, Any], plan: EvaluatePlan) -> str | None:
 
 
 STOP_REASON_MEANINGS = {
-    "answer": "closed <answer> tags",
+    "answer": "an answer given (the agent closed <answer> tags; a baseline got its reply)",
     "max_turns": "the turn limit, no answer",
     "no_action": "a turn with neither an answer nor a request",
     "token_budget": "the response token budget spent",
