@@ -2,7 +2,8 @@
 
 - `promptr1-retrain` (`publish_report`): the run's summary (flows/report.py `to_markdown`): stage table with
   key figures, evaluation table, promotion decision, MLflow run. Failed runs publish it too, with the error.
-- `stage-<name>` (`publish_stage`), attached to the stage's task run: result, seconds, key figure
+- `stage-<name>` (`publish_stage`), attached to the stage's task run: the flow run (name and id), result,
+  seconds, key figure
   (pipeline.stage_figures), the stage's MLflow run (pipeline.mlflow_links), or the error of a failed stage,
   so a task's Prefect page answers "what came out" without opening its logs. Prefect artifact keys allow
   lowercase letters, digits and dashes only (`stage_artifact_key`).
@@ -19,7 +20,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.report import RunReport, stage_markdown, to_markdown
+from flows.report import RunReport, flow_run_line, stage_markdown, to_markdown
 from pipeline.config import PARAMS_FILE, ConfigError, Params, load_params
 from pipeline.mlflow_links import MlflowRunInfo, stage_mlflow_run
 from pipeline.stage_figures import key_figure
@@ -32,6 +33,16 @@ ARTIFACT_KEY = "promptr1-retrain"
 def stage_artifact_key(stage: str) -> str:
     """Prefect artifact key of a stage task: `stage-<name>` in lowercase letters, digits and dashes only."""
     return "stage-" + re.sub(r"[^a-z0-9-]+", "-", stage.lower()).strip("-")
+
+
+def current_flow_run() -> tuple[str | None, str | None]:
+    """(name, id) of the Prefect flow run this runs in; (None, None) outside one."""
+    from prefect.runtime import flow_run
+
+    try:
+        return flow_run.get_name(), flow_run.get_id()
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return None, None
 
 
 def publish_stage(root: Path, stage: str, result: str, seconds: float, error: str | None = None) -> dict[str, Any]:
@@ -49,7 +60,9 @@ def publish_stage(root: Path, stage: str, result: str, seconds: float, error: st
         except ConfigError as exc:
             mlflow = MlflowRunInfo(open_hint=f"params unreadable: {exc}")
     try:
-        create_markdown_artifact(markdown=stage_markdown(stage, result, seconds, figure, mlflow, error=error),
+        markdown = stage_markdown(stage, result, seconds, figure, mlflow, error=error,
+                                  flow_run=flow_run_line(*current_flow_run()))
+        create_markdown_artifact(markdown=markdown,
                                  key=stage_artifact_key(stage), description=f"{stage}: {figure or result}"[:500])
     except Exception as exc:  # noqa: BLE001 - see docstring
         log.warning("could not publish the artifact of stage %s: %s", stage, exc)

@@ -10,12 +10,13 @@ module always had).
 The summary says what *this* run did, never what an earlier one left in those files: the promotion decision
 comes from promotion.json only when this run reproduced `register`; otherwise it reads "no new version;
 champion is vN, promoted by run … on …" from the MLflow registry (pipeline.registry_lineage.champion_status).
-Likewise the MLflow run is linked only when a stage that logs to MLflow (`MLFLOW_STAGES`) was reproduced;
-otherwise the summary says no stage of this run logged one and names the last pipeline run without linking
-it as this run's.
+Likewise the MLflow run is this run's only when a stage that logs to MLflow (`MLFLOW_STAGES`) was
+reproduced; otherwise (a run that changed nothing) the summary says `up to date (last run <run>: <link or
+command>)`, the same words every stage artifact of an up-to-date stage uses (`up_to_date`), and the evaluation
+section links reports/eval/summary.md (the last run's) instead of embedding it as if this run had written it.
 
 A stage task's artifact (`stage_markdown`, published by flows/artifacts.py) holds its result, key figure and
-MLflow run, or its error when it failed.
+MLflow run, or its error when it failed, and names the flow run (name and id) it belongs to.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from pipeline.registry_lineage import champion_status
 from pipeline.stage_figures import promotion_line
 from pipeline.tracking import DESCRIBED_STAGES
 
-__all__ = ["MlflowRunInfo", "RunReport", "mlflow_line", "mlflow_run_info", "promotion_line", "read_eval_summary",
-           "read_promotion", "stage_markdown", "strip_credentials", "to_markdown"]
+__all__ = ["MlflowRunInfo", "RunReport", "flow_run_line", "mlflow_line", "mlflow_run_info", "promotion_line",
+           "read_eval_summary", "read_promotion", "run_mlflow_line", "stage_markdown", "strip_credentials",
+           "to_markdown", "up_to_date"]
 
 EVAL_SUMMARY = Path("eval") / "summary.md"
 PROMOTION = Path("promotion.json")
@@ -57,6 +59,11 @@ class RunReport:
     eval_summary: str | None = None
     promotion: dict[str, Any] | None = None
     mlflow: MlflowRunInfo = field(default_factory=MlflowRunInfo)
+    mlflow_current: bool = True
+    """False when no stage of this run logs to MLflow: `mlflow` is then the last pipeline run, not this one's."""
+    eval_summary_path: str | None = None
+    """reports/eval/summary.md, linked (not embedded) when this run did not reproduce `evaluate`."""
+    flow_run_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,13 +77,10 @@ class RunReport:
         """Fill the evaluation table, promotion decision and MLflow run: this run's (module docstring)."""
         reports_dir = params.path(params.paths.reports_dir)
         self.eval_summary = read_eval_summary(reports_dir)
+        self.eval_summary_path = str(reports_dir / EVAL_SUMMARY)
         self.promotion = read_promotion(reports_dir) if self.reproduced("register") else champion_status(params)
-        if any(self.reproduced(stage) for stage in MLFLOW_STAGES):
-            self.mlflow = mlflow_run_info(params)
-        else:
-            last = mlflow_run_info(params).run_id
-            self.mlflow = MlflowRunInfo(open_hint="none: no stage of this run logs to MLflow (nothing was trained, "
-                                        "evaluated or registered)" + (f"; the last pipeline run is {last}" if last else ""))
+        self.mlflow = mlflow_run_info(params)
+        self.mlflow_current = any(self.reproduced(stage) for stage in MLFLOW_STAGES)
 
 
 def read_promotion(reports_dir: Path) -> dict[str, Any] | None:
@@ -98,18 +102,38 @@ def read_eval_summary(reports_dir: Path) -> str | None:
         return None
 
 
+def up_to_date(info: MlflowRunInfo) -> str:
+    """What an up-to-date run or stage says of MLflow: it logged nothing; the last run and where to open it."""
+    if not info.run_id:
+        return f"up to date (no last run: {mlflow_line(info)})"
+    where = info.link or info.open_hint or info.tracking_uri or ""
+    return f"up to date (last run {info.run_id}: {where})" if where else f"up to date (last run {info.run_id})"
+
+
+def run_mlflow_line(info: MlflowRunInfo, current: bool) -> str:
+    """The run's MLflow line: its own pipeline run, or `up to date (last run …)` when it logged none."""
+    return mlflow_line(info) if current else up_to_date(info)
+
+
+def flow_run_line(name: str | None, run_id: str | None) -> str:
+    """`<name> (<id>)`, or what is known of it; `local run` outside Prefect."""
+    if name and run_id:
+        return f"{name} ({run_id})"
+    return name or run_id or "local run"
+
+
 def to_markdown(report: RunReport) -> str:
     """The run's markdown artifact."""
     url = f" ({report.environment_url})" if report.environment_url else ""
     experiment = f"`{report.experiment}`" if report.experiment else (report.experiment_note or "none")
     lines = [
-        f"# Prompt-R1 retraining — {report.flow_run or 'local run'}",
+        f"# Prompt-R1 retraining — {flow_run_line(report.flow_run, report.flow_run_id)}",
         "",
         f"- **Profile:** `{report.profile}`  **Environment:** `{report.environment_backend}`{url}",
         f"- **Forced:** {'yes' if report.forced else 'no'}",
         f"- **Overrides:** {', '.join(f'`{o}`' for o in report.overrides) or 'none'}",
         f"- **DVC experiment:** {experiment}",
-        f"- **MLflow:** {mlflow_line(report.mlflow)}",
+        f"- **MLflow:** {run_mlflow_line(report.mlflow, report.mlflow_current)}",
         f"- **Promotion:** {promotion_line(report.promotion)}",
         "",
         "## Stages",
@@ -120,7 +144,12 @@ def to_markdown(report: RunReport) -> str:
     for stage in report.stages:
         figure = _cell(stage.get("key_figure") or "")
         lines.append(f"| {stage['stage']} | {_cell(stage['result'])} | {stage['seconds']:.1f} | {figure} |")
-    lines += ["", "## Evaluation", "", report.eval_summary or "_reports/eval/summary.md not found_", ""]
+    if report.mlflow_current or report.eval_summary is None:
+        evaluation = report.eval_summary or "_reports/eval/summary.md not found_"
+    else:  # a run that logged nothing: the summary is the last run's, linked, not shown as this run's
+        where = Path(report.eval_summary_path or EVAL_SUMMARY).resolve()
+        evaluation = f"{up_to_date(report.mlflow)}: its summary is [{where.name}]({where.as_uri()})"
+    lines += ["", "## Evaluation", "", evaluation, ""]
     if report.promotion is not None:
         lines += ["## Promotion decision", "", "```json", json.dumps(report.promotion, indent=2, sort_keys=True),
                   "```", ""]
@@ -128,13 +157,17 @@ def to_markdown(report: RunReport) -> str:
 
 
 def stage_markdown(stage: str, result: str, seconds: float, figure: str | None, mlflow: MlflowRunInfo | None,
-                   error: str | None = None) -> str:
-    """A stage task's artifact: what came out (key figure, MLflow run) or, for a failed stage, its error."""
-    lines = [f"# {stage}: {result}", "", f"- **Seconds:** {seconds:.1f}"]
+                   error: str | None = None, flow_run: str = "local run") -> str:
+    """A stage task's artifact: what came out (key figure, MLflow run) or, for a failed stage, its error; a
+    stage this run did not reproduce points at its last MLflow run as such (`up_to_date`)."""
+    lines = [f"# {stage}: {result}", "", f"- **Flow run:** {flow_run}", f"- **Seconds:** {seconds:.1f}"]
     if figure is not None:
         lines.append(f"- **Key figure:** {figure}")
     if mlflow is not None:
-        where = f"[run {mlflow.run_id}]({mlflow.link})" if mlflow.link else mlflow_line(mlflow)
+        if result != REPRODUCED and error is None:
+            where = up_to_date(mlflow)
+        else:
+            where = f"[run {mlflow.run_id}]({mlflow.link})" if mlflow.link else mlflow_line(mlflow)
         lines.append(f"- **MLflow:** {where}")
     if error:
         lines += ["", "## Error", "", "~~~text", error.replace("~~~", "~ ~ ~"), "~~~"]

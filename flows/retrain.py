@@ -87,7 +87,7 @@ from flows.environment_tasks import (
     stop_live_environments,
 )
 from flows.policies import DEFAULT_POLICY, STAGE_POLICIES, StagePolicy, retry_unless_unhealthy
-from flows.report import MlflowRunInfo, RunReport, mlflow_line, promotion_line
+from flows.report import MlflowRunInfo, RunReport, flow_run_line, promotion_line, run_mlflow_line
 from flows.run_lock import run_lock
 from pipeline.config import PARAMS_FILE, Params, find_root, load_params
 from pipeline.errors import UserError
@@ -202,6 +202,13 @@ def _flow_run_name() -> str | None:
         return None
 
 
+def _flow_run_id() -> str | None:
+    try:
+        return current_flow_run.get_id()
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return None
+
+
 @flow(name=FLOW_NAME, on_crashed=[stop_live_environments], on_cancellation=[stop_live_environments],
       description="Prompt-R1 pipeline: DVC stages as tasks, environment lifecycle, DVC experiment, summary.")
 def retrain(
@@ -246,7 +253,7 @@ def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> di
     logger = get_run_logger()
     policies = {**STAGE_POLICIES, **(_hooks.policies or {})}
     report = RunReport(flow_run=_flow_run_name(), profile=params.profile, overrides=items,
-                       environment_backend=params.environment.backend, forced=force)
+                       environment_backend=params.environment.backend, forced=force, flow_run_id=_flow_run_id())
     lock_file = root / "dvc.lock"
     lock_before = lock_file.read_bytes() if lock_file.is_file() else b""
     stages, always, stale = plan_run(str(root))
@@ -291,7 +298,7 @@ def _run_stages(root: Path, params: Params, items: list[str], force: bool) -> di
         report.experiment_note = "none: nothing changed"
     report.read_results(params)
     publish_report(report)
-    logger.info("MLflow: %s", mlflow_line(report.mlflow))
+    logger.info("MLflow: %s", run_mlflow_line(report.mlflow, report.mlflow_current))
     logger.info("promotion: %s", promotion_line(report.promotion))
     return report.to_dict()
 
@@ -337,11 +344,11 @@ def cli_flow_run(profile: str | None, sets: list[str], force: bool,
         raise UserError(f"pipeline flow {state.name.lower()}: {state.message or 'see the Prefect logs'}")
     summary = state.result()
     info = MlflowRunInfo(**summary["mlflow"])  # this run's (flows/report.py), not whatever the files name now
-    typer.echo(f"flow run:   {summary.get('flow_run')}")
+    typer.echo(f"flow run:   {flow_run_line(summary.get('flow_run'), summary.get('flow_run_id'))}")
     for stage in summary.get("stages", []):
         typer.echo(f"  {stage['stage']:<10} {stage['result']} ({stage['seconds']:.1f} s): {stage.get('key_figure')}")
     typer.echo(f"experiment: {summary.get('experiment') or summary.get('experiment_note')}")
-    typer.echo(f"MLflow:     {mlflow_line(info)}")
+    typer.echo(f"MLflow:     {run_mlflow_line(info, summary.get('mlflow_current', True))}")
     typer.echo(f"promotion:  {promotion_line(summary.get('promotion'))}")
 
 

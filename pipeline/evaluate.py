@@ -68,7 +68,7 @@ from pipeline.evaluation.report import (
     predictions_frame,
     write_reports,
 )
-from pipeline.evaluation.scores import aggregate, score_system, usage_by_system
+from pipeline.evaluation.scores import aggregate, answer_outcomes, score_system, usage_by_system
 from pipeline.evaluation.systems import (
     BASELINES,
     TRAINED,
@@ -212,6 +212,7 @@ def run_evaluate(params: Params) -> dict[str, Any]:
             "inference": inference_costs(all_answers, plan.environment),
             "one_off": one_off_costs(summary["systems"], plan.gepa_prompt, plan.steps_csv),
         }
+        summary["outcomes"] = answer_outcomes(all_answers)
         summary["paper"] = paper_comparison(summary, plan.agent.model, plan.environment)
         if plan.variants:
             summary["matrix"] = evaluate_matrix(plan, rows_by_ds, summary, ssim)

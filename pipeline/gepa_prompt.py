@@ -22,9 +22,13 @@ Design decisions:
 - **Three disjoint slices**, drawn with `gepa.seed`: `train_size` rows GEPA reflects on (minibatches of
   `minibatch_size`), `val_size` rows it scores candidates on (its Pareto set), and `holdout_size` rows it
   never sees, on which the seed and the optimised instruction are both scored for the report.
-- **Budget** is `gepa.max_metric_calls` task rollouts (GEPA's own stop condition); the one-off cost (metric
-  calls, task and reflection tokens and USD, wall time) is written beside the result, and the evaluation
-  reports it with the other systems' costs.
+- **Budget** is `gepa.max_metric_calls` task rollouts, never exceeded. GEPA's own `max_metric_calls` is
+  checked only between iterations, and one iteration scores the parent and the proposal on a minibatch
+  and, when the proposal wins there, the whole val slice (2 × `minibatch_size` + `val_size` calls), so a
+  budget of 40 ran to 48. `WholeIterationBudget` stops before an iteration that could overrun it; the seed's
+  val scoring (`val_size` calls, before any iteration) must fit too. The one-off cost (metric calls, task
+  and reflection tokens and USD, wall time) is written beside the result, and the evaluation reports it
+  with the other systems' costs.
 - **Same sampling as the evaluation**: temperature `evaluate.env_temperature` and cache `evaluate.env_cache`,
   so the optimised instruction is selected under the conditions it is evaluated in, and a rerun with
   unchanged inputs costs no calls.
@@ -46,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from pipeline.errors import DataError
+from pipeline.errors import DataError, UserError
 from pipeline.evaluation.costs import gepa_prompt_path
 from pipeline.evaluation.systems import evaluation_params
 from pipeline.gepa_adapter import (
@@ -58,6 +62,7 @@ from pipeline.gepa_adapter import (
     TaskExample,
 )
 from pipeline.progress import progress
+from pipeline.stage_figures import gepa_outcome
 from pipeline.types import UsageStats
 
 if TYPE_CHECKING:
@@ -143,6 +148,19 @@ def reflection_config(environment: EnvironmentConfig, cfg: GepaConfig) -> Enviro
 
 
 
+class WholeIterationBudget:
+    """GEPA stop condition: stop before an iteration that could take the metric calls past `max_metric_calls`
+    (its worst case, `per_iteration`, is a minibatch for the parent and one for the proposal, then the val
+    slice). `max_metric_calls` is the attribute GEPA reads to report the remaining budget."""
+
+    def __init__(self, max_metric_calls: int, per_iteration: int) -> None:
+        self.max_metric_calls = max_metric_calls
+        self.per_iteration = per_iteration
+
+    def __call__(self, gepa_state: Any) -> bool:
+        return gepa_state.total_num_evals + self.per_iteration > self.max_metric_calls
+
+
 def _mean(xs: list[float]) -> float:
     return round(sum(xs) / len(xs), 4) if xs else 0.0
 
@@ -158,6 +176,9 @@ def optimise(plan: GepaPlan, slices: Slices, task: EnvironmentClient,
 
     cfg = plan.gepa
     seed_instruction = plan.seed_instruction
+    if cfg.max_metric_calls < cfg.val_size:
+        raise UserError(f"gepa.max_metric_calls={cfg.max_metric_calls} is below gepa.val_size={cfg.val_size}: "
+                        "scoring the seed instruction on the val slice alone would exceed the budget")
     adapter = EnvironmentInstructionAdapter(task)
     recorder = HistoryRecorder()
     started = time.perf_counter()
@@ -166,7 +187,8 @@ def optimise(plan: GepaPlan, slices: Slices, task: EnvironmentClient,
             seed_candidate={COMPONENT: seed_instruction}, trainset=slices.train, valset=slices.val,
             adapter=adapter, custom_candidate_proposer=ReflectionProposer(reflection, cfg.max_instruction_chars),
             candidate_selection_strategy="pareto",
-            reflection_minibatch_size=cfg.minibatch_size, max_metric_calls=cfg.max_metric_calls,
+            reflection_minibatch_size=cfg.minibatch_size,
+            stop_callbacks=WholeIterationBudget(cfg.max_metric_calls, 2 * cfg.minibatch_size + cfg.val_size),
             logger=LoggingLogger(), callbacks=[recorder], seed=cfg.seed, raise_on_exception=True,
             display_progress_bar=False,
         )
@@ -219,17 +241,16 @@ def report_metrics(content: dict[str, Any]) -> dict[str, float]:
         "holdout_f1_optimised": round(100 * content["optimised"]["holdout_f1"], 2),
         "holdout_f1_delta": round(100 * (content["optimised"]["holdout_f1"] - content["seed"]["holdout_f1"]), 2),
         "val_score_seed": content["seed"]["val_score"], "val_score_optimised": content["optimised"]["val_score"],
-        "metric_calls": cost["metric_calls"], "proposals": cost["proposals"], "accepted": cost["accepted"],
-        "candidates": len(content["candidates"]), "optimise_s": cost["optimise_s"], **tokens,
+        "metric_calls": cost["metric_calls"], "max_metric_calls": content["budget"]["max_metric_calls"],
+        "proposals": cost["proposals"], "accepted": cost["accepted"],
+        "kept_seed": int(content["optimised"]["candidate"] == 0), "candidates": len(content["candidates"]), "optimise_s": cost["optimise_s"], **tokens,
     }
 
 
 def describe_gepa(metrics: dict[str, float]) -> str:
-    """The gepa run's one-sentence description (and its part of the parent run's)."""
-    return (f"GEPA optimised the environment's instruction: held-out F1 {metrics['holdout_f1_seed']:.2f} → "
-            f"{metrics['holdout_f1_optimised']:.2f} ({metrics['holdout_f1_delta']:+.2f}), "
-            f"{int(metrics['accepted'])}/{int(metrics['proposals'])} proposals accepted, "
-            f"{int(metrics['metric_calls'])} metric calls.")
+    """The gepa run's one-sentence description (and its part of the parent run's): the instruction it kept and
+    why, the held-out F1, the proposals and the metric calls against the budget (`stage_figures.gepa_outcome`)."""
+    return f"GEPA {gepa_outcome(metrics)}."
 
 
 def history_frame(content: dict[str, Any]) -> pd.DataFrame:
@@ -295,7 +316,5 @@ def run_gepa(params: Params) -> dict[str, Any]:
         mlflow.log_text(sanitize_text(content["optimised"]["instruction"]), "gepa/optimised_instruction.txt")
         with tempfile.TemporaryDirectory() as tmp:
             mlflow.log_artifact(str(sanitized_json_copy(plan.prompt_file, Path(tmp))), artifact_path="gepa")
-    log.info("GEPA: %d proposals, %d accepted; held-out F1 seed %.2f → optimised %.2f (%d metric calls)",
-             metrics["proposals"], metrics["accepted"], metrics["holdout_f1_seed"], metrics["holdout_f1_optimised"],
-             metrics["metric_calls"])
+    log.info("GEPA %s", gepa_outcome(metrics))
     return content

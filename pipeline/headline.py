@@ -4,11 +4,18 @@ A run's outputs hold thousands of numbers (metrics.json has every dataset × sys
 bounds, costs and the paper's table); comparing two runs needs a handful. This module picks them, once, for
 the two places people compare runs:
 
-- **`reports/eval/headline.json`**, the only DVC metric (`dvc metrics show`, `dvc exp show`): at most
-  `MAX_HEADLINE_VALUES` flat values, so one row fits a terminal. Every system's ID and OOD F1 (the one metric
-  every dataset reports), prompt_r1's EM and SSim, prompt_r1's F1 difference to each baseline (with the
-  paired-bootstrap CI against `env_only`, the paper's "w/o agent" row), the last training step's mean
-  reward and the rows per set. Keys are `<system>_<split>_<metric>`-style words: no `/` or `.`, so no key
+- **`reports/eval/headline.json`**, the only DVC metric (`dvc metrics show`, `dvc exp show`, `dvc metrics
+  diff`): eleven values under keys of at most five characters, rounded to 0.1 point, so `dvc metrics show`
+  prints one row within 120 columns (DVC pads every column to its key or value and 4 spaces; a 28-value row
+  was 686 characters wide). F1 (the one metric every dataset reports) per split, `id_` (ID) and `od_`
+  (OOD): prompt_r1's (`id_r1`), the best other system's (`id_bo`; its name is in summary.md), prompt_r1
+  minus that system with the paired-bootstrap CI (`id_d`, `id_lo`, `id_hi`); and the cost, prompt_r1's
+  environment tokens per question (`tok`). `HEADLINE_KEYS` lists them.
+- **`reports/eval/figures.json`** (`figures`): the wider set, read on demand with `dvc metrics show
+  reports/eval/figures.json` (not a declared metric, so it stays out of `dvc exp show` and `dvc metrics
+  diff`): every system's ID and OOD F1, prompt_r1's EM and SSim, prompt_r1's F1 difference to each baseline
+  (with the CI against `env_only`, the paper's "w/o agent" row), the last training step's mean reward and the
+  rows per set, at most `MAX_FIGURES_VALUES`. Keys in both are words joined by `_`: no `/` or `.`, so no key
   reads as a file path and DVC does not nest them.
 - **the parent MLflow run** (`parent_metrics`): the same figures with more room, under the names the
   evaluate run uses (`<system>/<split>/<metric>`, `delta_vs_<baseline>/<split>/<metric>[_low|_high]`): every
@@ -27,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 HEADLINE_FILE = "headline.json"
-MAX_HEADLINE_VALUES = 30
-"""Most values headline.json may hold: one `dvc metrics show` row that fits a terminal."""
+FIGURES_FILE = "figures.json"
+HEADLINE_KEYS = ("id_r1", "id_bo", "id_d", "id_lo", "id_hi", "od_r1", "od_bo", "od_d", "od_lo", "od_hi", "tok")
+"""headline.json's keys, in order: what `dvc metrics show` prints in one row of at most 120 columns."""
+MAX_FIGURES_VALUES = 30
+"""Most values figures.json may hold: one `dvc metrics show reports/eval/figures.json` row."""
 HEADLINE_METRICS = ("em", "f1", "ssim")
 """The paper's three headline metrics (method.md), reported per system and split on the parent run."""
 SPLITS = ("id", "ood")
@@ -60,8 +70,37 @@ def _mean(entry: dict[str, Any] | None) -> float | None:
     return None if not entry else entry.get("mean")
 
 
-def headline(summary: dict[str, Any], last_reward: float | None = None) -> dict[str, float]:
-    """headline.json's content (module docstring): flat, at most `MAX_HEADLINE_VALUES` values, no path-like key."""
+def _best_other(summary: dict[str, Any], split: str) -> str | None:
+    """The system other than prompt_r1 with the highest average F1 on `split`, None without one."""
+    scored = {s: _mean((summary["averages"][s].get(split) or {}).get("f1")) for s in summary["systems"] if s != TRAINED}
+    scored = {s: v for s, v in scored.items() if v is not None}
+    return max(scored, key=lambda s: scored[s]) if scored else None
+
+
+def headline(summary: dict[str, Any]) -> dict[str, float]:
+    """headline.json's content (module docstring): `HEADLINE_KEYS`, those the run has, in that order."""
+    out: dict[str, float] = {}
+    averages = summary["averages"]
+    for split, short in (("id", "id"), ("ood", "od")):
+        mine = _mean((averages.get(TRAINED, {}).get(split) or {}).get("f1"))
+        if mine is not None:
+            out[f"{short}_r1"] = mine
+        best = _best_other(summary, split)
+        if best is not None:
+            out[f"{short}_bo"] = _mean(averages[best][split]["f1"])
+            delta = (summary.get("deltas", {}).get(f"vs_{best}", {}).get(split) or {}).get("f1")
+            if delta is not None:
+                out.update({f"{short}_d": delta["delta"], f"{short}_lo": delta["low"], f"{short}_hi": delta["high"]})
+    tokens = summary.get("cost", {}).get("inference", {}).get(TRAINED, {}).get("env_tokens_per_question")
+    out = {k: round(float(out[k]), 1) for k in HEADLINE_KEYS if k in out}
+    if tokens is not None:
+        out["tok"] = round(float(tokens))
+    check_headline(out, HEADLINE_FILE, len(HEADLINE_KEYS))
+    return out
+
+
+def figures(summary: dict[str, Any], last_reward: float | None = None) -> dict[str, float]:
+    """figures.json's content (module docstring): flat, at most `MAX_FIGURES_VALUES` values, no path-like key."""
     out: dict[str, float] = {}
     averages = summary["averages"]
     for system in summary["systems"]:
@@ -87,20 +126,19 @@ def headline(summary: dict[str, Any], last_reward: float | None = None) -> dict[
     if last_reward is not None:
         out["reward_last_step_mean"] = last_reward
     out["rows_per_dataset"] = float(summary["rows_per_dataset"])
-    check_headline(out)
+    check_headline(out, FIGURES_FILE, MAX_FIGURES_VALUES)
     return out
 
 
-def check_headline(values: dict[str, float]) -> None:
-    """Refuse a headline `dvc metrics show` could not show in one terminal row (too many or path-like keys)."""
-    if len(values) > MAX_HEADLINE_VALUES:
-        raise ValueError(f"{HEADLINE_FILE} would hold {len(values)} values, more than {MAX_HEADLINE_VALUES}: "
-                         f"{', '.join(values)}")
+def check_headline(values: dict[str, float], name: str = HEADLINE_FILE, most: int = len(HEADLINE_KEYS)) -> None:
+    """Refuse a file `dvc metrics show` could not show in one terminal row (too many or path-like keys)."""
+    if len(values) > most:
+        raise ValueError(f"{name} would hold {len(values)} values, more than {most}: {', '.join(values)}")
     for key, value in values.items():
         if PATH_LIKE.search(key) or "." in key:
-            raise ValueError(f"{HEADLINE_FILE} key {key!r} looks like a path (no '/', '\\' or '.' in a key)")
+            raise ValueError(f"{name} key {key!r} looks like a path (no '/', '\\' or '.' in a key)")
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise TypeError(f"{HEADLINE_FILE} key {key!r} is {value!r}, not a number")
+            raise TypeError(f"{name} key {key!r} is {value!r}, not a number")
 
 
 def parent_metrics(summary: dict[str, Any]) -> dict[str, float]:

@@ -28,6 +28,8 @@ from pipeline.tracking import RUN_FILE, tracking_uri
 log = logging.getLogger(__name__)
 
 SQLITE = "sqlite:///"
+UI_COMMAND = "MLFLOW_DISABLE_TELEMETRY=true mlflow ui"
+"""How the docs and hints open the store: MLflow's usage telemetry (the UI's too) off."""
 
 
 @dataclass
@@ -153,7 +155,7 @@ def _point_at(info: MlflowRunInfo, store: MlflowStore) -> None:
     uri = store.uri
     info.link = ui_link(uri, info.experiment_id, info.run_id) if info.experiment_id and info.run_id else None
     if info.link is None:
-        info.open_hint = (f"mlflow ui --backend-store-uri {_shown_store(store)}, then experiment "
+        info.open_hint = (f"{UI_COMMAND} --backend-store-uri {_shown_store(store)}, then experiment "
                           f"{info.experiment or info.experiment_id!s}, run {info.run_id}")
 
 

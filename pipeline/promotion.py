@@ -144,3 +144,26 @@ def decide_promotion(candidate: EvalAverages, champion: EvalAverages | None, cfg
     if ood_ok:
         reasons.append(f"OOD: every candidate {bound} ≥ champion mean − {cfg.ood_tolerance:g}")
     return PromotionDecision(id_ok and ood_ok, reasons, checks)
+
+
+def rival_scores(metrics: dict[str, Any], metric: str) -> dict[str, float]:
+    """The ID mean of `metric` of every other system in metrics.json's averages (system → points)."""
+    return {s: av["id"][metric]["mean"] for s, av in metrics.get("averages", {}).items()
+            if s != TRAINED and metric in av.get("id", {})}
+
+
+def register_sentence(model_name: str, version: str, decision: PromotionDecision, alias: str, after: str | None,
+                      candidate: EvalAverages, metric: str, rivals: dict[str, float]) -> str:
+    """The register run's description: the decision, the rule's real reason (e.g. "no current champion", not
+    the CI rule that was never applied), the candidate's ID figure, and any other system of the same evaluation
+    that scored higher on it (`rivals`: system → ID mean), since the rule compares agent versions, not systems."""
+    verdict = "promoted" if decision.promote else "kept"
+    ci = candidate.id[metric]
+    line = (f"Registered {model_name} v{version}: {verdict} ({alias} → v{after}) because "
+            f"{'; '.join(decision.reasons)}. Candidate ID {metric} {ci['mean']:.2f} [{ci['low']:.2f}, "
+            f"{ci['high']:.2f}]")
+    better = sorted(((s, v) for s, v in rivals.items() if v > ci["mean"]), key=lambda sv: -sv[1])
+    if better:
+        line += ("; below " + ", ".join(f"{s} ({v:.2f})" for s, v in better)
+                 + " in the same evaluation (the rule compares versions of the agent, not systems)")
+    return line + f". Version: models:/{model_name}/{version}."

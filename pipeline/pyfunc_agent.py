@@ -14,8 +14,11 @@ Design decisions:
   {"base_url": "http://host:port/v1", "served_name": "..."}})`: the given keys are merged over the logged
   environment JSON, so one registered agent can be pointed at another endpoint (plug-and-play, method.md).
   The pyfunc starts no server: the endpoint must be up (`promptr1 env start`, vLLM, or a paid API whose key
-  is in the named variable). `predict` probes it once first and raises `EnvironmentUnavailable` naming the
-  URL and what to start (pipeline/environment/health.py), instead of retrying each call for minutes.
+  is in the named variable). `predict` probes it once first and raises `EnvironmentDown` naming the
+  URL and what to start (pipeline/environment/health.py), instead of retrying each call for minutes. It is
+  both the project's `EnvironmentUnavailable` and an `MlflowException` with error code
+  `TEMPORARILY_UNAVAILABLE`, which MLflow's scoring server answers with HTTP 503 and the line as the JSON
+  `message` (any other exception becomes MLflow's generic 400 blaming the input).
 - **Input.** A DataFrame with `question` and optionally `dataset` (picks the dataset's own instruction,
   e.g. the math wrapper; default `model_config["default_dataset"]`). Output: one row per question with
   `answer`, `turns`, `stop_reason`, environment usage and the trajectory as JSON.
@@ -48,6 +51,10 @@ from typing import Any
 
 import mlflow.pyfunc
 import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+
+from pipeline.errors import EnvironmentUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,13 @@ OUTPUT_COLUMNS = [
     "trajectory",
     "agent_engine",
 ]
+
+
+class EnvironmentDown(MlflowException, EnvironmentUnavailable):
+    """The environment does not answer: a dependency outage, served as HTTP 503 (`TEMPORARILY_UNAVAILABLE`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, error_code=TEMPORARILY_UNAVAILABLE)
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -115,6 +129,7 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
             self.env_cfg.url,
             self.env_cfg.served_name,
         )
+        _log_cache(Path(params.paths.cache_dir), "cache_dir" in config and bool(config["cache_dir"]))
 
     def predict(
         self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
@@ -143,7 +158,11 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
             )
             for i, (q, ds) in enumerate(zip(frame["question"], datasets, strict=True))
         ]
-        check_environment_answers(self.env_cfg)  # seconds, not ~170 s of retries and an empty answer
+        try:  # seconds, not ~170 s of retries and an empty answer
+            check_environment_answers(self.env_cfg)
+        except EnvironmentUnavailable as exc:
+            log.warning("request refused: %s", exc)
+            raise EnvironmentDown(str(exc)) from exc
         a = self.agent_cfg
         env = EnvironmentClient(self.env_cfg, cache_path=None)
         try:
@@ -181,6 +200,14 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
             ],
             columns=OUTPUT_COLUMNS,
         )
+
+
+def _log_cache(cache: Path, chosen: bool) -> None:
+    """Say where the pyfunc keeps its files (the agent's GGUF export, the agent server's log) and how much they
+    take: loaded outside the project, that is the user's cache folder, and a GGUF is hundreds of MB."""
+    size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    how = "model_config cache_dir" if chosen else "the default; model_config cache_dir or $PROMPTR1_CACHE_DIR move it"
+    log.info("Prompt-R1 agent cache: %s holds %.0f MB (%s)", cache, size / 1e6, how)
 
 
 def signature() -> Any:

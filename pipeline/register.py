@@ -53,7 +53,14 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
-from pipeline.promotion import EvalAverages, PromotionDecision, check_metric, decide_promotion
+from pipeline.promotion import (
+    EvalAverages,
+    PromotionDecision,
+    check_metric,
+    decide_promotion,
+    register_sentence,
+    rival_scores,
+)
 
 if TYPE_CHECKING:
     from pipeline.config import Params, RegisterConfig
@@ -269,7 +276,13 @@ def run_register(params: Params) -> dict[str, Any]:
     import mlflow
 
     from pipeline import registry_lineage as lineage
-    from pipeline.tracking import describe_stage, log_parent_metrics, parent_run_id, stage_run
+    from pipeline.tracking import (
+        describe_stage,
+        link_parent_to_model_version,
+        log_parent_metrics,
+        parent_run_id,
+        stage_run,
+    )
 
     plan = RegisterPlan.for_register(params)
     cfg = plan.register
@@ -279,7 +292,8 @@ def run_register(params: Params) -> dict[str, Any]:
     metrics_file = plan.metrics_file
     if not metrics_file.is_file():
         raise UserError(f"{metrics_file} is missing: run `promptr1 evaluate` first")
-    candidate = EvalAverages.from_metrics_json(json.loads(metrics_file.read_text()))
+    evaluation = json.loads(metrics_file.read_text())
+    candidate = EvalAverages.from_metrics_json(evaluation)
     check_metric(candidate, cfg.metric)  # before a model version is registered
     check_training_health(params)
     check_training_complete(params)
@@ -321,8 +335,9 @@ def run_register(params: Params) -> dict[str, Any]:
                          "registered_version": version})
         mlflow.log_metric("promoted", float(decision.promote))
         log_parent_metrics({"promoted": float(decision.promote)})  # a headline figure of the pipeline run
-        describe_stage("register", f"Registered {cfg.model_name} v{version}: {verdict} by the {cfg.ci_rule} rule "
-                                   f"on ID {cfg.metric} ({cfg.alias} → v{after}).")
+        link_parent_to_model_version(cfg.model_name, version, getattr(info, "model_id", None))
+        describe_stage("register", register_sentence(cfg.model_name, version, decision, cfg.alias, after, candidate,
+                                                     cfg.metric, rival_scores(evaluation, cfg.metric)))
 
         result = {
             "model_name": cfg.model_name, "version": version, "alias": cfg.alias, "promoted": decision.promote,

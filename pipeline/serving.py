@@ -28,8 +28,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_VARIABLE = "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"
 """What MLflow 3.x's scoring server reads (mlflow/pyfunc/scoring_server/__init__.py, `init`)."""
+STOP_GRACE_S = 10.0
+"""How long uvicorn gets to shut down (and stop the agent's llama.cpp server) before SIGKILL."""
 MODEL_CONFIG_VARIABLE = "SERVING_MODEL_CONFIG"
 """JSON model-config overrides MLflow's scoring server loads the model with (`load_model_with_mlflow_config`)."""
 
@@ -137,7 +141,10 @@ def _warn_if_environment_down(version: Any, uri: str) -> None:
 
 
 def run_serve(params: Params, host: str | None = None, port: int | None = None) -> int:
-    """Serve the champion until interrupted; returns the server's exit code."""
+    """Serve the champion until interrupted (SIGINT or SIGTERM: the server and all it started are stopped);
+    returns the server's exit code."""
+    from pipeline.runtime import terminate_as_interrupt
+
     version = champion_version(params)
     cmd, env = serve_command(params, host, port)
     _warn_if_environment_down(version, env["MLFLOW_TRACKING_URI"])
@@ -149,4 +156,40 @@ def run_serve(params: Params, host: str | None = None, port: int | None = None) 
         where,
         params.register.serve.request_timeout_s,
     )
-    return subprocess.call(cmd, env=env)
+    server = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        with terminate_as_interrupt():
+            return server.wait()
+    except KeyboardInterrupt:
+        log.info("serve: stopping the scoring server (process group %d) and the agent server it started", server.pid)
+        _stop_group(server)
+        return 0
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a process of group `pgid` runs (zombies, which a container's PID 1 may never reap, excluded)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _stop_group(server: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the scoring server's process group (the MLflow CLI and uvicorn), SIGKILL what is left after
+    `grace_s`; returns once no process of the group runs."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            server.poll()  # reap the MLflow CLI, our child
+            if not _group_alive(server.pid):
+                return
+            time.sleep(0.1)
+        log.warning("serve: the scoring server's processes ignored %s", sig.name)

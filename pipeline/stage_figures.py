@@ -158,10 +158,27 @@ def _build(files: _Files, _item: str | None) -> str:
 
 
 def _gepa(files: _Files, _item: str | None) -> str:
-    m = files.json(files.reports("gepa", "metrics.json"))
-    return (f"held-out F1 {m['holdout_f1_seed']:.2f} → {m['holdout_f1_optimised']:.2f} "
-            f"({m['holdout_f1_delta']:+.2f}), {m['accepted']}/{m['proposals']} proposals accepted, "
-            f"{m['metric_calls']} metric calls")
+    return gepa_outcome(files.json(files.reports("gepa", "metrics.json")))
+
+
+def gepa_outcome(m: dict[str, Any]) -> str:
+    """What GEPA did, from reports/gepa/metrics.json: the instruction it kept (the seed, or a proposal and why),
+    the held-out F1 of both, and the metric calls against the budget. GEPA "accepts" a proposal that beats its
+    parent on one minibatch (it is then scored on the val slice); the result is the best candidate on the val
+    slice, which can still be the seed, so "accepted" alone misleads."""
+    kept = bool(m.get("kept_seed", m["val_score_optimised"] <= m["val_score_seed"]))
+    f1 = (f"held-out F1 {m['holdout_f1_seed']:.2f} → {m['holdout_f1_optimised']:.2f} "
+          f"({m['holdout_f1_delta']:+.2f})")
+    tried = (f"{int(m['proposals'])} proposals, {int(m['accepted'])} better than their parent on a minibatch "
+             "and scored on the val slice")
+    calls = f"{int(m['metric_calls'])} metric calls"
+    if "max_metric_calls" in m:
+        calls += f" of {int(m['max_metric_calls'])} allowed"
+    if kept:
+        return (f"kept the seed instruction (no proposal beat its val score {m['val_score_seed']:.3f}): {f1}; "
+                f"{tried}; {calls}")
+    return (f"chose a proposal (val score {m['val_score_optimised']:.3f}, the seed's {m['val_score_seed']:.3f}): "
+            f"{f1}; {tried}; {calls}")
 
 
 def _train(files: _Files, _item: str | None) -> str:

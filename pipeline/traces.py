@@ -24,6 +24,9 @@ Design decisions:
   (outputs = the answer). Trace tags (strings) name system, dataset, row and whatever the caller adds, so
   `mlflow.search_traces(filter_string="tags.system = 'prompt_r1'")` finds them. Under an environment turn:
   the `environment queue` and `environment` spans (above).
+- **Cache hits say so**: a trajectory whose every environment reply came from the response cache took
+  no environment time (a "0s" row in the Traces tab); its name ends in ` (cached)` and its `env_cached`
+  tag is `all` (`some` when part of its replies were cached, `none` otherwise).
 - **Every text passes `clean_text`**, the project's one sanitiser for untrusted text
   (`pipeline.environment.sanitize.sanitize_text`: secrets redacted, ANSI sequences removed, other control
   characters escaped as `\\xNN`, newlines and tabs kept) with a span-sized cap of `MAX_TEXT_CHARS`, so an
@@ -119,6 +122,14 @@ def _turn_span(parent: Any, index: int, turn: Mapping[str, Any], start_ns: int) 
     return end_ns
 
 
+def cache_status(turns: Sequence[Mapping[str, Any]]) -> str:
+    """`all` when every environment reply of the trajectory came from the cache, `some`, or `none` (also when
+    it asked the environment nothing)."""
+    replies = [turn["environment"] for turn in turns if turn.get("environment")]
+    hits = sum(1 for reply in replies if reply.get("cached"))
+    return "all" if replies and hits == len(replies) else "some" if hits else "none"
+
+
 def log_trajectory_trace(*, name: str, tags: Mapping[str, object], question: str, gold_answers: Sequence[str],
                          turns: Sequence[Mapping[str, Any]], prediction: str, scores: Mapping[str, float],
                          stop_reason: str = "", seconds: float = 0.0) -> str | None:
@@ -132,6 +143,9 @@ def log_trajectory_trace(*, name: str, tags: Mapping[str, object], question: str
     from mlflow.entities import SpanType
     from mlflow.entities.span import NO_OP_SPAN_TRACE_ID
 
+    cached = cache_status(turns)
+    if cached == "all":
+        name = f"{name} (cached)"
     turn_end_ns = 0
     for turn in turns:  # each turn's offset from the start: recorded, or right after the previous turn
         turn_end_ns = max(turn_end_ns, _offset_ns(turn)) + int(sum(_turn_seconds(turn)) * 1e9)
@@ -140,7 +154,7 @@ def log_trajectory_trace(*, name: str, tags: Mapping[str, object], question: str
     root = mlflow.start_span_no_context(
         name, span_type=SpanType.AGENT, start_time_ns=start_ns,
         inputs={"question": clean_text(question), "gold_answers": [clean_text(g, 500) for g in gold_answers]},
-        tags={key: clean_text(value, 250) for key, value in tags.items()},
+        tags={**{key: clean_text(value, 250) for key, value in tags.items()}, "env_cached": cached},
         attributes={"turns": len(turns), "stop_reason": stop_reason})
     if root.trace_id == NO_OP_SPAN_TRACE_ID:
         return None

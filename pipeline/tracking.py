@@ -11,11 +11,17 @@ Design decisions:
   and params), so one repro is one parent run with gepa, train, evaluate and register under it.
 - Tracking store: SQLite file plus a local artifact folder in the project (both ignored by git);
   `MLFLOW_TRACKING_URI` overrides params. Telemetry is off.
+- **Parents tell apart at a glance**: named `pipeline-<profile>-<short commit>-<UTC start, to the second>`
+  (`parent_run_name`), not `pipeline-<profile>` for every run. The experiment is tagged
+  `mlflow.experimentKind=custom_model_development`: MLflow 3's UI then opens it on its runs (the training
+  and evaluation runs), not on the GenAI overview it infers from the evaluation's traces (empty token and
+  cost panels).
 - The parent is tagged with the git commit, the profile and the DVC hashes of the data it used. Its params
   are every param plus `git_commit`, so the `KEY_PARAMS` a person compares runs on are all params there;
   its metrics are the headline figures the stages add (`log_parent_metrics`, `pipeline.headline`).
 - **Inputs as datasets**: each stage logs the files it read as MLflow dataset inputs
-  (`log_dataset_inputs`), each tagged with the md5 DVC records for that file (`dvc_md5`).
+  (`log_dataset_inputs`), each tagged with the md5 DVC records for that file (`dvc_md5`), on its own run
+  and on the parent, so the parent lists every training and evaluation dataset of the execution.
 - **Descriptions.** Each stage ends by saying in one sentence what it did and what came out
   (`describe_stage`): the sentence becomes the stage run's description and a `summary.<stage>` tag of the
   parent, and the parent's description (`mlflow.note.content`, shown on its run page) is rewritten from
@@ -45,6 +51,10 @@ log = logging.getLogger(__name__)
 RUN_FILE = "mlflow_run.json"
 HEALTH_BREACH_TAG = "health.breach"
 """Tag of a train run the training health gate stopped (pipeline/train/health.py); register refuses it."""
+
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""What MLflow 3's UI reads to open an experiment on its runs instead of the GenAI overview."""
 
 KEY_PARAMS = ("profile", "git_commit", "agent.model", "environment.model", "train.steps", "train.group_size",
               "train.lr", "reward.preset")
@@ -104,6 +114,8 @@ def configure(params: Params) -> str:
         experiment_id = client.create_experiment(params.mlflow.experiment, artifact_location=artifact_root.as_uri())
     else:
         experiment_id = experiment.experiment_id
+    if experiment is None or experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
 
@@ -175,17 +187,24 @@ def breached_train_run(params: Params) -> Any | None:
     return run if run is not None and HEALTH_BREACH_TAG in run.data.tags else None
 
 
+def parent_run_name(profile: str, commit: str, started: float) -> str:
+    """`pipeline-<profile>-<short commit>[-dirty]-<UTC start>`: two parents differ at a glance."""
+    short = "unknown" if commit == "unknown" else commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
+    return f"pipeline-{profile}-{short}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(started))}"
+
+
 def _start_parent(record: ParentRecord) -> str:
     import mlflow
 
     root = record.root
+    commit = git_commit(root)
     tags = {
-        "git_commit": git_commit(root),
+        "git_commit": commit,
         "profile": record.profile,
         "pipeline": "prompt-r1",
         **{f"dvc.{k}": v for k, v in dvc_data_hashes(root).items()},
     }
-    with mlflow.start_run(run_name=f"pipeline-{record.profile}", tags=tags) as run:
+    with mlflow.start_run(run_name=parent_run_name(record.profile, commit, time.time()), tags=tags) as run:
         for chunk in _chunks(_parent_params(record), 100):
             mlflow.log_params(chunk)
         run_id = run.info.run_id
@@ -314,11 +333,21 @@ def log_dataset_inputs(frames: dict[str, tuple[Any, Path]], context: str) -> Non
     """
     import mlflow
     import mlflow.data
+    from mlflow.entities import DatasetInput, InputTag
 
+    child = mlflow.active_run()
+    parent = (mlflow.MlflowClient().get_run(child.info.run_id).data.tags.get("mlflow.parentRunId")
+              if child is not None else None)
+    on_parent = []
     for name, (frame, source) in frames.items():
         dataset = mlflow.data.from_pandas(frame, source=str(source), name=name)
         md5 = dvc_md5(Path(source))
-        mlflow.log_input(dataset, context=context, tags={"dvc.md5": md5, "path": str(source)} if md5 else None)
+        tags = {"dvc.md5": md5, "path": str(source)} if md5 else {}
+        mlflow.log_input(dataset, context=context, tags=tags or None)
+        input_tags = [InputTag("mlflow.data.context", context), *(InputTag(k, v) for k, v in tags.items())]
+        on_parent.append(DatasetInput(dataset._to_mlflow_entity(), input_tags))
+    if parent is not None and on_parent:
+        mlflow.MlflowClient().log_inputs(parent, datasets=on_parent)
 
 
 def dvc_md5(path: Path) -> str | None:
@@ -331,6 +360,28 @@ def dvc_md5(path: Path) -> str | None:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def link_parent_to_model_version(name: str, version: str, model_id: str | None) -> str | None:
+    """On the parent of the active stage run: tags naming the registered version (`registered_model_version`:
+    `models:/<name>/<version>`; `registered_model_page`: the UI page's path) and, in MLflow 3, the logged
+    model as an output of the parent (its "Logged models" section). Returns the parent's id, None without one."""
+    import mlflow
+
+    child = mlflow.active_run()
+    if child is None:
+        return None
+    client = mlflow.MlflowClient()
+    parent = client.get_run(child.info.run_id).data.tags.get("mlflow.parentRunId")
+    if parent is None:
+        return None
+    client.set_tag(parent, "registered_model_version", f"models:/{name}/{version}")
+    client.set_tag(parent, "registered_model_page", f"#/models/{name}/versions/{version}")
+    if model_id:
+        from mlflow.entities import LoggedModelOutput
+
+        client.log_outputs(parent, [LoggedModelOutput(model_id=model_id, step=0)])
+    return parent
 
 
 def log_parent_metrics(metrics: dict[str, float]) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -31,19 +32,58 @@ def _section(md: str, title: str) -> str:
     return md.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
+def _outcomes(summary: dict) -> dict:
+    """How a run's answers ended, as `scores.answer_outcomes` counts them: base_agent never acted (every row
+    `no_action`, hence its zeros), prompt_r1 ran out of turns on 12 rows of 48."""
+    datasets = [d for split in ("id", "ood") for d in summary["datasets"][split]]
+    n = summary["rows_per_dataset"]
+    reasons = {"prompt_r1": {"answer": 32, "max_turns": 12, "no_action": 4}, "base_agent": {"no_action": 48}}
+    empties = {"prompt_r1": 16, "base_agent": 48}
+    out = {}
+    for system in summary["systems"]:
+        stops = reasons.get(system, {"answer": n * len(datasets)})
+        empty = empties.get(system, 0)
+        per_dataset = {d: {"rows": n, "empty": min(n, max(0, empty - n * i))} for i, d in enumerate(datasets)}
+        out[system] = {"rows": n * len(datasets), "empty": empty, "stop_reasons": stops, "per_dataset": per_dataset}
+    return out
+
+
+def _sentences(text: str) -> list[str]:
+    """Sentences end with '.', '!' or '?' before a space or the end (decimals like 5.64 do not end one)."""
+    return [s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s]
+
+
 def test_verdict_opens_the_summary_with_the_winner_the_difference_and_why(recorded):
     summary, params = recorded
+    summary["outcomes"] = _outcomes(summary)
     md = summary_markdown(summary, EvaluatePlan.for_evaluate(params))
     assert md.startswith("# Evaluation summary\n\n## Verdict\n\n")
     verdict = _section(md, "Verdict")
+    paragraph = verdict.split("\n\n", 1)[0]
+    assert len(_sentences(paragraph)) <= 3, _sentences(paragraph)
     assert ("ID: `env_only` wins with F1 5.64 [3.31, 8.86]; `prompt_r1` has 1.09 [0.30, 2.06]: Δ -4.55 "
-            "[-7.66, -2.01] points (`prompt_r1` − `env_only`, paired bootstrap); the CI excludes 0") in verdict
-    assert "OOD: `env_only` wins" in verdict
-    # why this run is not the paper's: what differs, and what it does to the ordering
-    assert "This is not the paper's setup (agent is smollm2-135m-instruct.q4_1, not Qwen3-4B;" in verdict
-    assert "a 135M-parameter environment instead of GPT-4o-mini" in verdict
-    assert "4 rows per set instead of 128" in verdict
-    assert "GEPA kept the seed instruction" in verdict
+            "[-7.66, -2.01] points (`prompt_r1` − `env_only`, paired bootstrap); the CI excludes 0") in paragraph
+    assert "OOD: `env_only` wins" in paragraph
+    # why this run is not the paper's: what differs, and what it does to the ordering, in one sentence
+    assert "Not the paper's setup, so its ordering need not hold:" in paragraph
+    assert "a 135M-parameter environment instead of GPT-4o-mini" in paragraph
+    assert "4 rows per set instead of 128" in paragraph
+    assert "GEPA kept the seed instruction" not in paragraph
+
+
+def test_the_verdict_is_followed_by_the_stop_reasons_of_each_system(recorded):
+    """Why answers failed, right after the verdict: zeros everywhere read as "never acted", not "answered wrong"."""
+    summary, params = recorded
+    summary["outcomes"] = _outcomes(summary)
+    md = summary_markdown(summary, EvaluatePlan.for_evaluate(params))
+    assert md.index("## Verdict") < md.index("## How the answers ended") < md.index("## Metrics")
+    table = _section(md, "How the answers ended")
+    assert "| system | rows | answer | no_action | max_turns | empty answers |" in table
+    assert "| base_agent | 48 | 0 | 48 | 0 | 48 |" in table
+    assert "| prompt_r1 | 48 | 32 | 4 | 12 | 16 |" in table
+    assert "| gepa (kept the seed) | 48 | 48 | 0 | 0 | 0 |" in table
+    assert "`max_turns`: the turn limit, no answer" in table
+    assert "GEPA kept the seed instruction" in table
 
 
 def test_each_metric_is_defined_once_and_spelled_one_way(recorded):
@@ -84,4 +124,4 @@ def test_verdict_when_prompt_r1_wins_on_the_papers_setup(recorded):
     assert ("ID: `prompt_r1` wins with F1 42.45 [40.00, 45.00], ahead of `env_only` (5.64 [3.31, 8.86]): "
             "Δ +1.20 [-0.50, +2.90] points (`prompt_r1` − `env_only`, paired bootstrap); the CI includes 0: "
             "within noise") in verdict
-    assert "not the paper's setup" not in verdict
+    assert "not the paper's setup" not in verdict.lower()

@@ -24,7 +24,7 @@ from pipeline.evaluation.report import (
     write_plots,
     write_reports,
 )
-from pipeline.evaluation.scores import aggregate, score_system, usage_by_system
+from pipeline.evaluation.scores import aggregate, answer_outcomes, score_system, usage_by_system
 from pipeline.evaluation.systems import TRAINED, Answer, run_system
 from pipeline.metrics import SemanticSimilarity
 from pipeline.types import EvalRow
@@ -350,9 +350,9 @@ def test_paper_numbers_beside_ours_only_compared_on_the_papers_setup(tmp_path, p
     hot = next(r for r in cmp_["rows"] if (r["system"], r["scope"], r["metric"]) == (TRAINED, "hotpotqa", "em"))
     assert (hot["paper"], hot["ours"]) == (44.53, 50.0)  # ours: EM [1, 0] in reference mode
     md = "\n".join(paper_markdown(cmp_))
-    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | not comparable (agent, environment, rows) |" in md
+    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | – | 50.00 | not comparable (agent, environment, rows) |" in md
     assert "Not comparable (agent is smollm2-135m-instruct.q4_1, not Qwen3-4B; environment is" in md
-    assert "| prompt_r1 | gsm8k | EM | 97.66 | – | no score of ours |" in md
+    assert "| prompt_r1 | gsm8k | EM | 97.66 | – | – | – | no score of ours |" in md
 
     # the paper's setup (the api profile with the paper's agent, full sets): the difference is given
     params.agent.model = "Qwen/Qwen3-4B"
@@ -366,7 +366,39 @@ def test_paper_numbers_beside_ours_only_compared_on_the_papers_setup(tmp_path, p
     # env_only's paper row is the average only: ours ID EM = hotpotqa [0, 0] -> 0
     assert by_key[("env_only", "id", "em")]["delta"] == pytest.approx(0.0 - 34.89)
     assert ("gepa", "id", "em") not in by_key  # the paper has no GEPA row
-    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | +5.47 |" in "\n".join(paper_markdown(cmp_))
+    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | – | 50.00 | +5.47 |" in "\n".join(paper_markdown(cmp_))
+
+
+def test_paper_table_shows_the_authors_scoring_the_empty_answers_and_ours(params, ssim):
+    """The authors' script scores an empty answer SSim 100: the paper table keeps that scoring (the paper's
+    figures came from it) and shows beside it how many answers were empty and our own scoring (0 for empty)."""
+    def row(ds, split, i, golds):
+        return EvalRow(ds, split, i, f"{ds}-{i}", f"q{i}", golds, [{"role": "user", "content": f"q{i}"}])
+
+    story = "The cat sat on the mat."
+    rows = {"hotpotqa": [row("hotpotqa", "id", 0, ["Paris"]), row("hotpotqa", "id", 1, ["Barack Obama"])],
+            "writingprompts": [row("writingprompts", "id", 0, [story]), row("writingprompts", "id", 1, [story])]}
+    answers = {TRAINED: {"hotpotqa": [Answer("Paris", stop_reason="answer"), Answer("", stop_reason="max_turns")],
+                         "writingprompts": [Answer("", stop_reason="no_action"), Answer(story, stop_reason="answer")]}}
+    summary = aggregate({s: score_system(a, rows, ssim) for s, a in answers.items()}, rows, params.evaluate, params.seed)
+    summary["outcomes"] = answer_outcomes(answers)
+    assert summary["outcomes"][TRAINED]["stop_reasons"] == {"answer": 2, "max_turns": 1, "no_action": 1}
+    cmp_ = paper_comparison(summary, params.agent.model, params.environment)
+    by_key = {(r["system"], r["scope"], r["metric"]): r for r in cmp_["rows"]}
+    wp = by_key[(TRAINED, "writingprompts", "ssim")]
+    # authors' scoring: empty → 1.0, the story itself → 1.0; ours: empty → 0
+    assert (wp["ours"], wp["empty"], wp["rows"]) == (100.0, 1, 2)
+    assert wp["ours_own"] == pytest.approx(50.0, abs=0.01)
+    md = "\n".join(paper_markdown(cmp_))
+    assert ("| system | dataset / split | metric | paper | ours (authors' scoring) | empty | ours (our scoring) "
+            "| ours − paper |") in md
+    assert "| prompt_r1 | writingprompts | SSim | 38.54 | 100.00 | 1/2 | 50.00 | not comparable (" in md
+    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | 1/2 | 50.00 | not comparable (" in md
+    # the ID average over the datasets that report the metric: SSim only writingprompts, EM only hotpotqa
+    assert by_key[(TRAINED, "id", "ssim")]["empty"] == 1 and by_key[(TRAINED, "id", "ssim")]["rows"] == 2
+    (which,) = [line for line in md.splitlines() if line.startswith("Which is which:")]
+    assert "**ours (authors' scoring)** is `reference` mode" in which and "**ours (our scoring)** is `ours` mode" in which
+    assert "empty answer SSim 100" in which and "**empty** counts" in which
 
 
 def test_paper_results_file_holds_the_numbers_of_method_md(shared_datasets):

@@ -312,8 +312,9 @@ def test_cli_flow_run_prints_run_and_decision(demo, monkeypatch, capsys):
     steps = yaml.safe_load((demo / "params.yaml").read_text())["train"]["steps"]  # the repo's params.yaml
     # This run reproduced nothing: it names no MLflow run and no decision as its own (flows/report.py); the
     # demo's stages log to no registry, so the champion cannot be read from one and the line says why.
-    assert f"MLflow:     none: no stage of this run logs to MLflow (nothing was trained, evaluated or registered); " \
-           f"the last pipeline run is demo-run-{steps}" in out
+    assert (f"MLflow:     up to date (last run demo-run-{steps}: tracking store sqlite:///mlflow.db not found)"
+            in out)
+    assert "flow run:   " in out and "(" in out.split("flow run:   ", 1)[1].splitlines()[0]  # name (id)
     assert "promotion:  no new version; no MLflow registry at sqlite:///mlflow.db" in out
     assert "register   up to date" in out
     assert "register   up to date (0.0 s): promoted to @champion (model version 1): first model" in out

@@ -328,3 +328,80 @@ def test_parent_description_lists_each_stage_in_pipeline_order(store, params):
     assert client.get_run(child.info.run_id).data.tags[NOTE_TAG] == trained
     with mlflow.start_run():  # a run without a parent describes itself only
         assert describe_stage("evaluate", "alone") is None
+
+
+def test_a_trace_of_cache_hits_says_so_and_carries_system_and_dataset_tags(store, two_turn_trajectories):
+    """Replies from the response cache take no time ("0s" in the Traces tab): such a trace is named
+    `… (cached)` and tagged `env_cached=all`; system and dataset are tags a search (and a column) can use."""
+    import copy
+
+    import mlflow
+
+    from pipeline.traces import flush_traces, log_trajectory_trace
+
+    mlflow.set_tracking_uri(store)
+    mlflow.set_experiment("cached")
+    turns = trajectory_record(two_turn_trajectories[0])
+    cached = copy.deepcopy(turns)
+    for turn in cached:
+        if turn.get("environment"):
+            turn["environment"]["cached"] = True
+    partly = copy.deepcopy(cached)
+    next(t for t in partly if t.get("environment"))["environment"]["cached"] = False
+    ids = {}
+    with mlflow.start_run():
+        for label, records in (("live", turns), ("cached", cached), ("partly", partly)):
+            ids[label] = log_trajectory_trace(
+                name=f"gepa · hotpotqa #{label}", tags={"system": "gepa", "dataset": "hotpotqa", "row": 0},
+                question="Who wrote Hamlet?", gold_answers=["Shakespeare"], turns=records, prediction="x",
+                scores={"f1": 0.0})
+        flush_traces()
+    traces = {label: mlflow.get_trace(trace_id) for label, trace_id in ids.items()}
+    assert {label: t.info.tags["env_cached"] for label, t in traces.items()} == {
+        "live": "none", "cached": "all", "partly": "some"}
+    assert traces["cached"].data.spans[0].name == "gepa · hotpotqa #cached (cached)"
+    assert traces["live"].data.spans[0].name == "gepa · hotpotqa #live"
+    found = mlflow.search_traces(filter_string="tags.system = 'gepa' AND tags.dataset = 'hotpotqa'",
+                                 return_type="list")
+    assert len(found) == 3
+
+
+def test_parent_runs_differ_at_a_glance_and_list_the_datasets_and_the_registered_version(tmp_path, params, monkeypatch):
+    """A parent is named by profile, short commit and start time; it lists the datasets its stages read and
+    links the registered version; the experiment opens on its runs in MLflow 3's UI (experimentKind)."""
+    import mlflow
+
+    from pipeline.tracking import (
+        EXPERIMENT_KIND,
+        EXPERIMENT_KIND_TAG,
+        link_parent_to_model_version,
+        log_dataset_inputs,
+        parent_run_name,
+        stage_run,
+    )
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    params.mlflow.tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    params.mlflow.artifact_root = str(tmp_path / "artifacts")
+    params.paths.reports_dir = str(tmp_path / "reports")
+    assert parent_run_name("default", "0123456789abcdef-dirty", 0.0) == "pipeline-default-0123456-dirty-19700101-000000"
+    train_file, eval_file = tmp_path / "train.parquet", tmp_path / "hotpotqa.parquet"
+    frame = pd.DataFrame({"question": ["q"], "gold_answers": ['["a"]']})
+    for path in (train_file, eval_file):
+        frame.to_parquet(path)
+    with stage_run(params, "train", new_parent=True):
+        log_dataset_inputs({"train": (frame, train_file)}, context="training")
+    with stage_run(params, "evaluate") as child:
+        log_dataset_inputs({"eval/hotpotqa": (frame, eval_file)}, context="evaluation")
+        link_parent_to_model_version("prompt-r1-agent", "3", None)
+    client = mlflow.MlflowClient()
+    parent = client.get_run(client.get_run(child.info.run_id).data.tags["mlflow.parentRunId"])
+    name = parent.info.run_name
+    assert re.fullmatch(r"pipeline-default-([0-9a-f]{7}(-dirty)?|unknown)-\d{8}-\d{6}", name), name
+    inputs = {i.dataset.name: {t.key: t.value for t in i.tags} for i in parent.inputs.dataset_inputs}
+    assert set(inputs) == {"train", "eval/hotpotqa"}
+    assert inputs["train"]["mlflow.data.context"] == "training" and inputs["train"]["dvc.md5"]
+    assert parent.data.tags["registered_model_version"] == "models:/prompt-r1-agent/3"
+    assert parent.data.tags["registered_model_page"] == "#/models/prompt-r1-agent/versions/3"
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND == "custom_model_development"

@@ -136,3 +136,42 @@ def test_readme_test_command_is_what_ci_runs():
 )
 def test_readme_links_each_detail_page(page):
     assert f"]({page})" in readme(), f"README.md does not link {page}"
+
+
+@pytest.mark.slow
+def test_the_documented_mlflow_ui_command_runs_with_telemetry_off(tmp_path):
+    """The README's `mlflow ui` command, run as written (on a free port) in a project folder: its server has
+    MLflow's telemetry variable set, and the UI's telemetry endpoint answers that UI telemetry is off."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from demo_project import free_port
+
+    (command,) = {m for m in re.findall(r"`([^`]*mlflow ui [^`]*)`", readme())}
+    port = free_port()
+    ci = {"PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS"}  # MLflow turns telemetry off by itself under these
+    env = {k: v for k, v in os.environ.items() if k not in ci and k != "MLFLOW_DISABLE_TELEMETRY"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    server = subprocess.Popen(["bash", "-c", f"{command} --port {port}"], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline, answer = time.monotonic() + 90, None
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                url = f"http://127.0.0.1:{port}/ajax-api/3.0/mlflow/ui-telemetry"
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    answer = json.loads(response.read())
+                break
+            except OSError:
+                time.sleep(0.5)
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    assert b"MLFLOW_DISABLE_TELEMETRY=true" in environ, command
+    assert answer is not None and answer["disable_ui_telemetry"] is True, answer

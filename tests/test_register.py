@@ -103,8 +103,17 @@ def test_register_rule_both_ways_in_a_real_sqlite_registry(tmp_path, repo_root, 
     name = params.register.model_name
 
     write_eval_metrics(tmp_path, 30.0, 40.0)
+    metrics_file = tmp_path / "reports" / "eval" / "metrics.json"
+    evaluation = json.loads(metrics_file.read_text())  # env_only beat the agent in the same evaluation
+    evaluation["averages"]["env_only"] = {"id": {"f1": {"mean": 35.5, "low": 30.0, "high": 41.0}}, "ood": {}}
+    metrics_file.write_text(json.dumps(evaluation))
     first = run_register(params)
     assert first["promoted"] and first["version"] == "1" and first["champion_after"] == "1"
+    # the description states the real reason (no champion yet: no rule was applied) and the figures
+    said = mlflow.MlflowClient().get_run(first["run_id"]).data.tags["mlflow.note.content"]
+    assert said.startswith(f"Registered {name} v1: promoted (champion → v1) because no current champion"), said
+    assert "confident rule" not in said
+    assert "Candidate ID f1 30.00 [" in said and "below env_only (35.50) in the same evaluation" in said
 
     write_eval_metrics(tmp_path, 30.4, 40.0)  # not a confident gain: kept
     second = run_register(params)
@@ -131,6 +140,12 @@ def test_register_rule_both_ways_in_a_real_sqlite_registry(tmp_path, repo_root, 
     assert run.data.tags["stage"] == "register" and run.data.tags.get("mlflow.parentRunId")
     parent = client.get_run(run.data.tags["mlflow.parentRunId"])  # the description says the last decision
     assert f"Registered {name} v4: promoted" in parent.data.tags["mlflow.note.content"]
+    assert parent.data.tags["registered_model_version"] == f"models:/{name}/4"  # the parent links its version
+    from pipeline.registry_lineage import logged_model_id
+
+    v4_model = logged_model_id(client.get_model_version(name, "4"))
+    assert v4_model
+    assert v4_model in {o.model_id for o in parent.outputs.model_outputs}
     assert run.data.tags["mlflow.note.content"] == parent.data.tags["summary.register"]
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@champion"))
     env = json.loads(next(local.rglob("environment.json")).read_text())

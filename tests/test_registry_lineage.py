@@ -161,7 +161,8 @@ def test_retention_deletes_the_oldest_never_champion_versions_and_their_files(pr
 def test_report_of_a_run_that_registered_nothing_names_the_champion_not_an_old_decision(project):
     import mlflow
 
-    from flows.report import RunReport, mlflow_line, promotion_line, to_markdown
+    from flows.report import RunReport, promotion_line, stage_markdown, to_markdown
+    from pipeline.mlflow_links import stage_mlflow_run
     from pipeline.register import run_register
     from pipeline.tracking import parent_run_id
 
@@ -190,13 +191,28 @@ def test_report_of_a_run_that_registered_nothing_names_the_champion_not_an_old_d
     idle = report("up to date")
     line = promotion_line(idle.promotion)
     assert line == f"no new version; champion is v1, promoted by run {first['run_id']} on {date}"
-    assert idle.mlflow.run_id is None  # the old pipeline run is not this run's
-    assert mlflow_line(idle.mlflow) == (
-        "none: no stage of this run logs to MLflow (nothing was trained, evaluated "
-        f"or registered); the last pipeline run is {parent_run_id(params)}"
-    )
+    # the old pipeline run is not this run's: the report and each stage's artifact say so in the same words
+    last = parent_run_id(params)
+    assert not idle.mlflow_current and idle.mlflow.run_id == last
+    said = f"up to date (last run {last}: {idle.mlflow.open_hint})"
+    assert idle.mlflow.open_hint.startswith("MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri ")
+    idle.flow_run_id = "0c5b7e3a-1111-2222-3333-444455556666"
     markdown = to_markdown(idle)
     assert f"- **Promotion:** {line}" in markdown and "promoted to @champion" not in markdown
+    assert f"- **MLflow:** {said}" in markdown
+    assert markdown.startswith("# Prompt-R1 retraining — quiet-run (0c5b7e3a-1111-2222-3333-444455556666)\n")
+    # the evaluation summary is the last run's: linked, not embedded as this run's
+    summary_md = params.path(params.paths.reports_dir) / "eval" / "summary.md"
+    summary_md.write_text("# Evaluation summary\n\nold verdict\n")
+    idle = report("up to date")
+    markdown = to_markdown(idle)
+    assert "old verdict" not in markdown
+    assert f"{said}: its summary is [summary.md]({summary_md.resolve().as_uri()})" in markdown
+    stage = stage_markdown("register", "up to date", 0.0, "kept", stage_mlflow_run(params, "register"),
+                           flow_run="quiet-run (0c5b7e3a)")
+    assert "- **Flow run:** quiet-run (0c5b7e3a)" in stage
+    assert "- **MLflow:** up to date (last run " in stage and "[run " not in stage
+    assert "old verdict" in to_markdown(report("reproduced"))  # a run that logged to MLflow shows the summary
 
     busy = report("reproduced")  # a run that did register: its own decision and its pipeline run
     assert promotion_line(busy.promotion).startswith("promoted to @champion (model version 1)")

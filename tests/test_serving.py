@@ -1,9 +1,12 @@
-"""Serving the agent: the pyfunc fails fast without its environment (fast, a real closed port), is logged from
-code without a CloudPickle warning (a real SQLite registry), and `promptr1 serve` answers a POST (slow)."""
+"""Serving the agent: the pyfunc fails fast without its environment (fast, a real closed port: HTTP 503 for MLflow),
+is logged from code without a CloudPickle warning (a real SQLite registry), and `promptr1 serve` answers 503 while
+the environment is down, a POST once it is up, and stops all it started on SIGTERM (slow)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -31,7 +34,7 @@ def _agent_context(agent_dir: Path, tmp_path: Path, base_url: str):
     )
 
 
-def test_predict_without_an_environment_fails_fast_naming_the_url(tiny_llama_dir, tmp_path):
+def test_predict_without_an_environment_fails_fast_naming_the_url(tiny_llama_dir, tmp_path, caplog):
     """Nothing listens on the port: predict raises within seconds, naming the URL and what to start (it used to
     retry every call for ~170 s and return an empty answer with no error)."""
     import pandas as pd
@@ -40,13 +43,21 @@ def test_predict_without_an_environment_fails_fast_naming_the_url(tiny_llama_dir
 
     url = f"http://127.0.0.1:{free_port()}/v1"  # bound, then closed: a real refused connection
     agent = PromptR1Agent()
-    agent.load_context(_agent_context(tiny_llama_dir, tmp_path, url))
+    with caplog.at_level(logging.INFO, logger="pipeline.pyfunc_agent"):
+        agent.load_context(_agent_context(tiny_llama_dir, tmp_path, url))
+    # where the pyfunc keeps its files (a GGUF export is hundreds of MB) and how much, said at load
+    assert re.search(rf"Prompt-R1 agent cache: {re.escape(str((tmp_path / 'cache').resolve()))} holds \d+ MB",
+                     caplog.text), caplog.text
     start = time.monotonic()
     with pytest.raises(
         EnvironmentUnavailable, match=r"does not answer at http://127\.0\.0\.1:\d+/v1.*promptr1 env start"
-    ):
+    ) as raised:
         agent.predict(None, pd.DataFrame({"question": ["Who directed The Carter?"]}))
     assert time.monotonic() - start < 10
+    # MLflow's scoring server answers an MlflowException with its error code's HTTP status: a dependency outage
+    # is 503 (TEMPORARILY_UNAVAILABLE), not the 400 "verify the input" any other exception becomes
+    assert raised.value.get_http_status_code() == 503
+    assert json.loads(raised.value.serialize_as_json())["error_code"] == "TEMPORARILY_UNAVAILABLE"
 
 
 def test_register_logs_the_agent_from_code_without_a_cloudpickle_warning(
@@ -107,11 +118,46 @@ def test_register_logs_the_agent_from_code_without_a_cloudpickle_warning(
     assert f"does not answer at {params.environment.url}" in caplog.text, caplog.text
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children, grandchildren …), read from /proc; zombies excluded."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
 @pytest.mark.slow
-def test_promptr1_serve_answers_a_post_with_the_champion(tmp_path, repo_root, monkeypatch):
-    """Register the real SmolLM2 agent as champion in a temp SQLite registry, run `promptr1 serve` on a free
-    port against a running environment (the fault server, answering as an OpenAI-compatible endpoint), POST one
-    question to /invocations and read the answer and its trajectory (pipeline.agent.rollout.trajectory_record)."""
+def test_promptr1_serve_answers_503_while_the_environment_is_down_and_sigterm_stops_all_it_started(
+    tmp_path, repo_root, monkeypatch
+):
+    """Register the real SmolLM2 agent as champion in a temp SQLite registry and run `promptr1 serve` on a free
+    port while nothing answers at the environment's URL: it warns, starts and answers /ping; a POST gets HTTP 503
+    whose JSON message names the URL and `promptr1 env start` (not MLflow's 400 blaming the input). Then the
+    environment comes up (the fault server, an OpenAI-compatible endpoint, on that port): the same POST is
+    answered with the answer and its trajectory. Last, SIGTERM to the `promptr1 serve` process alone stops
+    everything it started: the MLflow CLI, uvicorn and the agent's llama.cpp server (and its guard)."""
     import os
     import signal
     import subprocess
@@ -130,59 +176,69 @@ def test_promptr1_serve_answers_a_post_with_the_champion(tmp_path, repo_root, mo
     project = tmp_path / "proj"
     project.mkdir()
     fact = "The Carter was directed by Adam Bhala Lough."
-    with FaultServer(responder=lambda messages: fact, model="smollm2-135m-instruct") as env_server:
-        params = register_params(
-            project, repo_root, agent_dir, base_url=f"http://127.0.0.1:{env_server.port}/v1"
-        )
-        assert params.environment.served_name == "smollm2-135m-instruct"
-        params.agent.max_turns = 2
-        params.evaluate.agent_max_turn_tokens = 64
-        write_eval_metrics(project, 30.0, 40.0)
-        assert run_register(params)["promoted"]
+    env_port = free_port()  # nothing listens there until the fault server starts
+    params = register_params(
+        project,
+        repo_root,
+        agent_dir,
+        base_url=f"http://127.0.0.1:{env_port}/v1",
+        served_name="smollm2-135m-instruct",
+    )
+    params.agent.max_turns = 2
+    params.evaluate.agent_max_turn_tokens = 64
+    write_eval_metrics(project, 30.0, 40.0)
+    assert run_register(params)["promoted"]
 
-        port = free_port()
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pipeline.cli",
-                "serve",
-                "--params",
-                str(project / "params.yaml"),
-                "--port",
-                str(port),
-            ],
-            cwd=project,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and server.poll() is None:
-                try:
-                    if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1)
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "serve", "--params", str(project / "params.yaml"), "--port", str(port)],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    started: set[int] = set()
+    commands: dict[int, bytes] = {}
+    question = {"dataframe_records": [{"question": "Who directed The Carter?"}]}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        assert server.poll() is None, server.stdout.read() if server.stdout else ""
+        down = httpx.post(f"{url}/invocations", timeout=60, json=question)
+        with FaultServer(responder=lambda messages: fact, model="smollm2-135m-instruct", port=env_port):
             start = time.monotonic()
-            response = httpx.post(
-                f"{url}/invocations",
-                timeout=600,
-                json={"dataframe_records": [{"question": "Who directed The Carter?"}]},
-            )
+            response = httpx.post(f"{url}/invocations", timeout=600, json=question)
             per_question = time.monotonic() - start
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)  # the group this test started: serve and its uvicorn
-            server.wait(timeout=30)
-        output = server.stdout.read() if server.stdout else ""
-    assert "serving models:/prompt-r1-agent@champion (v1)" in output and "could not check" not in output, (
+        started = _descendants(server.pid)
+        commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for pid in started}
+        os.kill(server.pid, signal.SIGTERM)  # the serve process only, as a supervisor or `kill <pid>` does
+        server.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _alive(started)
+    finally:
+        for pid in _alive(started) | ({server.pid} if server.poll() is None else set()):
+            os.kill(pid, signal.SIGKILL)
+    output = server.stdout.read() if server.stdout else ""
+    assert f"does not answer at http://127.0.0.1:{env_port}/v1" in output and "requests fail until it answers" in output, (
         output
     )
+    assert "serving models:/prompt-r1-agent@champion (v1)" in output and "could not check" not in output, output
+
+    assert down.status_code == 503, down.text
+    message = down.json()["message"]
+    assert f"does not answer at http://127.0.0.1:{env_port}/v1" in message and "promptr1 env start" in message, message
+    assert down.json()["error_code"] == "TEMPORARILY_UNAVAILABLE"
+
     assert response.status_code == 200, response.text
     (row,) = response.json()["predictions"]
     assert list(row) == OUTPUT_COLUMNS
@@ -204,9 +260,14 @@ def test_promptr1_serve_answers_a_post_with_the_champion(tmp_path, repo_root, mo
     replies = [t["environment"] for t in trajectory if "environment" in t]
     assert row["env_calls"] == len(replies) and all(r["error"] is None and r["text"] == fact for r in replies)
     assert isinstance(row["answer"], str) and row["stop_reason"]
+
+    # what serve started: the MLflow CLI, uvicorn, the agent server's guard and llama.cpp server
+    assert len(started) >= 3, commands
+    assert left == set(), {pid: commands.get(pid) for pid in left}
+    assert server.returncode == 0, output
     print(
         f"\nserved answer: {row['answer']!r} ({row['turns']} turns, {row['stop_reason']}) "
-        f"in {per_question:.1f} s per question"
+        f"in {per_question:.1f} s per question; stopped {len(started)} processes on SIGTERM"
     )
 
 

@@ -32,7 +32,9 @@ EXPECTED = {
     "sample@writingprompts": "writingprompts: 589 rows written of 600 (2 leaked removed, short by 4531)",
     "validate": "passed: 288 expectations on 20 files",
     "build": "36429 training rows from 8 datasets, 1536 evaluation rows in 12 sets",
-    "gepa": "held-out F1 7.72 → 7.72 (+0.00), 2/4 proposals accepted, 42 metric calls",
+    # val_score_optimised = val_score_seed: GEPA kept the seed, though 2 proposals won their minibatch.
+    "gepa": ("kept the seed instruction (no proposal beat its val score 0.170): held-out F1 7.72 → 7.72 (+0.00); "
+             "4 proposals, 2 better than their parent on a minibatch and scored on the val slice; 42 metric calls"),
     # steps.csv: 12 rows, critic/score/mean -0.14687… at step 1 and -0.20312… at step 12.
     "train": "12 steps (last step 12), mean reward -0.147 → -0.203",
     "merge": "step 2 (local-full) merged into models/agent, max logit difference 0",
@@ -202,7 +204,7 @@ def test_stage_mlflow_run_is_the_stage_child_of_the_recorded_parent(project: Pat
     assert evaluate.run_id == retried.info.run_id != first.info.run_id
     assert stage_mlflow_run(params, "train").run_id == train.info.run_id
     assert evaluate.link is None  # SQLite: no UI to link to, the command that opens one
-    assert evaluate.open_hint == (f"mlflow ui --backend-store-uri sqlite:///mlflow.db, then experiment "
+    assert evaluate.open_hint == (f"MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri sqlite:///mlflow.db, then experiment "
                                   f"{params.mlflow.experiment}, run {evaluate.run_id}")
     build = stage_mlflow_run(params, "build")
     assert build.run_id is None

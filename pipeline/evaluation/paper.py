@@ -7,9 +7,13 @@ Design decisions:
   agent Qwen3-4B, environment GPT-4o-mini, the full 128 rows per set. Otherwise every row still shows the
   paper's number and ours, and the difference column says why not (what differs: agent, environment,
   rows; the full reasons head the table).
-- **Our numbers in the paper's metrics mode.** The authors scored with their own script, which our
-  `reference` mode reproduces (empty predictions and the reversed substring match included), so the
-  comparison reads that mode whichever mode the run reports as its headline.
+- **Our numbers in the paper's metrics mode, and beside them what that mode hides.** The authors scored with
+  their own script, which our `reference` mode reproduces (empty predictions and the reversed substring
+  match included), so the comparison column reads that mode whichever mode the run reports as its headline:
+  like with like. That script scores an empty prediction SSim 100 (and SM 100), so a system that often
+  answers nothing looks good on SSim; each row therefore also shows how many of the rows behind it had an
+  empty answer (the evaluate stage's `outcomes`) and our own scoring (`ours` mode, where an empty answer
+  scores 0), and one line above the table says which column is which.
 """
 
 from __future__ import annotations
@@ -53,8 +57,21 @@ def not_comparable_reasons(agent_model: str, env: EnvironmentConfig, rows_per_da
     return reasons
 
 
-def _ours_in_paper_mode(summary: dict[str, Any], mode: str) -> dict[str, Any]:
+OWN_MODE = "ours"
+"""This project's scoring (an empty answer scores 0), shown beside the paper's."""
+
+
+def _in_mode(summary: dict[str, Any], mode: str) -> dict[str, Any]:
     return summary if summary["mode"] == mode else summary[mode]
+
+
+def _empty_answers(summary: dict[str, Any], system: str, datasets: list[str]) -> tuple[int, int] | None:
+    """(empty answers, rows) of `system` over `datasets`, or None when the run did not count them."""
+    counts = summary.get("outcomes", {}).get(system, {}).get("per_dataset")
+    if counts is None:
+        return None
+    scored = [counts[d] for d in datasets if d in counts]
+    return sum(c["empty"] for c in scored), sum(c["rows"] for c in scored)
 
 
 def paper_comparison(summary: dict[str, Any], agent_model: str, env: EnvironmentConfig,
@@ -63,39 +80,59 @@ def paper_comparison(summary: dict[str, Any], agent_model: str, env: Environment
     `env`) is comparable, with the reasons."""
     paper = load_paper_results() if paper is None else paper
     reasons = not_comparable_reasons(agent_model, env, summary["rows_per_dataset"], paper)
-    ours = _ours_in_paper_mode(summary, paper["metrics_mode"])
+    ours, own = _in_mode(summary, paper["metrics_mode"]), _in_mode(summary, OWN_MODE)
+    split_datasets = summary.get("datasets", {})
     rows = []
     for system, published in paper["systems"].items():
         if system not in summary["systems"]:
             continue
-        scoped = [(split, (ours["averages"][system].get(split) or {}), vals)
+        scoped = [(split, vals, [split], list(split_datasets.get(split, [])))
                   for split, vals in published.get("averages", {}).items()]
-        scoped += [(d, ours["per_dataset"].get(d, {}).get(system, {}), vals)
-                   for d, vals in published.get("per_dataset", {}).items()]
-        for scope, our_entry, vals in scoped:
+        scoped += [(d, vals, [], [d]) for d, vals in published.get("per_dataset", {}).items()]
+        for scope, vals, split, datasets in scoped:
             for metric, value in vals.items():
-                mine = our_entry.get(metric, {}).get("mean")
+                mine = _mean(ours, system, scope, metric, bool(split))
                 delta = None if (reasons or mine is None) else round(mine - value, 2)
+                reporting = [d for d in datasets if metric in summary["per_dataset"].get(d, {}).get(system, {})]
+                empty = _empty_answers(summary, system, reporting)
                 rows.append({"system": system, "scope": scope, "metric": metric, "paper": value, "ours": mine,
-                             "delta": delta})
+                             "ours_own": _mean(own, system, scope, metric, bool(split)),
+                             "empty": None if empty is None else empty[0],
+                             "rows": None if empty is None else empty[1], "delta": delta})
     return {"source": paper["source"], "comparable": not reasons, "reasons": list(reasons.values()),
-            "differs": list(reasons),
-            "metrics_mode": paper["metrics_mode"], "rows": rows}
+            "differs": list(reasons), "metrics_mode": paper["metrics_mode"], "own_mode": OWN_MODE, "rows": rows}
+
+
+def _mean(tables: dict[str, Any], system: str, scope: str, metric: str, is_split: bool) -> float | None:
+    entry = (tables["averages"].get(system, {}).get(scope) if is_split
+             else tables["per_dataset"].get(scope, {}).get(system)) or {}
+    return entry.get(metric, {}).get("mean")
 
 
 def paper_markdown(comparison: dict[str, Any]) -> list[str]:
-    """summary.md's section: the paper's numbers, ours (same metrics mode), and the difference or why not."""
+    """summary.md's section: the paper's numbers, ours in the paper's scoring, the empty answers and ours in our
+    own scoring, and the difference or why not."""
     why = "; ".join(comparison["reasons"])
+    own = comparison.get("own_mode", OWN_MODE)
     lines = ["## The paper's numbers beside ours", "",
-             f"{comparison['source']}. Ours in `{comparison['metrics_mode']}` mode (the authors' scoring). "
-             + ("Comparable run: the last column is ours minus the paper's." if comparison["comparable"]
+             f"{comparison['source']}. "
+             + ("Comparable run: the last column is ours (authors' scoring) minus the paper's." if comparison["comparable"]
                 else f"Not comparable ({why}): no difference is given."),
-             "", "| system | dataset / split | metric | paper | ours | ours − paper |", "|---|---|---|---|---|---|"]
+             "",
+             (f"Which is which: **ours (authors' scoring)** is `{comparison['metrics_mode']}` mode, the authors' "
+              "script the paper's figures were computed with (like with like; it scores an empty answer SSim 100 "
+              f"and SM 100); **empty** counts the answers with no text among the rows behind the cell; **ours (our "
+              f"scoring)** is `{own}` mode, where an empty answer scores 0."),
+             "", ("| system | dataset / split | metric | paper | ours (authors' scoring) | empty | ours (our scoring) "
+             "| ours − paper |"), "|---|---|---|---|---|---|---|---|"]
     for r in comparison["rows"]:
         ours = "–" if r["ours"] is None else f"{r['ours']:.2f}"
+        own_cell = "–" if r.get("ours_own") is None else f"{r['ours_own']:.2f}"
+        empty = "–" if r.get("empty") is None else f"{r['empty']}/{r['rows']}"
         if r["delta"] is not None:
             delta = f"{r['delta']:+.2f}"
         else:
             delta = "no score of ours" if r["ours"] is None else f"not comparable ({', '.join(comparison['differs'])})"
-        lines.append(f"| {r['system']} | {r['scope']} | {metric_label(r['metric'])} | {r['paper']:.2f} | {ours} | {delta} |")
+        lines.append(f"| {r['system']} | {r['scope']} | {metric_label(r['metric'])} | {r['paper']:.2f} | {ours} | "
+                     f"{empty} | {own_cell} | {delta} |")
     return lines

@@ -2,9 +2,11 @@
 
 Outputs, all under `reports/eval/`:
 - `metrics.json`: the content `scores.aggregate` builds plus environment usage and wall time (a DVC output);
-- `headline.json`: the few figures two runs are compared on (`pipeline.headline`; the one DVC metric);
-- `plot_data.csv`: F1, the one metric every dataset reports, per dataset × system with CI bounds (the DVC
-  bar plot);
+- `headline.json`: the few figures two runs are compared on (`pipeline.headline`; the one DVC metric, one
+  `dvc metrics show` row within 120 columns); `figures.json`: the wider set, `dvc metrics show
+  reports/eval/figures.json` on demand;
+- `plot_data.csv`: F1, the one metric every dataset reports, per dataset × system with its split and CI
+  bounds (the DVC plot: one panel per split, a group of bars per dataset, `.dvc/plots/grouped_bars.json`);
 - `plots/<dataset>.png`: bars with CI error bars for every metric the dataset reports;
 - `predictions.parquet`: one row per question per system: inputs, prediction, per-metric scores in both
   modes, the trajectory as JSON, environment usage;
@@ -51,7 +53,7 @@ from pipeline.evaluation.scores import SPLITS, Scores, other_mode
 from pipeline.evaluation.systems import SYSTEM_LABELS, Answer
 from pipeline.evaluation.traces import TraceIds, evaluation_table
 from pipeline.evaluation.verdict import gepa_kept_seed, metric_label, system_label, verdict_markdown
-from pipeline.headline import HEADLINE_FILE, headline, last_step_reward, parent_metrics
+from pipeline.headline import FIGURES_FILE, HEADLINE_FILE, figures, headline, last_step_reward, parent_metrics
 from pipeline.types import EvalRow
 
 if TYPE_CHECKING:
@@ -90,12 +92,14 @@ def predictions_frame(all_answers: dict[str, dict[str, list[Answer]]], all_score
 
 def plot_rows(summary: dict[str, Any]) -> pd.DataFrame:
     """plot_data.csv: F1 (the one metric every dataset reports) per dataset × system, with CI bounds."""
+    split_of = {d: split for split, names in summary.get("datasets", {}).items() for d in names}
     rows = []
     for d, per_system in summary["per_dataset"].items():
         for system, entry in per_system.items():
             ci = entry[PLOT_METRIC]
             rows.append({"dataset_system": f"{d} | {system}", "dataset": d, "system": system,
-                         "metric": PLOT_METRIC, "score": ci["mean"], "low": ci["low"], "high": ci["high"]})
+                         "split": split_of.get(d, "").upper(), "metric": PLOT_METRIC, "score": ci["mean"],
+                         "low": ci["low"], "high": ci["high"]})
     return pd.DataFrame(rows)
 
 
@@ -320,7 +324,8 @@ def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, plan: Eval
             redacted[column] = redacted[column].map(redact_value, na_action="ignore")
     write_parquet_atomic(pa.Table.from_pandas(redacted, preserve_index=False), out_dir / "predictions.parquet")
     write_json_atomic(summary, out_dir / "metrics.json")
-    write_json_atomic(headline(summary, last_step_reward(plan.steps_csv)), out_dir / HEADLINE_FILE)
+    write_json_atomic(headline(summary), out_dir / HEADLINE_FILE)
+    write_json_atomic(figures(summary, last_step_reward(plan.steps_csv)), out_dir / FIGURES_FILE)
     write_text_atomic(plot_rows(summary).to_csv(index=False), out_dir / "plot_data.csv")
     plots = write_plots(summary, out_dir / "plots")
     if "cost" in summary:
@@ -358,7 +363,7 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
     log_dataset_inputs({f"eval/{d}": (_input_frame(rows), plan.rows_dir / f"{d}.parquet")
                         for d, rows in rows_by_ds.items()}, context="evaluation")
     mlflow.log_table(evaluation_table(predictions, trace_ids or {}), artifact_file="eval/predictions.json")
-    for name in ("metrics.json", HEADLINE_FILE, "summary.md", "plot_data.csv", "quality_cost.csv", MATRIX_FILE):
+    for name in ("metrics.json", HEADLINE_FILE, FIGURES_FILE, "summary.md", "plot_data.csv", "quality_cost.csv", MATRIX_FILE):
         if (out_dir / name).is_file():
             mlflow.log_artifact(str(out_dir / name), artifact_path="eval")
     for path in plots:

@@ -127,3 +127,23 @@ def usage_by_system(all_answers: dict[str, dict[str, list[Answer]]]) -> dict[str
                 total.merge(a.usage)
         out[system] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in total.as_dict().items()}
     return out
+
+
+def answer_outcomes(all_answers: dict[str, dict[str, list[Answer]]]) -> dict[str, dict[str, Any]]:
+    """How each system's answers ended: rows and empty answers (no text after `str.strip()`), in all and per
+    dataset, and stop reasons (`max_turns`, `no_action`, `answer`, …) over all rows, most frequent first."""
+    out: dict[str, dict[str, Any]] = {}
+    for system, answers in all_answers.items():
+        reasons: dict[str, int] = {}
+        for rows in answers.values():
+            for a in rows:
+                reasons[a.stop_reason or "unknown"] = reasons.get(a.stop_reason or "unknown", 0) + 1
+        per_dataset = {d: {"rows": len(rows), "empty": sum(1 for a in rows if not a.prediction.strip())}
+                       for d, rows in answers.items()}
+        out[system] = {
+            "rows": sum(e["rows"] for e in per_dataset.values()),
+            "empty": sum(e["empty"] for e in per_dataset.values()),
+            "stop_reasons": dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "per_dataset": per_dataset,
+        }
+    return out

@@ -1,9 +1,12 @@
 """What summary.md says first: the verdict of this run, and each metric's definition, once.
 
 Design decisions:
-- **A verdict, not a table, opens the report**: which system has the best average F1 (the one metric every
-  dataset reports), ID and OOD; prompt_r1's paired difference to it with the bootstrap CI, and whether the
-  CI excludes zero (a difference inside it is noise at this many rows).
+- **A verdict, not a table, opens the report, in at most three sentences**: which system has the best
+  average F1 (the one metric every dataset reports), ID and OOD, with prompt_r1's paired difference to it,
+  its bootstrap CI and whether the CI excludes zero (one sentence per split), then why the paper's ordering
+  need not hold when the setup is not the paper's (one sentence).
+- **Then why answers failed**: a table of stop reasons per system (`answer`, `max_turns`, `no_action`, …)
+  and empty answers, so a column of zeros reads as "never answered", not as "answered wrong".
 - **Why, when the setup is not the paper's**: the reasons come from the paper comparison (`paper`: agent,
   environment, rows differ) and each gets its consequence in words; the environment's and agent's size is
   read from their names (`135m` → 135M parameters) when the name says it.
@@ -106,36 +109,74 @@ def _why_not_paper(summary: dict[str, Any], plan: EvaluatePlan) -> str | None:
         env = plan.environment
         size = _size(env.served_name) or _size(str(env.model))
         what = f"a {size}-parameter environment" if size else f"the environment `{env.served_name}`"
-        parts.append(f"{what} instead of GPT-4o-mini: its replies rarely state the answer, so an agent that "
-                     "relays them cannot beat asking it directly (`env_only`), and the environment's own wording "
-                     "earns partial F1 on long gold answers")
+        parts.append(f"{what} instead of GPT-4o-mini, whose replies rarely state the answer, so relaying them "
+                     "cannot beat asking it directly (`env_only`)")
     if "agent" in differs:
         size = _size(str(plan.agent.model))
         what = f"a {size}-parameter agent" if size else "a smaller agent"
         trained = plan.trained
         parts.append(f"{what} instead of Qwen3-4B, trained {trained.steps} GRPO steps of "
-                     f"{trained.batch_size} questions × {trained.group_size} trajectories: far too "
+                     f"{trained.batch_size} questions × {trained.group_size} trajectories, far too "
                      "little to learn what to ask")
     if "rows" in differs:
-        parts.append(f"{summary['rows_per_dataset']} rows per set instead of 128: the CIs are wide")
+        parts.append(f"{summary['rows_per_dataset']} rows per set instead of 128, so the CIs are wide")
     if not parts:
         return None
-    return ("This is not the paper's setup (" + "; ".join(paper["reasons"]) + "), which is why the paper's "
-            "ordering need not hold here: " + "; ".join(parts) + ". The run shows the pipeline works end to "
-            "end; the paper's numbers need the paper profile (docs/gpu.md).")
+    return ("Not the paper's setup, so its ordering need not hold: " + "; ".join(parts)
+            + " (the paper profile runs its setup: docs/gpu.md).")
+
+
+STOP_REASON_MEANINGS = {
+    "answer": "an answer given (the agent closed <answer> tags; a baseline got its reply)",
+    "max_turns": "the turn limit, no answer",
+    "no_action": "a turn with neither an answer nor a request",
+    "token_budget": "the response token budget spent",
+    "prompt_too_long": "the prompt alone over the limit",
+    "no_answer": "a reply with no <answer> tags",
+    "error": "the environment failed",
+}
+
+
+def stop_reasons_markdown(summary: dict[str, Any], kept_seed: bool = False) -> list[str]:
+    """A table: per system, how many answers ended for each stop reason, and how many were empty."""
+    outcomes = summary.get("outcomes")
+    if not outcomes:
+        return []
+    totals: dict[str, int] = {}
+    for entry in outcomes.values():
+        for reason, n in entry["stop_reasons"].items():
+            totals[reason] = totals.get(reason, 0) + n
+    reasons = sorted(totals, key=lambda r: (-totals[r], r))
+    lines = ["## How the answers ended", "",
+             "Rows per system by stop reason (" + "; ".join(f"`{r}`: {STOP_REASON_MEANINGS[r]}" for r in reasons
+                                                         if r in STOP_REASON_MEANINGS)
+             + "), and the answers with no text.", "",
+             "| system | rows | " + " | ".join(reasons) + " | empty answers |",
+             "|---|---|" + "---|" * len(reasons) + "---|"]
+    for system, entry in outcomes.items():
+        counts = [str(entry["stop_reasons"].get(r, 0)) for r in reasons]
+        lines.append(f"| {system_label(system, kept_seed)} | {entry['rows']} | " + " | ".join(counts)
+                     + f" | {entry['empty']} |")
+    return lines
 
 
 def verdict_markdown(summary: dict[str, Any], plan: EvaluatePlan,
                      gepa_record: dict[str, Any] | None = None) -> list[str]:
-    """summary.md's opening: the verdict paragraph, then the metric definitions."""
+    """summary.md's opening: the verdict (at most three sentences), how the answers ended, then the metric
+    definitions."""
     sentences = [s for s in (_split_verdict(summary, split) for split in ("id", "ood")) if s]
     why = _why_not_paper(summary, plan)
     if why:
         sentences.append(why)
-    if "gepa" in summary["systems"] and gepa_kept_seed(gepa_record):
-        sentences.append("GEPA kept the seed instruction (no proposal beat it on its val slice), so `gepa` asked "
-                         "the environment exactly as `env_only` did: its rows equal `env_only`'s.")
-    lines = ["## Verdict", "", " ".join(sentences), "", "## Metrics", ""]
+    kept = "gepa" in summary["systems"] and gepa_kept_seed(gepa_record)
+    lines = ["## Verdict", "", " ".join(sentences), ""]
+    table = stop_reasons_markdown(summary, kept)
+    if table:
+        lines += [*table, ""]
+    if kept:
+        lines += [("GEPA kept the seed instruction (no proposal beat it on its val slice), so `gepa` asked the "
+                  "environment exactly as `env_only` did: its rows equal `env_only`'s."), ""]
+    lines += ["## Metrics", ""]
     lines += [f"- **{name}**: {text}." for name, text in METRIC_DEFINITIONS]
     lines += ["", ("Each is the max over a row's gold answers, in points (0–100). A dataset reports the metrics the "
                "paper gives it (EM and F1 for QA and math, F1 and SSim for generation) and SM; an ID or OOD "
