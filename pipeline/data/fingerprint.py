@@ -14,7 +14,7 @@ What is written (`data/sources/`, one file per registry dataset plus one for the
 - `<dataset>.json`: with a mirror, the md5 and size of each `raw/` file `sample` reads for the dataset
   and of the authors' evaluation file (`prompt-r1/eval/...`); with the Hub, the dataset id, config,
   split and the resolved revision (`HfApi().dataset_info(...).sha`), and the authors' evaluation file URL.
-- A generated dataset (`hops`): its generator's version, which changes whenever its rows change.
+- A generated dataset (`hops`): its generator's version and the md5 of the rows it generates.
 - `eval.json`: the evaluation-file fingerprints of every dataset. Every `sample@<dataset>` reads all
   of them (leakage check), and `validate`/`build` read them too; this one file is their dependency, so a
   changed raw file of one dataset reruns only that dataset's `sample`.
@@ -148,9 +148,11 @@ def fingerprints(where: SourcePaths) -> dict[str, dict[str, Any]]:
     evals: dict[str, Any] = {}
     for spec in REGISTRY.values():
         entry: dict[str, Any] = {"dataset": spec.name}
-        if spec.generated is not None:  # made by code: its version names its rows (no file to hash)
+        if spec.generated is not None:  # made by code: its version and the md5 of its rows (no file to hash)
+            rows = json.dumps(spec.generated.rows(), sort_keys=True, ensure_ascii=False).encode("utf-8")
             entry["source"] = "generated"
-            entry["generated"] = entry["eval"] = evals[spec.name] = {"version": spec.generated.version}
+            entry["generated"] = entry["eval"] = evals[spec.name] = {
+                "version": spec.generated.version, "rows_md5": hashlib.md5(rows, usedforsecurity=False).hexdigest()}
             out[f"{spec.name}.json"] = entry
             continue
         if mirror is not None:
