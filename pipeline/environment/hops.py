@@ -43,7 +43,7 @@ FACT_REPLIES: dict[str, tuple[str, ...]] = {
     "place of birth": ("{s} was born in {o}.", "{o} is the birthplace of {s}.", "{s} came into the world in {o}."),
     "father": ("{s}'s father is {o}.", "{o} is the father of {s}.", "{s} is a child of {o}, the father."),
     "mother": ("{s}'s mother is {o}.", "{o} is the mother of {s}.", "{s} is a child of {o}, the mother."),
-    "country": ("{s} lies in {o}.", "{s} is a city of {o}.", "{o} is the country where {s} lies."),
+    "country": ("{s} lies in {o}.", "{s} is in the country {o}.", "{o} is the country where {s} lies."),
     "capital": ("{o} is the capital of {s}.", "The capital of {s} is {o}.", "{s} is governed from {o}."),
 }
 """How a fact is stated, per relation; `{s}` the subject, `{o}` the object (the answer)."""
@@ -127,14 +127,14 @@ def refused(reply: str) -> bool:
             or (text.startswith("About ") and text.endswith("Ask for one of them.")))
 
 
-_ENTITY = re.compile(r"[A-Z][A-Za-z]*(?: [A-Z][A-Za-z]*)*")
+_ENTITY = re.compile(r"[A-Z][\w'-]*(?:(?: (?:of|the|de|da|del|von|van|la|le))* [A-Z][\w'-]*)*")
 _LEADING = frozenset({"the", "a", "an", "about", "i", "in", "ask", "your"})
 _WORD = re.compile(r"[A-Za-z0-9]+")
 
 
 def reply_entity(reply: str, request: str = "") -> str:
-    """The entity a reply states beyond the request: the last run of capitalised words (a leading article or
-    sentence opener dropped) that the request does not contain (case-insensitive); '' for a reply that states
+    """The entity a reply states beyond the request: the last run of capitalised words (joined by "of", "the",
+    "de" and the like; a leading article or sentence opener dropped) that the request does not contain (case-insensitive); '' for a reply that states
     no fact (`refused`, or any mode's refusal: `terse.answered`). Written for any reply, not from the world."""
     from pipeline.environment.terse import answered
 

@@ -130,7 +130,8 @@ def nearest_relation(words: Sequence[str], spans: Sequence[tuple[int, int]], kno
     return None if best is None else best[2]
 
 
-def _spans(words: list[str], name: str) -> list[tuple[int, int]]:
+def name_spans(words: list[str], name: str) -> list[tuple[int, int]]:
+    """(first, last) word index of every occurrence of `name` in `words`."""
     key = tokens(name)
     return [(i, i + len(key) - 1) for i in range(len(words)) if words[i: i + len(key)] == key]
 
@@ -246,7 +247,7 @@ class World:
         return world.index()
 
 
-def _wordings(first: Fact, relation: str) -> list[str]:
+def two_hop_wordings(first: Fact, relation: str) -> list[str]:
     """Every wording of the 2-hop chain `first` then `relation` (none when the chain has no wording)."""
     if (first.relation, relation) in TWO_HOP:
         return [t.format(s=first.subject) for t in TWO_HOP[first.relation, relation]]
@@ -268,9 +269,9 @@ def _compose(world: World, rng: random.Random) -> list[Question]:
             if obj == first.subject:
                 continue
             fits = []
-            for text in _wordings(first, relation):
+            for text in two_hop_wordings(first, relation):
                 words = tokens(text)
-                if obj not in text and nearest_relation(words, _spans(words, first.subject), known) == first.relation:
+                if obj not in text and nearest_relation(words, name_spans(words, first.subject), known) == first.relation:
                     fits.append(text[0].upper() + text[1:])
             if fits:
                 out.append(Question(rng.choice(fits), obj, (first, Fact(first.object, relation, obj))))
@@ -300,7 +301,6 @@ def split_questions(questions: list[Question], heldout: int) -> tuple[list[Quest
     for k in range(heldout):
         held.append(next(ones) if k % 3 == 0 else next(twos))
     rest_one, rest_two = one[n_one:], two[n_two:]
-    keep_two = min(len(rest_two), 2 * len(rest_one))
-    keep_one = min(len(rest_one), keep_two // 2)
-    kept = set(rest_one[:keep_one]) | set(rest_two[:keep_two])
+    keep_one = min(len(rest_one), len(rest_two) // 2)
+    kept = set(rest_one[:keep_one]) | set(rest_two[:2 * keep_one])
     return [q for q in questions if q in kept], held
