@@ -235,7 +235,7 @@ def hops_rules_file(kb, store, rows, training: list[str], max_tokens: int | None
     return rules
 
 
-def precheck(model_dir: Path, tokenizer, env, params, out: Path) -> Any:
+def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int | None = None) -> Any:
     """The warm-up pre-check (pipeline/train/warmup.py `warmup_precheck`): the model in `model_dir` sampled
     `PRECHECK_SAMPLES` times (the training temperature) on the first `PRECHECK_QUESTIONS` training 2-hop
     questions; each sample's answer reward (`released`: answer F1 when the format gate holds). Written to
@@ -257,7 +257,7 @@ def precheck(model_dir: Path, tokenizer, env, params, out: Path) -> Any:
     items = [prompt_item_from_row(row, i) for i, row in enumerate(frame.to_dict("records"))]
     store = world()
     items = [it for it in items if (q := store.question(question_of(it))) is not None and q.hops == 2]
-    items = items[:PRECHECK_QUESTIONS]
+    items = items[:questions or PRECHECK_QUESTIONS]
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     policy = TransformersPolicy(model, tokenizer, seed=params.seed)
     a = params.agent
@@ -294,18 +294,18 @@ class InProcessEnvironment:
         return None
 
 
-def transfer_rows(params):
+def transfer_rows(params, limit: int | None = None):
     """The PopQA transfer check: its world (a `hops` store of the chains' facts), the rows (EvalRow-like:
     question, answers, dataset `popqa_chains`), and the in-process environment answering from it."""
     from types import SimpleNamespace
 
-    from hops_transfer import popqa_chains, read_popqa
+    from hops_transfer import CHAINS, popqa_chains, read_popqa
 
     from pipeline.agent.template import render_user_message
     from pipeline.environment.hops import HopsKnowledgeBase
     from pipeline.types import EvalRow
 
-    store, golds = popqa_chains(read_popqa(params.mirror), seed=0)
+    store, golds = popqa_chains(read_popqa(params.mirror), seed=0, limit=limit or CHAINS)
     rows = [EvalRow(dataset="popqa_chains", split="ood", index=i, id=f"popqa_chains-{i:03d}", question=q.text,
                     answers=golds[q.text],
                     messages=[{"role": "user", "content": render_user_message(q.text, "hops")}])
@@ -450,7 +450,7 @@ def run(args: argparse.Namespace) -> None:
             evaluate_at("grpo_step0", root / WARMUP_DIR / "model", 0)
             if hops and args.precheck != "off" and not (out / "precheck.json").is_file():
                 verdict = timed("precheck_s", precheck, root / WARMUP_DIR / "model", tokenizer, env, params,
-                                out / "precheck.json")
+                                out / "precheck.json", args.precheck_questions)
                 if not verdict.ok and args.precheck == "stop":
                     record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
                     raise SystemExit(verdict.message)
@@ -492,7 +492,7 @@ def run(args: argparse.Namespace) -> None:
                 finished.append("warmup_continued")
                 record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
             if hops and not args.no_transfer:
-                transfer = transfer_rows(params)
+                transfer = transfer_rows(params, args.transfer_limit)
                 hops_rules_file(transfer.kb, transfer.store, transfer.rows, [], params.environment.max_tokens,
                                 out / "transfer_rules.json")
                 models = {"transfer_grpo": ckpt.latest_checkpoint(root) / "model",
@@ -527,6 +527,10 @@ def main() -> None:
                         help="hops: after the warm-up, stop the seed (stop) or only record (warn) when the "
                              "pre-check fails")
     parser.add_argument("--no-transfer", action="store_true", help="hops: skip the PopQA transfer check")
+    parser.add_argument("--precheck-questions", type=int, default=None,
+                        help="hops: training 2-hop questions the pre-check samples (default: warmup.PRECHECK_QUESTIONS)")
+    parser.add_argument("--transfer-limit", type=int, default=None,
+                        help="hops: PopQA chains evaluated (default: hops_transfer.CHAINS)")
     parser.add_argument("--keep", action="store_true", help="resume in the existing work folder")
     parser.add_argument("--rules-only", action="store_true",
                         help="only the trivial rules on the held-out rows (seconds; no agent, no training)")

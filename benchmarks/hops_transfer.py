@@ -22,7 +22,15 @@ from collections import defaultdict
 from pathlib import Path
 
 from pipeline.environment.hops import HopsStore
-from pipeline.environment.hops_world import Fact, Question, World, name_spans, two_hop_wordings, nearest_relation, tokens
+from pipeline.environment.hops_world import (
+    Fact,
+    Question,
+    World,
+    name_spans,
+    nearest_relation,
+    tokens,
+    two_hop_wordings,
+)
 
 PATTERNS = {
     "director": re.compile(r"^Who was the director of (.+)\?$"),
@@ -50,7 +58,9 @@ def popqa_facts(rows: list[tuple[str, list[str]]]) -> dict[tuple[str, str], list
     return facts
 
 
-def popqa_chains(rows: list[tuple[str, list[str]]], seed: int = 0, limit: int = CHAINS) -> tuple[World, dict[str, list[str]]]:
+def popqa_chains(
+    rows: list[tuple[str, list[str]]], seed: int = 0, limit: int = CHAINS
+) -> tuple[World, dict[str, list[str]]]:
     """A world holding the chains' facts, its 2-hop questions (`World.questions`), and each question's gold
     answers (all of PopQA's aliases of the second answer)."""
     facts = popqa_facts(rows)
@@ -82,12 +92,16 @@ def popqa_chains(rows: list[tuple[str, list[str]]], seed: int = 0, limit: int = 
     for first, second, golds in chains:
         if len(questions) >= limit:
             break
-        known = by_subject[first.subject]  # every relation PopQA asks of the subject: the store may hold them all
+        known = by_subject[
+            first.subject
+        ]  # every relation PopQA asks of the subject: the store may hold them all
         fits = []
         for text in two_hop_wordings(first, second.relation):
             words = tokens(text)
-            if not any(g in text for g in golds) and nearest_relation(
-                    words, name_spans(words, first.subject), known) == first.relation:
+            if (
+                not any(g in text for g in golds)
+                and nearest_relation(words, name_spans(words, first.subject), known) == first.relation
+            ):
                 fits.append(text[0].upper() + text[1:])
         if not fits:
             continue
@@ -110,5 +124,9 @@ def read_popqa(mirror: Path) -> list[tuple[str, list[str]]]:
     import pyarrow.parquet as pq
 
     table = pq.read_table(mirror / "raw" / "popqa" / "test.parquet", columns=["question", "answers"])
-    return [(q, list(a or [])) for q, a in zip(table.column("question").to_pylist(),
-                                                  table.column("answers").to_pylist(), strict=True)]
+    return [
+        (q, list(a or []))
+        for q, a in zip(
+            table.column("question").to_pylist(), table.column("answers").to_pylist(), strict=True
+        )
+    ]

@@ -85,19 +85,32 @@ def test_lookup_rules_worked_cases(store):
 def test_replies_paraphrase_the_relation(store):
     lookup = HopsStore(store)
     facts = [f for f in store.facts if f.relation == "director"]
-    wordings = {lookup.reply(f"director of {f.subject}").replace(f.subject, "S").replace(f.object, "O") for f in facts}
+    wordings = {
+        lookup.reply(f"director of {f.subject}").replace(f.subject, "S").replace(f.object, "O") for f in facts
+    }
     assert len(wordings) == 3 and all("O" in w for w in wordings)
 
 
 def test_reply_entity_and_the_generic_reask():
-    assert reply_entity("Velvet Compass was directed by Alda Corran.", "Who directed Velvet Compass?") == "Alda Corran"
-    assert reply_entity("The film Velvet Compass is the work of the director Alda Corran.", "Velvet Compass") == (
-        "Alda Corran")
-    assert reply_entity("Eleanor of Scotland is a child of James I of Scotland, the father.",
-                        "Who is the father of Eleanor of Scotland?") == "James I of Scotland"
+    assert (
+        reply_entity("Velvet Compass was directed by Alda Corran.", "Who directed Velvet Compass?")
+        == "Alda Corran"
+    )
+    assert reply_entity(
+        "The film Velvet Compass is the work of the director Alda Corran.", "Velvet Compass"
+    ) == ("Alda Corran")
+    assert (
+        reply_entity(
+            "Eleanor of Scotland is a child of James I of Scotland, the father.",
+            "Who is the father of Eleanor of Scotland?",
+        )
+        == "James I of Scotland"
+    )
     assert reply_entity(NO_SUBJECT_REPLY, "x") == ""
     question = "Where was the director of Velvet Compass born?"
-    assert reask_request(question, "Velvet Compass was directed by Alda Corran.") == "Alda Corran director born"
+    assert (
+        reask_request(question, "Velvet Compass was directed by Alda Corran.") == "Alda Corran director born"
+    )
     assert reask_request(question, "Alda Corran directed Velvet Compass.") == "Alda Corran director born"
     assert reask_request(question, NO_SUBJECT_REPLY) == ""
 
@@ -123,8 +136,10 @@ def test_rule_table_per_hop_on_the_held_out_questions(split):
     assert isinstance(kb, HopsKnowledgeBase)
     results = evaluate_hops_rules(kb, world(), rows, [q.text for q in train[:512]], 96)
     assert set(results) == set(TRIVIAL) | set(REFERENCES)
-    table = {name: tuple(round(100 * sum(r["f1"][g]) / len(r["f1"][g]), 1) for g in ("1-hop", "2-hop"))
-             for name, r in results.items()}
+    table = {
+        name: tuple(round(100 * sum(r["f1"][g]) / len(r["f1"][g]), 1) for g in ("1-hop", "2-hop"))
+        for name, r in results.items()
+    }
     assert table == HELDOUT_48
     # what makes the mode a test of the second request: the verbatim question never gets a 2-hop answer,
     # naming the bridge and the relation always does, and the best trivial rule is far below that
@@ -135,5 +150,10 @@ def test_rule_table_per_hop_on_the_held_out_questions(split):
 
 def test_rows_that_are_not_questions_of_the_world_are_refused():
     with pytest.raises(ValueError, match="not a question of the hops world"):
-        evaluate_hops_rules(knowledge_base([], 0.6, "hops"), world(),
-                            [SimpleNamespace(question="Who wrote Hamlet?", answers=["Shakespeare"])], [], 96)
+        evaluate_hops_rules(
+            knowledge_base([], 0.6, "hops"),
+            world(),
+            [SimpleNamespace(question="Who wrote Hamlet?", answers=["Shakespeare"])],
+            [],
+            96,
+        )

@@ -34,13 +34,23 @@ from pipeline.environment.hops_world import World, nearest_relation, tokens, wor
 from pipeline.environment.knowledge import STOP_WORDS, KnowledgeBase, content_tokens
 
 ONE_AT_A_TIME_REPLY = "I can look up one name at a time. Your request names {names}; ask about one of them."
-NO_SUBJECT_REPLY = ("I found no person, film, book, city or country I know in your request. Ask about one of "
-                    "them by its full name.")
+NO_SUBJECT_REPLY = (
+    "I found no person, film, book, city or country I know in your request. Ask about one of "
+    "them by its full name."
+)
 RELATIONS_REPLY = "About {subject} I know: {relations}. Ask for one of them."
 FACT_REPLIES: dict[str, tuple[str, ...]] = {
-    "director": ("{s} was directed by {o}.", "{o} directed {s}.", "The film {s} is the work of the director {o}."),
+    "director": (
+        "{s} was directed by {o}.",
+        "{o} directed {s}.",
+        "The film {s} is the work of the director {o}.",
+    ),
     "author": ("{s} was written by {o}.", "{o} wrote {s}.", "The book {s} is by the writer {o}."),
-    "place of birth": ("{s} was born in {o}.", "{o} is the birthplace of {s}.", "{s} came into the world in {o}."),
+    "place of birth": (
+        "{s} was born in {o}.",
+        "{o} is the birthplace of {s}.",
+        "{s} came into the world in {o}.",
+    ),
     "father": ("{s}'s father is {o}.", "{o} is the father of {s}.", "{s} is a child of {o}, the father."),
     "mother": ("{s}'s mother is {o}.", "{o} is the mother of {s}.", "{s} is a child of {o}, the mother."),
     "country": ("{s} lies in {o}.", "{s} is in the country {o}.", "{o} is the country where {s} lies."),
@@ -71,7 +81,7 @@ class HopsStore:
         found = []
         for start in range(len(words)):
             for length in range(self.longest, 0, -1):
-                name = self.names.get(tuple(words[start: start + length]))
+                name = self.names.get(tuple(words[start : start + length]))
                 if name is not None:
                     found.append((name, start, start + length - 1))
                     break
@@ -98,7 +108,9 @@ class HopsStore:
             return ONE_AT_A_TIME_REPLY.format(names=" and ".join(found.subjects))
         subject = found.subjects[0]
         if found.relation is None:
-            return RELATIONS_REPLY.format(subject=subject, relations=", ".join(self.world.relations_of(subject)))
+            return RELATIONS_REPLY.format(
+                subject=subject, relations=", ".join(self.world.relations_of(subject))
+            )
         phrases = FACT_REPLIES[found.relation]
         pick = int(hashlib.md5(f"{subject}|{found.relation}".encode()).hexdigest(), 16) % len(phrases)
         return phrases[pick].format(s=subject, o=found.answer)
@@ -108,8 +120,9 @@ class HopsKnowledgeBase(KnowledgeBase):
     """`environment.knowledge.mode: hops`: `HopsStore` over the generated world. The question/answer facts of
     the knowledge sources are kept (as `KnowledgeBase` does) for the server's count only."""
 
-    def __init__(self, facts: Iterable[tuple[str, Sequence[str]]], min_overlap: float = 0.6,
-                 store: World | None = None) -> None:
+    def __init__(
+        self, facts: Iterable[tuple[str, Sequence[str]]], min_overlap: float = 0.6, store: World | None = None
+    ) -> None:
         super().__init__(facts, min_overlap)
         self.store = HopsStore(store or world())
 
@@ -123,8 +136,11 @@ class HopsKnowledgeBase(KnowledgeBase):
 def refused(reply: str) -> bool:
     """Whether a `hops` reply states no fact (one name at a time, no subject, the list of relations)."""
     text = reply.strip()
-    return (text == NO_SUBJECT_REPLY or text.startswith(ONE_AT_A_TIME_REPLY.split("{")[0])
-            or (text.startswith("About ") and text.endswith("Ask for one of them.")))
+    return (
+        text == NO_SUBJECT_REPLY
+        or text.startswith(ONE_AT_A_TIME_REPLY.split("{")[0])
+        or (text.startswith("About ") and text.endswith("Ask for one of them."))
+    )
 
 
 _ENTITY = re.compile(r"[A-Z][\w'-]*(?:(?: (?:of|the|de|da|del|von|van|la|le))* [A-Z][\w'-]*)*")

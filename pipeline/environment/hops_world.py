@@ -41,22 +41,109 @@ WORLD_SEED = 0
 """The one seed of the world (the data source's version: changing it changes every question)."""
 WORLD_VERSION = f"hops-world-v1-seed{WORLD_SEED}"
 
-MALE_NAMES = ("Berin", "Dorin", "Falk", "Hollis", "Jory", "Lorn", "Nils", "Perrin", "Sten", "Ulric", "Wendel",
-              "Yorick", "Aurek", "Corvin", "Emric", "Garrick", "Ivo", "Kaspar", "Mattis", "Osric", "Radek",
-              "Tobiah", "Valen", "Anselm")
-FEMALE_NAMES = ("Alda", "Cassia", "Elna", "Gerta", "Ilse", "Kessa", "Mira", "Odile", "Rhosyn", "Tamsin",
-                "Vesna", "Xanthe", "Brisa", "Delphine", "Fenna", "Hedda", "Jessamy", "Linnea", "Maelis",
-                "Nerys", "Perpetua", "Solveig", "Thora", "Wilhelmina")
-SURNAMES = ("Ashgrove", "Brackwell", "Corran", "Dunmere", "Elsworth", "Fallowby", "Greaves", "Hartsell",
-            "Ivelle", "Jarrick", "Kettleby", "Lorimer", "Marchbank", "Nettleford")
+MALE_NAMES = (
+    "Berin",
+    "Dorin",
+    "Falk",
+    "Hollis",
+    "Jory",
+    "Lorn",
+    "Nils",
+    "Perrin",
+    "Sten",
+    "Ulric",
+    "Wendel",
+    "Yorick",
+    "Aurek",
+    "Corvin",
+    "Emric",
+    "Garrick",
+    "Ivo",
+    "Kaspar",
+    "Mattis",
+    "Osric",
+    "Radek",
+    "Tobiah",
+    "Valen",
+    "Anselm",
+)
+FEMALE_NAMES = (
+    "Alda",
+    "Cassia",
+    "Elna",
+    "Gerta",
+    "Ilse",
+    "Kessa",
+    "Mira",
+    "Odile",
+    "Rhosyn",
+    "Tamsin",
+    "Vesna",
+    "Xanthe",
+    "Brisa",
+    "Delphine",
+    "Fenna",
+    "Hedda",
+    "Jessamy",
+    "Linnea",
+    "Maelis",
+    "Nerys",
+    "Perpetua",
+    "Solveig",
+    "Thora",
+    "Wilhelmina",
+)
+SURNAMES = (
+    "Ashgrove",
+    "Brackwell",
+    "Corran",
+    "Dunmere",
+    "Elsworth",
+    "Fallowby",
+    "Greaves",
+    "Hartsell",
+    "Ivelle",
+    "Jarrick",
+    "Kettleby",
+    "Lorimer",
+    "Marchbank",
+    "Nettleford",
+)
 COUNTRIES = ("Valdoria", "Kestrenland", "Norvane", "Aurentia", "Solvaria", "Tyrrhen")
-CITIES = ("Velmora", "Tarnwick", "Oskeln", "Brevanne", "Caldris", "Dunmarrow", "Esketh", "Fjarholm", "Gallowen",
-          "Hestria", "Ithmere", "Jorvale", "Kelsmoor", "Lunavar", "Morwen", "Nethris", "Orrinford", "Pellucia",
-          "Quorlan", "Rusker", "Sablemouth", "Tovrin", "Ulveston", "Wyndhallow")
-FILM_WORDS = (("Silver", "Hollow", "Crimson", "Quiet", "Broken", "Golden", "Distant", "Frozen", "Velvet", "Burning"),
-              ("Harbor", "Lantern", "Orchard", "Meridian", "Tide", "Compass", "Garden", "Mirror", "Bridge", "Signal"))
-BOOK_WORDS = (("Paper", "Iron", "Winter", "Amber", "Salt", "Glass", "Copper", "Midnight", "Wild", "Last"),
-              ("Kingdom", "Letters", "Shore", "Hours", "Crown", "River", "Voyage", "Season", "Archive", "Promise"))
+CITIES = (
+    "Velmora",
+    "Tarnwick",
+    "Oskeln",
+    "Brevanne",
+    "Caldris",
+    "Dunmarrow",
+    "Esketh",
+    "Fjarholm",
+    "Gallowen",
+    "Hestria",
+    "Ithmere",
+    "Jorvale",
+    "Kelsmoor",
+    "Lunavar",
+    "Morwen",
+    "Nethris",
+    "Orrinford",
+    "Pellucia",
+    "Quorlan",
+    "Rusker",
+    "Sablemouth",
+    "Tovrin",
+    "Ulveston",
+    "Wyndhallow",
+)
+FILM_WORDS = (
+    ("Silver", "Hollow", "Crimson", "Quiet", "Broken", "Golden", "Distant", "Frozen", "Velvet", "Burning"),
+    ("Harbor", "Lantern", "Orchard", "Meridian", "Tide", "Compass", "Garden", "Mirror", "Bridge", "Signal"),
+)
+BOOK_WORDS = (
+    ("Paper", "Iron", "Winter", "Amber", "Salt", "Glass", "Copper", "Midnight", "Wild", "Last"),
+    ("Kingdom", "Letters", "Shore", "Hours", "Crown", "River", "Voyage", "Season", "Archive", "Promise"),
+)
 FILMS, BOOKS = 36, 36
 
 RELATIONS = ("director", "author", "place of birth", "father", "mother", "country", "capital")
@@ -73,16 +160,32 @@ RELATION_WORDS: dict[str, frozenset[str]] = {
 """The lower-cased words that name each relation in a request (the environment's lookup)."""
 
 ONE_HOP: dict[str, tuple[str, ...]] = {
-    "director": ("Who directed {s}?", "Who is the director of {s}?", "Name the director of the film {s}.",
-                 "{s} was directed by whom?"),
-    "author": ("Who wrote {s}?", "Who is the author of {s}?", "Name the author of the book {s}.",
-               "{s} was written by whom?"),
-    "place of birth": ("Where was {s} born?", "What is the place of birth of {s}?", "In which city was {s} born?",
-                       "{s} was born in which city?"),
+    "director": (
+        "Who directed {s}?",
+        "Who is the director of {s}?",
+        "Name the director of the film {s}.",
+        "{s} was directed by whom?",
+    ),
+    "author": (
+        "Who wrote {s}?",
+        "Who is the author of {s}?",
+        "Name the author of the book {s}.",
+        "{s} was written by whom?",
+    ),
+    "place of birth": (
+        "Where was {s} born?",
+        "What is the place of birth of {s}?",
+        "In which city was {s} born?",
+        "{s} was born in which city?",
+    ),
     "father": ("Who is the father of {s}?", "Who was {s}'s father?", "Name the father of {s}."),
     "mother": ("Who is the mother of {s}?", "Who was {s}'s mother?", "Name the mother of {s}."),
     "country": ("In which country is {s}?", "What country is {s} located in?", "{s} lies in which country?"),
-    "capital": ("What is the capital of {s}?", "Which city is the capital of {s}?", "Name the capital city of {s}."),
+    "capital": (
+        "What is the capital of {s}?",
+        "Which city is the capital of {s}?",
+        "Name the capital city of {s}.",
+    ),
 }
 """1-hop wordings per relation; `{s}` is the subject."""
 INNER: dict[str, tuple[str, ...]] = {
@@ -93,17 +196,26 @@ INNER: dict[str, tuple[str, ...]] = {
 }
 """Noun phrases for the first hop of a generic 2-hop question."""
 OUTER: dict[str, tuple[str, ...]] = {
-    "place of birth": ("Where was {x} born?", "What is the place of birth of {x}?", "In which city was {x} born?"),
+    "place of birth": (
+        "Where was {x} born?",
+        "What is the place of birth of {x}?",
+        "In which city was {x} born?",
+    ),
     "father": ("Who is the father of {x}?", "Name the father of {x}.", "Who was {x}'s father?"),
     "mother": ("Who is the mother of {x}?", "Name the mother of {x}.", "Who was {x}'s mother?"),
 }
 """Outer wordings of a generic 2-hop question; `{x}` is the first hop's noun phrase (`INNER`)."""
 TWO_HOP: dict[tuple[str, str], tuple[str, ...]] = {
-    ("place of birth", "country"): ("In which country was {s} born?", "{s} was born in which country?",
-                                    "Which country is the birthplace of {s} in?"),
-    ("country", "capital"): ("What is the capital of the country where {s} lies?",
-                             "Which city is the capital of the country {s} is in?",
-                             "Name the capital of the country of {s}."),
+    ("place of birth", "country"): (
+        "In which country was {s} born?",
+        "{s} was born in which country?",
+        "Which country is the birthplace of {s} in?",
+    ),
+    ("country", "capital"): (
+        "What is the capital of the country where {s} lies?",
+        "Which city is the capital of the country {s} is in?",
+        "Name the capital of the country of {s}.",
+    ),
 }
 """Whole wordings of the 2-hop chains that no inner noun phrase covers; `{s}` is the subject."""
 
@@ -116,7 +228,9 @@ def tokens(text: str) -> list[str]:
     return _TOKEN.findall(text.lower())
 
 
-def nearest_relation(words: Sequence[str], spans: Sequence[tuple[int, int]], known: Collection[str]) -> str | None:
+def nearest_relation(
+    words: Sequence[str], spans: Sequence[tuple[int, int]], known: Collection[str]
+) -> str | None:
     """The relation (of `known`) whose word in `words` is nearest a subject span (first, last word index);
     ties: the earlier word. None when no word of `words` names a relation in `known`. The environment's rule
     (pipeline/environment/hops.py), also used to word the questions so that each resolves to its first hop."""
@@ -133,7 +247,7 @@ def nearest_relation(words: Sequence[str], spans: Sequence[tuple[int, int]], kno
 def name_spans(words: list[str], name: str) -> list[tuple[int, int]]:
     """(first, last) word index of every occurrence of `name` in `words`."""
     key = tokens(name)
-    return [(i, i + len(key) - 1) for i in range(len(words)) if words[i: i + len(key)] == key]
+    return [(i, i + len(key) - 1) for i in range(len(words)) if words[i : i + len(key)] == key]
 
 
 @dataclass(frozen=True)
@@ -200,7 +314,7 @@ class World:
         cities = list(CITIES)
         rng.shuffle(cities)
         for k, country in enumerate(COUNTRIES):
-            own = cities[4 * k: 4 * k + 4]
+            own = cities[4 * k : 4 * k + 4]
             world.kinds[country] = "country"
             world.facts.append(Fact(country, "capital", rng.choice(own)))
             for city in own:
@@ -236,8 +350,10 @@ class World:
         pairs = list(zip(men, women, strict=False))[:12]
         young = children(pairs)
         makers = [p for p, _ in middle + young]
-        for kind, words, count, relation in (("film", FILM_WORDS, FILMS, "director"),
-                                             ("book", BOOK_WORDS, BOOKS, "author")):
+        for kind, words, count, relation in (
+            ("film", FILM_WORDS, FILMS, "director"),
+            ("book", BOOK_WORDS, BOOKS, "author"),
+        ):
             titles = [f"{a} {b}" for a in words[0] for b in words[1]]
             for title in rng.sample(titles, count):
                 world.kinds[title] = kind
@@ -271,7 +387,10 @@ def _compose(world: World, rng: random.Random) -> list[Question]:
             fits = []
             for text in two_hop_wordings(first, relation):
                 words = tokens(text)
-                if obj not in text and nearest_relation(words, name_spans(words, first.subject), known) == first.relation:
+                if (
+                    obj not in text
+                    and nearest_relation(words, name_spans(words, first.subject), known) == first.relation
+                ):
                     fits.append(text[0].upper() + text[1:])
             if fits:
                 out.append(Question(rng.choice(fits), obj, (first, Fact(first.object, relation, obj))))
@@ -294,13 +413,15 @@ def split_questions(questions: list[Question], heldout: int) -> tuple[list[Quest
     n_one = heldout // 3 + (heldout % 3 > 0)
     n_two = heldout - n_one
     if n_one > len(one) or n_two > len(two):
-        raise ValueError(f"{heldout} held-out questions need {n_one} 1-hop and {n_two} 2-hop; the world has "
-                         f"{len(one)} and {len(two)}")
+        raise ValueError(
+            f"{heldout} held-out questions need {n_one} 1-hop and {n_two} 2-hop; the world has "
+            f"{len(one)} and {len(two)}"
+        )
     held = []
     ones, twos = iter(one[:n_one]), iter(two[:n_two])
     for k in range(heldout):
         held.append(next(ones) if k % 3 == 0 else next(twos))
     rest_one, rest_two = one[n_one:], two[n_two:]
     keep_one = min(len(rest_one), len(rest_two) // 2)
-    kept = set(rest_one[:keep_one]) | set(rest_two[:2 * keep_one])
+    kept = set(rest_one[:keep_one]) | set(rest_two[: 2 * keep_one])
     return [q for q in questions if q in kept], held

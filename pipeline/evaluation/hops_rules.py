@@ -43,7 +43,7 @@ HOP_GROUPS = ("1-hop", "2-hop")
 
 
 def hop_group(world: World, question: str) -> str | None:
-    """"1-hop" or "2-hop" for a question of the world, None for any other question."""
+    """ "1-hop" or "2-hop" for a question of the world, None for any other question."""
     found = world.question(question)
     return None if found is None else f"{found.hops}-hop"
 
@@ -137,9 +137,14 @@ def prior_answers(world: World, questions: Sequence[str]) -> dict[str, str]:
     return {relation: c.most_common(1)[0][0] for relation, c in counts.items()}
 
 
-def evaluate_hops_rules(kb: KnowledgeBase, world: World, rows: Sequence[Any], training_questions: Sequence[str],
-                        max_tokens: int | None,
-                        strategies: dict[str, Strategy] | None = None) -> dict[str, dict[str, Any]]:
+def evaluate_hops_rules(
+    kb: KnowledgeBase,
+    world: World,
+    rows: Sequence[Any],
+    training_questions: Sequence[str],
+    max_tokens: int | None,
+    strategies: dict[str, Strategy] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Each strategy on every row (`row.question`, `row.answers`), grouped per hop ("1-hop", "2-hop"): the
     lists `f1`, `em`, `answered` (a reply stated a fact), `predictions`, `requests`, plus `f1_mean` etc.
     over all rows. Rows that are not questions of `world` are refused with a ValueError naming the first."""
@@ -162,8 +167,9 @@ def evaluate_hops_rules(kb: KnowledgeBase, world: World, rows: Sequence[Any], tr
             preds = [t.answer() if t.requests else t.replies[0] for t in talks]
             result["f1"][group] = [token_f1(p, r.answers) for p, r in zip(preds, members, strict=True)]
             result["em"][group] = [exact_match(p, r.answers) for p, r in zip(preds, members, strict=True)]
-            result["answered"][group] = [float(any(answered(x) for x in t.replies) and bool(t.requests))
-                                         for t in talks]
+            result["answered"][group] = [
+                float(any(answered(x) for x in t.replies) and bool(t.requests)) for t in talks
+            ]
             result["predictions"][group], result["requests"][group] = preds, [t.requests for t in talks]
         for key in ("f1", "em", "answered"):
             values = [v for vs in result[key].values() for v in vs]

@@ -23,14 +23,26 @@ from pipeline.agent.template import render_user_message
 from pipeline.data.sources.reading import MIRROR_COLUMNS, SourcePaths
 from pipeline.data.sources.registry import DatasetSpec
 
-TRAIN_SCHEMA = pa.schema([pa.field("id", pa.string()), pa.field("question", pa.string()),
-                          pa.field("answers", pa.list_(pa.string())), pa.field("context", pa.string()),
-                          pa.field("source_split", pa.string())])
-EVAL_SCHEMA = pa.schema([
-    pa.field("prompt", pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))),
-    pa.field("reward_model", pa.struct([pa.field("ground_truth", pa.list_(pa.string())),
-                                        pa.field("style", pa.string())])),
-])
+TRAIN_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string()),
+        pa.field("question", pa.string()),
+        pa.field("answers", pa.list_(pa.string())),
+        pa.field("context", pa.string()),
+        pa.field("source_split", pa.string()),
+    ]
+)
+EVAL_SCHEMA = pa.schema(
+    [
+        pa.field(
+            "prompt", pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
+        ),
+        pa.field(
+            "reward_model",
+            pa.struct([pa.field("ground_truth", pa.list_(pa.string())), pa.field("style", pa.string())]),
+        ),
+    ]
+)
 
 
 def generated_dir(where: SourcePaths, spec: DatasetSpec) -> Path:
@@ -55,10 +67,21 @@ def generated_files(where: SourcePaths, spec: DatasetSpec) -> tuple[Path, Path]:
         raise ValueError(f"{spec.name} is not a generated dataset")
     folder = generated_dir(where, spec)
     train, heldout = spec.generated.rows()
-    _write_if_changed(pa.Table.from_pylist([{c: r.get(c) for c in MIRROR_COLUMNS} for r in train],
-                                           schema=TRAIN_SCHEMA), folder / "train.parquet")
-    _write_if_changed(pa.Table.from_pylist([
-        {"prompt": [{"role": "user", "content": render_user_message(question, spec.name)}],
-         "reward_model": {"ground_truth": list(answers), "style": "rule"}} for question, answers in heldout],
-        schema=EVAL_SCHEMA), folder / "eval.parquet")
+    _write_if_changed(
+        pa.Table.from_pylist([{c: r.get(c) for c in MIRROR_COLUMNS} for r in train], schema=TRAIN_SCHEMA),
+        folder / "train.parquet",
+    )
+    _write_if_changed(
+        pa.Table.from_pylist(
+            [
+                {
+                    "prompt": [{"role": "user", "content": render_user_message(question, spec.name)}],
+                    "reward_model": {"ground_truth": list(answers), "style": "rule"},
+                }
+                for question, answers in heldout
+            ],
+            schema=EVAL_SCHEMA,
+        ),
+        folder / "eval.parquet",
+    )
     return folder / "train.parquet", folder / "eval.parquet"

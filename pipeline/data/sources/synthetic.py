@@ -19,11 +19,27 @@ HELDOUT = 128
 def hops_rows() -> tuple[list[RawRecord], list[tuple[str, list[str]]]]:
     """(training records, held-out (question, answers)) of the hops world."""
     train, heldout = split_questions(world().questions, HELDOUT)
-    records = [{"id": f"hops-train-{i:04d}", "question": q.text, "answers": [q.answer], "context": "",
-                "source_split": "train"} for i, q in enumerate(train)]
+    records = [
+        {
+            "id": f"hops-train-{i:04d}",
+            "question": q.text,
+            "answers": [q.answer],
+            "context": "",
+            "source_split": "train",
+        }
+        for i, q in enumerate(train)
+    ]
     return records, [(q.text, [q.answer]) for q in heldout]
 
 
-register("hops", "multi_hop_qa", trains=True, hub=None, mirror="generated/hops/train.parquet",
-         eval_file="hops.parquet", eval_tag="hops-world", generated=GeneratedSource(WORLD_VERSION, hops_rows),
-         note="generated from a fixed seed (pipeline/environment/hops_world.py); the learn-hops profile trains on it")
+register(
+    "hops",
+    "multi_hop_qa",
+    trains=True,
+    hub=None,
+    mirror="generated/hops/train.parquet",
+    eval_file="hops.parquet",
+    eval_tag="hops-world",
+    generated=GeneratedSource(WORLD_VERSION, hops_rows),
+    note="generated from a fixed seed (pipeline/environment/hops_world.py); the learn-hops profile trains on it",
+)
