@@ -370,8 +370,11 @@ def hops_summary(folder: Path) -> dict[str, Any] | None:
         if rules is not None:
             figures.update({name: hop_means(rules["rules"][name]) for name in rules["trivial"]})
             references = {name: hop_means(rules["rules"][name]) for name in rules["references"]}
-        per_seed[seed] = {"per_hop": figures, "references": references, "grpo_steps": last}
         requests[seed] = {str(step): second_requests(e) for step, e in sorted(evals.items())}
+        curve = {str(step): {**{h: round(f, 2) for h, f in hop_means(e).items()}, "second_requests": requests[seed][
+            str(step)]} for step, e in sorted(evals.items())}
+        per_seed[seed] = {"per_hop": figures, "references": references, "grpo_steps": last, "curve": curve,
+                          "timing_s": run.get("timing_s")}
         files = {p.stem.removeprefix("transfer_"): p for p in run_dir.glob("transfer_*.json")}
         if files:
             seen = {name: 100 * load(p)["f1_mean"] for name, p in files.items() if name != "rules"}
@@ -495,4 +498,34 @@ def write_report(results: Path, notes: list[str], main_mode: str = "terse") -> d
     fig.tight_layout()
     fig.savefig(results / "learning.png", dpi=110)
     plt.close(fig)
+    if result.get("hops"):
+        plot_hops(result["hops"], results / "learning_hops.png")
     return result
+
+
+def plot_hops(hops: dict[str, Any], path: Path) -> None:
+    """learning_hops.png: per seed, held-out 2-hop F1 and the share of second requests naming the bridge and
+    the relation at each evaluated GRPO step, beside the controls' 2-hop means."""
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    steps: list[int] = []
+    for k, (seed, v) in enumerate(hops["per_seed"].items()):
+        xs = sorted(int(s) for s in v["curve"])
+        steps += xs
+        top.plot(xs, [v["curve"][str(x)].get("2-hop") for x in xs], marker="o", color=f"C{k}", label=f"seed {seed}")
+        bottom.plot(xs, [100 * (v["curve"][str(x)]["second_requests"] or 0) for x in xs], marker="o",
+                    color=f"C{k}", label=f"seed {seed}")
+    for name, figure_2hop in hops["per_hop"]["2-hop"].items():
+        if name not in ("grpo", "warmup"):
+            top.axhline(figure_2hop, linestyle=":", color="grey")
+            top.annotate(f"{name} {figure_2hop:.1f}", (max(steps, default=0), figure_2hop), fontsize=6, color="grey",
+                         ha="right", va="bottom")
+    top.set_ylabel("held-out 2-hop F1")
+    top.legend(loc="upper left", fontsize=7)
+    bottom.set_ylabel("% second requests naming\nthe bridge and the relation")
+    bottom.set_xlabel("GRPO step (0 = warm-up only)")
+    fig.suptitle(f"GRPO, knowledge environment (hops mode): seeds {hops['seeds']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -189,3 +189,23 @@ def test_hub_unreachable_and_allowed_to_skip_is_reported(data_params, tmp_path, 
 def test_eval_only_dataset_is_not_sampled(params):
     with pytest.raises(DataError, match="evaluation-only"):
         run_sample(params, "xsum")
+
+
+def test_the_generated_hops_source_is_sampled_validated_and_built(data_params):
+    """The generated dataset goes through the same stages and Great Expectations suites as the others."""
+    from pipeline.data.build import run_build
+    from pipeline.data.sample import run_sample
+    from pipeline.data.validate import run_validate
+
+    params = data_params(data={"train_datasets": ["hops"], "id_eval_datasets": ["hops"], "ood_eval_datasets": [],
+                               "sample_size": 512})
+    report = run_sample(params, "hops")
+    assert (report.rows_source, report.rows_written, report.leaked_removed) == (798, 512, 0)
+    assert report.source == [f"generated:{get_spec('hops').generated.version}"]
+    summary = run_validate(params)
+    assert summary["success"] and {f["kind"] for f in summary["files"].values()} == {"train", "eval"}
+    built = run_build(params)
+    assert built["train"]["rows"] == 512 and built["eval"]["hops"]["rows"] == 128
+    assert built["eval"]["hops"]["template_reproduced"] == 128
+    rows = load_authors_eval(SourcePaths.of(params), get_spec("hops"))
+    assert rows[0].id == "hops-eval-000" and rows[0].question and rows[0].answers
