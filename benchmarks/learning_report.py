@@ -353,6 +353,7 @@ def hops_summary(folder: Path) -> dict[str, Any] | None:
     the request side; the PopQA transfer check. None when no seed finished."""
     runs = sorted((p for p in folder.glob("seed*") if (p / "run.json").is_file()), key=lambda p: int(p.name[4:]))
     seeds, per_seed, requests, transfer = [], {}, {}, {}
+    two_hop: dict[str, dict[str, dict[str, Any]]] = {}  # seed -> system -> {"f1": {"2-hop": per question}}
     for run_dir in runs:
         run = load(run_dir / "run.json")
         last = run["grpo_steps_done"]
@@ -361,14 +362,17 @@ def hops_summary(folder: Path) -> dict[str, Any] | None:
             continue
         seed = str(run["seed"])
         seeds.append(run["seed"])
-        figures = {"grpo": hop_means(evals[last]), "warmup": hop_means(evals[0])}
+        systems = {"grpo": evals[last], "warmup": evals[0]}
         for control in ("warmup_continued", "warmup_live_replies"):
             if (run_dir / f"{control}.json").is_file():
-                figures[control] = hop_means(load(run_dir / f"{control}.json"))
+                systems[control] = load(run_dir / f"{control}.json")
         rules = load(run_dir / "trivial_rules.json") if (run_dir / "trivial_rules.json").is_file() else None
         references = {}
         if rules is not None:
-            figures.update({name: hop_means(rules["rules"][name]) for name in rules["trivial"]})
+            systems.update({name: rules["rules"][name] for name in rules["trivial"]})
+        figures = {name: hop_means(e) for name, e in systems.items()}
+        two_hop[seed] = {name: {"f1": {"2-hop": by_hop(e)["2-hop"]}} for name, e in systems.items()}
+        if rules is not None:
             references = {name: hop_means(rules["rules"][name]) for name in rules["references"]}
         requests[seed] = {str(step): second_requests(e) for step, e in sorted(evals.items())}
         curve = {str(step): {**{h: round(f, 2) for h, f in hop_means(e).items()}, "second_requests": requests[seed][
@@ -402,6 +406,12 @@ def hops_summary(folder: Path) -> dict[str, Any] | None:
         "per_hop": per_hop,
         "references": references,
         "seed_interval": {"2-hop": t_interval(differences)},
+        "bootstrap_2hop": {"what": "per-question bootstrap over the 2-hop held-out questions (seeds pooled per "
+                                   "question): GRPO, the best control, and GRPO minus it (paired)",
+                           "grpo": figure([v["grpo"] for v in two_hop.values()]),
+                           best: figure([v[best] for v in two_hop.values()]),
+                           "grpo_minus_best": delta([v["grpo"] for v in two_hop.values()],
+                                                    [v[best] for v in two_hop.values()])} if best else None,
         "seed_interval_against": best,
         "seed_differences_2hop": [round(d, 2) for d in differences],
         "requests": {"what": "share of 2-hop held-out questions whose second request names the bridge entity "

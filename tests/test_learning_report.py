@@ -204,6 +204,11 @@ def test_hops_summary_pools_per_hop_and_the_seed_interval_by_hand(tmp_path):
     assert summary["seed_interval_against"] == "ask_then_entity_3words"
     assert summary["seed_differences_2hop"] == [0.0, 50.0, -50.0]
     assert summary["seed_interval"] == {"2-hop": [-124.21, 124.21]}
+    # beside it, the per-question bootstrap: per question, GRPO's mean over seeds (2/3, 1/3) against the
+    # rule's (0.5, 0.5); the paired mean difference is 0
+    boot = summary["bootstrap_2hop"]
+    assert boot["grpo"]["mean"] == 50.0 and boot["ask_then_entity_3words"]["mean"] == 50.0
+    assert boot["grpo_minus_best"]["mean"] == 0.0
     assert summary["requests"]["by_step"] == {"0": 0.0, "2": 0.5}
     assert summary["controls"]["warmup_continued"] == {"kind": "agent", "1-hop": 50.0, "2-hop": 16.67}
     assert summary["transfer_popqa"]["grpo"] == 40.0 and summary["transfer_popqa"]["informed"] == 90.0
