@@ -7,7 +7,8 @@
 # files land in benchmarks/results/learning/<mode>/seed<N>/ and the last step pools them into learning.json
 # (the hops figures under its `hops` key). A hops seed stops after the warm-up when the pre-check fails
 # (precheck.json says which warm-up setting to change). 36-37 min a terse seed with its controls, ~21 min the
-# question seed (2 idle cores; see benchmarks/README.md); a hops seed is planned to fit in 40 min.
+# question seed (2 idle cores; see benchmarks/README.md); a hops seed's time on an idle machine is not
+# measured yet (it adds the pre-check, a longer warm-up control and the transfer evaluations).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HOPS_SEEDS=${HOPS_SEEDS:-"1 2 3"}
