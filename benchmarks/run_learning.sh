@@ -2,7 +2,7 @@
 # The whole learning experiment, one run after another on an otherwise idle machine:
 #   bash benchmarks/run_learning.sh                      # hops seeds 1-3 with every control, then the report
 #   HOPS_SEEDS="4 5" bash benchmarks/run_learning.sh     # more hops seeds (seeds may land one by one)
-#   TERSE_SEEDS="1 2 3" bash benchmarks/run_learning.sh  # the terse mode's seeds too (issue 32's run)
+#   TERSE_SEEDS="1 2 3" bash benchmarks/run_learning.sh  # the terse mode's seeds too
 # Each seed is `benchmarks/bench_learning.py` (one process, its own work folder under .cache/); every seed's
 # files land in benchmarks/results/learning/<mode>/seed<N>/ and the last step pools them into learning.json
 # (the hops figures under its `hops` key). A hops seed stops after the warm-up when the pre-check fails
