@@ -1,6 +1,7 @@
 """The learning experiment (issues 12, 32): does our GRPO teach the agent to use an environment that knows the answers?
 
-    python benchmarks/bench_learning.py --mode terse --seed 1        # one seed of the new mode, with its controls
+    python benchmarks/bench_learning.py --mode hops --seed 1         # one seed of the hops mode, with its controls
+    python benchmarks/bench_learning.py --mode terse --seed 1        # one seed of the terse mode, with its controls
     python benchmarks/bench_learning.py --mode question --seed 1     # the existing mode (answer extraction)
     python benchmarks/bench_learning.py --report                     # learning.json/.png/_steps.csv from the files
 
@@ -21,6 +22,17 @@ What one seed runs, all through the pipeline's own code (the steps `dvc exp run 
    GRPO steps from the same warm-up checkpoint with every advantage zeroed:
    sampling, the KL term and weight decay alone), `warmup_live_replies` (the warm-up with the environment's
    live replies in its demonstrations, no GRPO).
+The `hops` mode (profile learn-hops: pipeline/environment/hops.py, 2-hop questions need a second request naming
+the first reply's entity) runs the same steps with its own controls and checks:
+- after the warm-up (live-reply re-ask demonstrations), the pre-check: the warm-up model sampled
+  `PRECHECK_SAMPLES` times on `PRECHECK_QUESTIONS` training 2-hop questions; the seed stops with
+  `warmup_precheck`'s message unless 10-60% of the samples earn answer reward (`precheck.json`);
+- `trivial_rule` is every rule of pipeline/evaluation/hops_rules.py, per hop, with its two references;
+- `warmup_continued`: the warm-up run for as many more demonstrations as GRPO sampled trajectories
+  (train.steps x batch_size x group_size) on as many more questions as GRPO saw, no GRPO;
+- `transfer_*.json`: GRPO's last step, the warm-up and `warmup_continued` on 2-hop chains composed from
+  PopQA's facts (benchmarks/hops_transfer.py), asked the same rules over those facts in-process, and the
+  hops rules on them.
 Every evaluation is saved per question under `benchmarks/results/learning/<mode>/seed<N>/` (F1, EM, format,
 whether the request was answered, the prediction), with the run's `steps.csv`, its training rollouts
 (`rollouts.jsonl.gz`) and `run.json`; `--report`
@@ -48,7 +60,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RESULTS = ROOT / "benchmarks" / "results"
 LEARNING = RESULTS / "learning"
-CONTROLS = ("trivial_rule", "zero_advantage", "warmup_live_replies")
+CONTROLS = ("trivial_rule", "zero_advantage", "warmup_live_replies", "warmup_continued")
+DEFAULT_CONTROLS = {"hops": ("trivial_rule", "warmup_continued"),
+                    "terse": ("trivial_rule", "zero_advantage", "warmup_live_replies"),
+                    "question": ("trivial_rule", "zero_advantage", "warmup_live_replies")}
+"""What one seed runs when `--controls` is not given. In `hops` the warm-up already has live replies (its
+re-ask demonstrations), so it is the live-reply control itself, and `warmup_continued` replaces
+`zero_advantage` (which equals the warm-up by construction)."""
 log = logging.getLogger("bench_learning")
 
 
@@ -65,12 +83,14 @@ def learn_params(workdir: Path, args: argparse.Namespace, port: int):
     paths = {name: str(workdir / sub) for name, sub in (
         ("sampled_dir", "data/sampled"), ("rl_dir", "data/rl"), ("reports_dir", "reports"),
         ("checkpoint_dir", "checkpoints/agent"), ("model_dir", "models/agent"), ("cache_dir", "cache"))}
-    overrides: dict[str, Any] = {"profile": "learn", "paths": paths, "seed": args.seed,
-                                 "environment": {"port": port, "knowledge": {"mode": args.mode}}}
+    overrides: dict[str, Any] = {"profile": "learn-hops" if args.mode == "hops" else "learn", "paths": paths,
+                                 "seed": args.seed, "environment": {"port": port, "knowledge": {"mode": args.mode}}}
     if args.steps is not None:
         overrides["train"] = {"steps": args.steps}
     if args.rows_per_dataset is not None:
         overrides["evaluate"] = {"rows_per_dataset": args.rows_per_dataset}
+    if getattr(args, "warmup_steps", None) is not None:
+        overrides.setdefault("train", {})["warmup"] = {"steps": args.warmup_steps}
     params = load_params(ROOT / "params.yaml", overrides)
     params.environment.knowledge.sources = [str(workdir / "data/rl/train.parquet"), str(workdir / "data/rl/eval")]
     return params
@@ -116,7 +136,7 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
     answers = run_agent_with_environment(policy, env, rows_by_ds, params.agent, params.evaluate, label)
     seconds = time.perf_counter() - start
     out: dict[str, Any] = {"f1": {}, "em": {}, "format": {}, "answered": {}, "predictions": {}, "requests": {},
-                           "replies": {},
+                           "replies": {}, "questions": {},
                            "env_calls": 0, "seconds": seconds, "examples": []}
     for name, rows in rows_by_ds.items():
         f1s, ems, fmts, hits, preds, asks, said = [], [], [], [], [], [], []
@@ -138,6 +158,7 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
         out["f1"][name], out["em"][name], out["format"][name] = f1s, ems, fmts
         out["answered"][name], out["predictions"][name], out["requests"][name] = hits, preds, asks
         out["replies"][name] = said
+        out["questions"][name] = [row.question for row in rows]
     for key in ("f1", "em", "format", "answered"):
         values = [v for vs in out[key].values() for v in vs]
         out[f"{key}_mean"] = sum(values) / len(values)
@@ -192,6 +213,106 @@ def trivial_rules(params, rows_by_ds, out: Path) -> None:
                                   tr.INFORMED_RULES}})
     for name, r in rules.items():
         log.info("rule %-28s F1 %5.1f  answered %.2f", name, 100 * r["f1_mean"], r["answered_mean"])
+
+
+def training_questions(params) -> list[str]:
+    """The questions of the seed's training file (`data/rl/train.parquet`), in its order."""
+    import pandas as pd
+
+    frame = pd.read_parquet(params.path(params.paths.rl_dir) / "train.parquet", columns=["extra_info"])
+    return [str((extra or {}).get("question") or "") for extra in frame["extra_info"]]
+
+
+def hops_rules_file(kb, store, rows, training: list[str], max_tokens: int | None, out: Path) -> dict[str, Any]:
+    """Every hops rule and reference (pipeline/evaluation/hops_rules.py) on `rows`, per hop, written to `out`."""
+    from pipeline.evaluation import hops_rules as hr
+
+    rules = hr.evaluate_hops_rules(kb, store, rows, training, max_tokens)
+    write_json(out, {"mode": "hops", "trivial": list(hr.TRIVIAL), "references": list(hr.REFERENCES),
+                     "rules": rules})
+    for name, r in rules.items():
+        log.info("rule %-26s %s", name, {g: round(100 * sum(v) / len(v), 1) for g, v in r["f1"].items() if v})
+    return rules
+
+
+def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int | None = None) -> Any:
+    """The warm-up pre-check (pipeline/train/warmup.py `warmup_precheck`): the model in `model_dir` sampled
+    `PRECHECK_SAMPLES` times (the training temperature) on the first `PRECHECK_QUESTIONS` training 2-hop
+    questions; each sample's answer reward (`released`: answer F1 when the format gate holds). Written to
+    `out` with the verdict; the caller stops the seed when it is not ok."""
+    import asyncio
+
+    import pandas as pd
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.agent.policy import TransformersPolicy
+    from pipeline.agent.rollout import rollout
+    from pipeline.environment.hops_world import world
+    from pipeline.reward import reward_for_trajectory
+    from pipeline.train.questions import prompt_item_from_row
+    from pipeline.train.warmup import PRECHECK_QUESTIONS, PRECHECK_SAMPLES, question_of, warmup_precheck
+
+    frame = pd.read_parquet(params.path(params.paths.rl_dir) / "train.parquet")
+    items = [prompt_item_from_row(row, i) for i, row in enumerate(frame.to_dict("records"))]
+    store = world()
+    items = [it for it in items if (q := store.question(question_of(it))) is not None and q.hops == 2]
+    items = items[:questions or PRECHECK_QUESTIONS]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    policy = TransformersPolicy(model, tokenizer, seed=params.seed)
+    a = params.agent
+    trajs = asyncio.run(rollout(policy, env, items, group_size=PRECHECK_SAMPLES, max_turns=a.max_turns,
+                                max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
+                                env_reply_max_chars=a.env_reply_max_chars, temperature=a.temperature, top_p=a.top_p,
+                                return_logprobs=False, reward_fn=None, max_prompt_tokens=a.max_prompt_tokens))
+    parts = [reward_for_trajectory(t, params.reward) for t in trajs]
+    rewards = [p.answer if p.gated else 0.0 for p in parts]
+    verdict = warmup_precheck(rewards)
+    write_json(out, {"ok": verdict.ok, "share": verdict.share, "earned": verdict.earned, "samples": verdict.samples,
+                     "message": verdict.message, "questions": [it.question for it in items],
+                     "answer_rewards": rewards,
+                     "requests": [[t.parsed.interaction_prompt for t in tr.turns if t.parsed.interaction_prompt]
+                                  for tr in trajs]})
+    log.info("%s", verdict.message)
+    return verdict
+
+
+class InProcessEnvironment:
+    """A knowledge base asked in-process with the server's own reply code (`trivial_rules.ask`, the same
+    `max_tokens` cut): the transfer check's PopQA facts, which no server of the profile holds."""
+
+    def __init__(self, kb, max_tokens: int | None) -> None:
+        self.kb, self.max_tokens = kb, max_tokens
+
+    async def reply(self, history, prompt: str):
+        from pipeline.evaluation.trivial_rules import ask
+        from pipeline.types import EnvironmentReply
+
+        return EnvironmentReply(text=ask(self.kb, prompt, self.max_tokens))
+
+    async def aclose(self) -> None:
+        return None
+
+
+def transfer_rows(params, limit: int | None = None):
+    """The PopQA transfer check: its world (a `hops` store of the chains' facts), the rows (EvalRow-like:
+    question, answers, dataset `popqa_chains`), and the in-process environment answering from it."""
+    from types import SimpleNamespace
+
+    from hops_transfer import CHAINS, popqa_chains, read_popqa
+
+    from pipeline.agent.template import render_user_message
+    from pipeline.environment.hops import HopsKnowledgeBase
+    from pipeline.types import EvalRow
+
+    store, golds = popqa_chains(read_popqa(params.mirror), seed=0, limit=limit or CHAINS)
+    rows = [EvalRow(dataset="popqa_chains", split="ood", index=i, id=f"popqa_chains-{i:03d}", question=q.text,
+                    answers=golds[q.text],
+                    messages=[{"role": "user", "content": render_user_message(q.text, "hops")}])
+            for i, q in enumerate(store.questions)]
+    kb = HopsKnowledgeBase([], store=store)
+    return SimpleNamespace(store=store, rows=rows, kb=kb,
+                           env=InProcessEnvironment(kb, params.environment.max_tokens))
 
 
 @contextlib.contextmanager
@@ -269,8 +390,15 @@ def run(args: argparse.Namespace) -> None:
     build_data(params)
     timings["data_s"] = time.perf_counter() - t0
     rows_by_ds = heldout_rows(params)
+    hops = args.mode == "hops"
     if "trivial_rule" in args.controls or args.rules_only:  # against this seed's store (its training sample)
-        trivial_rules(params, rows_by_ds, out / "trivial_rules.json")
+        if hops:
+            from pipeline.environment.hops_world import world
+
+            hops_rules_file(knowledge_store(params), world(), [r for rs in rows_by_ds.values() for r in rs],
+                            training_questions(params), params.environment.max_tokens, out / "trivial_rules.json")
+        else:
+            trivial_rules(params, rows_by_ds, out / "trivial_rules.json")
     if args.rules_only:
         return
     tokenizer = load_tokenizer(params.agent.model, params.root)
@@ -320,6 +448,12 @@ def run(args: argparse.Namespace) -> None:
             root = params.path(params.paths.checkpoint_dir)
             timed("warmup_s", train, params, max_steps=0)
             evaluate_at("grpo_step0", root / WARMUP_DIR / "model", 0)
+            if hops and args.precheck != "off" and not (out / "precheck.json").is_file():
+                verdict = timed("precheck_s", precheck, root / WARMUP_DIR / "model", tokenizer, env, params,
+                                out / "precheck.json", args.precheck_questions)
+                if not verdict.ok and args.precheck == "stop":
+                    record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
+                    raise SystemExit(verdict.message)
             if "zero_advantage" in args.controls:
                 zero = variant("zero_advantage")
                 if not zero.path(zero.paths.checkpoint_dir).exists():  # the warm-up checkpoint, before GRPO step 1
@@ -348,6 +482,31 @@ def run(args: argparse.Namespace) -> None:
                 timed("warmup_live_s", train, live, max_steps=0)
                 evaluate_at("warmup_live_replies", live.path(live.paths.checkpoint_dir) / WARMUP_DIR / "model", 0)
                 finished.append("warmup_live_replies")
+            if "warmup_continued" in args.controls:
+                w, t = params.train.warmup, params.train
+                grpo_samples = t.steps * t.batch_size * t.group_size
+                more = variant("warmup_continued", steps=w.steps + -(-grpo_samples // w.batch_size),
+                               demonstrations=(w.demonstrations or w.steps * w.batch_size) + t.steps * t.batch_size)
+                timed("warmup_continued_s", train, more, max_steps=0)
+                evaluate_at("warmup_continued", more.path(more.paths.checkpoint_dir) / WARMUP_DIR / "model", 0)
+                finished.append("warmup_continued")
+                record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
+            if hops and not args.no_transfer:
+                transfer = transfer_rows(params, args.transfer_limit)
+                hops_rules_file(transfer.kb, transfer.store, transfer.rows, [], params.environment.max_tokens,
+                                out / "transfer_rules.json")
+                models = {"transfer_grpo": ckpt.latest_checkpoint(root) / "model",
+                          "transfer_warmup": root / WARMUP_DIR / "model"}
+                if "warmup_continued" in args.controls:
+                    models["transfer_warmup_continued"] = (
+                        more.path(more.paths.checkpoint_dir) / WARMUP_DIR / "model")
+                for name, model_dir in models.items():
+                    if not (out / f"{name}.json").is_file() or not args.keep:
+                        result = timed("transfer_s", evaluate_agent, model_dir, tokenizer, transfer.env,
+                                       {"popqa_chains": transfer.rows}, eval_params, name)
+                        write_json(out / f"{name}.json", result)
+                        log.info("%s: F1 %.1f", name, 100 * result["f1_mean"])
+                finished.append("transfer_popqa")
         finally:
             asyncio.run(env.aclose())
     record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
@@ -355,13 +514,23 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=["question", "terse"], default="terse")
+    parser.add_argument("--mode", choices=["question", "terse", "hops"], default="terse")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the learn profile's)")
     parser.add_argument("--rows-per-dataset", type=int, default=None,
                         help="held-out questions per dataset (default: the learn profile's evaluate.rows_per_dataset)")
-    parser.add_argument("--controls", default=",".join(CONTROLS),
-                        help=f"comma-separated subset of {','.join(CONTROLS)} ('' for none)")
+    parser.add_argument("--controls", default=None,
+                        help=f"comma-separated subset of {','.join(CONTROLS)} ('' for none; default: the mode's "
+                             f"{DEFAULT_CONTROLS})")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="warm-up steps (default: the profile's)")
+    parser.add_argument("--precheck", choices=["stop", "warn", "off"], default="stop",
+                        help="hops: after the warm-up, stop the seed (stop) or only record (warn) when the "
+                             "pre-check fails")
+    parser.add_argument("--no-transfer", action="store_true", help="hops: skip the PopQA transfer check")
+    parser.add_argument("--precheck-questions", type=int, default=None,
+                        help="hops: training 2-hop questions the pre-check samples (default: warmup.PRECHECK_QUESTIONS)")
+    parser.add_argument("--transfer-limit", type=int, default=None,
+                        help="hops: PopQA chains evaluated (default: hops_transfer.CHAINS)")
     parser.add_argument("--keep", action="store_true", help="resume in the existing work folder")
     parser.add_argument("--rules-only", action="store_true",
                         help="only the trivial rules on the held-out rows (seconds; no agent, no training)")
@@ -371,7 +540,8 @@ def main() -> None:
                         help="only write learning.json/.png/_steps.csv from benchmarks/results/learning/")
     parser.add_argument("--note", action="append", help="a line added to the results' notes (repeatable)")
     args = parser.parse_args()
-    args.controls = [c for c in args.controls.split(",") if c]
+    chosen = ",".join(DEFAULT_CONTROLS[args.mode]) if args.controls is None else args.controls
+    args.controls = [c for c in chosen.split(",") if c]
     unknown = set(args.controls) - set(CONTROLS)
     if unknown:
         parser.error(f"--controls: unknown {sorted(unknown)}; choose from {list(CONTROLS)}")

@@ -15,6 +15,11 @@ got from the environment, so a flat request side can be traced to whether any gr
 Request side: the share of questions whose interaction request got an answer from the environment (not a
 refusal, not "unknown": `pipeline.environment.terse.answered`); extraction side: the mean F1 over those
 questions only.
+The `hops` mode (`hops_summary`, learning.json's `hops`) is reported per hop ("1-hop", "2-hop"): every figure
+is the mean over seeds of a seed's mean F1 over its questions of that hop; `seed_interval` is a t-interval
+(n - 1 degrees of freedom) over the per-seed differences GRPO - the control with the best mean on 2-hop, so it
+covers seed-to-seed variation, which the per-question bootstrap does not; `requests` is the share of 2-hop
+questions whose second request names the bridge entity and the answer's relation, at each evaluated step.
 """
 
 from __future__ import annotations
@@ -276,7 +281,149 @@ def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str
         "request_vs_extraction": {s: v["request_vs_extraction"] for s, v in main.get("per_seed", {}).items()},
         "per_seed": main.get("per_seed", {}),
         "knowledge": _knowledge(other),
+        "hops": hops_summary(results / "learning" / "hops"),
         "unfinished_runs": unfinished(results / "learning" / main_mode),
+    }
+
+
+def t_interval(values: list[float], confidence: float = CONFIDENCE) -> list[float] | None:
+    """The t-interval of the mean of `values` (n - 1 degrees of freedom); None with fewer than 2 values."""
+    import math
+
+    from scipy import stats
+
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+    return [round(mean - half, 2), round(mean + half, 2)]
+
+
+def by_hop(evaluation: dict[str, Any], key: str = "f1") -> dict[str, list[float]]:
+    """An agent evaluation's per-question `key` scores grouped "1-hop" / "2-hop" by its `questions` (the hops
+    world's questions); a rules file is already grouped so."""
+    from pipeline.environment.hops_world import world
+
+    if set(evaluation[key]) <= {"1-hop", "2-hop"}:
+        return evaluation[key]
+    store, out = world(), {"1-hop": [], "2-hop": []}
+    for name, scores in evaluation[key].items():
+        for question, score in zip(evaluation["questions"][name], scores, strict=True):
+            found = store.question(question)
+            if found is None:
+                raise ValueError(f"{question!r} is not a question of the hops world")
+            out[f"{found.hops}-hop"].append(score)
+    return out
+
+
+def hop_means(evaluation: dict[str, Any]) -> dict[str, float]:
+    """Mean F1 in points per hop group of one evaluation."""
+    return {hop: 100 * sum(v) / len(v) for hop, v in by_hop(evaluation).items() if v}
+
+
+def second_requests(evaluation: dict[str, Any]) -> float | None:
+    """Share of the 2-hop questions whose second request names both the bridge entity (its words in order)
+    and the relation the answer is (a word of `hops_world.RELATION_WORDS`): what the second request must do."""
+    from pipeline.environment.hops_world import RELATION_WORDS, tokens, world
+
+    store, hits, total = world(), 0, 0
+    for name, per_question in evaluation["requests"].items():
+        for question, asks in zip(evaluation["questions"][name], per_question, strict=True):
+            found = store.question(question)
+            if found is None or found.hops != 2:
+                continue
+            total += 1
+            if len(asks) < 2:
+                continue
+            words, bridge = tokens(asks[1]), tokens(found.bridge or "")
+            names_bridge = any(words[i: i + len(bridge)] == bridge for i in range(len(words)))
+            hits += int(names_bridge and bool(set(words) & RELATION_WORDS[found.relation]))
+    return round(hits / total, 4) if total else None
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 2)
+
+
+def hops_summary(folder: Path) -> dict[str, Any] | None:
+    """learning.json's `hops`: per seed, the last GRPO step, the warm-up, the agent controls and every rule,
+    per hop, pooled as means over seeds (each seed's mean over its questions); the seed-level interval;
+    the request side; the PopQA transfer check. None when no seed finished."""
+    runs = sorted((p for p in folder.glob("seed*") if (p / "run.json").is_file()), key=lambda p: int(p.name[4:]))
+    seeds, per_seed, requests, transfer = [], {}, {}, {}
+    two_hop: dict[str, dict[str, dict[str, Any]]] = {}  # seed -> system -> {"f1": {"2-hop": per question}}
+    for run_dir in runs:
+        run = load(run_dir / "run.json")
+        last = run["grpo_steps_done"]
+        evals = {int(p.stem.split("step")[1]): load(p) for p in run_dir.glob("grpo_step*.json")}
+        if 0 not in evals or last not in evals or last == 0:
+            continue
+        seed = str(run["seed"])
+        seeds.append(run["seed"])
+        systems = {"grpo": evals[last], "warmup": evals[0]}
+        for control in ("warmup_continued", "warmup_live_replies"):
+            if (run_dir / f"{control}.json").is_file():
+                systems[control] = load(run_dir / f"{control}.json")
+        rules = load(run_dir / "trivial_rules.json") if (run_dir / "trivial_rules.json").is_file() else None
+        references = {}
+        if rules is not None:
+            systems.update({name: rules["rules"][name] for name in rules["trivial"]})
+        figures = {name: hop_means(e) for name, e in systems.items()}
+        two_hop[seed] = {name: {"f1": {"2-hop": by_hop(e)["2-hop"]}} for name, e in systems.items()}
+        if rules is not None:
+            references = {name: hop_means(rules["rules"][name]) for name in rules["references"]}
+        requests[seed] = {str(step): second_requests(e) for step, e in sorted(evals.items())}
+        curve = {str(step): {**{h: round(f, 2) for h, f in hop_means(e).items()}, "second_requests": requests[seed][
+            str(step)]} for step, e in sorted(evals.items())}
+        per_seed[seed] = {"per_hop": figures, "references": references, "grpo_steps": last, "curve": curve,
+                          "timing_s": run.get("timing_s")}
+        files = {p.stem.removeprefix("transfer_"): p for p in run_dir.glob("transfer_*.json")}
+        if files:
+            seen = {name: 100 * load(p)["f1_mean"] for name, p in files.items() if name != "rules"}
+            if "rules" in files:
+                rule_file = load(files["rules"])
+                seen.update({name: hop_means(rule_file["rules"][name])["2-hop"] for name in rule_file["rules"]})
+            transfer[seed] = seen
+    if not seeds:
+        return None
+    names = [n for n in per_seed[str(seeds[0])]["per_hop"] if all(n in v["per_hop"] for v in per_seed.values())]
+    per_hop = {hop: {name: _mean([v["per_hop"][name][hop] for v in per_seed.values()]) for name in names}
+               for hop in ("1-hop", "2-hop")}
+    ref_names = [n for n in per_seed[str(seeds[0])]["references"] if all(n in v["references"] for v in per_seed.values())]
+    references = {hop: {n: _mean([v["references"][n][hop] for v in per_seed.values()]) for n in ref_names}
+                  for hop in ("1-hop", "2-hop")}
+    controls = [n for n in names if n not in ("grpo", "warmup")]
+    best = max(controls, key=lambda n: per_hop["2-hop"][n]) if controls else None
+    differences = [v["per_hop"]["grpo"]["2-hop"] - v["per_hop"][best]["2-hop"] for v in per_seed.values()] if best else []
+    steps = sorted({s for r in requests.values() for s in r}, key=int)
+    kinds = {n: "agent" if n.startswith("warmup_") else "trivial" for n in controls}
+    transfer_names = sorted({n for v in transfer.values() for n in v})
+    return {
+        "seeds": seeds,
+        "controls": {n: {"kind": kinds[n], **{hop: per_hop[hop][n] for hop in per_hop}} for n in controls},
+        "per_hop": per_hop,
+        "references": references,
+        "seed_interval": {"2-hop": t_interval(differences)},
+        "bootstrap_2hop": {"what": "per-question bootstrap over the 2-hop held-out questions (seeds pooled per "
+                                   "question): GRPO, the best control, and GRPO minus it (paired)",
+                           "grpo": figure([v["grpo"] for v in two_hop.values()]),
+                           best: figure([v[best] for v in two_hop.values()]),
+                           "grpo_minus_best": delta([v["grpo"] for v in two_hop.values()],
+                                                    [v[best] for v in two_hop.values()])} if best else None,
+        "seed_interval_against": best,
+        "seed_differences_2hop": [round(d, 2) for d in differences],
+        "requests": {"what": "share of 2-hop held-out questions whose second request names the bridge entity "
+                             "and the answer's relation, per GRPO step (mean over seeds)",
+                     "by_step": {s: _mean([r[s] for r in requests.values() if r.get(s) is not None])
+                                 for s in steps if any(r.get(s) is not None for r in requests.values())},
+                     "per_seed": requests},
+        "transfer_popqa": {"what": "2-hop chains composed from PopQA's facts (benchmarks/hops_transfer.py): mean "
+                                   "F1 per system, mean over seeds",
+                           **{n: _mean([v[n] for v in transfer.values() if n in v]) for n in transfer_names},
+                           "per_seed": transfer} if transfer else None,
+        "per_seed": per_seed,
     }
 
 
@@ -361,4 +508,34 @@ def write_report(results: Path, notes: list[str], main_mode: str = "terse") -> d
     fig.tight_layout()
     fig.savefig(results / "learning.png", dpi=110)
     plt.close(fig)
+    if result.get("hops"):
+        plot_hops(result["hops"], results / "learning_hops.png")
     return result
+
+
+def plot_hops(hops: dict[str, Any], path: Path) -> None:
+    """learning_hops.png: per seed, held-out 2-hop F1 and the share of second requests naming the bridge and
+    the relation at each evaluated GRPO step, beside the controls' 2-hop means."""
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    steps: list[int] = []
+    for k, (seed, v) in enumerate(hops["per_seed"].items()):
+        xs = sorted(int(s) for s in v["curve"])
+        steps += xs
+        top.plot(xs, [v["curve"][str(x)].get("2-hop") for x in xs], marker="o", color=f"C{k}", label=f"seed {seed}")
+        bottom.plot(xs, [100 * (v["curve"][str(x)]["second_requests"] or 0) for x in xs], marker="o",
+                    color=f"C{k}", label=f"seed {seed}")
+    for name, figure_2hop in hops["per_hop"]["2-hop"].items():
+        if name not in ("grpo", "warmup"):
+            top.axhline(figure_2hop, linestyle=":", color="grey")
+            top.annotate(f"{name} {figure_2hop:.1f}", (max(steps, default=0), figure_2hop), fontsize=6, color="grey",
+                         ha="right", va="bottom")
+    top.set_ylabel("held-out 2-hop F1")
+    top.legend(loc="upper left", fontsize=7)
+    bottom.set_ylabel("% second requests naming\nthe bridge and the relation")
+    bottom.set_xlabel("GRPO step (0 = warm-up only)")
+    fig.suptitle(f"GRPO, knowledge environment (hops mode): seeds {hops['seeds']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

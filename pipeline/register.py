@@ -28,8 +28,8 @@ A model whose train run the health gate stopped (tag `health.breach`, pipeline/t
 and so is one whose train run did not reach its total (`train.progress.*` tags, pipeline/train/completion.py:
 the figures the train stage decides "complete" with).
 
-Experiment profiles never touch production: for a profile in `EXPERIMENT_PROFILES` (`learn`, the learning
-experiment) the stage refuses to run when `register.alias` is the production `champion`, before anything is
+Experiment profiles never touch production: for a profile in `EXPERIMENT_PROFILES` (`learn` and `learn-hops`,
+the learning experiments) the stage refuses to run when `register.alias` is the production `champion`, before anything is
 logged; those profiles register under their own model name and alias (profiles/learn.yaml).
 
 Where the decision goes: `reports/promotion.json`, tags `promotion.*` on the new version (and the
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 PROMOTION_FILE = "promotion.json"
 PRODUCTION_ALIAS = "champion"
-EXPERIMENT_PROFILES = frozenset({"learn"})
+EXPERIMENT_PROFILES = frozenset({"learn", "learn-hops"})
 """Profiles whose models are experiments: they may never move the production alias."""
 
 

@@ -22,15 +22,18 @@ from pipeline.errors import DataError
 
 TRAIN = ["2wikimultihopqa", "hotpotqa", "gsm8k", "dapo_math", "musique", "popqa", "booksum", "writingprompts"]
 OOD = ["mathqa", "squad_v2", "triviaqa", "xsum"]
+GENERATED = ["hops"]
 
 
 def test_registry_declares_the_twelve_datasets_once():
-    assert list(REGISTRY) == TRAIN + OOD
-    assert [s.name for s in REGISTRY.values() if s.trains] == TRAIN
-    assert len({s.eval_file for s in REGISTRY.values()}) == 12
+    assert list(REGISTRY) == TRAIN + OOD + GENERATED
+    assert [s.name for s in REGISTRY.values() if s.trains] == TRAIN + GENERATED
+    assert len({s.eval_file for s in REGISTRY.values()}) == 13
     for spec in REGISTRY.values():
         assert isinstance(spec, DatasetSpec)
-        assert spec.hub.path and spec.hub.split and spec.hub.question and spec.hub.answers
+        assert (spec.generated is not None) == (spec.name in GENERATED) == (spec.hub is None)
+        if spec.hub is not None:
+            assert spec.hub.path and spec.hub.split and spec.hub.question and spec.hub.answers
         assert spec.mirror.files
         assert (spec.metric_family == "generation") == (spec.task_type == "long_form")
     assert {get_spec(d).metric_family for d in ("booksum", "writingprompts", "xsum")} == {"generation"}
@@ -51,7 +54,7 @@ def test_a_new_dataset_is_one_register_call_and_keeps_the_paper_order():
             eval_file="nq.parquet",
             eval_tag="nq-128-eval_ood",
         )
-        assert list(REGISTRY) == TRAIN + OOD + ["a_new_qa"] and get_spec("a_new_qa") is spec
+        assert list(REGISTRY) == TRAIN + OOD + GENERATED + ["a_new_qa"] and get_spec("a_new_qa") is spec
         assert spec.metric_family == "qa" and spec.mirror.files == ("nq/test.parquet",)
         assert spec.hub.describe() == "hub:RUC-NLPIR/FlashRAG_datasets[nq]:test"
         assert spec.task_format("  as is ") == "  as is "
@@ -72,7 +75,7 @@ def test_a_dataset_is_registered_once():
             eval_file=gsm8k.eval_file,
             eval_tag=gsm8k.eval_tag,
         )
-    assert REGISTRY["gsm8k"] is gsm8k and list(REGISTRY) == TRAIN + OOD
+    assert REGISTRY["gsm8k"] is gsm8k and list(REGISTRY) == TRAIN + OOD + GENERATED
 
 
 def test_params_lists_match_the_registry(params):
@@ -87,6 +90,8 @@ def test_unknown_dataset_is_a_clear_error():
 
 def test_every_source_file_is_in_the_shared_mirror(shared_datasets):
     for spec in REGISTRY.values():
+        if spec.generated is not None:  # made by code, written under paths.cache_dir
+            continue
         for rel in spec.mirror.files:
             assert (shared_datasets / "raw" / rel).is_file(), rel
         assert (shared_datasets / "prompt-r1" / "eval" / spec.eval_file).is_file()
@@ -98,6 +103,8 @@ def test_authors_eval_rows_read_back(params):
         assert len(rows) == 128
         assert len({r.id for r in rows}) == 128 and rows[5].id == f"{spec.name}-eval-005"
         assert all(r.question and r.answers for r in rows)
+        if spec.generated is not None:
+            continue
         tags = set(
             pq.read_table(params.mirror / "prompt-r1" / "eval" / spec.eval_file)
             .column("data_source")
@@ -182,3 +189,23 @@ def test_hub_unreachable_and_allowed_to_skip_is_reported(data_params, tmp_path, 
 def test_eval_only_dataset_is_not_sampled(params):
     with pytest.raises(DataError, match="evaluation-only"):
         run_sample(params, "xsum")
+
+
+def test_the_generated_hops_source_is_sampled_validated_and_built(data_params):
+    """The generated dataset goes through the same stages and Great Expectations suites as the others."""
+    from pipeline.data.build import run_build
+    from pipeline.data.sample import run_sample
+    from pipeline.data.validate import run_validate
+
+    params = data_params(data={"train_datasets": ["hops"], "id_eval_datasets": ["hops"], "ood_eval_datasets": [],
+                               "sample_size": 512})
+    report = run_sample(params, "hops")
+    assert (report.rows_source, report.rows_written, report.leaked_removed) == (798, 512, 0)
+    assert report.source == [f"generated:{get_spec('hops').generated.version}"]
+    summary = run_validate(params)
+    assert summary["success"] and {f["kind"] for f in summary["files"].values()} == {"train", "eval"}
+    built = run_build(params)
+    assert built["train"]["rows"] == 512 and built["eval"]["hops"]["rows"] == 128
+    assert built["eval"]["hops"]["template_reproduced"] == 128
+    rows = load_authors_eval(SourcePaths.of(params), get_spec("hops"))
+    assert rows[0].id == "hops-eval-000" and rows[0].question and rows[0].answers

@@ -18,6 +18,8 @@ MARKER = "\nFirst, provide a simple explanation of the question"
 
 def _authors_rows(shared_datasets):
     for spec in REGISTRY.values():
+        if spec.generated is not None:  # no authors' file: its rows are rendered by our template
+            continue
         table = pq.read_table(shared_datasets / "prompt-r1" / "eval" / spec.eval_file, columns=["prompt"])
         for prompt in table.column("prompt").to_pylist():
             yield spec.name, prompt

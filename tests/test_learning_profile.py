@@ -81,3 +81,39 @@ def test_warmup_demonstrations_with_withheld_replies_never_show_the_answer(learn
         assert env.calls == 0 and WITHHELD_REPLY in env_text and "Paris" not in env_text
     else:
         assert env.calls == 1 and "the answer is Paris" in env_text
+
+
+def test_learn_hops_extends_learn_and_registers_where_learn_does(learn):
+    hops = load_params(REPO_ROOT / "params.yaml", {"profile": "learn-hops"})
+    # what the hops experiment changes
+    assert hops.environment.knowledge.mode == "hops" and hops.agent.max_turns == 3
+    assert hops.reward.preset == "released"
+    assert hops.data.train_datasets == hops.data.id_eval_datasets == ["hops"]
+    w = hops.train.warmup
+    assert (w.replies, w.followup, w.require_followup, w.interaction_turns) == ("environment", "reask", True, 2)
+    # what it inherits from learn: its registered model name and alias (never champion), its training settings
+    assert (hops.register.model_name, hops.register.alias) == (learn.register.model_name, learn.register.alias)
+    assert hops.register.alias != PRODUCTION_ALIAS
+    assert hops.train.model_dump(exclude={"warmup"}) == learn.train.model_dump(exclude={"warmup"})
+    assert hops.environment.port == learn.environment.port and hops.mlflow.experiment == learn.mlflow.experiment
+    hops.paths.model_dir = "missing-model"
+    with pytest.raises(UserError, match="may not move the production alias"):
+        hops.register.alias = PRODUCTION_ALIAS
+        run_register(hops)
+
+
+def test_profile_extends_merges_over_its_base_and_refuses_loops(tmp_path):
+    from pipeline.config.loading import ConfigError
+
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "params.yaml").write_text((REPO_ROOT / "params.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    (tmp_path / "profiles" / "base.yaml").write_text("seed: 7\ntrain:\n  steps: 5\n  lr: 0.5\n", encoding="utf-8")
+    (tmp_path / "profiles" / "child.yaml").write_text("extends: base\ntrain:\n  lr: 0.25\n", encoding="utf-8")
+    child = load_params(tmp_path / "params.yaml", {"profile": "child"})
+    assert (child.seed, child.train.steps, child.train.lr) == (7, 5, 0.25)
+    (tmp_path / "profiles" / "base.yaml").write_text("extends: child\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="loops"):
+        load_params(tmp_path / "params.yaml", {"profile": "child"})
+    (tmp_path / "profiles" / "child.yaml").write_text("extends: [base]\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="must name one profile"):
+        load_params(tmp_path / "params.yaml", {"profile": "child"})

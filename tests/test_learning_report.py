@@ -141,3 +141,74 @@ def test_picks_tell_the_right_entry_from_a_distractor_by_hand():
           "replies": {"a": [[reply], [reply], [TOO_LONG_REPLY.format(words=12, limit=8)], [reply]]}}
     assert picks(ev) == {"gold": 1, "distractor": 1, "other": 1, "unanswered": 1}
     assert picks({"f1": {}, "predictions": {}}) is None  # written before replies were kept
+
+
+def test_t_interval_over_seed_differences_by_hand():
+    from learning_report import t_interval
+
+    # mean 0, sample sd 50, n 3: half-width t(0.975, 2) * 50 / sqrt(3) = 4.3027 * 28.868 = 124.21
+    assert t_interval([0.0, 50.0, -50.0]) == [-124.21, 124.21]
+    # mean 3, sd sqrt(2), se 1, t(0.975, 1) = 12.706
+    assert t_interval([2.0, 4.0]) == [-9.71, 15.71]
+    assert t_interval([5.0]) is None
+
+
+def _hops_eval(questions: list[str], f1: list[float], requests: list[list[str]]) -> dict:
+    return {"f1": {"hops": f1}, "em": {"hops": f1}, "format": {"hops": [1.0] * len(f1)},
+            "answered": {"hops": [1.0] * len(f1)}, "requests": {"hops": requests}, "questions": {"hops": questions},
+            "f1_mean": sum(f1) / len(f1), "em_mean": sum(f1) / len(f1), "format_mean": 1.0,
+            "answered_mean": 1.0, "examples": []}
+
+
+def _rules(per_hop: dict[str, tuple[list[float], list[float]]]) -> dict:
+    return {"mode": "hops", "trivial": [n for n in per_hop if n not in ("informed", "reask")],
+            "references": ["informed", "reask"],
+            "rules": {n: {"f1": {"1-hop": one, "2-hop": two}} for n, (one, two) in per_hop.items()}}
+
+
+def test_hops_summary_pools_per_hop_and_the_seed_interval_by_hand(tmp_path):
+    from learning_report import hops_summary
+
+    from pipeline.environment.hops_world import split_questions, world
+
+    _, heldout = split_questions(world().questions, 128)
+    one, two_a, two_b = heldout[0], heldout[1], heldout[2]
+    questions = [one.text, two_a.text, two_b.text]
+    named = [[two_a.text, f"{two_a.relation} of {two_a.bridge}"]]  # names the bridge and the relation
+    grpo_2hop = {1: [1.0, 0.0], 2: [1.0, 1.0], 3: [0.0, 0.0]}        # per seed 50, 100, 0 -> mean 50
+    continued_2hop = {1: [0.0, 0.0], 2: [1.0, 0.0], 3: [0.0, 0.0]}   # 0, 50, 0 -> 16.67
+    folder = tmp_path / "learning" / "hops"
+    for seed in (1, 2, 3):
+        run = folder / f"seed{seed}"
+        write(run / "run.json", {"seed": seed, "grpo_steps_done": 2})
+        write(run / "grpo_step0.json", _hops_eval(questions, [1.0, 0.0, 0.0], [[q] for q in questions]))
+        write(run / "grpo_step2.json", _hops_eval(questions, [1.0, *grpo_2hop[seed]],
+                                                  [[one.text], *named, [two_b.text]]))
+        write(run / "warmup_continued.json", _hops_eval(questions, [0.5, *continued_2hop[seed]], [[]] * 3))
+        write(run / "trivial_rules.json", _rules({"question": ([1.0], [0.0, 0.0]),
+                                                  "ask_then_entity_3words": ([1.0], [0.5, 0.5]),
+                                                  "informed": ([1.0], [1.0, 1.0]), "reask": ([1.0], [1.0, 0.0])}))
+    write(folder / "seed1" / "transfer_grpo.json", _hops_eval(questions, [0.2, 0.4, 0.6], [[]] * 3))
+    write(folder / "seed1" / "transfer_rules.json", _rules({"question": ([], [0.1]), "informed": ([], [0.9]),
+                                                            "reask": ([], [0.7])}))
+    summary = hops_summary(folder)
+    assert summary["seeds"] == [1, 2, 3]
+    assert summary["per_hop"] == {
+        "1-hop": {"grpo": 100.0, "warmup": 100.0, "warmup_continued": 50.0, "question": 100.0,
+                  "ask_then_entity_3words": 100.0},
+        "2-hop": {"grpo": 50.0, "warmup": 0.0, "warmup_continued": 16.67, "question": 0.0,
+                  "ask_then_entity_3words": 50.0}}
+    assert summary["references"] == {"1-hop": {"informed": 100.0, "reask": 100.0},
+                                     "2-hop": {"informed": 100.0, "reask": 50.0}}
+    # best control on 2-hop: ask_then_entity_3words (50); per-seed differences 0, +50, -50
+    assert summary["seed_interval_against"] == "ask_then_entity_3words"
+    assert summary["seed_differences_2hop"] == [0.0, 50.0, -50.0]
+    assert summary["seed_interval"] == {"2-hop": [-124.21, 124.21]}
+    # beside it, the per-question bootstrap: per question, GRPO's mean over seeds (2/3, 1/3) against the
+    # rule's (0.5, 0.5); the paired mean difference is 0
+    boot = summary["bootstrap_2hop"]
+    assert boot["grpo"]["mean"] == 50.0 and boot["ask_then_entity_3words"]["mean"] == 50.0
+    assert boot["grpo_minus_best"]["mean"] == 0.0
+    assert summary["requests"]["by_step"] == {"0": 0.0, "2": 0.5}
+    assert summary["controls"]["warmup_continued"] == {"kind": "agent", "1-hop": 50.0, "2-hop": 16.67}
+    assert summary["transfer_popqa"]["grpo"] == 40.0 and summary["transfer_popqa"]["informed"] == 90.0

@@ -268,3 +268,88 @@ def test_live_reply_demonstrations_answer_with_what_the_environment_said(tmp_pat
     assert [d.turns[-1].parsed.answer for d in gold_demos] == [d.item.gold_answers[0] for d in gold_demos]
     # The same rows and wording either way: only the answer differs.
     assert [d.turns[0].agent_token_ids for d in demos] == [d.turns[0].agent_token_ids for d in gold_demos]
+
+
+class _HopsEnvironment:
+    """The `hops` knowledge base asked in-process with the server's own reply code (the real rules)."""
+
+    def __init__(self) -> None:
+        from pipeline.environment.knowledge import knowledge_base
+
+        self.kb = knowledge_base([], 0.6, "hops")
+        self.calls = 0
+
+    async def reply(self, history, prompt):
+        from pipeline.evaluation.trivial_rules import ask
+        from pipeline.types import EnvironmentReply
+
+        self.calls += 1
+        return EnvironmentReply(text=ask(self.kb, prompt, 96))
+
+
+def test_reask_demonstrations_ask_twice_with_live_replies_on_two_hop_questions(tmp_path, tiny_llama_dir):
+    from pipeline.data.build import rl_row
+    from pipeline.data.sources.synthetic import hops_rows
+    from pipeline.environment.hops_world import world
+    from pipeline.metrics import normalize_answer
+    from pipeline.train.models import load_tokenizer
+    from pipeline.train.questions import prompt_item_from_row
+    from pipeline.train.warmup import build_demonstrations, needed_followup
+
+    records, _ = hops_rows()
+    frame = pd.DataFrame([rl_row(dataset="hops", content=f"Question: {r['question']}", task_type="multi_hop_qa",
+                                 answers=r["answers"], row_id=r["id"], split="train", question=r["question"],
+                                 index=i) for i, r in enumerate(records[:60])])
+    params = warm_params(tmp_path, tiny_llama_dir, "http://127.0.0.1:9/v1", interaction_turns=2,
+                         replies="environment", answer="reply", request="verbatim", followup="reask",
+                         require_followup=True)
+    env = _HopsEnvironment()
+    demos = build_demonstrations(TrainPlan.from_params(params), frame, load_tokenizer(params.agent.model,
+                                 params.root), env, 8, prompt_item_from_row)
+    assert len(demos) == 8
+    for demo in demos:
+        question = world().question(demo.item.question)
+        assert question is not None and question.hops == 2  # only questions the second request was needed for
+        first, second, final = demo.turns
+        assert first.parsed.interaction_prompt == question.text
+        assert second.parsed.interaction_prompt.startswith(question.bridge)  # the re-ask names the bridge
+        assert question.answer not in first.env_reply.text and question.answer in second.env_reply.text
+        assert normalize_answer(final.parsed.answer) == normalize_answer(question.answer)
+    # the filter dropped rows: 1-hop questions (the first reply states the answer) and failed re-asks
+    assert env.calls > 2 * len(demos)
+    assert needed_followup(["X directed Y.", "X was born in Velmora."], ["Velmora"])
+    assert not needed_followup(["X was born in Velmora.", "About X I know: father."], ["Velmora"])
+    assert not needed_followup(["Velmora.", "Velmora."], ["Velmora"]) and not needed_followup(["Velmora"], ["Velmora"])
+
+
+@pytest.mark.parametrize(("earned", "ok", "setting"), [
+    (5, False, "raise train.warmup.demonstrations"),   # 5 of 96: GRPO would find no reward difference
+    (10, True, None),                                   # 10.4%
+    (40, True, None),
+    (57, True, None),                                   # 59.4%
+    (60, False, "lower train.warmup.demonstrations"),   # 62.5%: the warm-up already does the skill
+])
+def test_warmup_precheck_decides_from_recorded_answer_rewards(earned, ok, setting):
+    from pipeline.train.warmup import PRECHECK_QUESTIONS, PRECHECK_SAMPLES, warmup_precheck
+
+    samples = PRECHECK_QUESTIONS * PRECHECK_SAMPLES
+    assert samples == 96
+    rewards = [0.5] * (earned - 1) + [1.0] * (earned > 0) + [0.0] * (samples - earned)
+    verdict = warmup_precheck(rewards)
+    assert (verdict.ok, verdict.earned, verdict.samples) == (ok, earned, 96)
+    assert verdict.share == pytest.approx(earned / 96)
+    assert f"{earned} of 96 samples" in verdict.message
+    if setting:
+        assert setting in verdict.message
+    else:
+        assert "train.warmup" not in verdict.message
+
+
+def test_warmup_precheck_bounds_are_inclusive_and_empty_input_is_refused():
+    from pipeline.train.warmup import warmup_precheck
+
+    assert warmup_precheck([1.0] + [0.0] * 9).ok  # exactly 10%
+    assert warmup_precheck([1.0] * 6 + [0.0] * 4).ok  # exactly 60%
+    assert not warmup_precheck([1.0] * 7 + [0.0] * 4).ok  # 64%
+    with pytest.raises(ValueError, match="no samples"):
+        warmup_precheck([])

@@ -1,7 +1,7 @@
 """From files and overrides to a validated `Params`: profiles, `-S` overrides, output-path confinement.
 
-`load_params` reads params.yaml, deep-merges the profile it names (`profiles/<name>.yaml`), then any
-overrides, validates, sets `root` and refuses output paths the pipeline must not own. `flatten` is the
+`load_params` reads params.yaml, deep-merges the profile it names (`profiles/<name>.yaml`, itself merged
+over the profile its `extends` key names, if any), then any overrides, validates, sets `root` and refuses output paths the pipeline must not own. `flatten` is the
 dotted-key view MLflow logs (secrets are never in params, by construction).
 """
 
@@ -49,6 +49,23 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def profile_values(params_file: Path, profile: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The keys of `profiles/<profile>.yaml`, merged over those of the profile it `extends` (if any), so a
+    variant repeats only what it changes and follows its base when the base changes."""
+    profile_file = params_file.parent / PROFILES_DIR / f"{profile}.yaml"
+    if not profile_file.is_file():
+        raise ConfigError(f"{params_file}: profile {profile!r} has no file {profile_file}")
+    if profile in seen:
+        raise ConfigError(f"{profile_file}: `extends` loops ({' -> '.join([*seen, profile])})")
+    values = _read_yaml(profile_file)
+    base = values.pop("extends", None)
+    if base is None:
+        return values
+    if not isinstance(base, str):
+        raise ConfigError(f"{profile_file}: `extends` must name one profile, got {base!r}")
+    return deep_merge(profile_values(params_file, base, (*seen, profile)), values)
+
+
 def find_root(start: Path | None = None) -> Path:
     """The nearest folder at or above `start` (default: cwd) holding params.yaml."""
     here = (start or Path.cwd()).resolve()
@@ -71,10 +88,7 @@ def load_params(
     raw = _read_yaml(path)
     profile = (overrides or {}).get("profile", raw.get("profile", "default"))
     if profile and profile != "default":
-        profile_file = path.parent / PROFILES_DIR / f"{profile}.yaml"
-        if not profile_file.is_file():
-            raise ConfigError(f"{path}: profile {profile!r} has no file {profile_file}")
-        raw = deep_merge(raw, _read_yaml(profile_file))
+        raw = deep_merge(raw, profile_values(path, profile))
     if overrides:
         raw = deep_merge(raw, overrides)
     try:

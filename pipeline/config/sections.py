@@ -112,9 +112,11 @@ class KnowledgeConfig(_Section):
         description="Parquet/JSONL files or folders of questions with gold answers the environment knows.")
     min_overlap: float = Field(
         0.6, gt=0, le=1, description="Share of a stored question's content words the request must contain.")
-    mode: Literal["question", "terse"] = Field(
+    mode: Literal["question", "terse", "hops"] = Field(
         "question", description="question: the verbatim question is the best request (pipeline/environment/"
-        "knowledge.py); terse: a request length limit and replies with distractors (pipeline/environment/terse.py).")
+        "knowledge.py); terse: a request length limit and replies with distractors (pipeline/environment/terse.py); "
+        "hops: one subject per request over single-hop facts, so a 2-hop question needs a second request naming "
+        "the first reply's entity (pipeline/environment/hops.py).")
 
 
 class EnvironmentConfig(_Section):

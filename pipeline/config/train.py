@@ -110,6 +110,15 @@ class WarmupConfig(_Section):
         "framings ('Please answer this question: ...'); verbatim: the question alone (the learn profile: its "
         "`terse` environment refuses requests over 8 words, so framing words would make even the shortest "
         "questions refused and GRPO would start with no answered request, measured 0 of 24).")
+    followup: Literal["verify", "reask"] = Field(
+        "verify", description="The wording of every request after the first. verify: one of a few requests "
+        "to check the answer; reask: the first reply's entity followed by the question's words the reply did "
+        "not restate (pipeline/environment/hops.py reask_request; needs live replies): the second request a "
+        "2-hop question of the hops mode needs.")
+    require_followup: bool = Field(
+        False, description="Keep only demonstrations whose gold answer the last reply states and no earlier "
+        "reply does (with live replies): demonstrations where the follow-up request was needed, i.e. on the "
+        "hops mode the 2-hop questions the re-ask answers.")
 
 
 class TrainConfig(_Section):

@@ -14,7 +14,8 @@ What is written (`data/sources/`, one file per registry dataset plus one for the
 - `<dataset>.json`: with a mirror, the md5 and size of each `raw/` file `sample` reads for the dataset
   and of the authors' evaluation file (`prompt-r1/eval/...`); with the Hub, the dataset id, config,
   split and the resolved revision (`HfApi().dataset_info(...).sha`), and the authors' evaluation file URL.
-- `eval.json`: the evaluation-file fingerprints of all 12 datasets. Every `sample@<dataset>` reads all
+- A generated dataset (`hops`): its generator's version and the md5 of the rows it generates.
+- `eval.json`: the evaluation-file fingerprints of every dataset. Every `sample@<dataset>` reads all
   of them (leakage check), and `validate`/`build` read them too; this one file is their dependency, so a
   changed raw file of one dataset reruns only that dataset's `sample`.
 
@@ -141,11 +142,19 @@ def fingerprints(where: SourcePaths) -> dict[str, dict[str, Any]]:
     """File name (`<dataset>.json`, `eval.json`) → its content, for every registry dataset."""
     mirror = where.mirror
     cache = _Md5Cache(where.cache_dir / _HASH_CACHE)
-    revisions = {} if mirror is not None else _hub_revisions(sorted({s.hub.path for s in REGISTRY.values()}))
+    revisions = {} if mirror is not None else _hub_revisions(
+        sorted({s.hub.path for s in REGISTRY.values() if s.hub is not None}))
     out: dict[str, dict[str, Any]] = {}
     evals: dict[str, Any] = {}
     for spec in REGISTRY.values():
         entry: dict[str, Any] = {"dataset": spec.name}
+        if spec.generated is not None:  # made by code: its version and the md5 of its rows (no file to hash)
+            rows = json.dumps(spec.generated.rows(), sort_keys=True, ensure_ascii=False).encode("utf-8")
+            entry["source"] = "generated"
+            entry["generated"] = entry["eval"] = evals[spec.name] = {
+                "version": spec.generated.version, "rows_md5": hashlib.md5(rows, usedforsecurity=False).hexdigest()}
+            out[f"{spec.name}.json"] = entry
+            continue
         if mirror is not None:
             entry["source"] = "mirror"
             entry["raw"] = [_file_entry(mirror, f"raw/{rel}", cache) for rel in spec.mirror.files]

@@ -25,7 +25,8 @@ Behaviour (deterministic: the same request always gets the same reply):
 Sources: Parquet files in verl's RL schema (`extra_info.question`, `reward_model.ground_truth`, what the
 build stage writes), Parquet or JSON-lines files with `question` and `answers` columns, or folders of such
 Parquet files. `environment.knowledge.mode: terse` swaps in `pipeline.environment.terse`'s rules (a request
-length limit the long questions exceed, replies with distractors). Started and stopped by
+length limit the long questions exceed, replies with distractors); `hops` swaps in `pipeline.environment.hops`
+(one subject per request, single-hop facts of a made-up world, so a 2-hop question needs two requests). Started and stopped by
 `pipeline.environment.servers` (backend `knowledge`) like llama.cpp:
     python -m pipeline.environment.knowledge --source data/rl/train.parquet --source data/rl/eval \\
         --host 127.0.0.1 --port 8765 --served-name knowledge-base --min-overlap 0.6
@@ -257,14 +258,19 @@ def make_server(kb: KnowledgeBase, host: str, port: int, served_name: str) -> Th
 
 def knowledge_base(facts: Iterable[tuple[str, Sequence[str]]], min_overlap: float = 0.6,
                    mode: str = "question") -> KnowledgeBase:
-    """The knowledge base of `environment.knowledge.mode`: `question` (this module's rules) or `terse`
-    (pipeline/environment/terse.py: a request length limit, matching on key words, replies with distractors)."""
+    """The knowledge base of `environment.knowledge.mode`: `question` (this module's rules), `terse`
+    (pipeline/environment/terse.py: a request length limit, matching on key words, replies with distractors)
+    or `hops` (pipeline/environment/hops.py: one subject per request, single-hop facts of a made-up world)."""
+    if mode == "hops":
+        from pipeline.environment.hops import HopsKnowledgeBase
+
+        return HopsKnowledgeBase(facts, min_overlap)
     if mode == "terse":
         from pipeline.environment.terse import TerseKnowledgeBase
 
         return TerseKnowledgeBase(facts, min_overlap)
     if mode != "question":
-        raise ValueError(f"environment.knowledge.mode={mode!r}: expected question or terse")
+        raise ValueError(f"environment.knowledge.mode={mode!r}: expected question, terse or hops")
     return KnowledgeBase(facts, min_overlap)
 
 
@@ -284,8 +290,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a knowledge base as an OpenAI-compatible environment.")
     parser.add_argument("--source", action="append", required=True, help="Parquet/JSONL file or folder")
     parser.add_argument("--min-overlap", type=float, default=0.6)
-    parser.add_argument("--mode", choices=["question", "terse"], default="question",
-                        help="terse: pipeline/environment/terse.py's request limit and distractors")
+    parser.add_argument("--mode", choices=["question", "terse", "hops"], default="question",
+                        help="terse: pipeline/environment/terse.py's request limit and distractors; "
+                             "hops: pipeline/environment/hops.py's one-subject look-ups")
     parser.add_argument("--served-name", default="knowledge-base")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765)

@@ -145,6 +145,10 @@ class TerseKnowledgeBase(KnowledgeBase):
 
 
 def answered(reply: str) -> bool:
-    """Whether an environment reply (either mode) answers the request: not a refusal, not 'unknown'."""
+    """Whether an environment reply (any mode) answers the request: not a refusal, not 'unknown', not a `hops`
+    reply that states no fact."""
+    from pipeline.environment.hops import refused
+
     text = reply.strip()
-    return bool(text) and text != UNKNOWN_REPLY and not text.startswith(TOO_LONG_REPLY.split("{")[0])
+    return (bool(text) and text != UNKNOWN_REPLY and not text.startswith(TOO_LONG_REPLY.split("{")[0])
+            and not refused(text))

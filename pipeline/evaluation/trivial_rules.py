@@ -15,7 +15,10 @@ Readings:
 - `template_read`: the `{answer}` slot of the `question` mode's reply templates (`knowledge.REPLY_TEMPLATES`);
   a reply no template matches is answered whole;
 - `full_reply`: the whole reply;
-- `first_sentence`: the reply up to its first sentence end.
+- `first_sentence`: the reply up to its first sentence end;
+- `first_entry` / `random_entry`: the answer of the first / a hash-picked entry of a `terse` reply (the
+  obvious readings of a reply that lists candidates; the right entry's position varies, so they score about
+  one in three where the request is answered).
 `INFORMED_RULES` holds one more rule that is not trivial (`read_label_match`: it reads `terse`'s entries and
 picks the one labelled with the request's words), to show what a reading of that mode's replies can reach.
 Every combination is a rule (`RULES`); `evaluate_rules` scores each on F1/EM and on how often the request was
@@ -24,6 +27,7 @@ answered (`terse.answered`), per question, so the CIs can be recomputed.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,6 +100,21 @@ def terse_entries(reply: str) -> list[tuple[str, str]] | None:
     return None
 
 
+def read_first_entry(reply: str, request: str = "") -> str:
+    """The answer of a `terse` reply's first entry (the whole reply when it has no entries)."""
+    entries = terse_entries(reply)
+    return entries[0][1] if entries else reply.strip()
+
+
+def read_random_entry(reply: str, request: str = "") -> str:
+    """The answer of one of a `terse` reply's entries, picked by a hash of the reply (deterministic, and
+    unrelated to which entry is right); the whole reply when it has no entries."""
+    entries = terse_entries(reply)
+    if not entries:
+        return reply.strip()
+    return entries[int(hashlib.md5(reply.encode("utf-8")).hexdigest(), 16) % len(entries)][1]
+
+
 def read_label_match(reply: str, request: str = "") -> str:
     """Not a trivial rule: written from `terse`'s documented reply format, it answers with the entry whose
     label shares the most words with the request (the whole reply when the reply has no entries). It shows
@@ -115,6 +134,8 @@ READINGS: dict[str, Callable[[str], str]] = {
     "template_read": read_template,
     "full_reply": read_full_reply,
     "first_sentence": read_first_sentence,
+    "first_entry": read_first_entry,
+    "random_entry": read_random_entry,
 }
 RULES = {f"{req}+{read}": (REQUESTS[req], READINGS[read]) for req in REQUESTS for read in READINGS}
 """The trivial rules. Rule name (`request+reading`) -> (request function, reading function(reply, request))."""

@@ -26,6 +26,13 @@ structure rather than one string. The environment is the live one (`EnvironmentC
 to 0 so replies are deterministic and cached), asked with its own history exactly as the rollout asks it.
 Agent turns are encoded separately and appended (the builder is append-only, like the rollout), so training
 sees the same token layout as sampling: no train/rollout drift.
+Requests after the first (`train.warmup.followup`): `verify` asks the environment to check its answer;
+`reask` builds the request from the previous live reply (its entity and the question's words it did not
+restate: `pipeline.environment.hops.reask_request`), the second request a 2-hop question of the `hops` mode
+needs. `train.warmup.require_followup` keeps only demos whose gold answer the last reply states and no earlier
+one does, so with `reask` the demos are 2-hop questions the re-ask answers (learn-hops: a few of them, so GRPO
+still has the rest to learn). `warmup_precheck` judges the warmed-up agent on sampled training 2-hop
+questions (10-60% of samples must earn answer reward) and names the setting to change when it does not.
 With `train.warmup.replies: withheld` every environment turn is `WITHHELD_REPLY` instead (no call): the demos
 then teach the protocol (tags, turn order, asking with the question, a short answer) but not how to use a
 reply. The learn profile needs that: its environment's replies hold the answers, so live-reply demos would
@@ -247,16 +254,46 @@ def _ground_final(builder: ConversationBuilder, plan: _Plan, replies: list[str],
     return answer
 
 
+def _reask_turn(builder: ConversationBuilder, plan: _Plan, t: int, reply: str, max_turn_tokens: int) -> bool:
+    """Rewrite `plan`'s request `t` as the re-ask of `reply` (`hops.reask_request`); False when the reply
+    gives no entity to re-ask with or the turn no longer fits `max_turn_tokens`."""
+    from pipeline.environment.hops import reask_request
+
+    request = reask_request(question_of(plan.item), reply)
+    if not request:
+        return False
+    think = plan.texts.interaction_turns[t].split(THINK_CLOSE, 1)[0]
+    text = f"{think}{THINK_CLOSE}\n{PROMPT_OPEN}{request}{PROMPT_CLOSE}"
+    ids = builder.encode(text)
+    if len(ids) > max_turn_tokens:
+        return False
+    plan.texts.interaction_turns[t], plan.texts.prompts[t], plan.turn_ids[t] = text, request, ids
+    return True
+
+
+def needed_followup(replies: list[str], golds: list[str]) -> bool:
+    """The last reply states a gold answer and no earlier reply does (`train.warmup.require_followup`)."""
+    return (len(replies) > 1 and any(stated_in(g, replies[-1:]) for g in golds)
+            and not any(stated_in(g, replies[:-1]) for g in golds))
+
+
 async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan], withheld: bool = False,
-                    grounding: tuple[int, int] | None = None) -> list[Trajectory | None]:
+                    grounding: tuple[int, int] | None = None,
+                    reask_tokens: int | None = None) -> list[Trajectory | None]:
     """Ask the environment turn by turn (all demos of a round concurrently) and append ids as the rollout.
     `withheld`: every reply is `WITHHELD_REPLY` and the environment is not asked. `grounding`
     (max answer tokens, max turn tokens): the final answer comes from the replies (`_ground_final`); a demo
-    whose replies give none is None in the result."""
+    whose replies give none is None in the result. `reask_tokens` (max turn tokens; `followup: reask`): every
+    request after the first is rewritten from the previous reply (`_reask_turn`); a demo it fails for is None."""
     trajs = [Trajectory(item=p.item, prompt_ids=list(p.prompt_ids)) for p in plans]
     histories: list[list[dict[str, str]]] = [[] for _ in plans]
+    dropped: set[int] = set()
     rounds = len(plans[0].texts.prompts) if plans else 0
     for t in range(rounds):
+        if t > 0 and reask_tokens is not None and not withheld:
+            for k, (p, hist) in enumerate(zip(plans, histories, strict=True)):
+                if k not in dropped and not _reask_turn(builder, p, t, hist[-1]["content"], reask_tokens):
+                    dropped.add(k)
         if withheld:
             replies = [EnvironmentReply(text=WITHHELD_REPLY) for _ in plans]
         else:
@@ -273,7 +310,10 @@ async def _assemble(builder: ConversationBuilder, env: Any, plans: list[_Plan], 
                 traj.usage.add(reply)
             hist += [{"role": "user", "content": p.texts.prompts[t]}, {"role": "assistant", "content": reply.text}]
     out: list[Trajectory | None] = []
-    for p, traj in zip(plans, trajs, strict=True):
+    for k, (p, traj) in enumerate(zip(plans, trajs, strict=True)):
+        if k in dropped:
+            out.append(None)
+            continue
         if grounding is not None:
             replies = [t.env_reply.text for t in traj.turns if t.env_reply is not None]
             if _ground_final(builder, p, replies, *grounding) is None:
@@ -300,6 +340,7 @@ def build_demonstrations(plan: TrainPlan, frame: pd.DataFrame, tokenizer: Any, e
     builder = ConversationBuilder(tokenizer, a.env_reply_max_chars)
     withheld = w.replies == "withheld"
     grounding = (w.max_answer_tokens, a.max_turn_tokens) if answer_source(w) == "reply" else None
+    reask = a.max_turn_tokens if w.followup == "reask" else None
     rng = random.Random(plan.seed)
     order = np.random.default_rng([plan.seed, 0x5F7]).permutation(len(frame))
     demos: list[Trajectory] = []
@@ -314,19 +355,66 @@ def build_demonstrations(plan: TrainPlan, frame: pd.DataFrame, tokenizer: Any, e
                 plans.append(demo)
         if not plans:
             break
-        for traj in asyncio.run(_assemble(builder, env, plans, withheld, grounding)):
+        for traj in asyncio.run(_assemble(builder, env, plans, withheld, grounding, reask)):
             if traj is None:
                 continue
             failed = any(t.env_reply is not None and t.env_reply.error for t in traj.turns)
             if failed or len(traj.response_ids) > a.max_response_tokens:
                 continue
+            replies = [t.env_reply.text for t in traj.turns if t.env_reply is not None]
+            if w.require_followup and not needed_followup(replies, [str(g) for g in traj.item.gold_answers]):
+                continue
             demos.append(traj)
+            if len(demos) == count:
+                break
     if not demos:
         raise DataError("format warm-up: no training row fits the budgets (train.warmup.max_answer_tokens, "
                         "agent.max_turn_tokens/max_prompt_tokens/max_response_tokens) or the environment failed")
     if len(demos) < count:
         log.warning("format warm-up: only %d of %d demonstrations could be built; cycling them", len(demos), count)
     return demos
+
+
+PRECHECK_QUESTIONS, PRECHECK_SAMPLES = 24, 4
+"""The pre-check samples this many trajectories for each of this many training 2-hop questions."""
+PRECHECK_RANGE = (0.10, 0.60)
+"""Share of pre-check samples that must earn answer reward: GRPO needs groups with and without it."""
+
+
+@dataclass(frozen=True)
+class PrecheckVerdict:
+    """What the pre-check after the warm-up decided."""
+
+    ok: bool
+    share: float
+    """Share of the samples whose answer earned reward (answer F1 > 0)."""
+    earned: int
+    samples: int
+    message: str
+    """One line: the share and, when not `ok`, which warm-up setting to change and which way."""
+
+
+def warmup_precheck(answer_rewards: list[float], low: float = PRECHECK_RANGE[0],
+                    high: float = PRECHECK_RANGE[1]) -> PrecheckVerdict:
+    """Judge the warm-up from the answer reward of each pre-check sample (the warmed-up agent sampled
+    `PRECHECK_SAMPLES` times on `PRECHECK_QUESTIONS` training 2-hop questions). GRPO learns only from reward
+    differences within a group: below `low` almost no group holds an answer that earned reward (nothing to
+    reinforce), above `high` the warm-up has already taught most of what GRPO is to be measured on."""
+    if not answer_rewards:
+        raise ValueError("warm-up pre-check: no samples to judge")
+    earned = sum(1 for r in answer_rewards if r > 0)
+    share = earned / len(answer_rewards)
+    line = (f"warm-up pre-check: {earned} of {len(answer_rewards)} samples ({share:.0%}) on training 2-hop "
+            f"questions earn answer reward (wanted {low:.0%}-{high:.0%})")
+    if share < low:
+        return PrecheckVerdict(False, share, earned, len(answer_rewards), line + (
+            "; too few for GRPO to find a reward difference: raise train.warmup.demonstrations (more two-request "
+            "demonstrations) or train.warmup.steps"))
+    if share > high:
+        return PrecheckVerdict(False, share, earned, len(answer_rewards), line + (
+            "; the warm-up already does what GRPO is measured on: lower train.warmup.demonstrations (fewer "
+            "two-request demonstrations) or train.warmup.steps"))
+    return PrecheckVerdict(True, share, earned, len(answer_rewards), line)
 
 
 def warmup_loss(model: torch.nn.Module, demos: list[Trajectory], pad_id: int, micro_batch_size: int,

@@ -6,10 +6,11 @@ Layout:
 - One module per source family, each registering its datasets with their source quirks (converters) and
   the task the authors' rows pose (task formats): `multi_hop_qa` (2WikiMultihopQA, HotpotQA, MuSiQue),
   `open_qa` (PopQA, SQuAD v2, TriviaQA), `math_problems` (GSM8K, DAPO-Math, MathQA), `long_form`
-  (BookSum, WritingPrompts, XSum). Adding a dataset is one `register(...)` call in its family's module
+  (BookSum, WritingPrompts, XSum), `synthetic` (the generated `hops` world). Adding a dataset is one `register(...)` call in its family's module
   (and, for a new kind of source, a new family module imported below).
 - `reading.py`: a dataset's raw records from the local mirror (`paths.mirror` set) or the Hub.
 - `authors_eval.py`: the authors' 128-row evaluation files, read back into our terms.
+- `generated.py`: a generated dataset's rows written as files in the mirror's and the authors' layouts.
 
 `REGISTRY` lists the datasets in the order of the paper's tables (`PAPER_ORDER`; params.yaml's dataset
 lists follow it, fingerprints and the leakage check walk it), not in the families' import order.
@@ -19,7 +20,7 @@ dev, PopQA test): the leakage filter in the sample stage removes the authors' ev
 
 from __future__ import annotations
 
-from pipeline.data.sources import long_form, math_problems, multi_hop_qa, open_qa
+from pipeline.data.sources import long_form, math_problems, multi_hop_qa, open_qa, synthetic
 from pipeline.data.sources.authors_eval import (
     AUTHORS_EVAL_URL,
     EVAL_COLUMNS,
@@ -34,6 +35,7 @@ from pipeline.data.sources.registry import (
     BadRow,
     Converter,
     DatasetSpec,
+    GeneratedSource,
     HubSource,
     MetricFamily,
     MirrorSource,
@@ -52,6 +54,7 @@ __all__ = [
     "BadRow",
     "Converter",
     "DatasetSpec",
+    "GeneratedSource",
     "HubSource",
     "MetricFamily",
     "MirrorSource",
@@ -70,4 +73,5 @@ __all__ = [
     "open_qa",
     "read_mirror_file",
     "register",
+    "synthetic",
 ]

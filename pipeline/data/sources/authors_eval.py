@@ -23,7 +23,12 @@ AUTHORS_EVAL_URL = "https://raw.githubusercontent.com/QwenQKing/Prompt-R1/main/d
 
 
 def authors_eval_path(where: SourcePaths, spec: DatasetSpec) -> Path:
-    """Local path of the authors' evaluation file (fetched into the cache once in Hub mode)."""
+    """Local path of the authors' evaluation file (fetched into the cache once in Hub mode); for a generated
+    dataset, its held-out file (`generated.generated_files`)."""
+    if spec.generated is not None:
+        from pipeline.data.sources.generated import generated_files
+
+        return generated_files(where, spec)[1]
     if where.mirror is not None:
         return where.mirror / "prompt-r1" / "eval" / spec.eval_file
     target = where.cache_dir / "prompt-r1" / "eval" / spec.eval_file

@@ -208,8 +208,21 @@ def _load_hub(spec: DatasetSpec, cache_dir: Path) -> RawSource:
     return out
 
 
+def _load_generated(spec: DatasetSpec, where: SourcePaths) -> RawSource:
+    from pipeline.data.sources.generated import generated_files
+
+    path, _ = generated_files(where, spec)
+    rows = read_mirror_file(path, where.root)
+    shown = display_path(path, where.root)
+    records = [check_record_types({c: row[c] for c in MIRROR_COLUMNS}, i, shown) for i, row in enumerate(rows)]
+    return RawSource(records=records, origin=[f"generated:{spec.generated.version}"], rows_read=len(rows))
+
+
 def load_raw(spec: DatasetSpec, where: SourcePaths) -> RawSource:
-    """The raw records of `spec` from the mirror (if `paths.mirror` is set) or the Hub."""
+    """The raw records of `spec`: generated (a `generated` dataset, whatever the paths say), else from the
+    mirror (if `paths.mirror` is set) or the Hub."""
+    if spec.generated is not None:
+        return _load_generated(spec, where)
     if where.mirror is not None:
         return _load_mirror(spec, where.mirror, where.root)
     return _load_hub(spec, where.cache_dir)

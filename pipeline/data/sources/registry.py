@@ -3,7 +3,9 @@
 A `DatasetSpec` says what a dataset *is* (task type, whether it trains) and where its rows come from, two
 ways: `hub` (a Hugging Face Hub split and its field mapping) and `mirror` (normalised Parquet file(s) under
 `<paths.mirror>/raw/`). Reading either is `reading.py`'s job; a source quirk is a `Converter` attached to
-the side that has it, so the reader stays one loop for every dataset.
+the side that has it, so the reader stays one loop for every dataset. A third kind, `generated`, is made by
+code from a fixed seed (the `hops` world, `synthetic.py`): `generated.py` writes its training and held-out
+rows as files in the mirror's and the authors' layouts, and every reader then reads those files.
 
 Design decisions:
 - Declaring a dataset is one `register(...)` call in its family's module (multi_hop_qa, open_qa,
@@ -71,6 +73,19 @@ class HubSource:
         return f"hub:{self.path}{f'[{self.config}]' if self.config else ''}:{self.split}"
 
 
+GeneratedRows = Callable[[], tuple[list[RawRecord], list[tuple[str, list[str]]]]]
+"""() → (training records in the mirror's columns, held-out (question, gold answers) pairs)."""
+
+
+@dataclass(frozen=True)
+class GeneratedSource:
+    """A dataset made by code (no Hub, no mirror file): deterministic rows and the version that names them."""
+
+    version: str
+    """Changes whenever the rows change; recorded in the `sources` stage's fingerprint."""
+    rows: GeneratedRows
+
+
 @dataclass(frozen=True)
 class MirrorSource:
     """Normalised Parquet file(s) under `<mirror>/raw/`."""
@@ -91,8 +106,9 @@ class DatasetSpec:
     name: str
     task_type: TaskType
     trains: bool
-    """True for the 8 training datasets; False for the 4 out-of-distribution evaluation sets."""
-    hub: HubSource
+    """True for the training datasets; False for the 4 out-of-distribution evaluation sets."""
+    hub: HubSource | None
+    """None only for a generated dataset."""
     mirror: MirrorSource
     eval_file: str
     """The authors' evaluation file name in `prompt-r1/eval/`."""
@@ -100,6 +116,8 @@ class DatasetSpec:
     """The authors' `data_source` tag in that file (we replace it with `name`)."""
     task_format: TaskFormat = bare_question
     note: str = ""
+    generated: GeneratedSource | None = None
+    """Set for a dataset made by code: its rows come from here, never from the Hub or the mirror."""
 
     @property
     def metric_family(self) -> MetricFamily:
@@ -130,7 +148,8 @@ PAPER_ORDER = (
     "triviaqa",
     "xsum",
 )
-"""The paper's tables: 8 training datasets, then the 4 out-of-distribution sets. params.yaml's lists follow it."""
+"""The paper's tables: 8 training datasets, then the 4 out-of-distribution sets. params.yaml's lists follow it;
+datasets beyond the paper's (the generated `hops`) follow them."""
 
 REGISTRY: dict[str, DatasetSpec] = {}
 """Every registered dataset, in `PAPER_ORDER`; any other dataset follows them, in registration order."""
@@ -145,17 +164,22 @@ def register(
     task_type: TaskType,
     *,
     trains: bool,
-    hub: HubSource,
+    hub: HubSource | None,
     mirror: str,
     eval_file: str,
     eval_tag: str,
     mirror_convert: Converter | None = None,
     task_format: TaskFormat = bare_question,
     note: str = "",
+    generated: GeneratedSource | None = None,
 ) -> DatasetSpec:
-    """Declare dataset `name` (its mirror file is relative to `<mirror>/raw/`); a second `name` is an error."""
+    """Declare dataset `name` (its mirror file is relative to `<mirror>/raw/`; for a `generated` one, the file
+    it is written to under `<paths.cache_dir>/generated/`); a second `name` is an error, and so is a dataset
+    with neither a Hub source nor a generator."""
     if name in REGISTRY:
         raise ValueError(f"dataset {name!r} is registered twice")
+    if hub is None and generated is None:
+        raise ValueError(f"dataset {name!r} has neither a Hub source nor a generator")
     spec = DatasetSpec(
         name=name,
         task_type=task_type,
@@ -166,6 +190,7 @@ def register(
         eval_tag=eval_tag,
         task_format=task_format,
         note=note,
+        generated=generated,
     )
     # Families register in import order; the registry's order is the paper's, whatever that order was.
     ordered = sorted([*REGISTRY.values(), spec], key=lambda s: _paper_position(s.name))
