@@ -218,7 +218,8 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
              reports / "verl_overrides.txt", verl.ray_address or "local")
     health_cfg = plan.train.health
-    watch = VerlHealthWatch(health_cfg, rollout_dump_dir(plan) if health_cfg.enabled else None)
+    watch = VerlHealthWatch(health_cfg, rollout_dump_dir(plan) if health_cfg.enabled else None,
+                            planned_total_steps(plan))
     try:
         rc, tail = _stream(command, env=env, cwd=plan.root, log_file=reports / "verl.log", on_line=watch)
     except BreachSeen as seen:  # verl's process group is already stopped (_stream)
@@ -242,6 +243,16 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
 
     mlflow.log_artifact(str(reports / "steps.csv"), artifact_path="train")
     mlflow.log_artifact(str(reports / "verl_overrides.txt"), artifact_path="train")
+
+
+def planned_total_steps(plan: TrainPlan) -> int:
+    """The steps verl will train for (`verl_config.composed_total_steps` over the training set's rows): what the
+    health gate's grace and window scale with until verl prints its own count."""
+    import pyarrow.parquet as pq
+
+    from pipeline.train.verl_config import compose_plan, composed_total_steps
+
+    return composed_total_steps(compose_plan(plan), pq.ParquetFile(train_file(plan)).metadata.num_rows)
 
 
 def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path,

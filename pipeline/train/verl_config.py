@@ -151,3 +151,15 @@ def verl_validation_error(run: VerlRun) -> str | None:
     except (AssertionError, ValueError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def composed_total_steps(run: VerlRun, train_rows: int) -> int:
+    """The training steps verl will run, as verl 0.9.1 counts them (`ray_trainer.py` `_create_dataloader`):
+    `trainer.total_training_steps` when set, else full batches of `data.gen_batch_size` (or
+    `data.train_batch_size`) over `train_rows` rows (the last partial batch dropped) x `trainer.total_epochs`.
+    `data.filter_overlong_prompts` can drop rows before that, so verl's own count may be lower."""
+    explicit = run.value("trainer.total_training_steps")
+    if explicit is not None:
+        return int(explicit)
+    batch = run.value("data.gen_batch_size") or run.value("data.train_batch_size")
+    return (train_rows // int(batch)) * int(run.value("trainer.total_epochs"))
