@@ -369,6 +369,9 @@ def test_verl_total_is_counted_as_verl_counts_it(tmp_path):
     assert composed_total_steps(compose_plan(plan()), 10) == 2
     fixed = plan(verl={"extra_overrides": ["trainer.total_training_steps=5"]})
     assert planned_total_steps(fixed) == 5
+    # an unreadable training set: nothing judged until verl prints its own count (verl reports the file)
+    (tmp_path / "data" / "rl" / "train.parquet").write_bytes(b"")
+    assert planned_total_steps(plan()) == 0 and CFG.schedule(0) is None
 
 
 def test_verl_watch_judges_a_step_without_its_dump_when_the_next_step_arrives(tmp_path):

@@ -247,12 +247,20 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
 
 def planned_total_steps(plan: TrainPlan) -> int:
     """The steps verl will train for (`verl_config.composed_total_steps` over the training set's rows): what the
-    health gate's grace and window scale with until verl prints its own count."""
+    health gate's grace and window scale with until verl prints its own count. A training set whose row count
+    cannot be read gives 0 (nothing judged) until then; verl itself reports what is wrong with the file."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from pipeline.train.verl_config import compose_plan, composed_total_steps
 
-    return composed_total_steps(compose_plan(plan), pq.ParquetFile(train_file(plan)).metadata.num_rows)
+    try:
+        rows = pq.ParquetFile(train_file(plan)).metadata.num_rows
+    except (OSError, pa.ArrowException) as exc:
+        log.warning("health gate: rows of %s not read (%s); verl's own step count will be used", train_file(plan),
+                    exc)
+        rows = 0
+    return composed_total_steps(compose_plan(plan), rows)
 
 
 def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path,
