@@ -251,8 +251,8 @@ def test_broken_update_fails_the_direction_check(format_aware_model, knowledge_u
 
     if variant == "advantage_sign":
         monkeypatch.setattr(trainer, "grpo_advantages", _negated_advantages(trainer.grpo_advantages))
-    elif variant == "interleaved_groups":
-        monkeypatch.setattr(trainer, "grpo_advantages", _interleaved_groups(trainer.grpo_advantages))
+    elif variant == "interleaved_groups":  # the groups step() hands its advantages (and its flat-group rule)
+        monkeypatch.setattr(trainer, "step_advantages", _interleaved_groups(trainer.step_advantages))
     else:  # the real shared-prompt forward (the default profile's: train.share_prompt_forward), broken inside
         monkeypatch.setattr(trainer, "shared_prompt_log_probs", _late_shared_prompt(trainer.shared_prompt_log_probs))
     stats = direction(format_aware_model, knowledge_url, tmp_path, lora=False)

@@ -1,6 +1,7 @@
 """The training health gate (pipeline/train/health.py, verl_health.py): scripted degenerate and healthy runs,
-the recorded healthy runs replayed against the defaults, verl's metric lines and rollout dumps, stopping a real
-streamed process, the verl checkpoints set aside, and register refusing a breached train run.
+grace and window scaled to the run's length, the recorded runs replayed (tests/fixtures/health_runs: the healthy
+ones never trip, the collapsed terse seed 2 does by step 10), verl's metric lines, total and rollout dumps,
+stopping a real streamed process, the verl checkpoints set aside, and register refusing a breached train run.
 
 The real micro run of the local backend that trips the gate is tests/test_train_health_run.py (slow).
 """
@@ -31,6 +32,7 @@ from pipeline.train.verl_health import BreachSeen, VerlHealthWatch, parse_step_l
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"
+RECORDED = Path(__file__).resolve().parent / "fixtures" / "health_runs"
 CFG = HealthConfig()  # the defaults params.yaml ships
 
 
@@ -43,8 +45,8 @@ def healthy(step: int, **change: float) -> dict[str, float]:
 
 
 def run(steps: list[dict[str, float]], cfg: HealthConfig = CFG):
-    """Feed `steps` (1, 2, ...) to a gate; the first breach, or None."""
-    gate = HealthGate(cfg, LOCAL_METRICS)
+    """Feed `steps` (1, 2, ...) of a run of that many steps to a gate; the first breach, or None."""
+    gate = HealthGate(cfg, LOCAL_METRICS, len(steps))
     for step, metrics in enumerate(steps, start=1):
         if (breach := gate.observe(step, metrics)) is not None:
             return breach
@@ -122,22 +124,83 @@ def test_disabled_gate_never_trips():
     assert run(steps, HealthConfig(enabled=False)) is None
 
 
+# ------------------------------------------------------------------------------------------------ run length
+
+
+def test_grace_and_window_scale_with_the_run_s_total_steps():
+    assert CFG.schedule(12) == (3, 4)  # first judged at step 7
+    assert CFG.schedule(8) == (2, 3)  # min_steps: the shortest run judged, first at step 5
+    assert CFG.schedule(40) == (10, 8) == CFG.schedule(1000)  # the caps
+    assert CFG.schedule(7) is None and CFG.schedule(2) is None
+    assert CFG.model_copy(update={"enabled": False}).schedule(40) is None
+
+
+def test_a_12_step_run_is_judged_and_the_default_profile_s_2_step_run_never_is():
+    """The default profile (params.yaml, train.steps 2) is never stopped, whatever its figures; a 12-step run is
+    judged from step 7 (grace 3, window 4)."""
+    default = load_params(REPO_ROOT / "params.yaml").train
+    assert default.steps == 2
+    awful = {"actor/kl_loss": 5.0, ZERO_VARIANCE_METRIC: 1.0, "response_length/agent_tokens_mean": 1.0}
+    assert run([healthy(s, **awful) for s in range(1, default.steps + 1)], default.health) is None
+    assert run([healthy(s, **awful) for s in range(1, 8)], default.health) is None  # 7 < min_steps 8
+    eight = run([healthy(s, **awful) for s in range(1, 9)], default.health)
+    assert (eight.figure, eight.step) == ("zero_variance_share", 5)  # grace 2, window 3
+    steps = [healthy(s) for s in range(1, 7)] + [healthy(s, **{"actor/kl_loss": 5.0}) for s in range(7, 13)]
+    breach = run(steps, default.health)
+    assert breach is not None and (breach.figure, breach.step) == ("kl", 7)
+    assert breach.value == pytest.approx((3 * 0.01 + 5.0) / 4)  # steps 4-7
+    assert breach.line("kept").endswith("at step 7 (mean actor/kl_loss over the last 4 steps); training stopped, kept")
+
+
+def recorded(name: str) -> list[tuple[int, dict[str, float]]]:
+    """A recorded run's steps.csv (tests/fixtures/health_runs) as (step, metrics) pairs."""
+    frame = pd.read_csv(RECORDED / name)
+    return [(int(r.pop("step")), r) for r in frame.to_dict("records")]
+
+
+def first_breach(rows: list[tuple[int, dict[str, float]]], cfg: HealthConfig):
+    """Judge each prefix of a run of len(rows) steps, as the local loop does after every step."""
+    return next((b for end in range(1, len(rows) + 1)
+                 if (b := judge(rows[:end], cfg, LOCAL_METRICS, len(rows))) is not None), None)
+
+
+def test_learn_thresholds_stop_the_recorded_collapse_by_step_10_and_no_healthy_run():
+    """The learn profile's 12-step terse runs: seed 2 ran away from its reference (per-step KL 0.74 at step 9,
+    0.88 at step 10; held-out F1 6.2 -> 0.0) and is stopped at step 9 (window of steps 6-9); seeds 1 and 3 and
+    the question-mode seed, all healthy, run to the end."""
+    learn = load_params(REPO_ROOT / "params.yaml", {"profile": "learn"}).train
+    assert learn.steps == 12 and learn.health.max_kl == 0.35
+    seed2 = recorded("terse_seed2.csv")
+    assert len(seed2) == 12 and seed2[9][1]["actor/kl_loss"] > 0.5
+    breach = first_breach(seed2, learn.health)
+    assert breach is not None and breach.figure == "kl" and breach.step == 9  # at or before step 10
+    assert breach.value == pytest.approx(sum(m["actor/kl_loss"] for s, m in seed2 if 6 <= s <= 9) / 4)
+    for name in ("terse_seed1.csv", "terse_seed3.csv", "question_seed1.csv"):
+        rows = recorded(name)
+        assert len(rows) == 12 and first_breach(rows, learn.health) is None, name
+    # the check can fail: the default max_kl (1.0) lets seed 2 run to the end, and a threshold at healthy
+    # seed 1's level (window mean 0.25 at step 12) stops seed 1 too
+    assert first_breach(seed2, CFG) is None
+    touchy = first_breach(recorded("terse_seed1.csv"), learn.health.model_copy(update={"max_kl": 0.2}))
+    assert (touchy.figure, touchy.step) == ("kl", 11)
+
+
 def test_recorded_default_profile_runs_are_never_judged():
-    """The default profile trains 2 steps: the gate has nothing to judge (grace 10 + window 8)."""
+    """The default profile trains 2 steps, fewer than `min_steps`: the gate has nothing to judge."""
     for csv in sorted(RESULTS.glob("*train_steps*.csv")):
         frame = pd.read_csv(csv)
         steps = [(int(r.pop("step")), r) for r in frame.to_dict("records")]
-        assert judge(steps, CFG, LOCAL_METRICS) is None, csv.name
+        assert judge(steps, CFG, LOCAL_METRICS, len(steps)) is None, csv.name
 
 
-def test_recorded_learn_run_never_trips_the_defaults():
-    """benchmarks/results/learning/previous_question_mode.json (the learn profile's 40 GRPO steps in the question
-    mode, held-out F1 42 -> 80; the record of a run before issue 32, kept for its steps): its early flat
-    steps included. The record has each step's answer and format reward; its zero-variance share is bounded
+def test_recorded_40_step_question_run_trips_neither_the_defaults_nor_the_learn_thresholds():
+    """The learn profile's 40 GRPO steps in the question mode (held-out F1 42 -> 80; the steps of
+    benchmarks/results/learning/previous_question_mode.json, tests/fixtures/health_runs/question_40_steps.json):
+    its early flat steps included, against the defaults and the learn profile's thresholds. The record has each step's answer and format reward; its zero-variance share is bounded
     from the reward's CI: a step whose 8 trajectories all scored the same (CI of width 0) has both groups flat
     (1.0); otherwise we take 0.5, what one flat group of two gives (a spread step's groups are rarely both
     flat: they would have to be uniform at different values)."""
-    steps = json.loads((RESULTS / "learning" / "previous_question_mode.json").read_text())["steps"]
+    steps = json.loads((RECORDED / "question_40_steps.json").read_text())["steps"]
     assert len(steps) == 40
     rows = []
     for s in steps:
@@ -146,12 +209,14 @@ def test_recorded_learn_run_never_trips_the_defaults():
                                  "reward/answer/mean": s["reward_parts"]["answer"],
                                  "reward/format/mean": s["reward_parts"]["format"]}))
     assert sum(1 for _, m in rows if m[ZERO_VARIANCE_METRIC] == 1.0) == 6  # steps 2, 15, 17, 20, 21, 38
+    learn = load_params(REPO_ROOT / "params.yaml", {"profile": "learn"}).train.health
     for end in range(1, 41):
-        assert judge(rows[:end], CFG, LOCAL_METRICS) is None, rows[end - 1][0]
+        assert judge(rows[:end], CFG, LOCAL_METRICS, 40) is None, rows[end - 1][0]
+        assert judge(rows[:end], learn, LOCAL_METRICS, 40) is None, rows[end - 1][0]
     # the check can fail: a stricter share (0.7) trips on the stretch of flat steps 15-21, and the answer rule
     # at 0.15 on the answer dip around it (0.215 -> 0.054 while the format rose 0.877 -> 0.967)
     def first_breach(cfg: HealthConfig):
-        return next(b for end in range(1, 41) if (b := judge(rows[:end], cfg, LOCAL_METRICS)) is not None)
+        return next(b for end in range(1, 41) if (b := judge(rows[:end], cfg, LOCAL_METRICS, 40)) is not None)
 
     assert first_breach(CFG.model_copy(update={"max_zero_variance_share": 0.7})).figure == "zero_variance_share"
     touchy = first_breach(CFG.model_copy(update={"max_answer_drop": 0.15}))
@@ -161,7 +226,7 @@ def test_recorded_learn_run_never_trips_the_defaults():
 def test_a_resumed_run_judges_with_its_history():
     """The local loop seeds the gate with steps.csv's rows: a resume at step 20 judges the same windows."""
     steps = [healthy(s) for s in range(1, 21)] + [healthy(s, **{"actor/kl_loss": 5.0}) for s in range(21, 41)]
-    gate = HealthGate(CFG, LOCAL_METRICS, [(s, m) for s, m in enumerate(steps[:20], start=1)])
+    gate = HealthGate(CFG, LOCAL_METRICS, 40, [(s, m) for s, m in enumerate(steps[:20], start=1)])
     assert gate.observe(21, steps[20]) is None
     assert gate.observe(22, steps[21]).step == 22
 
@@ -212,7 +277,7 @@ def feed_verl(tmp_path: Path, flat_from: int, steps: int = 30, kl_from: int = 10
     """Lines as verl prints them: the dump line before or after its step line (a background thread writes it)."""
     dump_dir = tmp_path / "verl_rollouts"
     dump_dir.mkdir(exist_ok=True)
-    watch = VerlHealthWatch(CFG, dump_dir)
+    watch = VerlHealthWatch(CFG, dump_dir, 40)
     for step in range(1, steps + 1):
         path = dump_dir / f"{step}.jsonl"
         path.write_text("\n".join(json.dumps(r) for r in dump_rows(step, flat=step >= flat_from)) + "\n")
@@ -241,7 +306,7 @@ def test_verl_s_own_line_and_dump_writers_feed_the_watch(tmp_path, capsys):
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.utils.logger.aggregate_logger import concat_dict_to_str
 
-    watch = VerlHealthWatch(CFG, tmp_path)
+    watch = VerlHealthWatch(CFG, tmp_path, 40)
     for step in range(1, 19):
         flat = step > 10
         scores = [0.5] * 10 if flat else [0.1 * g for g in range(5)] * 2
@@ -264,15 +329,66 @@ def test_verl_s_own_line_and_dump_writers_feed_the_watch(tmp_path, capsys):
     assert watch.gate.steps[-1][1]["reward/format/mean"] == 1.2
 
 
+def test_verl_watch_scales_with_the_total_verl_prints():
+    """The recorded collapse (terse seed 2) as verl's step lines: judged over verl's own total (its `Total
+    training steps: 12` line), not the composed estimate the watch starts from."""
+    learn = load_params(REPO_ROOT / "params.yaml", {"profile": "learn"}).train.health
+    lines = [verl_line(step, kl=m["actor/kl_loss"], length=m["response_length/mean"])
+             for step, m in recorded("terse_seed2.csv")]
+    estimate = VerlHealthWatch(learn, None, 1000)  # a 1000-step run: grace 10, window 8, nothing judged by 12
+    for line in lines:
+        estimate(line)
+    watch = VerlHealthWatch(learn, None, 1000)
+    watch("(TaskRunner pid=52731) Total training steps: 12")
+    assert watch.gate.total_steps == 12
+    with pytest.raises(BreachSeen) as seen:
+        for line in lines:
+            watch(line)
+    assert seen.value.breach.figure == "kl" and seen.value.breach.step == 9
+
+
+def test_verl_total_is_counted_as_verl_counts_it(tmp_path):
+    """verl 0.9.1 trains len(dataloader) x total_epochs steps (full batches of data.train_batch_size), or
+    trainer.total_training_steps when set: computed on the composed config and the training set's rows."""
+    from helpers import QUESTIONS, write_train_parquet
+
+    from pipeline.errors import DataError
+    from pipeline.train.verl_config import compose_plan
+    from pipeline.train.verl_progress import schedule_from_config, verl_schedule
+
+    def planned_total_steps(plan):  # the total the launch gives the gate and the resume check
+        return verl_schedule(plan).total_steps
+
+    shutil.copy(REPO_ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "models").mkdir()
+    write_train_parquet(tmp_path / "data" / "rl" / "train.parquet", QUESTIONS * 5)  # 30 rows
+
+    def plan(**train):
+        overrides = {"agent": {"model": str(tmp_path / "models")},
+                     "train": {"backend": "verl", "batch_size": 4, **train}}
+        return TrainPlan.from_params(load_params(tmp_path / "params.yaml", overrides))
+
+    assert planned_total_steps(plan()) == 7  # 30 // 4, the last 2 rows dropped
+    assert planned_total_steps(plan(total_epochs=3)) == 21
+    assert schedule_from_config(compose_plan(plan()).value, 10).total_steps == 2
+    fixed = plan(verl={"extra_overrides": ["trainer.total_training_steps=5"]})
+    assert planned_total_steps(fixed) == 5
+    # a run with no total judges nothing; a training set that gives verl no step is refused before launch
+    assert CFG.schedule(0) is None
+    write_train_parquet(tmp_path / "data" / "rl" / "train.parquet", QUESTIONS[:2])
+    with pytest.raises(DataError, match="no training step"):
+        planned_total_steps(plan())
+
+
 def test_verl_watch_judges_a_step_without_its_dump_when_the_next_step_arrives(tmp_path):
-    watch = VerlHealthWatch(CFG, tmp_path / "never_written")
+    watch = VerlHealthWatch(CFG, tmp_path / "never_written", 40)
     for step in range(1, 19):
         watch(verl_line(step, kl=5.0 if step >= 17 else 0.004))  # no dump lines at all
     assert watch.judged == set(range(1, 18)) and list(watch.pending) == [18]
     with pytest.raises(BreachSeen) as seen:  # step 18: (6*0.004 + 2*5)/8 = 1.25 > 1, judged when 19 arrives
         watch(verl_line(19, kl=5.0))
     assert seen.value.breach.step == 18 and seen.value.breach.figure == "kl"
-    ignored = VerlHealthWatch(CFG.model_copy(update={"enabled": False}), None)
+    ignored = VerlHealthWatch(CFG.model_copy(update={"enabled": False}), None, 40)
     for step in range(1, 30):
         ignored(verl_line(step, kl=5.0))
     assert ignored.judged == set()
@@ -288,7 +404,7 @@ def test_stream_stops_the_process_group_on_a_breach(tmp_path):
                       "    print(line.replace('STEP', str(step)), flush=True)\n    time.sleep(0.02)\n"
                       "time.sleep(60)\n")
     template = VERL_LINE.format(step="STEP", kl=5.0, length=700.0)
-    watch = VerlHealthWatch(CFG, None)
+    watch = VerlHealthWatch(CFG, None, 99)
     t0 = time.monotonic()
     with pytest.raises(BreachSeen) as seen:
         _stream([sys.executable, str(script), template], env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path,

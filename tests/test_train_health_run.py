@@ -1,8 +1,9 @@
 """A real micro run of the local backend that trips the training health gate, end to end through the CLI.
 
 The tiny random Llama (conftest `tiny_llama_dir`) never writes the protocol's tags, so every trajectory of every
-group scores the same (-1.5): a run with no GRPO signal at all, the zero-variance collapse. With a grace period
-of 1 step and a window of 2 the gate judges step 3 first and stops there. Asserted: the one line, exit 1, the
+group scores the same (-1.5): a run with no GRPO signal at all, the zero-variance collapse (every update skipped).
+Judging a 6-step run (min_steps 1) with a grace period of 1 step and a window of 2, the gate judges step 3 first
+and stops there. Asserted: the one line, exit 1, the
 MLflow train run tagged and FAILED, the kept checkpoint (step_2: step 3 would have been saved, save_every 1,
 but is judged first), and register refusing the run.
 """
@@ -39,7 +40,7 @@ def test_micro_run_trips_the_gate_keeps_the_healthy_checkpoint_and_is_never_regi
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     with FaultServer() as server:
         overrides = tiny_overrides(tmp_path, tiny_llama_dir, server.url, steps=6, save_every=1, keep_checkpoints=2,
-                                   health={"grace_steps": 1, "window": 2})
+                                   health={"min_steps": 1, "grace_steps": 1, "window": 2})
         params_file = tmp_path / "params.yaml"
         params_file.write_text(yaml.safe_dump(deep_merge(yaml.safe_load((REPO_ROOT / "params.yaml").read_text()),
                                                          overrides)))

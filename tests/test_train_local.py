@@ -8,6 +8,7 @@ SmolLM2-135M-Instruct agent against the real llama.cpp environment, and kill a r
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -128,11 +129,13 @@ def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_ll
                  "env/calls", "env/errors", "env/failure_rate", "env/truncated", "env/empty_after_length", "env/cost_usd", "timing_s/gen", "timing_s/env",
                  "timing_s/update", "timing_s/step"):
         assert name in steps.columns, name
-    # A random tiny model never hits the format, so all rewards tie (advantage 0) and the policy still
-    # equals the reference at step 1: the gradient is legitimately zero here (see the update test below).
-    assert steps["actor/grad_norm"].ge(0).all() and steps["critic/score/mean"].eq(-1.5).all()
-    # two mini-batches per step: the second used recomputed old log-probs
-    assert steps["actor/num_optimizer_steps"].eq(2).all()
+    # A random tiny model never hits the format, so all rewards tie (advantage 0): both mini-batches of each
+    # step carry no signal and take no optimizer step (see the update tests below), logged to steps.csv and
+    # MLflow; the KL was not measured (no forward ran).
+    assert steps["actor/grad_norm"].eq(0).all() and steps["critic/score/mean"].eq(-1.5).all()
+    assert steps["critic/advantages/max"].eq(0).all() and steps["critic/advantages/min"].eq(0).all()
+    assert steps["actor/num_optimizer_steps"].eq(0).all() and steps["actor/skipped_no_signal"].eq(2).all()
+    assert steps["actor/kl_loss"].isna().all()
     state = ckpt.TrainerState.read(ckpt.latest_checkpoint(tmp_path / "checkpoints/agent"))
     assert state.step == 2 and state.position == 4
     # what the agent wrote: one JSON line per trajectory (batch 2 x group 2 per step), with turns and reward
@@ -149,6 +152,8 @@ def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_ll
                                f"tags.mlflow.parentRunId = '{run_file['run_id']}'")[0]
     history = client.get_metric_history(child.info.run_id, "critic/score/mean")
     assert sorted(m.step for m in history) == [1, 2]
+    skips = client.get_metric_history(child.info.run_id, "actor/skipped_no_signal")
+    assert sorted((m.step, m.value) for m in skips) == [(1, 2.0), (2, 2.0)]
     # the reward under its own name (verl's critic/score/mean stays as an alias), on the run and in steps.csv
     assert steps["reward/mean"].tolist() == steps["critic/score/mean"].tolist()
     assert sorted(m.step for m in client.get_metric_history(child.info.run_id, "reward/mean")) == [1, 2]
@@ -212,6 +217,85 @@ def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, p
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_a_mini_batch_without_signal_leaves_weights_and_optimizer_bit_identical(tiny_llama_dir, params):
+    """After a real step AdamW holds momentum: stepping on a batch whose advantages are all zero would still move
+    every weight (~0.9x the last update) and the KL term's gradient would enter the moments. The update skips
+    such a mini-batch: weights and optimizer state stay bit-identical, `actor/skipped_no_signal` counts it; a
+    batch with signal still moves them, and in a mixed step only the mini-batch with signal steps."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.train.grpo import grpo_advantages
+    from pipeline.train.models import PolicyModels
+    from pipeline.train.trainer import LocalTrainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    models = PolicyModels(model=model, reference=reference, tokenizer=tokenizer, lora=False)
+    params.train.lr, params.train.mini_batch_size, params.train.group_size = 1e-2, 1, 2
+    params.train.kl_loss_coef = 0.5
+    trainer = LocalTrainer(TrainPlan.from_params(params), models, pd.DataFrame(), torch.device("cpu"),
+                           QuestionSampler(2, 0))
+    good = make_traj([5, 6, 7], [100, 101, 900, 901, 102], [1, 1, 0, 0, 1])
+    bad = make_traj([5, 6, 7], [200, 201, 202], [1, 1, 1])
+    mask = collate([good, bad], tokenizer.pad_token_id).response_mask
+    signal = grpo_advantages(torch.tensor([1.0, 0.0]), mask, ["q", "q"])
+    flat = torch.zeros_like(signal)
+
+    def snapshot():
+        state = trainer.optimizer.state_dict()["state"]
+        return ({k: v.clone() for k, v in model.state_dict().items()},
+                {i: {k: v.clone() for k, v in s.items()} for i, s in state.items()})
+
+    def same(a, b) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    initial, _ = snapshot()
+    first = trainer.update([good, bad], signal).metrics
+    assert first["actor/num_optimizer_steps"] == 1 and first["actor/skipped_no_signal"] == 0
+    weights, moments = snapshot()
+    assert not same(initial, weights) and moments  # a real step: weights moved, AdamW has momentum
+
+    skipped = trainer.update([good, bad], flat).metrics
+    after_weights, after_moments = snapshot()
+    assert same(weights, after_weights)
+    assert after_moments.keys() == moments.keys() and all(same(moments[i], after_moments[i]) for i in moments)
+    assert skipped["actor/skipped_no_signal"] == 1 and skipped["actor/num_optimizer_steps"] == 0
+    assert skipped["actor/grad_norm"] == 0.0 and skipped["actor/pg_loss"] == 0.0
+    assert math.isnan(skipped["actor/kl_loss"])  # not measured, not 0: the health gate's KL mean ignores it
+
+    again = trainer.update([good, bad], signal).metrics
+    assert again["actor/num_optimizer_steps"] == 1 and not same(weights, snapshot()[0])
+
+    # two questions, two mini-batches: the flat one is skipped, the other steps
+    c, d = make_traj([8, 9], [300, 301], [1, 1]), make_traj([8, 9], [400, 401], [1, 1])
+    mixed_mask = collate([good, bad, c, d], tokenizer.pad_token_id).response_mask
+    mixed = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), mixed_mask, ["q", "q", "r", "r"])
+    result = trainer.update([good, bad, c, d], mixed).metrics
+    assert result["actor/num_optimizer_steps"] == 1 and result["actor/skipped_no_signal"] == 1
+    assert result["actor/kl_loss"] > 0
+
+
+def test_flat_groups_get_exactly_zero_advantage():
+    """At G = 5 (the paper's) verl's float32 group mean of five equal scores 0.4 + 0.25/3 (a partial answer F1) is
+    an ulp off while their std is 0, so verl's advantage is +-0.029 of pure noise; the step zeroes such groups,
+    so the update sees no signal there, and leaves every other group's advantages as verl computes them."""
+    from pipeline.train.grpo import grpo_advantages
+    from pipeline.train.trainer import step_advantages
+
+    flat = 0.4 + 0.25 / 3
+    scores = torch.tensor([flat] * 5 + [1.0, 0.0, flat, flat, 0.65])
+    mask = torch.ones((10, 3))
+    groups = ["a"] * 5 + ["b"] * 5
+    verl = grpo_advantages(scores, mask, groups)
+    ours = step_advantages(scores, mask, groups)
+    assert verl[:5].abs().max() == pytest.approx(0.0288, abs=1e-3)  # verl's noise on the flat group
+    assert torch.equal(ours[:5], torch.zeros((5, 3)))
+    assert torch.equal(ours[5:], verl[5:]) and ours[5:].abs().max() > 0.5
+
+
 @pytest.mark.parametrize("ppo_epochs", [1, 2])
 def test_fresh_runs_first_update_takes_the_reference_from_the_policy_exactly(tiny_llama_dir, params, ppo_epochs):
     """`reference_is_policy` (a fresh run, before any optimizer step): the reference forward is skipped and
@@ -270,7 +354,7 @@ def test_lora_training_keeps_base_frozen(tmp_path, tiny_llama_dir, env_server):
         tmp_path, tiny_llama_dir, env_server, steps=1, mini_batch_size=2,
         lora={"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
     metrics = train_local(TrainPlan.from_params(params))
-    assert metrics["actor/num_optimizer_steps"] == 1
+    assert metrics["actor/num_optimizer_steps"] + metrics["actor/skipped_no_signal"] == 1  # one mini-batch
     folder = ckpt.latest_checkpoint(tmp_path / "checkpoints/agent")
     assert (folder / "adapter" / "adapter_config.json").is_file() and not (folder / "model").exists()
     assert ckpt.TrainerState.read(folder).lora is True

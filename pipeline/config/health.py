@@ -7,13 +7,23 @@ gate checks four figures after every training step, on both backends, and stops 
 
 Why a window after a grace period: single steps are noisy at small batches. The `learn` profile (2 questions
 x G=4 per step) has steps where every trajectory scored 0 (steps 2, 15, 17, 20 and 21 of
-benchmarks/results/learning/previous_question_mode.json, a run that went on to gain 38 F1 points), so a per-step rule would stop a
-healthy run. Each figure is therefore the mean over the last `window` steps, and nothing is judged before
-`grace_steps` + `window` steps have run (the default profile's 2 steps are never judged). The defaults were
-checked against the recorded healthy runs (tests/test_train_health.py replays them).
+benchmarks/results/learning/previous_question_mode.json, a run that went on to gain 38 F1 points; steps 7-9 of
+the terse mode's seed 3), so a per-step rule would stop a healthy run. Each figure is therefore the mean over
+the last `window` steps, and nothing is judged before `grace` + `window` steps have run.
+
+Why grace and window scale with the run's length: a fixed grace of 10 and window of 8 first judge step 18, so
+a 12-step run is never judged (the terse mode's seed 2 ran away from its reference, KL 0.02 -> 1.14, and
+collapsed to F1 0 within its 12 steps). For a run of T total steps (`train.steps` locally; on verl the total its
+composed config gives, pipeline/train/verl_health.py) the grace is `grace_fraction` x T rounded down and the
+window `window_fraction` x T rounded up, each at most `grace_steps` / `window`: a 12-step run gets a grace of 3
+and a window of 4 (first judged at step 7), a 40-step run the full 10 and 8. A run shorter than `min_steps` is
+never judged: its windows would be one or two steps of noise (the default profile's 2-step `dvc repro`
+included). tests/test_train_health.py replays the recorded runs against these settings.
 """
 
 from __future__ import annotations
+
+import math
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,10 +34,20 @@ class HealthConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="Judge every training step; false: never stop a run for its health.")
+    min_steps: int = Field(
+        8, ge=1, description="Runs of fewer total steps are never judged: a grace and a window scaled to them "
+        "would be a step or two of noise (the default profile trains 2).")
     grace_steps: int = Field(
-        10, ge=0, description="Steps never judged, and never part of a judged window: early GRPO steps are "
-        "flat or noisy while the policy finds the format.")
-    window: int = Field(8, ge=1, description="Steps each figure is averaged over (the steps after grace_steps).")
+        10, ge=0, description="At most this many first steps are never judged, nor part of a judged window: early "
+        "GRPO steps are flat or noisy while the policy finds the format.")
+    grace_fraction: float = Field(
+        0.25, ge=0, le=1, description="The grace is this share of the run's total steps, rounded down (at most "
+        "grace_steps).")
+    window: int = Field(8, ge=1, description="At most this many steps each figure is averaged over (the steps after "
+                        "the grace).")
+    window_fraction: float = Field(
+        0.33, gt=0, le=1, description="The window is this share of the run's total steps, rounded up (at most "
+        "window): 4 steps of a 12-step run.")
     max_zero_variance_share: float = Field(
         0.95, ge=0, le=1, description="Breach when the window's mean share of groups whose G trajectories all "
         "scored the same exceeds this: GRPO's advantage is 0 for them, so the window taught (almost) nothing.")
@@ -42,4 +62,14 @@ class HealthConfig(BaseModel):
         "local backend, verl's response_length/mean) falls below this share of the first window's mean.")
     max_kl: float = Field(
         1.0, gt=0, description="Breach when the window's mean KL to the reference (actor/kl_loss, in "
-        "train.kl_loss_type's estimator) exceeds this; healthy runs stay near 0.001-0.05.")
+        "train.kl_loss_type's estimator) exceeds this; healthy runs at the paper's lr stay near 0.001-0.05 (the "
+        "learn profile's lr 1e-4 reaches 0.3 in healthy runs: its own threshold, profiles/learn.yaml).")
+
+    def schedule(self, total_steps: int) -> tuple[int, int] | None:
+        """(grace, window) for a run of `total_steps`; None when such a run is never judged (disabled, or
+        shorter than `min_steps`)."""
+        if not self.enabled or total_steps < self.min_steps:
+            return None
+        grace = min(self.grace_steps, math.floor(total_steps * self.grace_fraction + 1e-9))
+        window = min(self.window, max(1, math.ceil(total_steps * self.window_fraction - 1e-9)))
+        return grace, window

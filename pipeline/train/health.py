@@ -1,7 +1,7 @@
 """The training health gate: judge each GRPO step's figures against `train.health`, stop the run on a breach.
 
-Four figures, each the mean over the last `train.health.window` steps after `grace_steps` (why: see
-pipeline/config/health.py):
+Four figures, each the mean over a window of the last steps after a grace period, both scaled to the run's
+total steps (why: see pipeline/config/health.py):
 - `zero_variance_share`: the share of groups whose G trajectories all scored the same. GRPO's advantage is 0
   for such a group, so a window of them taught nothing (all failed: the policy lost the format; all solved
   at every step: nothing left to learn from these questions either).
@@ -78,15 +78,20 @@ class Breach:
                 f"{self.step} ({self.detail}); training stopped, {kept}")
 
 
-def zero_variance_share(scores: Sequence[float], group_ids: Sequence[Any]) -> float:
-    """Share of groups whose scores are all equal (to 1e-9), over the groups present; 0.0 for no groups."""
+def flat_groups(scores: Sequence[float], group_ids: Sequence[Any]) -> set[Any]:
+    """The groups whose scores are all equal (to 1e-9): GRPO's advantage is 0 for each of their trajectories."""
     groups: dict[Any, list[float]] = {}
     for score, group in zip(scores, group_ids, strict=True):
         groups.setdefault(group, []).append(float(score))
-    if not groups:
+    return {group for group, values in groups.items() if max(values) - min(values) <= 1e-9}
+
+
+def zero_variance_share(scores: Sequence[float], group_ids: Sequence[Any]) -> float:
+    """Share of groups whose scores are all equal (to 1e-9), over the groups present; 0.0 for no groups."""
+    present = set(group_ids)
+    if not present:
         return 0.0
-    flat = sum(1 for values in groups.values() if max(values) - min(values) <= 1e-9)
-    return flat / len(groups)
+    return len(flat_groups(scores, group_ids)) / len(present)
 
 
 def _mean(rows: Sequence[dict[str, float]], key: str) -> float | None:
@@ -94,27 +99,32 @@ def _mean(rows: Sequence[dict[str, float]], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def judge(steps: Sequence[tuple[int, dict[str, float]]], cfg: HealthConfig, names: MetricNames) -> Breach | None:
-    """Judge the last of `steps` ((step, metrics), ascending): the first breached figure, or None.
+def judge(steps: Sequence[tuple[int, dict[str, float]]], cfg: HealthConfig, names: MetricNames,
+          total_steps: int) -> Breach | None:
+    """Judge the last of `steps` ((step, metrics), ascending) of a run of `total_steps`: the first breached
+    figure, or None.
 
-    Nothing is judged until `cfg.window` steps after `cfg.grace_steps` have run; earlier steps still serve as
-    the answer/format comparison's previous window and the length baseline.
+    The grace and window scale with `total_steps` (`HealthConfig.schedule`); a run shorter than
+    `cfg.min_steps` is never judged. Nothing is judged until `window` steps after the grace have run; earlier
+    steps still serve as the answer/format comparison's previous window and the length baseline.
     """
-    if not cfg.enabled or not steps:
+    schedule = cfg.schedule(total_steps)
+    if schedule is None or not steps:
         return None
+    grace, size = schedule
     step = steps[-1][0]
     rows = [m for _, m in steps]
-    judged = [m for s, m in steps if s > cfg.grace_steps]
-    if len(judged) < cfg.window:
+    judged = [m for s, m in steps if s > grace]
+    if len(judged) < size:
         return None
-    window = judged[-cfg.window:]
-    before = rows[: len(rows) - cfg.window][-cfg.window:]
+    window = judged[-size:]
+    before = rows[: len(rows) - size][-size:]
 
     share = _mean(window, names.zero_variance)
     if share is not None and share > cfg.max_zero_variance_share:
         return Breach("zero_variance_share", share, cfg.max_zero_variance_share, step,
-                      f"mean share of groups whose trajectories all scored the same over the last {cfg.window} steps")
-    if len(before) == cfg.window:
+                      f"mean share of groups whose trajectories all scored the same over the last {size} steps")
+    if len(before) == size:
         answer_now, answer_then = _mean(window, names.answer), _mean(before, names.answer)
         format_now, format_then = _mean(window, names.format), _mean(before, names.format)
         if None not in (answer_now, answer_then, format_now, format_then):
@@ -123,32 +133,34 @@ def judge(steps: Sequence[tuple[int, dict[str, float]]], cfg: HealthConfig, name
             if rise >= cfg.min_format_rise and drop > cfg.max_answer_drop:
                 return Breach("answer_drop", drop, cfg.max_answer_drop, step,
                               f"answer reward {answer_then:.3f} -> {answer_now:.3f} while format reward rose "
-                              f"{format_then:.3f} -> {format_now:.3f}, windows of {cfg.window} steps")
-    baseline, length = _mean(rows[: cfg.window], names.length), _mean(window, names.length)
+                              f"{format_then:.3f} -> {format_now:.3f}, windows of {size} steps")
+    baseline, length = _mean(rows[: size], names.length), _mean(window, names.length)
     if baseline and length is not None and baseline > 0:
         ratio = length / baseline
         if ratio < cfg.min_length_ratio:
             return Breach("length_ratio", ratio, cfg.min_length_ratio, step,
-                          f"mean response length {length:.1f} vs {baseline:.1f} over the first {cfg.window} steps")
+                          f"mean response length {length:.1f} vs {baseline:.1f} over the first {size} steps")
     kl = _mean(window, names.kl)
     if kl is not None and kl > cfg.max_kl:
-        return Breach("kl", kl, cfg.max_kl, step, f"mean {names.kl} over the last {cfg.window} steps")
+        return Breach("kl", kl, cfg.max_kl, step, f"mean {names.kl} over the last {size} steps")
     return None
 
 
 class HealthGate:
     """Keeps a run's per-step metrics and judges each new step (`observe`)."""
 
-    def __init__(self, cfg: HealthConfig, names: MetricNames,
+    def __init__(self, cfg: HealthConfig, names: MetricNames, total_steps: int,
                  history: Sequence[tuple[int, dict[str, float]]] = ()) -> None:
         self.cfg = cfg
         self.names = names
+        self.total_steps = total_steps
+        """The run's planned total (train.steps; on verl the composed total): it scales grace and window."""
         self.steps: list[tuple[int, dict[str, float]]] = sorted(history, key=lambda item: item[0])
 
     def observe(self, step: int, metrics: dict[str, float]) -> Breach | None:
         self.steps = [s for s in self.steps if s[0] < step]
         self.steps.append((step, dict(metrics)))
-        return judge(self.steps, self.cfg, self.names)
+        return judge(self.steps, self.cfg, self.names, self.total_steps)
 
 
 def record_breach(breach: Breach) -> None:

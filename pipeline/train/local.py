@@ -125,7 +125,7 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
         ckpt.save_checkpoint(root, st, partial(write_weights, models), trainer.optimizer, keep=cfg.keep_checkpoints)
 
     last: dict[str, float] = dict(state.metrics) if state else {}
-    gate = health.HealthGate(cfg.health, health.LOCAL_METRICS,
+    gate = health.HealthGate(cfg.health, health.LOCAL_METRICS, cfg.steps,
                              [(int(r["step"]), r) for r in steps_log.rows])  # a resume judges the same windows
     end = cfg.steps if max_steps is None else min(cfg.steps, start + max_steps)
     with serve_environment(plan.server):

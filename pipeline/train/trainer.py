@@ -7,7 +7,8 @@ A step reads top to bottom:
    samples in this process or through llama.cpp's server (`train.rollout_engine`,
    `pipeline.train.rollout_engine`);
 3. GRPO update (`pipeline.train.grpo`: verl's advantage, clipped loss, low-var KL, token-mean), over
-   PPO mini-batches of `mini_batch_size` questions, in micro-batches of `micro_batch_size` trajectories;
+   PPO mini-batches of `mini_batch_size` questions, in micro-batches of `micro_batch_size` trajectories; a
+   mini-batch without a non-zero advantage takes no optimizer step (`actor/skipped_no_signal`);
 4. its metrics under verl's names (`pipeline.train.step_metrics`), with the share of groups whose G
    trajectories all scored the same (`pipeline.train.health`); the caller judges, logs and checkpoints them.
 
@@ -58,7 +59,7 @@ import torch
 from pipeline.hardware import resolve_autocast
 from pipeline.train.batch import RolloutBatch, collate, response_log_probs, shared_prompt_log_probs
 from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
-from pipeline.train.health import ZERO_VARIANCE_METRIC, zero_variance_share
+from pipeline.train.health import ZERO_VARIANCE_METRIC, flat_groups, zero_variance_share
 from pipeline.train.models import PolicyModels
 from pipeline.train.questions import QuestionSampler, prompt_item_from_row
 from pipeline.train.rollout_engine import rollout_engine
@@ -78,6 +79,21 @@ class UpdateResult:
     """Non-padding tokens through the policy forward+backward (all PPO epochs)."""
     policy_s: float
     """Wall time of the policy forward/backward/optimizer work alone (for throughput)."""
+
+
+def step_advantages(scores: torch.Tensor, mask: torch.Tensor, group_ids: list[str]) -> torch.Tensor:
+    """verl's GRPO advantages (`grpo.grpo_advantages`), exactly 0 for every group whose scores are all equal.
+
+    Such a group's advantage is 0 by definition, but for a group size that is not a power of two verl's float32
+    group mean of G equal scores can be an ulp off the score while their std is exactly 0, and dividing by
+    std + 1e-6 turns that ulp into an advantage of a few hundredths: five scores of 0.4 + 0.25 x 1/3 (a partial
+    answer F1) get +-0.029, and about 7% of random float32 scores do at G = 5 (1,326 of 20,000 measured). Noise,
+    not a signal: zeroed, a mini-batch of such groups is skipped by the update (`LocalTrainer.update`).
+    """
+    advantages = grpo_advantages(scores, mask, group_ids)
+    flat = flat_groups(scores.tolist(), group_ids)
+    advantages[[i for i, group in enumerate(group_ids) if group in flat]] = 0.0
+    return advantages
 
 
 class LocalTrainer:
@@ -187,13 +203,21 @@ class LocalTrainer:
         return [ordered[k : k + size] for k in range(0, len(ordered), size)]
 
     def update(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> UpdateResult:
-        """GRPO update over PPO epochs × mini-batches; returns the averaged actor metrics."""
+        """GRPO update over PPO epochs × mini-batches; returns the averaged actor metrics.
+
+        A mini-batch whose advantages are all zero is skipped: no forward, no backward, no optimizer step
+        (`actor/skipped_no_signal` counts them over the epochs). Its policy-gradient loss is exactly 0, yet
+        an AdamW step would still move every weight by its first moment (~0.9x the last real update, in that
+        update's direction) and feed the KL term's gradient into both moments.
+        """
         g = self.cfg.group_size
         pad_id = self.models.tokenizer.pad_token_id
         n_items = len(trajectories) // g
         per_mini = self.cfg.mini_batch_size
         mini_batches = [list(range(q * g, min(q + per_mini, n_items) * g)) for q in range(0, n_items, per_mini)]
-        plan = [self.micro_batches(trajectories, mb) for mb in mini_batches]
+        signal = [bool(advantages[mb].ne(0).any()) for mb in mini_batches]
+        plan = [self.micro_batches(trajectories, mb) if has else [] for mb, has in zip(mini_batches, signal,
+                                                                                        strict=True)]
         batches: dict[tuple[int, int], RolloutBatch] = {}
         ref_lp: dict[tuple[int, int], torch.Tensor] = {}
         old_lp: dict[tuple[int, int], torch.Tensor] = {}
@@ -224,9 +248,13 @@ class LocalTrainer:
         self.models.model.train()
         agg: dict[str, list[float]] = {}
         tokens = 0
+        skipped = 0
         t_policy = time.perf_counter()
         for _epoch in range(self.cfg.ppo_epochs):
             for m, micros in enumerate(plan):
+                if not signal[m]:
+                    skipped += 1
+                    continue
                 mb_tokens = sum(batches[(m, k)].response_mask.sum() for k in range(len(micros)))
                 mb_tokens = int(mb_tokens)
                 mb_size = sum(len(idx) for idx in micros)
@@ -274,11 +302,14 @@ class LocalTrainer:
         policy_s = time.perf_counter() - t_policy
         metrics = {k: statistics.fmean(v) for k, v in agg.items()}
         metrics.setdefault("actor/pg_loss", 0.0)
-        metrics.setdefault("actor/kl_loss", 0.0)
+        # No mini-batch ran: the KL to the reference was not measured (NaN: left out of MLflow and the health
+        # gate's means, where a 0 would pull the window down).
+        metrics.setdefault("actor/kl_loss", float("nan") if self.cfg.use_kl_loss and skipped else 0.0)
         metrics.setdefault("actor/grad_norm", 0.0)
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
         metrics["actor/num_optimizer_steps"] = float(len(agg.get("actor/grad_norm", [])))
+        metrics["actor/skipped_no_signal"] = float(skipped)
         if diffs:
             metrics["training/rollout_logprob_diff_mean"] = statistics.fmean(diffs)
             metrics["training/rollout_logprob_diff_max"] = max(diffs)
@@ -302,7 +333,7 @@ class LocalTrainer:
         for i, t in enumerate(trajectories):
             mask[i, : len(t.response_mask)] = torch.tensor(t.response_mask, dtype=torch.float32)
         group_ids = [f"q{i // self.cfg.group_size}" for i in range(len(trajectories))]
-        advantages = grpo_advantages(scores, mask, group_ids)
+        advantages = step_advantages(scores, mask, group_ids)
         update = self.update(trajectories, advantages)
         t_update = time.perf_counter() - t0
 

@@ -247,8 +247,11 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
              reports / "verl_overrides.txt", verl.ray_address or "local")
     health_cfg = plan.train.health
-    watch = VerlHealthWatch(health_cfg, rollout_dump_dir(plan) if health_cfg.enabled else None)
     progress = VerlProgress.for_launch(plan, val_files)
+    # The gate scales its grace and window with the same total the resume check holds verl to, until verl
+    # prints its own count.
+    watch = VerlHealthWatch(health_cfg, rollout_dump_dir(plan) if health_cfg.enabled else None,
+                            progress.check.schedule.total_steps)
 
     def on_line(line: str) -> None:
         progress(line)

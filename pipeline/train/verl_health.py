@@ -12,6 +12,13 @@ What our process sees of a running verl trainer is its output stream (pipeline/t
   zero-variance share and the reward parts come from that file (`rollout_figures`; the G trajectories of a
   question share its prompt text).
 
+The gate's grace and window scale with the run's total steps (pipeline/config/health.py). verl decides its own
+total: `len(train_dataloader) * trainer.total_epochs` (batches of `data.train_batch_size`, the last partial one
+dropped), or `trainer.total_training_steps` when set (verl/trainer/ppo/ray_trainer.py `_create_dataloader`).
+The watch starts from that total computed on the composed config and the training set's row count
+(pipeline/train/verl_progress.py `verl_schedule`, the total the resume check holds verl to too) and takes verl's own figure from its line
+`Total training steps: N` once printed (it can be lower: `data.filter_overlong_prompts` drops rows first).
+
 `VerlHealthWatch` is fed every line: a step is judged once both its step line and its dump line have been
 seen (the dump is written by a background thread, before or after the step line), or without the dump's
 figures when the next step's line arrives first. A breach raises `BreachSeen` from inside the stream loop,
@@ -41,6 +48,7 @@ log = logging.getLogger(__name__)
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.+)$")
 _DUMP_LINE = re.compile(r"Dumped generations to (\S*?(\d+)\.jsonl)")
 _NUMBER = re.compile(r"^(?:np\.\w+\(|tensor\()?\s*([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+|nan|inf))")
+_TOTAL_LINE = re.compile(r"Total training steps: (\d+)")
 TRAINING_KEY = "critic/score/mean"
 """A step line carrying this is a training step (validation-only lines, e.g. step 0, are not judged)."""
 
@@ -97,8 +105,9 @@ class BreachSeen(Exception):
 class VerlHealthWatch:
     """Feed verl's output lines (`__call__`); raises `BreachSeen` on a breach."""
 
-    def __init__(self, cfg: HealthConfig, rollout_dir: Path | None) -> None:
-        self.gate = HealthGate(cfg, VERL_METRICS)
+    def __init__(self, cfg: HealthConfig, rollout_dir: Path | None, total_steps: int) -> None:
+        self.gate = HealthGate(cfg, VERL_METRICS, total_steps)
+        """Its `total_steps` starts as the composed config's total and becomes verl's own once printed."""
         self.rollout_dir = rollout_dir
         """verl's `trainer.rollout_data_dir`, or None when it dumps nothing (steps judged on their line)."""
         self.pending: dict[int, dict[str, float]] = {}
@@ -107,6 +116,10 @@ class VerlHealthWatch:
 
     def __call__(self, line: str) -> None:
         if not self.gate.cfg.enabled:
+            return
+        total = _TOTAL_LINE.search(line)
+        if total:
+            self.gate.total_steps = int(total.group(1))
             return
         dump = _DUMP_LINE.search(line)
         if dump:
