@@ -99,7 +99,7 @@ def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: 
     # one repro, one parent run: the gepa stage opened it, train continued it
     assert {r.data.tags.get("stage") for r in children} >= {"gepa", "train", "evaluate", "register"}
     note = client.get_run(parent_id).data.tags["mlflow.note.content"]
-    assert "GEPA optimised the environment's instruction" in note and "Registered" in note
+    assert re.search(r"GEPA (kept the seed instruction|chose a proposal) ", note) and "Registered" in note
 
     # nothing changed: nothing reruns but `sources` (always_changed: it re-fingerprints the raw sources,
     # writes byte-identical files, so every stage after it is skipped)
