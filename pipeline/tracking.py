@@ -362,17 +362,23 @@ def dvc_md5(path: Path) -> str | None:
     return digest.hexdigest()
 
 
+def _active_parent() -> tuple[Any, str | None]:
+    """(an MLflow client, the id of the active stage run's parent); the id is None without an active run or
+    without a parent."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    child = mlflow.active_run()
+    if child is None:
+        return client, None
+    return client, client.get_run(child.info.run_id).data.tags.get("mlflow.parentRunId")
+
+
 def link_parent_to_model_version(name: str, version: str, model_id: str | None) -> str | None:
     """On the parent of the active stage run: tags naming the registered version (`registered_model_version`:
     `models:/<name>/<version>`; `registered_model_page`: the UI page's path) and, in MLflow 3, the logged
     model as an output of the parent (its "Logged models" section). Returns the parent's id, None without one."""
-    import mlflow
-
-    child = mlflow.active_run()
-    if child is None:
-        return None
-    client = mlflow.MlflowClient()
-    parent = client.get_run(child.info.run_id).data.tags.get("mlflow.parentRunId")
+    client, parent = _active_parent()
     if parent is None:
         return None
     client.set_tag(parent, "registered_model_version", f"models:/{name}/{version}")
@@ -387,14 +393,9 @@ def link_parent_to_model_version(name: str, version: str, model_id: str | None) 
 def log_parent_metrics(metrics: dict[str, float]) -> str | None:
     """Log `metrics` (finite numbers only) on the parent of the active stage run: the figures a person
     compares pipeline runs on (`pipeline.headline`). Returns the parent's id, None without a parent."""
-    import mlflow
     from mlflow.entities import Metric
 
-    child = mlflow.active_run()
-    if child is None:
-        return None
-    client = mlflow.MlflowClient()
-    parent = client.get_run(child.info.run_id).data.tags.get("mlflow.parentRunId")
+    client, parent = _active_parent()
     if parent is None:
         return None
     now = int(time.time() * 1000)

@@ -233,7 +233,8 @@ def nearest_relation(
 ) -> str | None:
     """The relation (of `known`) whose word in `words` is nearest a subject span (first, last word index);
     ties: the earlier word. None when no word of `words` names a relation in `known`. The environment's rule
-    (pipeline/environment/hops.py), also used to word the questions so that each resolves to its first hop."""
+    (pipeline/environment/hops.py); the question wordings are checked against it, so each resolves to its
+    first hop."""
     best: tuple[int, int, str] | None = None
     for i, word in enumerate(words):
         for relation in known:
