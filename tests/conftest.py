@@ -58,7 +58,8 @@ def llama_server(tmp_path_factory):
 
     params = load_params(REPO_ROOT / "params.yaml", {
         "paths": {"cache_dir": str(tmp_path_factory.mktemp("llama_server"))},
-        "environment": {"port": free_port(), "base_url": "", "server": {"n_ctx": 2048, "startup_timeout_s": 120}},
+        "environment": {"port": free_port(), "base_url": "", "concurrency": 8,
+                        "server": {"n_ctx": 2048, "startup_timeout_s": 120, "parallel": 8}},
     })
     with environment_server(params) as url:
         yield url

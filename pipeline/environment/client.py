@@ -336,6 +336,10 @@ class EnvironmentClient:
                 delay = retry_after_seconds(exc.response)
             except (openai.APITimeoutError, TimeoutError):
                 error = f"timeout after {self.cfg.timeout_s:g}s"
+                # Said at WARNING even when a retry then succeeds: on a llama.cpp server the abandoned request
+                # changed what its slot holds, so the run's later replies may differ from an unloaded run's.
+                logger.warning("environment call timed out after %gs (attempt %d of %d): %s", self.cfg.timeout_s,
+                               attempt + 1, self.cfg.max_retries + 1, shorten(messages[-1]["content"], 80))
             except openai.APIConnectionError as exc:
                 error = f"connection error: {shorten(str(exc.__cause__ or exc))}"
             except (MalformedReply, openai.APIResponseValidationError) as exc:

@@ -1,0 +1,161 @@
+"""Does `dvc repro` reproduce its own numbers? The default profile run several times from fresh clones of HEAD,
+idle and with one core kept busy; each stage's time, the figures that differ between runs, the calls that
+timed out.
+
+    python benchmarks/bench_repro.py                       # idle, idle, loaded, loaded (~45 min on 2 cores)
+    python benchmarks/bench_repro.py --loads idle idle     # one pair
+    python benchmarks/bench_repro.py --keep DIR            # keep the clones (DIR/run1, DIR/run2, ...)
+
+Each run: `git clone` of the committed HEAD (so an empty `.cache/`, no outputs, and the datasets mirror
+`../shared/datasets` passed as an absolute path), then `dvc repro -f` with its output piped and every line
+timestamped (stage times from DVC's `Running stage` lines, as benchmarks/bench_pipeline.py does). A
+`loaded` run keeps one core busy the whole time with a spinning process of its own (2 cores: the pipeline
+gets one). Run it on an otherwise idle machine: the idle figures are the ones the README quotes.
+
+Compared between every run and the first: each reward column of `reports/train/steps.csv` (every column
+but times and speeds) and every number in `reports/eval/metrics.json` except the timing and throughput
+fields (`seconds`, `_s`, `per_s`, `tokens_per_s`, ...), which measure the machine, not the result. A figure
+that differs is listed by name in `differing`; the console lines where an environment call timed out are
+listed in `timeouts`. Writes benchmarks/results/repro.json:
+`{"runs": [{"load", "total_s", "stages": {stage: s}}], "differing": [...], "timeouts": [...], ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pipeline import REPO, RESULTS, machine, stage_seconds
+
+TIMING = re.compile(r"(^|[._/])(seconds|wall|latency|elapsed|duration|timing|throughput|hours)|(_s|_per_s|_time)$")
+"""Figures that measure the machine (a name part or suffix), left out of the comparison."""
+TIMEOUT_LINE = re.compile(r"environment call timed out|timeout after")
+SPIN = "import time\nwhile True:\n    time.time()\n"
+
+
+def clone(workdir: Path, name: str) -> tuple[Path, str]:
+    """A fresh clone of HEAD at workdir/name, its params pointing at the datasets mirror by absolute path."""
+    project = workdir / name
+    subprocess.run(["git", "clone", "-q", str(REPO), str(project)], check=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=project, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    params_file = project / "params.yaml"
+    raw = yaml.safe_load(params_file.read_text())
+    raw["paths"]["mirror"] = str((REPO.parent / "shared" / "datasets").resolve())
+    params_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return project, commit
+
+
+def run_repro(project: Path, load: str) -> tuple[float, list[tuple[float, str]]]:
+    """`dvc repro -f` in `project` (a spinning process beside it when `load` is "loaded")."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    for key in ("MLFLOW_TRACKING_URI", "FORCE_COLOR"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = str(project)  # the clone's code, not the editable install's checkout
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN]) if load == "loaded" else None
+    started = time.perf_counter()
+    lines: list[tuple[float, str]] = []
+    try:
+        proc = subprocess.Popen(["dvc", "repro", "-f"], cwd=project, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.perf_counter() - started, line.rstrip("\n")))
+            print(line, end="", flush=True)
+        code = proc.wait()
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    if code != 0:
+        sys.exit(f"dvc repro -f failed with exit code {code} in {project}")
+    return time.perf_counter() - started, lines
+
+
+def figures(project: Path) -> dict[str, object]:
+    """The figures a run is judged by: steps.csv's reward columns per step, metrics.json's numbers."""
+    out: dict[str, object] = {}
+    with (project / "reports/train/steps.csv").open() as fh:
+        for row in csv.DictReader(fh):
+            for key, value in row.items():
+                if key != "step" and not TIMING.search(key):
+                    out[f"train/steps.csv:step{row.get('step')}:{key}"] = value
+
+    def walk(prefix: str, node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not TIMING.search(str(key)):
+                    walk(f"{prefix}.{key}" if prefix else str(key), value)
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(f"{prefix}[{i}]", value)
+        elif isinstance(node, int | float | str | bool) or node is None:
+            out[f"eval/metrics.json:{prefix}"] = node
+
+    walk("", json.loads((project / "reports/eval/metrics.json").read_text()))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loads", nargs="+", choices=["idle", "loaded"], default=["idle", "idle", "loaded", "loaded"])
+    parser.add_argument("--keep", type=Path, help="clone into this folder and keep the clones")
+    parser.add_argument("--out", type=Path, default=RESULTS / "repro.json")
+    args = parser.parse_args()
+
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="promptr1-repro-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, object]] = []
+    seen: list[dict[str, object]] = []
+    timeouts: list[str] = []
+    commit = ""
+    for i, load in enumerate(args.loads, start=1):
+        project, commit = clone(workdir, f"run{i}")
+        print(f"== run {i} of {len(args.loads)} ({load}) in {project}", flush=True)
+        total, lines = run_repro(project, load)
+        runs.append({"load": load, "total_s": round(total, 1), "stages": stage_seconds(lines, total)})
+        timeouts += [f"run {i} ({load}) at {t:.0f}s: {text.strip()}" for t, text in lines if TIMEOUT_LINE.search(text)]
+        seen.append(figures(project))
+        if not args.keep:
+            shutil.rmtree(project, ignore_errors=True)
+    first = seen[0]
+    differing = sorted({key for other in seen[1:] for key in first.keys() | other.keys()
+                        if first.get(key) != other.get(key)})
+    result = {
+        "what": "dvc repro -f, default profile, fresh clones of one commit; figures compared with the first run",
+        "command": "python benchmarks/bench_repro.py --loads " + " ".join(args.loads),
+        "commit": commit,
+        "machine": machine(),
+        "runs": runs,
+        "figures_compared": len(first),
+        "differing": differing,
+        "timeouts": timeouts,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for i, run in enumerate(runs, start=1):
+        stages = ", ".join(f"{name} {s:.0f}s" for name, s in run["stages"].items())
+        print(f"run {i} ({run['load']}): {run['total_s']:.0f}s: {stages}")
+    print(f"{len(differing)} of {len(first)} figures differ" + (f": {differing[:20]}" if differing else ""))
+    print(f"{len(timeouts)} environment calls timed out" + "".join(f"\n  {t}" for t in timeouts))
+    if not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if differing:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
