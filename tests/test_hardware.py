@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -88,8 +89,28 @@ def test_the_trainer_resolves_train_autocast(tiny_llama_dir, params, no_native_b
 
 def test_server_threads_auto_is_the_usable_cores_and_a_number_is_kept(monkeypatch):
     monkeypatch.setattr(hardware, "usable_cores", lambda: 16)
+    monkeypatch.setattr(hardware, "busy_cores", lambda: 0.1)
     assert hardware.server_threads("auto") == 16
     assert hardware.server_threads(3) == 3
+    monkeypatch.setattr(hardware, "busy_cores", lambda: 2.9)
+    assert hardware.server_threads("auto") == 13
+    monkeypatch.setattr(hardware, "busy_cores", lambda: 40.0)
+    assert hardware.server_threads("auto") == 1
+
+
+def test_busy_cores_sees_a_spinning_process():
+    import subprocess
+    import sys
+
+    idle = hardware.busy_cores()
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n    time.time()"])
+    try:
+        time.sleep(0.3)
+        busy = hardware.busy_cores()
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy >= 0.75 and busy > idle, (idle, busy)
 
 
 def test_usable_cores_is_the_affinity_mask():
