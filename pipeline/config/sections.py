@@ -73,7 +73,8 @@ class ServerConfig(_Section):
     engine: Literal["llama.cpp", "llama-cpp-python"] = Field(
         "llama.cpp", description="llamacpp backend: llama.cpp's own batching server (the xllamacpp wheel, "
         "pipeline.environment.llama_server) or llama-cpp-python's one-request-at-a-time server.")
-    parallel: int = Field(8, ge=1, le=256, description="llama.cpp engine: requests decoded together (slots).")
+    parallel: int = Field(1, ge=1, le=256, description="llama.cpp engine: requests decoded together (slots). 1, with "
+                          "environment.concurrency 1: a reply never depends on which calls were decoded beside it.")
     startup_timeout_s: float = Field(180.0, gt=0, le=7200, description="Wait this long for /v1/models to answer.")
     tensor_parallel_size: int = Field(8, ge=1, le=64, description="vLLM: GPUs one replica spans.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of each GPU's memory.")
@@ -135,7 +136,8 @@ class EnvironmentConfig(_Section):
                                        "environment under the run's load; pipeline/environment/budget.py.")
     max_retries: int = Field(5, ge=0, le=20)
     backoff_base_s: float = Field(0.5, ge=0, le=60)
-    concurrency: int = Field(8, ge=1, le=1024, description="Environment calls in flight at once (0 would hang).")
+    concurrency: int = Field(1, ge=1, le=1024, description="Environment calls in flight at once (0 would hang); 1 "
+                             "sends them one at a time in a fixed order (reproducible replies from a llama.cpp server).")
     cache: bool = True
     price_per_million_prompt: float = Field(0.0, ge=0)
     price_per_million_completion: float = Field(0.0, ge=0)
