@@ -108,18 +108,21 @@ def busy_cores(sample_s: float = 0.5) -> float:
 
 
 def server_threads(setting: int | str) -> int:
-    """llama.cpp threads for `environment.server.n_threads`: an int is kept; auto = the usable cores less those
-    other work keeps busy when the server starts (at least one).
+    """llama.cpp threads for `environment.server.n_threads`: an int is kept; auto = the usable cores.
 
-    Why not every core on a loaded machine: llama.cpp's threads meet at a barrier after every operation, so
-    when one of them waits for a core that another process holds, every token waits for the scheduler. On 2
-    cores with one kept busy, 2 threads decoded 0.33 tokens/s and every environment call timed out; 1 thread
-    decoded as fast as 1 thread on an idle machine. The thread count does not change the replies (12 of 12
-    the same with 1 and 2 threads), so runs stay reproducible."""
+    The count is fixed by params, never by the load: llama.cpp's results depend on it (the agent's f16 server
+    sampled other tokens for 6 of 9 prompts with 1 thread than with 2), and a run must give the same figures
+    idle or loaded. What load does to speed is said instead: llama.cpp's threads meet at a barrier after every
+    operation, so when other work holds one of the cores every token waits for the scheduler (on 2 cores
+    with one kept busy, 2 threads decoded 0.33 tokens/s against ~17 idle, and environment calls timed out).
+    Starting a server with every core while other work keeps some busy logs a warning naming the setting."""
     if isinstance(setting, int):
         return setting
     usable = usable_cores()
     busy = min(usable - 1, int(busy_cores() + 0.25))
     if busy > 0:
-        logger.info("llama.cpp server threads: %d of %d cores (other work keeps ~%d busy)", usable - busy, usable, busy)
-    return usable - busy
+        logger.warning("other work keeps ~%d of %d cores busy: a llama.cpp server with %d threads waits for it at "
+                       "every operation (0.33 tokens/s measured with 1 of 2 busy); on a shared machine set "
+                       "environment.server.n_threads: %d (its figures differ from a %d-thread run's)",
+                       busy, usable, usable, usable - busy, usable)
+    return usable

@@ -92,10 +92,8 @@ def test_server_threads_auto_is_the_usable_cores_and_a_number_is_kept(monkeypatc
     monkeypatch.setattr(hardware, "busy_cores", lambda: 0.1)
     assert hardware.server_threads("auto") == 16
     assert hardware.server_threads(3) == 3
-    monkeypatch.setattr(hardware, "busy_cores", lambda: 2.9)
-    assert hardware.server_threads("auto") == 13
-    monkeypatch.setattr(hardware, "busy_cores", lambda: 40.0)
-    assert hardware.server_threads("auto") == 1
+    monkeypatch.setattr(hardware, "busy_cores", lambda: 2.9)  # load never changes the count: it changes results
+    assert hardware.server_threads("auto") == 16
 
 
 def test_busy_cores_sees_a_spinning_process():
