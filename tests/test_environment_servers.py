@@ -64,7 +64,7 @@ def test_llamacpp_command_from_params(local_params, engine, module):
     assert cmd[:3] == [sys.executable, "-m", module]
     args = dict(zip(cmd[3:-2:2], cmd[4:-2:2], strict=True))
     if engine == "llama.cpp":
-        assert args.pop("--n_parallel") == "8"
+        assert args.pop("--n_parallel") == "1"  # params.yaml: one call at a time (reproducible replies)
     assert args["--model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and Path(args["--model"]).is_file()
     assert args["--model_alias"] == "smollm2-135m-instruct"
     assert (args["--host"], args["--port"]) == ("127.0.0.1", str(cfg.port))
