@@ -2,7 +2,7 @@
 idle and with one core kept busy; each stage's time, the figures that differ between runs, the calls that
 timed out.
 
-    python benchmarks/bench_repro.py                       # idle, idle, loaded, loaded (~45 min on 2 cores)
+    python benchmarks/bench_repro.py                       # idle, idle, loaded, loaded (~80 min on our 2 cores)
     python benchmarks/bench_repro.py --loads idle idle     # one pair
     python benchmarks/bench_repro.py --keep DIR            # keep the clones (DIR/run1, DIR/run2, ...)
 
