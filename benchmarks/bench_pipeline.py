@@ -34,10 +34,36 @@ RESULTS = REPO / "benchmarks" / "results"
 STAGE_LINE = re.compile(r"Running stage '([^']+)'")
 
 
-def timed_repro(project: Path, env: dict[str, str]) -> tuple[float, list[tuple[float, str]]]:
-    """One `dvc repro`, output piped; returns its wall time and every line with its time since start."""
+def clone_head(project: Path) -> str:
+    """A fresh clone of this repo's committed HEAD at `project`, its params pointing at the datasets mirror
+    (`../shared/datasets` of this repo) by absolute path; returns the short commit."""
+    subprocess.run(["git", "clone", "-q", str(REPO), str(project)], check=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=project, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    params_file = project / "params.yaml"
+    raw = yaml.safe_load(params_file.read_text())
+    raw["paths"]["mirror"] = str((REPO.parent / "shared" / "datasets").resolve())
+    params_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return commit
+
+
+def repro_env(project: Path) -> dict[str, str]:
+    """The environment `dvc repro` runs under in a clone: this interpreter's tools first, no tracking URI or
+    forced colour from the caller, and the clone's own code (not the editable install's checkout, which may
+    hold uncommitted work)."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("FORCE_COLOR", None)
+    env["PYTHONPATH"] = str(project)
+    return env
+
+
+def timed_repro(project: Path, env: dict[str, str], command: tuple[str, ...] = ("dvc", "repro"),
+                ) -> tuple[float, list[tuple[float, str]]]:
+    """One `dvc repro` (or `command`), output piped; returns its wall time and every line with its time since start."""
     started = time.perf_counter()
-    proc = subprocess.Popen(["dvc", "repro"], cwd=project, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(list(command), cwd=project, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[tuple[float, str]] = []
     assert proc.stdout is not None
@@ -47,7 +73,7 @@ def timed_repro(project: Path, env: dict[str, str]) -> tuple[float, list[tuple[f
     code = proc.wait()
     elapsed = time.perf_counter() - started
     if code != 0:
-        sys.exit(f"dvc repro failed with exit code {code}")
+        sys.exit(f"{' '.join(command)} failed with exit code {code} in {project}")
     return elapsed, lines
 
 
@@ -77,21 +103,8 @@ def main() -> None:
 
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="promptr1-bench-"))
     project = workdir / "project"
-    subprocess.run(["git", "clone", "-q", str(REPO), str(project)], check=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=project, capture_output=True,
-                            text=True, check=True).stdout.strip()
-    mirror = (REPO.parent / "shared" / "datasets").resolve()
-    params_file = project / "params.yaml"
-    raw = yaml.safe_load(params_file.read_text())
-    raw["paths"]["mirror"] = str(mirror)
-    params_file.write_text(yaml.safe_dump(raw, sort_keys=False))
-
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.pop("MLFLOW_TRACKING_URI", None)
-    env.pop("FORCE_COLOR", None)
-    # The clone's own code, not the editable install's checkout (which may hold uncommitted work).
-    env["PYTHONPATH"] = str(project)
+    commit = clone_head(project)
+    env = repro_env(project)
 
     total, lines = timed_repro(project, env)
     timings = stage_seconds(lines, total)

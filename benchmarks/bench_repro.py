@@ -25,19 +25,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import REPO, RESULTS, machine, stage_seconds
+from bench_pipeline import RESULTS, clone_head, machine, repro_env, stage_seconds, timed_repro
 
 TIMING = re.compile(r"(^|[._/])(seconds|wall|latency|elapsed|duration|timing|throughput|hours)|(_s|_per_s|_time)$")
 """Figures that measure the machine (a name part or suffix), left out of the comparison."""
@@ -45,44 +41,15 @@ TIMEOUT_LINE = re.compile(r"environment call timed out|timeout after")
 SPIN = "import time\nwhile True:\n    time.time()\n"
 
 
-def clone(workdir: Path, name: str) -> tuple[Path, str]:
-    """A fresh clone of HEAD at workdir/name, its params pointing at the datasets mirror by absolute path."""
-    project = workdir / name
-    subprocess.run(["git", "clone", "-q", str(REPO), str(project)], check=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=project, capture_output=True,
-                            text=True, check=True).stdout.strip()
-    params_file = project / "params.yaml"
-    raw = yaml.safe_load(params_file.read_text())
-    raw["paths"]["mirror"] = str((REPO.parent / "shared" / "datasets").resolve())
-    params_file.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return project, commit
-
-
 def run_repro(project: Path, load: str) -> tuple[float, list[tuple[float, str]]]:
     """`dvc repro -f` in `project` (a spinning process beside it when `load` is "loaded")."""
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    for key in ("MLFLOW_TRACKING_URI", "FORCE_COLOR"):
-        env.pop(key, None)
-    env["PYTHONPATH"] = str(project)  # the clone's code, not the editable install's checkout
     spinner = subprocess.Popen([sys.executable, "-c", SPIN]) if load == "loaded" else None
-    started = time.perf_counter()
-    lines: list[tuple[float, str]] = []
     try:
-        proc = subprocess.Popen(["dvc", "repro", "-f"], cwd=project, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append((time.perf_counter() - started, line.rstrip("\n")))
-            print(line, end="", flush=True)
-        code = proc.wait()
+        return timed_repro(project, repro_env(project), ("dvc", "repro", "-f"))
     finally:
         if spinner is not None:
             spinner.kill()
             spinner.wait()
-    if code != 0:
-        sys.exit(f"dvc repro -f failed with exit code {code} in {project}")
-    return time.perf_counter() - started, lines
 
 
 def figures(project: Path) -> dict[str, object]:
@@ -123,7 +90,8 @@ def main() -> None:
     timeouts: list[str] = []
     commit = ""
     for i, load in enumerate(args.loads, start=1):
-        project, commit = clone(workdir, f"run{i}")
+        project = workdir / f"run{i}"
+        commit = clone_head(project)
         print(f"== run {i} of {len(args.loads)} ({load}) in {project}", flush=True)
         total, lines = run_repro(project, load)
         runs.append({"load": load, "total_s": round(total, 1), "stages": stage_seconds(lines, total)})
