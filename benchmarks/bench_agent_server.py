@@ -3,6 +3,7 @@
     python benchmarks/bench_agent_server.py [--conversations 16] [--out benchmarks/results/agent_server.json]
     python benchmarks/bench_agent_server.py --dtypes f16,q8_0,template --out benchmarks/results/agent_server_dtypes.json
     python benchmarks/bench_agent_server.py --beside-env 2+2,1+1,2+1 --out benchmarks/results/agent_server_beside_env.json
+    python benchmarks/bench_agent_server.py --flash-attn -1,0 --out benchmarks/results/agent_server_flash_attn.json
 
 Writes the untrained agent (`agent.model`, dequantised by transformers) as an F16 GGUF with
 pipeline.agent.gguf_export (what `promptr1 evaluate` serves), then for each server configuration starts
@@ -13,6 +14,8 @@ pipeline.environment.llama_server and sends N conversations at once, two rounds:
 Reported per configuration and round: wall seconds, completion tokens/s over all conversations, and the
 prompt tokens the server read from its cache. Run it alone: on 2 cores anything else running distorts it.
 
+`--flash-attn`: the same two rounds on 16 split slots for each llama.cpp flash-attention setting (-1 auto, which
+turns it on for this model; 0 off, what the pipeline's agent server uses: pipeline.environment.spec).
 `--dtypes`: the same two rounds on 16 split slots for each matrix type of the export. `--beside-env A+E,...`:
 the agent server with A threads runs the two rounds while the environment server (`environment.model`, 8
 slots, E threads) is kept busy by 8 requests in flight (64 tokens each, repeated): what training rollouts and
@@ -62,10 +65,11 @@ def _export(tmp: Path, dtype: str = "f16") -> Path:
     return export_gguf(tmp / "agent", resolved.location, tmp / f"agent-{dtype}.gguf", dtype)
 
 
-def _serve(gguf: Path, port: int, slots: int, unified: bool, log: Path, threads: int = 2) -> subprocess.Popen:
+def _serve(gguf: Path, port: int, slots: int, unified: bool, log: Path, threads: int = 2,
+           extra: tuple[str, ...] = ()) -> subprocess.Popen:
     command = [sys.executable, "-m", "pipeline.environment.llama_server", "--model", str(gguf),
                "--model_alias", "agent", "--port", str(port), "--n_ctx", "2112", "--n_parallel", str(slots),
-               "--kv_unified", "true" if unified else "false", "--n_threads", str(threads)]
+               "--kv_unified", "true" if unified else "false", "--n_threads", str(threads), *extra]
     with open(log, "w") as err:  # the child keeps its own descriptor
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
     for _ in range(300):
@@ -137,6 +141,31 @@ def _compare_dtypes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_flash_attn(args: argparse.Namespace) -> int:
+    results = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        gguf = _export(tmp, "f16")
+        for setting in args.flash_attn.split(","):
+            process = _serve(gguf, args.port, 16, False, tmp / "server.log", extra=("--flash_attn_type", setting))
+            try:
+                row = {"flash_attn_type": int(setting),
+                       **_conversation_rounds(f"http://127.0.0.1:{args.port}/v1", args.conversations)}
+            finally:
+                process.terminate()
+                process.wait(30)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    out = {"what": "llama.cpp server (xllamacpp) serving the agent (SmolLM2-135M-Instruct, F16 GGUF export) with "
+                   "flash attention auto (-1: on for this model) and off (0), "
+                   f"{args.conversations} conversations at once on 16 split slots, 64 completion tokens each, "
+                   "2 CPU threads", "command": f"python benchmarks/bench_agent_server.py --flash-attn {args.flash_attn}",
+           "cpus": os.cpu_count(), "results": results}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"written to {args.out}")
+    return 0
+
+
 def _beside_env(args: argparse.Namespace) -> int:
     import threading
 
@@ -199,7 +228,11 @@ def main() -> int:
                              "'template' = agent.model's own GGUF file), 16 split slots each")
     parser.add_argument("--beside-env", default="",
                         help="thread splits agent+environment to compare with the environment busy, e.g. 2+2,1+1")
+    parser.add_argument("--flash-attn", default="",
+                        help="compare llama.cpp flash-attention settings instead (comma-separated: -1 auto, 0 off)")
     args = parser.parse_args()
+    if args.flash_attn:
+        return _compare_flash_attn(args)
     if args.dtypes:
         return _compare_dtypes(args)
     if args.beside_env:

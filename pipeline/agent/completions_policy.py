@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.agent.policy import FinishReason, Generation, PolicyBackend
@@ -44,16 +43,20 @@ class OpenAICompletionsPolicy(PolicyBackend):
         self.model = model
         self.tokenizer = tokenizer
         self.concurrency = concurrency
+        """The server's slots: the most samples of one prompt a request asks for (llama.cpp refuses more)."""
         self.token_prompts = token_prompts
         """True: send id lists; False: send text; None: try ids once, fall back to text on a 4xx."""
+        self.timeout_s = timeout_s
+        """Seconds one server slot may take over one prompt; a request of several prompts gets this for each
+        round of them the server's slots (`concurrency`) must take in turn."""
         self._client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
         self._lock = threading.Lock()
         self.sampling = dict(sampling or {})
         """Extra sampler fields sent with every request (llama.cpp: top_k 0, min_p 0: pipeline.agent.served)."""
         self.seed = seed
-        """Sampling seed: request i of the k-th `generate` call is sent seed + k * 100003 + i, so a run's
-        samples depend on (seed, call, position) only, not on which request the server finishes first.
-        None: the server's own randomness."""
+        """Sampling seed: request r of the k-th `generate` call is sent seed + k * 100003 + r * 1009 (one
+        request in the common case; see `batched_requests`), so a run's samples depend on (seed, call, the
+        prompts) only. None: the server's own randomness."""
         self._calls = 0
         self.logprob_mismatches = 0
         """Generations whose re-encoded ids did not line up with the server's log-probs (log-probs dropped)."""
@@ -76,39 +79,60 @@ class OpenAICompletionsPolicy(PolicyBackend):
 
     def _generate_all(self, prompts: list[list[int]], limits: list[int], temperature: float, top_p: float,
                       stop: list[str], return_logprobs: bool) -> list[Generation]:
-        if self.seed is None:
-            seeds: list[int | None] = [None] * len(prompts)
-        else:
-            seeds = [self.seed + self._calls * 100_003 + i for i in range(len(prompts))]
+        out: list[Generation | None] = [None] * len(prompts)
+        call = self._calls
         self._calls += 1
-        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
-            return list(pool.map(lambda args: self._one(*args, temperature, top_p, stop, return_logprobs),
-                                 zip(prompts, limits, seeds, strict=True)))
+        for i, limit in enumerate(limits):
+            if limit <= 0:
+                out[i] = Generation([], [] if return_logprobs else None, "", "length")
+        for r, (limit, unique, n) in enumerate(batched_requests(prompts, limits, self.concurrency)):
+            seed = None if self.seed is None else self.seed + call * 100_003 + r * 1_009
+            body: dict[str, Any] = {"model": self.model, "max_tokens": limit, "temperature": temperature,
+                                    "top_p": top_p, "stop": stop or None, **self.sampling}
+            if n > 1:
+                body["n"] = n
+            if seed is not None:
+                body["seed"] = seed
+            if return_logprobs:
+                body["logprobs"] = 1
+            reply = self._request([prompts[u[0]] for u in unique], body,
+                                  timeout_s=self.timeout_s * max(1, math.ceil(len(unique) * n / self.concurrency)))
+            usage = reply.get("usage") or {}
+            with self._lock:
+                self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                self.cached_prompt_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            choices = sorted(reply["choices"], key=lambda c: int(c.get("index") or 0))
+            if len(choices) != len(unique) * n:
+                raise RuntimeError(f"agent server {self.base_url}: {len(choices)} choices for {len(unique)} prompts "
+                                   f"x n={n}")
+            for k, positions in enumerate(unique):
+                for c, i in enumerate(positions):  # choice index = prompt x n + sample (llama.cpp and vLLM)
+                    out[i] = self._generation(choices[k * n + c], stop, return_logprobs)
+        assert all(g is not None for g in out)
+        return out  # type: ignore[return-value]
 
-    def _request(self, prompt: list[int], body: dict[str, Any]) -> dict[str, Any]:
+    def _request(self, prompts: list[list[int]], body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         import httpx
 
         url = f"{self.base_url}/completions"
         if self.token_prompts is not False:
-            response = self._client.post(url, json={**body, "prompt": prompt})
+            response = self._client.post(url, json={**body, "prompt": prompts}, timeout=timeout_s)
             if response.status_code < 400:
-                with self._lock:
-                    self.token_prompts = True
+                self.token_prompts = True
                 return response.json()
             if self.token_prompts is True:
                 response.raise_for_status()
             # Unknown support: llama.cpp's server answers an id list with 500 (its schema takes strings
             # only), vLLM would accept it. Try text; only its success settles the question.
             logger.info("%s refused a token-id prompt (HTTP %d): trying text", url, response.status_code)
-        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
-        response = self._client.post(url, json={**body, "prompt": text})
+        texts = [self.tokenizer.decode(prompt, skip_special_tokens=False) for prompt in prompts]
+        response = self._client.post(url, json={**body, "prompt": texts}, timeout=timeout_s)
         try:
             response.raise_for_status()
         except httpx.HTTPStatusError as exc:
             raise RuntimeError(f"agent server {url}: HTTP {response.status_code}: {response.text[:300]}") from exc
         if self.token_prompts is None:
-            with self._lock:
-                self.token_prompts = False
+            self.token_prompts = False
         return response.json()
 
     def _sampled_ids(self, choice: dict[str, Any], server_text: str) -> tuple[list[int], list[float]] | None:
@@ -132,24 +156,8 @@ class OpenAICompletionsPolicy(PolicyBackend):
         lps = [float(c["logprob"]) if isinstance(c.get("logprob"), (int, float)) else math.nan for c in content]
         return ids, lps
 
-    def _one(
-        self, prompt: list[int], limit: int, seed: int | None, temperature: float, top_p: float, stop: list[str],
-        return_logprobs: bool,
-    ) -> Generation:
-        if limit <= 0:
-            return Generation([], [] if return_logprobs else None, "", "length")
-        body: dict[str, Any] = {"model": self.model, "max_tokens": limit, "temperature": temperature,
-                                "top_p": top_p, "stop": stop or None, **self.sampling}
-        if seed is not None:
-            body["seed"] = seed
-        if return_logprobs:
-            body["logprobs"] = 1
-        reply = self._request(prompt, body)
-        usage = reply.get("usage") or {}
-        with self._lock:
-            self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-            self.cached_prompt_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        choice = reply["choices"][0]
+    def _generation(self, choice: dict[str, Any], stop: list[str], return_logprobs: bool) -> Generation:
+        """One choice of a reply as a `Generation`: the stop string put back, the sampled ids and log-probs."""
         text: str = choice.get("text") or ""
         server_text = text
         finish = choice.get("finish_reason") or "length"
@@ -192,6 +200,39 @@ class OpenAICompletionsPolicy(PolicyBackend):
                 logger.debug("server returned %d log-probs for %d re-encoded tokens; log-probs dropped",
                              len(server), len(ids))
         return Generation(token_ids=ids, logprobs=logprobs, text=text, finish_reason=reason)
+
+
+def batched_requests(prompts: list[list[int]], limits: list[int],
+                     slots: int) -> list[tuple[int, list[list[int]], int]]:
+    """How one `generate` call's prompts go to the server: (max_tokens, positions of each distinct prompt, n)
+    per request, sent one after another.
+
+    Why one request and not one per prompt: a llama.cpp server decodes the sequences of all busy slots in one
+    batch, and the floating-point result of a step depends on that batch (which sequences share it, at which
+    position each one entered). Requests sent one per prompt enter the server whenever their HTTP call
+    arrives, so the same prompts with the same seeds sampled different tokens from run to run, most often
+    under load. A request holding every prompt is queued by the server in one piece: the slots are filled,
+    and freed slots refilled, at the same decode steps on every run, so the samples depend on the prompts
+    and the seed alone.
+
+    The server gives every prompt of a request the request's seed, so identical prompts (a GRPO group's G
+    copies) are asked for once with `n` samples (each sample its own seed server-side); `n` is capped by
+    the server's slots. Prompts with different token limits, or repeated a different number of times, go
+    in separate requests (a rare case: a trajectory near its response budget); each request gets its own
+    seed, so no two requests repeat a sample.
+    """
+    by_limit: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+        if limit > 0:
+            by_limit.setdefault(limit, {}).setdefault(tuple(prompt), []).append(i)
+    requests: list[tuple[int, list[list[int]], int]] = []
+    for limit, groups in by_limit.items():
+        left = [list(positions) for positions in groups.values()]
+        while left:
+            n = max(1, min(min(len(p) for p in left), slots))
+            requests.append((limit, [p[:n] for p in left], n))
+            left = [p[n:] for p in left if len(p) > n]
+    return requests
 
 
 def _token_logprobs(logprobs: dict[str, Any]) -> list[Any]:

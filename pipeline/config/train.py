@@ -167,10 +167,9 @@ class TrainConfig(_Section):
         "fine-tune of a Llama agent whose agent.model is a GGUF file, else transformers.")
     rollout_slots: int = Field(
         0, ge=0, description="rollout_engine llama.cpp: the server's parallel slots for a step's rollout; 0 = one "
-        "per trajectory (all decoded in one batch). llama.cpp's numerics depend on which sequences share a "
-        "decode batch (log-probs move by ~1e-3 nats), so with several slots a repeated step samples the same "
-        "requests but can differ where a sample is a near-tie; 1 makes a step's samples bit-reproducible at "
-        "the cost of decoding the trajectories one at a time.")
+        "per trajectory (all decoded in one batch); 1 = one at a time (slower). Either way a repeated step "
+        "samples the same tokens: each turn's prompts reach the server in one request, so which sequences "
+        "share a decode batch (llama.cpp's numerics depend on it) is the same on every run.")
     rollout_gguf_dtype: Literal["f16", "f32", "bf16", "q8_0"] = Field(
         "f16", description="rollout_engine llama.cpp: the policy's matrices in each step's GGUF export (q8_0: "
         "see evaluate.agent_gguf_dtype; its samples are further off-policy).")

@@ -11,11 +11,11 @@
   with vLLM (weights synced to the inference engine each step). The update recomputes every log-prob with
   the policy itself (old log-probs included), so the sampler's numerics only decide which tokens are
   sampled; `training/rollout_logprob_diff_*` reports how far llama.cpp's log-probs were from the
-  policy's on the tokens both have. Sampling is seeded per (seed, step, turn, trajectory): a resumed step
-  asks for what the killed one did. With several slots the samples are reproducible only up to llama.cpp's
-  batch numerics: which sequences share a decode batch depends on timing and moves log-probs by ~1e-3 nats
-  (measured with a tiny random model: the first token of a trajectory already differs), enough to flip a
-  near-tie; `train.rollout_slots: 1` decodes one trajectory at a time and resamples bit-identically.
+  policy's on the tokens both have. Sampling is seeded per (seed, step, turn): a resumed step asks for what
+  the killed one did. Each turn's prompts go to the server in one request (a group's copies as `n` samples;
+  pipeline.agent.completions_policy.batched_requests), so the server fills its slots at the same decode steps
+  on every run and a repeated step samples the same tokens, loaded machine or not (llama.cpp's numerics
+  depend on which sequences share a decode batch). `train.rollout_slots: 1` decodes one trajectory at a time.
 - `auto`: llama.cpp on a machine without CUDA for a full fine-tune (no LoRA) of a Llama agent whose
   `agent.model` is a GGUF file (the export's template); transformers otherwise (the one rule:
   pipeline.agent.engine, fed by the train plan).
