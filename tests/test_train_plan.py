@@ -10,7 +10,12 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.agent.engine import decide_engine
-from pipeline.environment.spec import AGENT_SERVER_ARGS, ServerSpec, agent_server_environment, environment_with
+from pipeline.environment.spec import (
+    AGENT_SERVER_ARGS,
+    ServerSpec,
+    agent_server_environment,
+    environment_with,
+)
 from pipeline.modelref import ModelRefError, ResolvedModel, resolve_model
 from pipeline.train.plan import TrainPlan
 
