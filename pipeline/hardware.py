@@ -107,6 +107,10 @@ def busy_cores(sample_s: float = 0.5) -> float:
     return (total - idle) / total * (os.cpu_count() or 1)
 
 
+_load_checked = False
+"""Whether this process has sampled the machine's load at a server start (`server_threads`)."""
+
+
 def server_threads(setting: int | str) -> int:
     """llama.cpp threads for `environment.server.n_threads`: an int is kept; auto = the usable cores.
 
@@ -115,10 +119,16 @@ def server_threads(setting: int | str) -> int:
     idle or loaded. What load does to speed is said instead: llama.cpp's threads meet at a barrier after every
     operation, so when other work holds one of the cores every token waits for the scheduler (on 2 cores
     with one kept busy, 2 threads decoded 0.33 tokens/s against ~17 idle, and environment calls timed out).
-    Starting a server with every core while other work keeps some busy logs a warning naming the setting."""
+    Starting a server with every core while other work keeps some busy logs a warning naming the setting; the
+    load is sampled (0.5 s) at the first such start of a process only, not at each of the training stage's
+    per-step agent servers."""
+    global _load_checked
     if isinstance(setting, int):
         return setting
     usable = usable_cores()
+    if _load_checked:
+        return usable
+    _load_checked = True
     busy = min(usable - 1, int(busy_cores() + 0.25))
     if busy > 0:
         logger.warning("other work keeps ~%d of %d cores busy: a llama.cpp server with %d threads waits for it at "

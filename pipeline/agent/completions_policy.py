@@ -63,10 +63,17 @@ class OpenAICompletionsPolicy(PolicyBackend):
         self.reencoded_texts = 0
         """Generations whose server-listed ids did not decode to the returned text (ids re-encoded instead)."""
         self.prompt_tokens = 0
-        """Prompt tokens the server reported reading, over all requests so far."""
+        """Prompt tokens sent over all requests so far (each prompt's length times the samples asked of it)."""
         self.cached_prompt_tokens = 0
-        """Of those, how many it took from its prompt cache (`usage.prompt_tokens_details.cached_tokens`, as
-        llama.cpp and vLLM report it): a conversation's next turn finds its earlier turns there."""
+        """Of those, how many the server took from its prompt cache: a conversation's next turn finds its earlier
+        turns there. With `metrics_url`, the tokens sent less those the server says it evaluated; otherwise
+        the reply's `usage.prompt_tokens_details.cached_tokens` (vLLM's sums every prompt of a request)."""
+        self.metrics_url: str | None = None
+        """llama.cpp's Prometheus endpoint (`/metrics`), read after each request: its reply's `usage` describes
+        only the first prompt of a request of several, its `llamacpp:prompt_tokens_total` counts every prompt
+        token it evaluated rather than took from a cache. Exact while this policy is the server's only client
+        (`pipeline.agent.served`)."""
+        self._evaluated: float | None = None
         try:
             from pipeline.agent.protocol import ConversationBuilder
 
@@ -97,10 +104,7 @@ class OpenAICompletionsPolicy(PolicyBackend):
                 body["logprobs"] = 1
             reply = self._request([prompts[u[0]] for u in unique], body,
                                   timeout_s=self.timeout_s * max(1, math.ceil(len(unique) * n / self.concurrency)))
-            usage = reply.get("usage") or {}
-            with self._lock:
-                self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-                self.cached_prompt_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            self._count_prompt_tokens(sum(len(prompts[u[0]]) for u in unique) * n, reply.get("usage") or {})
             choices = sorted(reply["choices"], key=lambda c: int(c.get("index") or 0))
             if len(choices) != len(unique) * n:
                 raise RuntimeError(f"agent server {self.base_url}: {len(choices)} choices for {len(unique)} prompts "
@@ -110,6 +114,36 @@ class OpenAICompletionsPolicy(PolicyBackend):
                     out[i] = self._generation(choices[k * n + c], stop, return_logprobs)
         assert all(g is not None for g in out)
         return out  # type: ignore[return-value]
+
+    def _count_prompt_tokens(self, sent: int, usage: dict[str, Any]) -> None:
+        """Add one request's `sent` prompt tokens, and those of them its server took from a cache."""
+        if self.metrics_url is not None:
+            evaluated = self._evaluated_total()
+            before, self._evaluated = self._evaluated, evaluated
+            cached = 0 if before is None or evaluated is None else max(0, sent - int(evaluated - before))
+        else:
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        with self._lock:
+            self.prompt_tokens += sent
+            self.cached_prompt_tokens += cached
+
+    def _evaluated_total(self) -> float | None:
+        """llama.cpp's count of prompt tokens evaluated since it started (None when unreadable)."""
+        import httpx
+
+        try:
+            text = self._client.get(self.metrics_url, timeout=10).text  # type: ignore[arg-type]
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("llamacpp:prompt_tokens_total "):
+                return float(line.split()[1])
+        return None
+
+    def start_counting(self) -> None:
+        """Read the server's evaluated-token count now, so the next request's cache share can be measured."""
+        if self.metrics_url is not None:
+            self._evaluated = self._evaluated_total()
 
     def _request(self, prompts: list[list[int]], body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         import httpx

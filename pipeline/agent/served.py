@@ -68,6 +68,8 @@ def served_policy(gguf_path: Path, params: Params, tokenizer: Any, parallel: int
     with serve_environment(spec, role="agent", quiet=quiet) as url:
         policy = OpenAICompletionsPolicy(url, env.served_name, tokenizer, concurrency=parallel,
                                          token_prompts=True, sampling=UNTRUNCATED)
+        policy.metrics_url = url.removesuffix("/").removesuffix("/v1") + "/metrics"
+        policy.start_counting()
         try:
             yield policy
         finally:

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     params.n_parallel = args.n_parallel
     params.kv_unified = False
     params.cont_batching = True
+    params.endpoint_metrics = True  # /metrics: the prompt tokens it evaluated (the agent's cache share)
     params.cpuparams.n_threads = args.n_threads
     params.cpuparams_batch.n_threads = args.n_threads
     params.cpuparams.poll = args.poll
