@@ -107,27 +107,34 @@ def busy_cores(sample_s: float = 0.5) -> float:
     return (total - idle) / total * (os.cpu_count() or 1)
 
 
-_load_checked = False
-"""Whether this process has sampled the machine's load at a server start (`server_threads`)."""
+_auto_threads: int | None = None
+"""The thread count `n_threads: auto` chose at this process's first server start (`server_threads`)."""
 
 
 def server_threads(setting: int | str) -> int:
-    """llama.cpp threads for `environment.server.n_threads`: an int is kept; auto = the usable cores.
+    """llama.cpp threads for `environment.server.n_threads`: an int is kept; auto = the usable cores less those
+    other work keeps busy, sampled (0.5 s) at the first automatic start of the process and kept for its later
+    servers (the training stage starts an agent server every step).
 
-    The count is fixed by params, never by the load: llama.cpp's results depend on it (the agent's f16 server
-    sampled other tokens for 6 of 9 prompts with 1 thread than with 2), and a run must give the same figures
-    idle or loaded. What load does to speed is said instead: llama.cpp's threads meet at a barrier after every
-    operation, so when other work holds one of the cores every token waits for the scheduler (on 2 cores
-    with one kept busy, 2 threads decoded 0.33 tokens/s against ~17 idle, and environment calls timed out).
-    Starting a server with every core while other work keeps some busy logs a warning naming the setting; the
-    load is sampled (0.5 s) at the first such start of a process only, not at each of the training stage's
-    per-step agent servers."""
-    global _load_checked
+    Why not every core on a loaded machine: llama.cpp's threads meet at a barrier after every operation, so
+    when one of them waits for a core another process holds, every token waits for the scheduler: on 2 cores
+    with one kept busy, 2 threads decoded 0.33 tokens/s against ~17 idle, and environment calls timed out;
+    1 thread decoded as fast as 1 thread idle. The thread count does not change what the servers compute
+    (without flash attention, pipeline.environment.llama_server): the environment's replies were the same
+    for 12 of 12 questions and the agent's samples and log-probs for 9 of 9 prompts with 1 and 2 threads, so
+    a loaded run gives the idle run's figures, only later."""
+    global _auto_threads
     if isinstance(setting, int):
         return setting
-    usable = usable_cores()
-    if _load_checked:
-        return usable
+    if _auto_threads is None:
+        usable = usable_cores()
+        busy = min(usable - 1, int(busy_cores() + 0.25))
+        if busy > 0:
+            logger.warning("other work keeps ~%d of %d cores busy: llama.cpp servers get %d thread(s) (its threads "
+                           "wait for each other at every operation; 0.33 tokens/s measured with 2 threads and 1 "
+                           "of 2 cores busy)", busy, usable, usable - busy)
+        _auto_threads = usable - busy
+    return _auto_threads
     _load_checked = True
     busy = min(usable - 1, int(busy_cores() + 0.25))
     if busy > 0:

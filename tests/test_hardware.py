@@ -87,19 +87,25 @@ def test_the_trainer_resolves_train_autocast(tiny_llama_dir, params, no_native_b
         assert torch.is_autocast_enabled("cpu")
 
 
-def test_server_threads_auto_is_the_usable_cores_and_a_number_is_kept(monkeypatch, caplog):
+def test_server_threads_auto_leaves_out_busy_cores_once_per_process_and_a_number_is_kept(monkeypatch, caplog):
     samples = []
     monkeypatch.setattr(hardware, "usable_cores", lambda: 16)
-    monkeypatch.setattr(hardware, "_load_checked", False)
+    monkeypatch.setattr(hardware, "_auto_threads", None)
     monkeypatch.setattr(hardware, "busy_cores", lambda: samples.append(2.9) or 2.9)
     with caplog.at_level("WARNING", logger=hardware.logger.name):
-        assert hardware.server_threads("auto") == 16  # load never changes the count: it changes results
+        assert hardware.server_threads("auto") == 13
         assert hardware.server_threads(3) == 3
-        assert hardware.server_threads("auto") == 16
+        assert hardware.server_threads("auto") == 13
     # The load is sampled and said once per process, at its first automatic start.
     assert len(samples) == 1
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "~3 of 16 cores busy" in warnings[0] and "n_threads: 13" in warnings[0]
+    assert len(warnings) == 1 and "~3 of 16 cores busy" in warnings[0] and "13 thread(s)" in warnings[0]
+    monkeypatch.setattr(hardware, "_auto_threads", None)
+    monkeypatch.setattr(hardware, "busy_cores", lambda: 40.0)  # never fewer than one thread
+    assert hardware.server_threads("auto") == 1
+    monkeypatch.setattr(hardware, "_auto_threads", None)
+    monkeypatch.setattr(hardware, "busy_cores", lambda: 0.1)
+    assert hardware.server_threads("auto") == 16
 
 
 def test_busy_cores_sees_a_spinning_process():

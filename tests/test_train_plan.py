@@ -95,7 +95,7 @@ def test_the_agent_server_config_is_the_served_agents(params, tmp_path):
     assert (own.port, own.server.n_threads, own.server.parallel) == (1234, 1, 2)
     assert params.environment.server.n_threads == threads_before
     other = agent_server_environment(params.environment, tmp_path / "x.gguf", port=1, parallel=1, n_ctx=512)
-    assert other.served_name == "agent-x" and other.base_url == "" and other.server.extra_args == AGENT_SERVER_ARGS
+    assert other.served_name == "agent-x" and other.base_url == "" and other.server.extra_args == []
 
 
 def _calls(root: Path, name: str) -> list[str]:

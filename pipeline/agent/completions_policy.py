@@ -132,7 +132,7 @@ class OpenAICompletionsPolicy(PolicyBackend):
         import httpx
 
         try:
-            text = self._client.get(self.metrics_url, timeout=10).text  # type: ignore[arg-type]
+            text = httpx.get(self.metrics_url, timeout=10).text  # type: ignore[arg-type]
         except httpx.HTTPError:
             return None
         for line in text.splitlines():

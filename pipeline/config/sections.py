@@ -68,7 +68,8 @@ class ServerConfig(_Section):
                        "request (the llama.cpp engine gives each of its `parallel` slots this much).")
     n_threads: int | Literal["auto"] = Field(
         "auto", description="llama.cpp CPU threads (environment and agent servers). auto: the cores this "
-        "process may use (its affinity mask). Giving an environment server half the cores beside a llama.cpp "
+        "process may use (its affinity mask) less those other work keeps busy when the stage starts its first "
+        "server; the count does not change results (pipeline.hardware.server_threads). Giving an environment server half the cores beside a llama.cpp "
         "agent server was measured and made the default profile slower (pipeline/hardware.py).")
     engine: Literal["llama.cpp", "llama-cpp-python"] = Field(
         "llama.cpp", description="llamacpp backend: llama.cpp's own batching server (the xllamacpp wheel, "

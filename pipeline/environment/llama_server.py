@@ -26,6 +26,14 @@ Design decisions:
   Under heavy oversubscription (tests, a kill campaign and an evaluation at once) a server with the default
   polling was seen decoding at ~1 token/s instead of ~65; how much of that polling alone causes is not
   measured.
+- **No flash attention** (`flash_attn_type` 0; llama.cpp's `auto` turns it on for a CPU model). With it, a
+  sequence decoded beside others of one request got log-probs far from its model's from some position on (a
+  tiny F32 Llama, two prompts with two samples each in one request: one sample's mean |served - policy|
+  log-prob 0.495 nats, the others 0.002-0.011; off, every sample within 0.001), and the agent's F16 server
+  sampled other tokens with 1 thread than with 2 (6 of 9 prompts; off, 0 of 9, log-probs equal too).
+  Training needs served log-probs that are the policy's, and a run's figures must not depend on the thread
+  count. The cost: 3-4% of decode speed (`benchmarks/bench_agent_server.py --flash-attn=-1,0`).
+  `--flash_attn_type 1` in `environment.server.extra_args` turns it back on.
 - The process blocks until SIGTERM/SIGINT and then exits; the server threads die with it. It is started
   under the owner guard like every server the pipeline runs (pipeline.environment.servers).
 - Same flags as llama-cpp-python's server where they overlap (`--model_alias`, `--n_ctx`, `--n_threads`).
@@ -93,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     params.n_parallel = args.n_parallel
     params.kv_unified = False
     params.cont_batching = True
+    params.flash_attn_type = 0
     params.endpoint_metrics = True  # /metrics: the prompt tokens it evaluated (the agent's cache share)
     params.cpuparams.n_threads = args.n_threads
     params.cpuparams_batch.n_threads = args.n_threads

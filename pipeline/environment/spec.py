@@ -43,14 +43,6 @@ def environment_with(env: EnvironmentConfig, **changes: Any) -> EnvironmentConfi
     return type(env).model_validate({**env.model_dump(), **changes})
 
 
-AGENT_SERVER_ARGS = ["--flash_attn_type", "0"]
-"""llama.cpp settings of the agent's server. Flash attention off: with it (llama.cpp's `auto` turns it on for a
-CPU model) a sequence decoded beside others of the same request got log-probs far from its own policy's, from
-some position on (a tiny F32 Llama, two prompts with two samples each in one request: one sample's mean
-|served - policy| log-prob 0.495 nats, the others 0.002-0.011); off, every sample was within 0.001. Rollouts
-need the served log-probs to be the policy's (`training/rollout_logprob_diff_*`)."""
-
-
 def agent_server_environment(
     env: EnvironmentConfig, gguf_path: Path, *, port: int, parallel: int, n_ctx: int
 ) -> EnvironmentConfig:
@@ -61,7 +53,7 @@ def agent_server_environment(
         "engine": "llama.cpp",
         "parallel": parallel,
         "n_ctx": n_ctx,
-        "extra_args": list(AGENT_SERVER_ARGS),
+        "extra_args": [],
     }
     return environment_with(
         env, backend="llamacpp", model=str(gguf_path), served_name=name, port=port, base_url="", server=server
