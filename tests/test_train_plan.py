@@ -11,7 +11,6 @@ from pydantic import ValidationError
 
 from pipeline.agent.engine import decide_engine
 from pipeline.environment.spec import (
-    AGENT_SERVER_ARGS,
     ServerSpec,
     agent_server_environment,
     environment_with,
