@@ -133,6 +133,8 @@ def test_servers_are_started_with_the_resolved_thread_count(repo_root, monkeypat
     from pipeline.environment.servers import llamacpp_command
 
     monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
+    monkeypatch.setattr(hardware, "_auto_threads", None)  # not decided yet in this process
+    monkeypatch.setattr(hardware, "busy_cores", lambda: 0.0)
 
     def threads(overrides):
         p = load_params(repo_root / "params.yaml", overrides)

@@ -19,9 +19,11 @@ trajectory's advantage and its likelihood change must be strongly positive (`MIN
 what a reward curve would (sampling across turns, the masks, which score is used, the grouping, advantages, the
 loss, the optimizer step, the reference/KL term) without a curve's noise. Besides the direction, the groups
 `step()` hands verl's advantage function must each hold one question's trajectories (`grouped_by_question`).
-Measured through `step()` (one seed, 48 trajectories, lr 5e-4, the shared-prompt forward, this commit):
-intact 0.72 (full) and 0.76 (LoRA); advantage sign flipped -0.71; log-probs read one position late inside
-the shared-prompt forward 0.17; trajectories grouped across questions 0.13. Earlier, through `update()`
+Measured through `step()` (one seed, 48 trajectories, lr 5e-4, the shared-prompt forward), on a 2-core
+AVX-512 host, the same in five runs of this file: intact 0.82 (full) and 0.82 (LoRA); advantage sign flipped
+-0.78; log-probs read one position late inside the shared-prompt forward -0.47; trajectories grouped across
+questions 0.84 (caught by `grouped_by_question` only). Another host sampled another batch: intact 0.72 and
+0.76, flipped -0.71, late 0.17, grouped across questions 0.13. Earlier, through `update()`
 alone: intact 0.80, flipped -0.61, late 0.33, response mask shifted right by one token 0.79.
 
 Broken variants (`BROKEN`), injected into the code `step()` runs, must FAIL the check:
