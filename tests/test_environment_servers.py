@@ -56,7 +56,11 @@ def stand_in(monkeypatch):
 
 @pytest.mark.parametrize(("engine", "module"), [("llama.cpp", "pipeline.environment.llama_server"),
                                               ("llama-cpp-python", "llama_cpp.server")])
-def test_llamacpp_command_from_params(local_params, engine, module):
+def test_llamacpp_command_from_params(local_params, engine, module, monkeypatch):
+    from pipeline import hardware
+
+    monkeypatch.setattr(hardware, "_auto_threads", None)  # an idle machine, decided afresh
+    monkeypatch.setattr(hardware, "busy_cores", lambda: 0.0)
     cfg = local_params.environment
     cfg.server.engine = engine
     cfg.server.extra_args = ["--verbose", "false"]
