@@ -108,6 +108,16 @@ def _conversation_rounds(url: str, n: int) -> dict:
     return {"first_turn": first, "next_turn": second}
 
 
+def _served_rounds(gguf: Path, args: argparse.Namespace, log: Path, extra: tuple[str, ...] = ()) -> dict:
+    """The two rounds against `gguf` served on 16 split slots (llama_server flags `extra`), the server stopped after."""
+    process = _serve(gguf, args.port, 16, False, log, extra=extra)
+    try:
+        return _conversation_rounds(f"http://127.0.0.1:{args.port}/v1", args.conversations)
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 def _compare_dtypes(args: argparse.Namespace) -> int:
     from pipeline.config import load_params
     from pipeline.modelref import resolve_model
@@ -122,13 +132,8 @@ def _compare_dtypes(args: argparse.Namespace) -> int:
                 start = time.perf_counter()
                 gguf = _export(tmp, dtype)
                 print(f"{dtype}: exported in {time.perf_counter() - start:.1f} s", flush=True)
-            process = _serve(gguf, args.port, 16, False, tmp / "server.log")
-            try:
-                row = {"dtype": dtype, "file_mb": round(gguf.stat().st_size / 1e6, 1),
-                       **_conversation_rounds(f"http://127.0.0.1:{args.port}/v1", args.conversations)}
-            finally:
-                process.terminate()
-                process.wait(30)
+            row = {"dtype": dtype, "file_mb": round(gguf.stat().st_size / 1e6, 1),
+                   **_served_rounds(gguf, args, tmp / "server.log")}
             print(json.dumps(row), flush=True)
             results.append(row)
     out = {"what": "llama.cpp server (xllamacpp) serving the agent (SmolLM2-135M-Instruct exported by "
@@ -147,19 +152,14 @@ def _compare_flash_attn(args: argparse.Namespace) -> int:
         tmp = Path(tmp_name)
         gguf = _export(tmp, "f16")
         for setting in args.flash_attn.split(","):
-            process = _serve(gguf, args.port, 16, False, tmp / "server.log", extra=("--flash_attn_type", setting))
-            try:
-                row = {"flash_attn_type": int(setting),
-                       **_conversation_rounds(f"http://127.0.0.1:{args.port}/v1", args.conversations)}
-            finally:
-                process.terminate()
-                process.wait(30)
+            row = {"flash_attn_type": int(setting),
+                   **_served_rounds(gguf, args, tmp / "server.log", ("--flash_attn_type", setting))}
             print(json.dumps(row), flush=True)
             results.append(row)
     out = {"what": "llama.cpp server (xllamacpp) serving the agent (SmolLM2-135M-Instruct, F16 GGUF export) with "
                    "flash attention auto (-1: on for this model) and off (0), "
                    f"{args.conversations} conversations at once on 16 split slots, 64 completion tokens each, "
-                   "2 CPU threads", "command": f"python benchmarks/bench_agent_server.py --flash-attn {args.flash_attn}",
+                   "2 CPU threads", "command": f"python benchmarks/bench_agent_server.py --flash-attn={args.flash_attn}",
            "cpus": os.cpu_count(), "results": results}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"written to {args.out}")
