@@ -135,11 +135,3 @@ def server_threads(setting: int | str) -> int:
                            "of 2 cores busy)", busy, usable, usable - busy)
         _auto_threads = usable - busy
     return _auto_threads
-    _load_checked = True
-    busy = min(usable - 1, int(busy_cores() + 0.25))
-    if busy > 0:
-        logger.warning("other work keeps ~%d of %d cores busy: a llama.cpp server with %d threads waits for it at "
-                       "every operation (0.33 tokens/s measured with 1 of 2 busy); on a shared machine set "
-                       "environment.server.n_threads: %d (its figures differ from a %d-thread run's)",
-                       busy, usable, usable, usable - busy, usable)
-    return usable
