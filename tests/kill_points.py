@@ -40,8 +40,8 @@ API_KEY_ENV = "PROMPTR1_KILL_TEST_KEY"
 def micro_params(raw: dict, mirror: Path, agent_dir: Path, url: str) -> dict:
     """The default profile shrunk to a micro run: a tiny agent, the api backend at the stand-in `url`."""
     raw["paths"]["mirror"] = str(mirror)
-    raw["data"].update(train_datasets=["hotpotqa"], id_eval_datasets=["hotpotqa"], ood_eval_datasets=["xsum"],
-                       sample_size=16)
+    raw["data"].update(train_datasets=["hotpotqa"], sample_datasets=["hotpotqa"], id_eval_datasets=["hotpotqa"],
+                       ood_eval_datasets=["xsum"], sample_size=16)
     raw["agent"].update(model=str(agent_dir), max_turns=2, max_turn_tokens=24, max_response_tokens=200)
     raw["environment"].update(backend="api", base_url=url, served_name="fault-model", max_tokens=16,
                               api_key_env=API_KEY_ENV, max_retries=0)

@@ -105,7 +105,7 @@ def _project(tmp_path: Path, mirror: Path) -> Path:
     project = copy_params(tmp_path / "project", profiles=True)
     raw = yaml.safe_load((project / "params.yaml").read_text())
     raw["paths"]["mirror"] = str(mirror)
-    raw["data"].update(train_datasets=["gsm8k"], sample_size=8)
+    raw["data"].update(train_datasets=["gsm8k"], sample_datasets=["gsm8k"], sample_size=8)
     (project / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]

@@ -117,3 +117,20 @@ def test_profile_extends_merges_over_its_base_and_refuses_loops(tmp_path):
     (tmp_path / "profiles" / "child.yaml").write_text("extends: [base]\n", encoding="utf-8")
     with pytest.raises(ConfigError, match="must name one profile"):
         load_params(tmp_path / "params.yaml", {"profile": "child"})
+
+
+def test_every_profile_trains_on_datasets_dvc_samples(tmp_path):
+    """`dvc exp run -S profile=<p>` samples p's datasets: DVC expands the sample stage from params.yaml's
+    data.sample_datasets (never from a profile), so each profile's train_datasets must have a stage there."""
+    import subprocess
+
+    from pipeline.config.loading import ConfigError
+
+    listed = subprocess.run(["dvc", "stage", "list"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    sampled = {line.split()[0].split("@", 1)[1] for line in listed.stdout.splitlines() if line.startswith("sample@")}
+    assert "hops" in sampled
+    for profile in sorted((REPO_ROOT / "profiles").glob("*.yaml")):
+        params = load_params(REPO_ROOT / "params.yaml", {"profile": profile.stem})
+        assert set(params.data.train_datasets) <= sampled, profile.name
+    with pytest.raises(ConfigError, match=r"data\.sample_datasets"):
+        load_params(REPO_ROOT / "params.yaml", {"data": {"sample_datasets": ["gsm8k"]}})

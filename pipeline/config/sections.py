@@ -39,6 +39,12 @@ class PathsConfig(_Section):
 
 class DataConfig(_Section):
     train_datasets: list[str]
+    sample_datasets: list[str] = Field(
+        default_factory=lambda: ["2wikimultihopqa", "hotpotqa", "gsm8k", "dapo_math", "musique", "popqa", "booksum",
+                                 "writingprompts", "hops"],
+        description="The datasets DVC's sample stage draws, one `sample@<name>` stage each: every dataset a shipped "
+        "profile trains on. DVC expands its foreach from params.yaml alone, never from a profile, so a profile's "
+        "train_datasets must be among these (checked at load).")
     id_eval_datasets: list[str]
     ood_eval_datasets: list[str]
     sample_size: int = Field(5120, gt=0, description="Training rows drawn per dataset.")
@@ -48,6 +54,15 @@ class DataConfig(_Section):
     min_usable_fraction: float = Field(
         0.5, ge=0, le=1, description="Sampling stops (DataError, nothing written) when fewer of a source's rows "
         "survive cleaning and leakage removal.")
+
+    @model_validator(mode="after")
+    def _trained_datasets_are_sampled(self) -> DataConfig:
+        missing = [d for d in self.train_datasets if d not in self.sample_datasets]
+        if missing:
+            raise ValueError(f"train_datasets {missing} are not in data.sample_datasets {self.sample_datasets}: "
+                             "`dvc repro` would never sample them (its sample stage draws data.sample_datasets "
+                             "of params.yaml); add them there")
+        return self
 
 
 class AgentConfig(_Section):
