@@ -96,6 +96,78 @@ def resolved_or_none(ref: str | ResolvedModel, root: Path | None = None) -> Reso
         return None
 
 
+CONVERTED = "gguf-hf"
+"""Folder of the user cache (`pipeline.paths.default_cache_dir`) holding GGUF files converted for transformers."""
+_COMPLETE = ".complete"
+
+
+def pretrained_source(resolved: ResolvedModel, part: str) -> tuple[str, dict[str, str]]:
+    """What transformers' `from_pretrained` opens for `part` ("tokenizer" or "model") of `resolved`: its
+    directory and keyword arguments.
+
+    transformers converts a GGUF file again on every load (SmolLM2-135M on 2 cores: 14 s the tokenizer, 20 s
+    the model), which every stage paid. So a GGUF file is converted once, saved as a Hugging Face folder
+    under the user cache (`gguf-hf/<sha256 of the file and the transformers version>/<part>`, written to a
+    temporary folder, then renamed), and loaded from there (under a second) with the same token ids, chat
+    template and weights (float32, as the conversion dequantises them; the caller's dtype is applied on load).
+    When the cache cannot be written the file is converted in place, as before."""
+    if not resolved.gguf_file:
+        return resolved.directory, {}
+    gguf = {"gguf_file": resolved.gguf_file}
+    try:
+        folder = _converted_dir(Path(resolved.location)) / part
+        if not (folder / _COMPLETE).is_file():
+            _convert(resolved, part, folder)
+    except OSError as exc:
+        import logging
+
+        logging.getLogger(__name__).warning("%s: GGUF conversion not cached (%s); converting it in place",
+                                            resolved.ref, exc)
+        return resolved.directory, gguf
+    return str(folder), {}
+
+
+def _converted_dir(gguf: Path) -> Path:
+    import hashlib
+
+    import transformers
+
+    from pipeline.paths import default_cache_dir
+
+    digest = hashlib.sha256(transformers.__version__.encode())
+    with gguf.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return default_cache_dir() / CONVERTED / digest.hexdigest()[:32]
+
+
+def _convert(resolved: ResolvedModel, part: str, folder: Path) -> None:
+    import os
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = folder.with_name(f"{part}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    kwargs = {"gguf_file": resolved.gguf_file}
+    if part == "tokenizer":
+        AutoTokenizer.from_pretrained(resolved.directory, **kwargs).save_pretrained(partial)
+    elif part == "model":
+        import torch
+
+        AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=torch.float32, **kwargs).save_pretrained(partial)
+    else:
+        raise ValueError(f"part {part!r}: 'tokenizer' or 'model'")
+    (partial / _COMPLETE).write_text(f"{resolved.ref}\n", encoding="utf-8")
+    try:
+        partial.rename(folder)
+    except OSError:  # another process finished first: keep its folder
+        shutil.rmtree(partial, ignore_errors=True)
+        if not (folder / _COMPLETE).is_file():
+            raise
+
+
 def load_tokenizer(ref: str | ResolvedModel, root: Path | None = None) -> Any:
     """The tokenizer of the model at `ref` (any reference `resolve_model` takes), without transformers'
     WordPiece clean-up of decoded text. Loading from a GGUF file ignores `clean_up_tokenization_spaces=False`
@@ -103,8 +175,7 @@ def load_tokenizer(ref: str | ResolvedModel, root: Path | None = None) -> Any:
     attribute is also set after loading."""
     from transformers import AutoTokenizer
 
-    resolved = as_resolved(ref, root)
-    tokenizer = AutoTokenizer.from_pretrained(resolved.directory, clean_up_tokenization_spaces=False,
-                                              **resolved.from_pretrained_kwargs())
+    directory, kwargs = pretrained_source(as_resolved(ref, root), "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(directory, clean_up_tokenization_spaces=False, **kwargs)
     tokenizer.clean_up_tokenization_spaces = False
     return tokenizer

@@ -17,3 +17,14 @@ def display_path(path: str | Path, root: Path) -> str:
         return path.resolve().relative_to(root.resolve()).as_posix()
     except ValueError:
         return os.path.relpath(path.resolve(), root.resolve())
+
+
+CACHE_VARIABLE = "PROMPTR1_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """The user's cache of things derived from installed models (GGUF exports and conversions), shared by
+    projects: `$PROMPTR1_CACHE_DIR`, else `$XDG_CACHE_HOME/promptr1`, else `~/.cache/promptr1`."""
+    if os.environ.get(CACHE_VARIABLE):
+        return Path(os.environ[CACHE_VARIABLE])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "promptr1"

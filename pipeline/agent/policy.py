@@ -176,12 +176,12 @@ class TransformersPolicy(PolicyBackend):
         import torch
         from transformers import AutoModelForCausalLM
 
-        from pipeline.modelref import as_resolved, load_tokenizer
+        from pipeline.modelref import as_resolved, load_tokenizer, pretrained_source
 
         resolved = as_resolved(ref, root)
-        extra = resolved.from_pretrained_kwargs()
         tokenizer = load_tokenizer(resolved)
-        model = AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=getattr(torch, dtype), **extra)
+        directory, extra = pretrained_source(resolved, "model")
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), **extra)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model.to(device).eval()
         shown = display_path(ref, Path.cwd()) if Path(ref).exists() else ref

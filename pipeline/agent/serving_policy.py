@@ -28,7 +28,6 @@ register stage logged (`engine_model_config` + the environment JSON), with the G
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.agent.engine import ENGINES, decide_engine
 from pipeline.errors import UserError
+from pipeline.paths import default_cache_dir
 
 if TYPE_CHECKING:
     from pipeline.agent.policy import PolicyBackend
@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 ENGINE_KEY = "register.serve.agent_engine"
 REQUESTS = ("auto", *ENGINES)
 """What `register.serve.agent_engine` and `promptr1 ask --engine` accept."""
-CACHE_VARIABLE = "PROMPTR1_CACHE_DIR"
 """Where a served pyfunc caches its GGUF export and agent-server log (`promptr1 serve` sets the project's)."""
 
 
@@ -137,13 +136,6 @@ def engine_model_config(params: Params) -> dict[str, Any]:
         "gguf_dtype": params.evaluate.agent_gguf_dtype,
         "cache_dir": None,
     }
-
-
-def default_cache_dir() -> Path:
-    """`$PROMPTR1_CACHE_DIR`, else `$XDG_CACHE_HOME/promptr1`, else `~/.cache/promptr1`."""
-    if os.environ.get(CACHE_VARIABLE):
-        return Path(os.environ[CACHE_VARIABLE])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "promptr1"
 
 
 def pyfunc_params(agent_ref: str, config: dict[str, Any], environment: dict[str, Any]) -> Params:

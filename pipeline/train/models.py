@@ -44,11 +44,10 @@ def load_tokenizer(ref: str | ResolvedModel, root: Path):
 def load_causal_lm(ref: str | ResolvedModel, root: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.modelref import as_resolved
+    from pipeline.modelref import as_resolved, pretrained_source
 
-    resolved = as_resolved(ref, root)
-    return AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=dtype,
-                                                **resolved.from_pretrained_kwargs())
+    directory, kwargs = pretrained_source(as_resolved(ref, root), "model")
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
 
 
 def apply_lora(model, lora: LoraConfig):
