@@ -249,6 +249,7 @@ def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int 
     from pipeline.agent.policy import TransformersPolicy
     from pipeline.agent.rollout import rollout
     from pipeline.environment.hops_world import world
+    from pipeline.progress import progress
     from pipeline.reward import reward_for_trajectory
     from pipeline.train.questions import prompt_item_from_row
     from pipeline.train.warmup import PRECHECK_QUESTIONS, PRECHECK_SAMPLES, question_of, warmup_precheck
@@ -261,10 +262,12 @@ def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     policy = TransformersPolicy(model, tokenizer, seed=params.seed)
     a = params.agent
-    trajs = asyncio.run(rollout(policy, env, items, group_size=PRECHECK_SAMPLES, max_turns=a.max_turns,
-                                max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
-                                env_reply_max_chars=a.env_reply_max_chars, temperature=a.temperature, top_p=a.top_p,
-                                return_logprobs=False, reward_fn=None, max_prompt_tokens=a.max_prompt_tokens))
+    with progress(total=len(items) * PRECHECK_SAMPLES, desc="warm-up pre-check", unit="sample") as bar:
+        trajs = asyncio.run(rollout(policy, env, items, group_size=PRECHECK_SAMPLES, max_turns=a.max_turns,
+                                    max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
+                                    env_reply_max_chars=a.env_reply_max_chars, temperature=a.temperature,
+                                    top_p=a.top_p, return_logprobs=False, reward_fn=None, progress=bar,
+                                    max_prompt_tokens=a.max_prompt_tokens))
     parts = [reward_for_trajectory(t, params.reward) for t in trajs]
     rewards = [p.answer if p.gated else 0.0 for p in parts]
     verdict = warmup_precheck(rewards)
@@ -344,10 +347,12 @@ def keep_rollouts(reports_dir: Path, target: Path) -> None:
 
 
 def record(out: Path, args, params, rows_by_ds, timings: dict[str, float], t_all: float, done: int,
-           eval_steps: list[int], finished: list[str]) -> None:
-    """run.json: what this seed ran so far (written after each phase, so an interrupted run still reports)."""
+           eval_steps: list[int], finished: list[str], health_breach: dict[str, Any] | None = None) -> None:
+    """run.json: what this seed ran so far (written after each phase, so an interrupted run still reports).
+    `health_breach`: the training health gate's line and the step it kept, when it stopped GRPO early."""
     write_json(out / "run.json", {
         "mode": args.mode, "seed": args.seed, "grpo_steps_done": done, "eval_steps": eval_steps,
+        "health_breach": health_breach or None,
         "controls_asked": list(args.controls), "finished": finished,
         "command": " ".join(["python benchmarks/bench_learning.py", *sys.argv[1:]]),
         "timing_s": {**{k: round(v, 1) for k, v in timings.items()}, "total_s": round(time.perf_counter() - t_all, 1)},
@@ -370,6 +375,7 @@ def run(args: argparse.Namespace) -> None:
     from pipeline import tracking
     from pipeline.environment.client import EnvironmentClient
     from pipeline.environment.servers import environment_server
+    from pipeline.errors import TrainingUnhealthy
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.local import WARMUP_DIR, train_local
     from pipeline.train.models import load_tokenizer
@@ -408,6 +414,7 @@ def run(args: argparse.Namespace) -> None:
     steps = params.train.steps
     eval_steps = sorted({0, steps // 2, steps})
     finished: list[str] = []
+    health_breach: dict[str, Any] = {}
     done = 0
 
     def variant(name: str, **train: Any):
@@ -452,22 +459,32 @@ def run(args: argparse.Namespace) -> None:
                 verdict = timed("precheck_s", precheck, root / WARMUP_DIR / "model", tokenizer, env, params,
                                 out / "precheck.json", args.precheck_questions)
                 if not verdict.ok and args.precheck == "stop":
-                    record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
+                    record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished, health_breach)
                     raise SystemExit(verdict.message)
             if "zero_advantage" in args.controls:
                 zero = variant("zero_advantage")
                 if not zero.path(zero.paths.checkpoint_dir).exists():  # the warm-up checkpoint, before GRPO step 1
                     shutil.copytree(root, zero.path(zero.paths.checkpoint_dir))
             done = ckpt.TrainerState.read(ckpt.latest_checkpoint(root)).step
+            evaluated: list[int] = [0]
             for target in eval_steps[1:]:
                 if done < target:
-                    timed("grpo_s", train, params, max_steps=target - done)
-                    done = target
-                evaluate_at(f"grpo_step{target}", ckpt.latest_checkpoint(root) / "model", target)
+                    try:
+                        timed("grpo_s", train, params, max_steps=target - done)
+                        done = target
+                    except TrainingUnhealthy as exc:  # GRPO's result is then the checkpoint the gate kept
+                        done = ckpt.TrainerState.read(ckpt.latest_checkpoint(root)).step
+                        health_breach.update(message=str(exc), kept_step=done)
+                        log.warning("%s: GRPO's result is its step %d", exc, done)
+                evaluate_at(f"grpo_step{done}", ckpt.latest_checkpoint(root) / "model", done)
+                evaluated.append(done)
+                if health_breach:
+                    break
+            eval_steps[:] = sorted(set(evaluated))
             shutil.copy(steps_csv_path(params.path(params.paths.reports_dir)), out / "steps.csv")
             keep_rollouts(params.path(params.paths.reports_dir), out / "rollouts.jsonl.gz")
             finished.append("grpo")
-            record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
+            record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished, health_breach)
             if "zero_advantage" in args.controls:
                 with zeroed_advantages():
                     timed("zero_advantage_s", train, zero, max_steps=steps)
@@ -476,7 +493,7 @@ def run(args: argparse.Namespace) -> None:
                 shutil.copy(steps_csv_path(zero.path(zero.paths.reports_dir)), out / "zero_advantage_steps.csv")
                 keep_rollouts(zero.path(zero.paths.reports_dir), out / "zero_advantage_rollouts.jsonl.gz")
                 finished.append("zero_advantage")
-                record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
+                record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished, health_breach)
             if "warmup_live_replies" in args.controls:
                 live = variant("warmup_live_replies", replies="environment")
                 timed("warmup_live_s", train, live, max_steps=0)
@@ -484,13 +501,13 @@ def run(args: argparse.Namespace) -> None:
                 finished.append("warmup_live_replies")
             if "warmup_continued" in args.controls:
                 w, t = params.train.warmup, params.train
-                grpo_samples = t.steps * t.batch_size * t.group_size
+                grpo_samples = done * t.batch_size * t.group_size  # the steps GRPO kept (fewer after a breach)
                 more = variant("warmup_continued", steps=w.steps + -(-grpo_samples // w.batch_size),
-                               demonstrations=(w.demonstrations or w.steps * w.batch_size) + t.steps * t.batch_size)
+                               demonstrations=(w.demonstrations or w.steps * w.batch_size) + done * t.batch_size)
                 timed("warmup_continued_s", train, more, max_steps=0)
                 evaluate_at("warmup_continued", more.path(more.paths.checkpoint_dir) / WARMUP_DIR / "model", 0)
                 finished.append("warmup_continued")
-                record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
+                record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished, health_breach)
             if hops and not args.no_transfer:
                 transfer = transfer_rows(params, args.transfer_limit)
                 hops_rules_file(transfer.kb, transfer.store, transfer.rows, [], params.environment.max_tokens,
@@ -509,7 +526,7 @@ def run(args: argparse.Namespace) -> None:
                 finished.append("transfer_popqa")
         finally:
             asyncio.run(env.aclose())
-    record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished)
+    record(out, args, params, rows_by_ds, timings, t_all, done, eval_steps, finished, health_breach)
 
 
 def main() -> None:

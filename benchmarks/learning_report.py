@@ -378,7 +378,7 @@ def hops_summary(folder: Path) -> dict[str, Any] | None:
         curve = {str(step): {**{h: round(f, 2) for h, f in hop_means(e).items()}, "second_requests": requests[seed][
             str(step)]} for step, e in sorted(evals.items())}
         per_seed[seed] = {"per_hop": figures, "references": references, "grpo_steps": last, "curve": curve,
-                          "timing_s": run.get("timing_s")}
+                          "health_breach": run.get("health_breach"), "timing_s": run.get("timing_s")}
         files = {p.stem.removeprefix("transfer_"): p for p in run_dir.glob("transfer_*.json")}
         if files:
             seen = {name: 100 * load(p)["f1_mean"] for name, p in files.items() if name != "rules"}
