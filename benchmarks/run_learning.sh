@@ -7,8 +7,9 @@
 # files land in benchmarks/results/learning/<mode>/seed<N>/ and the last step pools them into learning.json
 # (the hops figures under its `hops` key). A hops seed stops after the warm-up when the pre-check fails
 # (precheck.json says which warm-up setting to change). 36-37 min a terse seed with its controls, ~21 min the
-# question seed (2 idle cores; see benchmarks/README.md); a hops seed's time on an idle machine is not
-# measured yet (it adds the pre-check, a longer warm-up control and the transfer evaluations).
+# question seed (2 idle cores); a hops seed 64-74 min on one core (two seeds side by side, one core each), its
+# evaluations and pre-check about 15% faster on 2 cores (see benchmarks/README.md). A seed the health gate
+# stops is evaluated at the checkpoint the gate kept, and its controls still run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HOPS_SEEDS=${HOPS_SEEDS:-"1 2 3"}
