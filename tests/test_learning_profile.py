@@ -123,10 +123,12 @@ def test_every_profile_trains_on_datasets_dvc_samples(tmp_path):
     """`dvc exp run -S profile=<p>` samples p's datasets: DVC expands the sample stage from params.yaml's
     data.sample_datasets (never from a profile), so each profile's train_datasets must have a stage there."""
     import subprocess
+    import sys
 
     from pipeline.config.loading import ConfigError
 
-    listed = subprocess.run(["dvc", "stage", "list"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    listed = subprocess.run([sys.executable, "-m", "dvc", "stage", "list"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, check=True)
     sampled = {line.split()[0].split("@", 1)[1] for line in listed.stdout.splitlines() if line.startswith("sample@")}
     assert "hops" in sampled
     for profile in sorted((REPO_ROOT / "profiles").glob("*.yaml")):
