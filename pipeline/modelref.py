@@ -110,10 +110,9 @@ def pretrained_source(resolved: ResolvedModel, part: str) -> tuple[str, dict[str
     under the user cache (`gguf-hf/<sha256 of the file and the transformers version>/<part>`, written to a
     temporary folder, then renamed), and loaded from there (under a second) with the same token ids, chat
     template and weights (float32, as the conversion dequantises them; the caller's dtype is applied on load).
-    When the cache cannot be written the file is converted in place, as before."""
+    When the cache cannot be written, transformers converts the GGUF file itself at this load."""
     if not resolved.gguf_file:
         return resolved.directory, {}
-    gguf = {"gguf_file": resolved.gguf_file}
     try:
         folder = _converted_dir(Path(resolved.location)) / part
         if not (folder / _COMPLETE).is_file():
@@ -123,7 +122,7 @@ def pretrained_source(resolved: ResolvedModel, part: str) -> tuple[str, dict[str
 
         logging.getLogger(__name__).warning("%s: GGUF conversion not cached (%s); converting it in place",
                                             resolved.ref, exc)
-        return resolved.directory, gguf
+        return resolved.directory, resolved.from_pretrained_kwargs()
     return str(folder), {}
 
 
@@ -150,7 +149,7 @@ def _convert(resolved: ResolvedModel, part: str, folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = folder.with_name(f"{part}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
-    kwargs = {"gguf_file": resolved.gguf_file}
+    kwargs = resolved.from_pretrained_kwargs()
     if part == "tokenizer":
         AutoTokenizer.from_pretrained(resolved.directory, **kwargs).save_pretrained(partial)
     elif part == "model":

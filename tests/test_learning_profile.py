@@ -119,7 +119,7 @@ def test_profile_extends_merges_over_its_base_and_refuses_loops(tmp_path):
         load_params(tmp_path / "params.yaml", {"profile": "child"})
 
 
-def test_every_profile_trains_on_datasets_dvc_samples(tmp_path):
+def test_every_profile_trains_on_datasets_dvc_samples():
     """`dvc exp run -S profile=<p>` samples p's datasets: DVC expands the sample stage from params.yaml's
     data.sample_datasets (never from a profile), so each profile's train_datasets must have a stage there."""
     import subprocess
