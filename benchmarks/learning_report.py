@@ -415,9 +415,14 @@ def hops_summary(folder: Path) -> dict[str, Any] | None:
         "seed_interval_against": best,
         "seed_differences_2hop": [round(d, 2) for d in differences],
         "requests": {"what": "share of 2-hop held-out questions whose second request names the bridge entity "
-                             "and the answer's relation, per GRPO step (mean over seeds)",
+                             "and the answer's relation, per GRPO step (mean over the seeds evaluated at that "
+                             "step: seeds_by_step) and at each seed's last evaluated step (final: GRPO's result)",
                      "by_step": {s: _mean([r[s] for r in requests.values() if r.get(s) is not None])
                                  for s in steps if any(r.get(s) is not None for r in requests.values())},
+                     "seeds_by_step": {s: sum(r.get(s) is not None for r in requests.values()) for s in steps
+                                       if any(r.get(s) is not None for r in requests.values())},
+                     "final": _mean([r[max(r, key=int)] for r in requests.values()
+                                     if r and r[max(r, key=int)] is not None]),
                      "per_seed": requests},
         "transfer_popqa": {"what": "2-hop chains composed from PopQA's facts (benchmarks/hops_transfer.py): mean "
                                    "F1 per system, mean over seeds",

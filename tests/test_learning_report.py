@@ -210,5 +210,7 @@ def test_hops_summary_pools_per_hop_and_the_seed_interval_by_hand(tmp_path):
     assert boot["grpo"]["mean"] == 50.0 and boot["ask_then_entity_3words"]["mean"] == 50.0
     assert boot["grpo_minus_best"]["mean"] == 0.0
     assert summary["requests"]["by_step"] == {"0": 0.0, "2": 0.5}
+    assert summary["requests"]["seeds_by_step"] == {"0": 3, "2": 3}
+    assert summary["requests"]["final"] == 0.5
     assert summary["controls"]["warmup_continued"] == {"kind": "agent", "1-hop": 50.0, "2-hop": 16.67}
     assert summary["transfer_popqa"]["grpo"] == 40.0 and summary["transfer_popqa"]["informed"] == 90.0
