@@ -421,8 +421,8 @@ def hops_summary(folder: Path) -> dict[str, Any] | None:
                                  for s in steps if any(r.get(s) is not None for r in requests.values())},
                      "seeds_by_step": {s: sum(r.get(s) is not None for r in requests.values()) for s in steps
                                        if any(r.get(s) is not None for r in requests.values())},
-                     "final": _mean([r[max(r, key=int)] for r in requests.values()
-                                     if r and r[max(r, key=int)] is not None]),
+                     "final": _mean(finals) if (finals := [r[max(r, key=int)] for r in requests.values()
+                                                           if r and r[max(r, key=int)] is not None]) else None,
                      "per_seed": requests},
         "transfer_popqa": {"what": "2-hop chains composed from PopQA's facts (benchmarks/hops_transfer.py): mean "
                                    "F1 per system, mean over seeds",
