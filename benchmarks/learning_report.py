@@ -398,6 +398,8 @@ def hops_summary(folder: Path) -> dict[str, Any] | None:
     best = max(controls, key=lambda n: per_hop["2-hop"][n]) if controls else None
     differences = [v["per_hop"]["grpo"]["2-hop"] - v["per_hop"][best]["2-hop"] for v in per_seed.values()] if best else []
     steps = sorted({s for r in requests.values() for s in r}, key=int)
+    shares = {s: v for s in steps if (v := [r[s] for r in requests.values() if r.get(s) is not None])}
+    finals = [r[last] for r in requests.values() if r and r[last := max(r, key=int)] is not None]
     kinds = {n: "agent" if n.startswith("warmup_") else "trivial" for n in controls}
     transfer_names = sorted({n for v in transfer.values() for n in v})
     return {
@@ -417,12 +419,9 @@ def hops_summary(folder: Path) -> dict[str, Any] | None:
         "requests": {"what": "share of 2-hop held-out questions whose second request names the bridge entity "
                              "and the answer's relation, per GRPO step (mean over the seeds evaluated at that "
                              "step: seeds_by_step) and at each seed's last evaluated step (final: GRPO's result)",
-                     "by_step": {s: _mean([r[s] for r in requests.values() if r.get(s) is not None])
-                                 for s in steps if any(r.get(s) is not None for r in requests.values())},
-                     "seeds_by_step": {s: sum(r.get(s) is not None for r in requests.values()) for s in steps
-                                       if any(r.get(s) is not None for r in requests.values())},
-                     "final": _mean(finals) if (finals := [r[max(r, key=int)] for r in requests.values()
-                                                           if r and r[max(r, key=int)] is not None]) else None,
+                     "by_step": {s: _mean(v) for s, v in shares.items()},
+                     "seeds_by_step": {s: len(v) for s, v in shares.items()},
+                     "final": _mean(finals) if finals else None,
                      "per_seed": requests},
         "transfer_popqa": {"what": "2-hop chains composed from PopQA's facts (benchmarks/hops_transfer.py): mean "
                                    "F1 per system, mean over seeds",

@@ -7,7 +7,7 @@
 # files land in benchmarks/results/learning/<mode>/seed<N>/ and the last step pools them into learning.json
 # (the hops figures under its `hops` key). A hops seed stops after the warm-up when the pre-check fails
 # (precheck.json says which warm-up setting to change). 36-37 min a terse seed with its controls, ~21 min the
-# question seed (2 idle cores); a hops seed 64-74 min on one core (two seeds side by side, one core each), its
+# question seed (2 idle cores); a hops seed 64-76 min on one core (each seed pinned to its own core), its
 # evaluations and pre-check about 15% faster on 2 cores (see benchmarks/README.md). A seed the health gate
 # stops is evaluated at the checkpoint the gate kept, and its controls still run.
 set -euo pipefail
