@@ -65,7 +65,7 @@ def cli_wall(question: str, cache_dir: str) -> float:
 def in_process(question: str, cache_dir: str) -> dict:
     from rich.console import Console
 
-    from pipeline.agent.ask import run_ask
+    from pipeline.commands.ask import run_ask
     from pipeline.config import load_params
 
     params = load_params(ROOT / "params.yaml", overrides(cache_dir, free_port()))

@@ -97,9 +97,9 @@ def learn_params(workdir: Path, args: argparse.Namespace, port: int):
 
 
 def build_data(params) -> None:
-    from pipeline.data.build import run_build
-    from pipeline.data.sample import run_sample
-    from pipeline.data.validate import run_validate
+    from pipeline.stages.build import run_build
+    from pipeline.stages.sample import run_sample
+    from pipeline.stages.validate import run_validate
 
     for dataset in params.data.train_datasets:
         run_sample(params, dataset)
@@ -108,8 +108,8 @@ def build_data(params) -> None:
 
 
 def heldout_rows(params):
-    from pipeline.evaluate import load_eval_rows
     from pipeline.evaluation.plan import EvaluatePlan
+    from pipeline.stages.evaluate import load_eval_rows
 
     held = params.model_copy(deep=True)
     held.root = params.root
@@ -372,10 +372,10 @@ def run(args: argparse.Namespace) -> None:
 
     import mlflow
 
-    from pipeline import tracking
     from pipeline.environment.client import EnvironmentClient
     from pipeline.environment.servers import environment_server
     from pipeline.errors import TrainingUnhealthy
+    from pipeline.tracking import runs as tracking
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.local import WARMUP_DIR, train_local
     from pipeline.train.models import load_tokenizer

@@ -7,7 +7,7 @@ for `paper` (method.md), 1.0 for `released` (the authors' code). The two presets
 Input, one of:
 - `--input FILE.jsonl`: one trajectory per line, with the agent turns' texts (each as the rollout records
   it, starting with the `<think>\\n` opener) under `turns` (strings, or objects with a `text` key, as
-  `pipeline.evaluate` writes them), `prompt_r1_turns` (verl's extra field) or `trajectory` (a JSON string
+  `pipeline.stages.evaluate` writes them), `prompt_r1_turns` (verl's extra field) or `trajectory` (a JSON string
   of such objects); gold answers under `gold_answers` / `golds` (a list or a JSON string) or
   `reward_model.ground_truth`.
 - nothing: `--demos N` warm-up demonstrations (`pipeline.train.warmup.demo_texts`, seeded), of which a

@@ -139,7 +139,7 @@ def main() -> None:
 
     from pipeline.config import deep_merge, load_params, parse_override
     from pipeline.hardware import cpu_capability, native_bf16, resolve_autocast
-    from pipeline.train.stage import run_train
+    from pipeline.stages.train import run_train
 
     scratch = Path(tempfile.mkdtemp(prefix="bench_train_"))
     overrides = {

@@ -76,9 +76,9 @@ def build_prompts(scratch: Path, cfg: dict[str, Any]) -> Path:
     """The data stages into `scratch`; the first batch × steps rows of train.parquet, in order."""
     import pandas as pd
 
-    from pipeline.data.build import run_build
-    from pipeline.data.sample import run_sample
-    from pipeline.data.validate import run_validate
+    from pipeline.stages.build import run_build
+    from pipeline.stages.sample import run_sample
+    from pipeline.stages.validate import run_validate
 
     params = scratch_params(scratch, cfg)
     for dataset in params.data.train_datasets:

@@ -452,7 +452,7 @@ def memory_rule(cfg: Any, parameters: int) -> Any:
     """Our memory rule's estimate for this actor: the one call into pipeline/train/memory.py."""
     from omegaconf import OmegaConf
 
-    from pipeline.layout import WEIGHT_SYNC_BUCKET
+    from pipeline.checks.layout import WEIGHT_SYNC_BUCKET
     from pipeline.train import memory
 
     actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
@@ -528,7 +528,7 @@ def merge(actor_dir: Path, target: Path) -> str:
     process (`runpy`, the module's own `__main__`): a second interpreter would import verl again."""
     import runpy
 
-    from pipeline.train.merge import verl_merge_command
+    from pipeline.stages.merge import verl_merge_command
 
     command = verl_merge_command(actor_dir, target)
     module, argv = command[2], command[3:]

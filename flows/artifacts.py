@@ -4,7 +4,7 @@
   key figures, evaluation table, promotion decision, MLflow run. Failed runs publish it too, with the error.
 - `stage-<name>` (`publish_stage`), attached to the stage's task run: the flow run (name and id), result,
   seconds, key figure
-  (pipeline.stage_figures), the stage's MLflow run (pipeline.mlflow_links), or the error of a failed stage,
+  (pipeline.stage_figures), the stage's MLflow run (pipeline.tracking.links), or the error of a failed stage,
   so a task's Prefect page answers "what came out" without opening its logs. Prefect artifact keys allow
   lowercase letters, digits and dashes only (`stage_artifact_key`).
 """
@@ -22,8 +22,8 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.report import RunReport, flow_run_line, stage_markdown, to_markdown
 from pipeline.config import PARAMS_FILE, ConfigError, Params, load_params
-from pipeline.mlflow_links import MlflowRunInfo, stage_mlflow_run
 from pipeline.stage_figures import key_figure
+from pipeline.tracking.links import MlflowRunInfo, stage_mlflow_run
 
 log = logging.getLogger(__name__)
 

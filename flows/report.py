@@ -1,15 +1,15 @@
 """The run summary and each stage task's report, as markdown and as data.
 
 Read from the files the stages write (contracts): `reports/eval/summary.md` (evaluate),
-`reports/promotion.json` (register), `reports/mlflow_run.json` (train, via pipeline.tracking), and each
+`reports/promotion.json` (register), `reports/mlflow_run.json` (train, via pipeline.tracking.runs), and each
 stage's key figure (pipeline.stage_figures). A missing file is reported as missing, never invented. The
 MLflow link is a real UI link only for an http(s) tracking server; for the default SQLite store the summary
-gives the `mlflow ui` command that opens it (pipeline.mlflow_links, re-exported here under the names this
+gives the `mlflow ui` command that opens it (pipeline.tracking.links, re-exported here under the names this
 module always had).
 
 The summary says what *this* run did, never what an earlier one left in those files: the promotion decision
 comes from promotion.json only when this run reproduced `register`; otherwise it reads "no new version;
-champion is vN, promoted by run … on …" from the MLflow registry (pipeline.registry_lineage.champion_status).
+champion is vN, promoted by run … on …" from the MLflow registry (pipeline.tracking.lineage.champion_status).
 Likewise the MLflow run is this run's only when a stage that logs to MLflow (`MLFLOW_STAGES`) was
 reproduced; otherwise (a run that changed nothing) the summary says `up to date (last run <run>: <link or
 command>)`, the same words every stage artifact of an up-to-date stage uses (`up_to_date`), and the evaluation
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Params
-from pipeline.mlflow_links import MlflowRunInfo, mlflow_line, mlflow_run_info, strip_credentials
-from pipeline.registry_lineage import champion_status
 from pipeline.stage_figures import promotion_line
-from pipeline.tracking import DESCRIBED_STAGES
+from pipeline.tracking.lineage import champion_status
+from pipeline.tracking.links import MlflowRunInfo, mlflow_line, mlflow_run_info, strip_credentials
+from pipeline.tracking.runs import DESCRIBED_STAGES
 
 __all__ = ["MlflowRunInfo", "RunReport", "flow_run_line", "mlflow_line", "mlflow_run_info", "promotion_line",
            "read_eval_summary", "read_promotion", "run_mlflow_line", "stage_markdown", "strip_credentials",
@@ -39,7 +39,7 @@ __all__ = ["MlflowRunInfo", "RunReport", "flow_run_line", "mlflow_line", "mlflow
 EVAL_SUMMARY = Path("eval") / "summary.md"
 PROMOTION = Path("promotion.json")
 MLFLOW_STAGES = DESCRIBED_STAGES
-"""The stages that log an MLflow run (each a child of the pipeline run; pipeline.tracking)."""
+"""The stages that log an MLflow run (each a child of the pipeline run; pipeline.tracking.runs)."""
 REPRODUCED = "reproduced"
 
 

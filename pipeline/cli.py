@@ -2,10 +2,8 @@
 
 Every command reads params through `pipeline.config.load_params` (params.yaml + the profile it names,
 then any `--set key=value` overrides), so the CLI, DVC and Prefect all see one configuration.
-Stage modules are imported lazily: `promptr1 --help` stays fast and a CPU install never imports GPU code.
-The commands that only load params and call one function are rows of `STAGE_COMMANDS` / `ENV_COMMANDS`
-(`module:function`, as entry points name them), built by one factory; commands with arguments of their
-own (`sample`, `ask`, `flow …`) are written out.
+Each stage command imports its module, `pipeline.stages.<stage>`, in its body: `promptr1 --help` stays fast
+and a CPU install never imports GPU code, while the import stays visible to readers and to "go to definition".
 Process setup (telemetry off, logging to stderr) is `pipeline.runtime`'s, shared with `python -m flows.retrain`.
 Every stage command goes through `_run_stage`, which ends it with one INFO line
 `<stage> done in <s> s: <key figure>` (pipeline.stage_figures, read back from the files the stage wrote).
@@ -15,7 +13,6 @@ without a traceback.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections.abc import Callable
@@ -52,13 +49,13 @@ def _load(params_file: str | None, sets: list[str] | None) -> Params:
 def _load_runnable(params_file: str | None, sets: list[str] | None, check: str = "assert_runnable") -> Params:
     """`_load`, then the layout check (`promptr1 check`): a stage never starts on a layout that cannot run.
 
-    `check` names the function of `pipeline.layout` that judges the params: the whole layout
+    `check` names the function of `pipeline.checks.layout` that judges the params: the whole layout
     (`assert_runnable`), or only the environment server's (`assert_environment_runnable`, for `promptr1 env`,
     which may run on a node that holds nothing else). First of all, no stage runs on the overrides a killed
     flow run left in the params files (flows/override_guard.py: it refuses and names `promptr1 flow restore`).
     """
     from flows.override_guard import refuse_dead_run_overrides
-    from pipeline import layout
+    from pipeline.checks import layout
 
     refuse_dead_run_overrides(Path(params_file).resolve().parent if params_file else find_root())
     params = _load(params_file, sets)
@@ -94,73 +91,130 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> N
     configure_logging(verbose)
 
 
-def _params_command(target: str, help_: str, stage: str | None = None,
-                    check: str = "assert_runnable") -> Callable[..., None]:
-    """A command `… [--params FILE] [--set key=value …]` that calls `module:function` with the loaded params.
-
-    The module is imported when the command runs, not when the CLI starts. A `stage` command ends with its
-    key figure (`_run_stage`); `check` names the layout check it runs first (`_load_runnable`).
-    """
-    module, function = target.split(":")
-
-    def command(params: ParamsOption = None, set_: SetOption = None) -> None:
-        call = getattr(importlib.import_module(module), function)
-        if stage is None:
-            _run(lambda: call(_load_runnable(params, set_, check)))
-        else:
-            _run_stage(stage, params, set_, call)
-
-    command.__doc__ = help_
-    command.target = target  # what the command runs, for readers and the dvc.yaml deps test
-    command.stage = stage  # the stage whose key figure ends it (None: not a pipeline stage)
-    command.check = check  # the pipeline.layout check it runs first (the docs' commands test calls it too)
-    return command
+STAGE_COMMANDS: dict[str, Callable[..., None]] = {}
+"""The stage commands dvc.yaml calls, in pipeline order (`promptr1 --help` lists them so)."""
 
 
+def _stage_command(stage: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register a command as `promptr1 <stage>`; `command.stage` names the stage whose key figure ends it."""
+
+    def register(command: Callable[..., None]) -> Callable[..., None]:
+        command.stage = stage
+        STAGE_COMMANDS[stage] = command
+        return app.command(stage)(command)
+
+    return register
+
+
+@_stage_command("sources")
+def sources(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Stage 0: fingerprint the raw sources and evaluation files (mirror md5s or Hub revisions) → data/sources/."""
+    from pipeline.stages.sources import run_sources
+
+    _run_stage("sources", params, set_, run_sources)
+
+
+@_stage_command("sample")
 def sample(dataset: str, params: ParamsOption = None, set_: SetOption = None) -> None:
     """Stage 1: normalise, de-leak and sample one training dataset → data/sampled/<dataset>.parquet."""
-    from pipeline.data.sample import run_sample
+    from pipeline.stages.sample import run_sample
 
     _run_stage(f"sample@{dataset}", params, set_, lambda loaded: run_sample(loaded, dataset))
 
 
-# The stage commands dvc.yaml calls, in pipeline order (`promptr1 --help` lists them so).
-STAGE_COMMANDS: dict[str, Callable[..., None]] = {
-    "sources": _params_command("pipeline.data.fingerprint:run_sources", "Stage 0: fingerprint the raw sources and "
-                               "evaluation files (mirror md5s or Hub revisions) → data/sources/.", "sources"),
-    "sample": sample,
-    "validate": _params_command("pipeline.data.validate:run_validate",
-                                "Stage 2: Great Expectations suites over every sampled and evaluation file.",
-                                "validate"),
-    "build": _params_command("pipeline.data.build:run_build", "Stage 3: render the Prompt-R1 template; write the "
-                             "verl RL training set and the evaluation sets.", "build"),
-    "train": _params_command("pipeline.train.stage:run_train",
-                             "Stage 4: GRPO training of the agent (backend local or verl), resumable.", "train"),
-    "merge": _params_command("pipeline.train.merge:run_merge",
-                             "Stage 5: checkpoints → one Hugging Face model directory in models/agent.", "merge"),
-    "gepa": _params_command("pipeline.gepa_prompt:run_gepa", "GEPA optimises the environment's instruction on a "
-                            "training slice (the rival system `gepa`) → data/gepa/prompt.json.", "gepa"),
-    "evaluate": _params_command("pipeline.evaluate:run_evaluate",
-                                "Stage 6: the merged agent + environment on the ID and OOD sets, with baselines.",
-                                "evaluate"),
-    "register": _params_command("pipeline.register:run_register", "Stage 7: log the model to the MLflow registry; "
-                                "move the champion alias if the rule holds.", "register"),
-}
+@_stage_command("validate")
+def validate(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Stage 2: Great Expectations suites over every sampled and evaluation file."""
+    from pipeline.stages.validate import run_validate
+
+    _run_stage("validate", params, set_, run_validate)
+
+
+@_stage_command("build")
+def build(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Stage 3: render the Prompt-R1 template; write the verl RL training set and the evaluation sets."""
+    from pipeline.stages.build import run_build
+
+    _run_stage("build", params, set_, run_build)
+
+
+@_stage_command("train")
+def train(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Stage 4: GRPO training of the agent (backend local or verl), resumable."""
+    from pipeline.stages.train import run_train
+
+    _run_stage("train", params, set_, run_train)
+
+
+@_stage_command("merge")
+def merge(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Stage 5: checkpoints → one Hugging Face model directory in models/agent."""
+    from pipeline.stages.merge import run_merge
+
+    _run_stage("merge", params, set_, run_merge)
+
+
+@_stage_command("gepa")
+def gepa(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """GEPA optimises the environment's instruction on a training slice (rival `gepa`) → data/gepa/prompt.json."""
+    from pipeline.stages.gepa import run_gepa
+
+    _run_stage("gepa", params, set_, run_gepa)
+
+
+@_stage_command("evaluate")
+def evaluate(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Stage 6: the merged agent + environment on the ID and OOD sets, with baselines."""
+    from pipeline.stages.evaluate import run_evaluate
+
+    _run_stage("evaluate", params, set_, run_evaluate)
+
+
+@_stage_command("register")
+def register(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Stage 7: log the model to the MLflow registry; move the champion alias if the rule holds."""
+    from pipeline.stages.register import run_register
+
+    _run_stage("register", params, set_, run_register)
+
+
 ENV_ONLY = "assert_environment_runnable"
 """`promptr1 env …` judges the environment server alone: it may run on a node that holds nothing else."""
-ENV_COMMANDS: dict[str, Callable[..., None]] = {
-    "start": _params_command("pipeline.environment.manual:cli_start",
-                             "Start (or reuse) the configured environment server and leave it running.",
-                             check=ENV_ONLY),
-    "stop": _params_command("pipeline.environment.manual:cli_stop",
-                            "Stop the environment server started by `promptr1 env start`.", check=ENV_ONLY),
-    "status": _params_command("pipeline.environment.manual:cli_status",
-                              "Health-check the configured environment endpoint.", check=ENV_ONLY),
-}
-for _name, _command in STAGE_COMMANDS.items():
-    app.command(_name)(_command)
-for _name, _command in ENV_COMMANDS.items():
-    env_app.command(_name)(_command)
+ENV_COMMANDS: dict[str, Callable[..., None]] = {}
+"""`promptr1 env start|stop|status`; `command.check` names the layout check each runs first."""
+
+
+def _env_command(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    def register(command: Callable[..., None]) -> Callable[..., None]:
+        command.check = ENV_ONLY
+        ENV_COMMANDS[name] = command
+        return env_app.command(name)(command)
+
+    return register
+
+
+@_env_command("start")
+def env_start(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Start (or reuse) the configured environment server and leave it running."""
+    from pipeline.commands.env import cli_start
+
+    _run(lambda: cli_start(_load_runnable(params, set_, ENV_ONLY)))
+
+
+@_env_command("stop")
+def env_stop(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Stop the environment server started by `promptr1 env start`."""
+    from pipeline.commands.env import cli_stop
+
+    _run(lambda: cli_stop(_load_runnable(params, set_, ENV_ONLY)))
+
+
+@_env_command("status")
+def env_status(params: ParamsOption = None, set_: SetOption = None) -> None:
+    """Health-check the configured environment endpoint."""
+    from pipeline.commands.env import cli_status
+
+    _run(lambda: cli_status(_load_runnable(params, set_, ENV_ONLY)))
 
 
 @app.command()
@@ -181,7 +235,7 @@ def check(params: ParamsOption = None, set_: SetOption = None) -> None:
 
     Exit 0 with a one-line summary; exit 2 with one line per problem, each naming the param keys.
     """
-    from pipeline.layout import describe, layout_problems
+    from pipeline.checks.layout import describe, layout_problems
 
     try:
         merged = _load(params, set_)
@@ -208,7 +262,7 @@ def doctor(
     One line per step (`pass|fail|skipped: <step>: ...`), stopping at the first failure (exit 1);
     report in reports/doctor/doctor.json.
     """
-    from pipeline.doctor import run_doctor
+    from pipeline.checks.doctor import run_doctor
 
     try:
         merged = _load(params, set_)
@@ -229,7 +283,7 @@ def ask(
     set_: SetOption = None,
 ) -> None:
     """Ask one question: the agent prompts the environment for up to max_turns turns, then answers."""
-    from pipeline.agent.ask import run_ask
+    from pipeline.commands.ask import run_ask
 
     _run(lambda: run_ask(_load_runnable(params, set_), question, model, engine=engine))
 
@@ -242,7 +296,7 @@ def serve(
     set_: SetOption = None,
 ) -> None:
     """Serve the registered champion: POST /invocations answers questions (MLflow scoring server)."""
-    from pipeline.serving import run_serve
+    from pipeline.commands.serve import run_serve
 
     code = 0
 

@@ -1,6 +1,6 @@
 """Where things run: the CUDA device ids verl and the environment server take, and which addresses are local.
 
-Pure functions of the params (no I/O), shared by the layout check (`pipeline.layout`), the environment
+Pure functions of the params (no I/O), shared by the layout check (`pipeline.checks.layout`), the environment
 client and servers, and the verl launcher. They live apart from the layout check so that the environment
 code (imported by most stages) does not import the check's verl config composition.
 

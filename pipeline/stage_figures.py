@@ -28,10 +28,10 @@ from pipeline.config import PARAMS_FILE, Params, load_params
 from pipeline.paths import display_path
 
 SOURCES_DIR = "data/sources"
-"""Where the `sources` stage writes its fingerprints (pipeline.data.fingerprint.SOURCES_DIR)."""
+"""Where the `sources` stage writes its fingerprints (pipeline.stages.sources.SOURCES_DIR)."""
 SOURCES_EVAL_FILE = "eval.json"
 UNREACHABLE = "unreachable"
-"""The Hub revision a fingerprint records for a source it could not reach (pipeline.data.fingerprint)."""
+"""The Hub revision a fingerprint records for a source it could not reach (pipeline.stages.sources)."""
 REWARD_COLUMN = "critic/score/mean"
 """The per-step mean reward in reports/train/steps.csv (the `Training reward` plot of dvc.yaml)."""
 PRIMARY_METRIC = "f1"
@@ -224,7 +224,7 @@ def promotion_line(promotion: dict[str, Any] | None) -> str:
     """One line: promoted or not, and why (keys written by register; unknown shapes shown as JSON)."""
     if promotion is None:
         return "no promotion decision (reports/promotion.json missing)"
-    if promotion.get("new_version") is False:  # a run that registered nothing (registry_lineage.champion_status)
+    if promotion.get("new_version") is False:  # a run that registered nothing (tracking.lineage.champion_status)
         alias = promotion.get("alias", "champion")
         if "champion_version" not in promotion:
             return f"no new version; {promotion.get('note') or f'no @{alias} found'}"

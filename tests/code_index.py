@@ -131,7 +131,7 @@ def _registrars(tree: ast.Module) -> dict[str, str]:
 
 
 def _module_aliases(tree: ast.Module) -> set[str]:
-    """Names a file binds to repo modules (`import pipeline.x as y`, `from pipeline import tracking`)."""
+    """Names a file binds to repo modules (`import pipeline.x as y`, `from pipeline.tracking import runs as tracking`)."""
     from dvc_closure import module_file
 
     out: set[str] = set()

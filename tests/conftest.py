@@ -104,9 +104,9 @@ def built_data(shared_datasets, tmp_path_factory):
 
     Runs the three stages once per session (~20 s); read-only for tests (copy before corrupting).
     """
-    from pipeline.data.build import run_build
-    from pipeline.data.sample import run_sample
-    from pipeline.data.validate import run_validate
+    from pipeline.stages.build import run_build
+    from pipeline.stages.sample import run_sample
+    from pipeline.stages.validate import run_validate
 
     params = make_data_params(shared_datasets, tmp_path_factory.mktemp("built_data"))
     for dataset in params.data.train_datasets:

@@ -137,10 +137,10 @@ def stages() -> list[tuple[str, str, list[str]]]:
     return out
 
 
-CLI_STAGE_PATH = ("main", "_load", "_load_runnable", "_run", "_run_stage", "_params_command")
+CLI_STAGE_PATH = ("main", "_load", "_load_runnable", "_run", "_run_stage")
 """The functions of pipeline/cli.py every stage command runs through before and after its own module."""
 
-REFUSAL_GUARDS = ("pipeline.layout", "flows.override_guard")
+REFUSAL_GUARDS = ("pipeline.checks.layout", "flows.override_guard")
 """Modules the CLI runs before a stage only to refuse it (the layout check, a killed flow's overrides): they
 change no output, so they are not deps (editing the GPU layout rules must not rerun sampling)."""
 

@@ -15,7 +15,7 @@ import pandas as pd
 
 from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
-from pipeline.register import EvalAverages
+from pipeline.stages.register import EvalAverages
 from pipeline.types import PromptItem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ def plots_project(root: Path) -> Path:
     """`root` as a DVC project whose plot outputs are the recorded run's; returns `root`."""
     from pipeline.evaluation.costs import quality_cost_rows
     from pipeline.evaluation.report import PLOT_METRIC, plot_rows
-    from pipeline.gepa_prompt import history_frame
+    from pipeline.stages.gepa import history_frame
 
     root.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", "params.yaml"):

@@ -49,7 +49,7 @@ def test_an_agent_llama_cpp_cannot_take_is_refused_when_asked_and_falls_back_und
 def test_the_pyfunc_decides_from_what_register_logged(params, tiny_llama_dir, tmp_path):
     """The logged model config carries the base GGUF, so a served agent exported from it is llama.cpp's; a
     version logged before that key existed stays on transformers, as it was."""
-    from pipeline.register import _agent_model_config, environment_json
+    from pipeline.stages.register import _agent_model_config, environment_json
 
     config = _agent_model_config(params)
     config["cache_dir"] = str(tmp_path / "cache")
@@ -66,8 +66,8 @@ def test_the_pyfunc_decides_from_what_register_logged(params, tiny_llama_dir, tm
 def test_serve_hands_its_engine_choice_to_the_served_model(params, tmp_path, monkeypatch):
     """`promptr1 serve` sets MLflow's SERVING_MODEL_CONFIG from register.serve and the project's cache folder;
     MLflow applies only keys the logged config has, so each must be one register logs."""
-    from pipeline.register import _agent_model_config
-    from pipeline.serving import MODEL_CONFIG_VARIABLE, serve_command
+    from pipeline.commands.serve import MODEL_CONFIG_VARIABLE, serve_command
+    from pipeline.stages.register import _agent_model_config
 
     monkeypatch.delenv(MODEL_CONFIG_VARIABLE, raising=False)
     params.register.serve.agent_engine = "transformers"

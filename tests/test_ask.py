@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.agent.ask import agent_model_ref
 from pipeline.cli import app
+from pipeline.commands.ask import agent_model_ref
 
 
 def test_agent_model_ref_prefers_explicit_then_merged_then_params(params, tmp_path):

@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.agent.template import render_user_message
-from pipeline.data.build import AGENT_NAME, RL_SCHEMA, run_build
 from pipeline.data.plan import ValidatePlan
 from pipeline.data.sources import REGISTRY
 from pipeline.errors import DataError
+from pipeline.stages.build import AGENT_NAME, RL_SCHEMA, run_build
 
 
 def test_train_file_schema_and_content(built_data):

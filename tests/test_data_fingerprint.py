@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import yaml
 from helpers import copy_params
 
-from pipeline.data.fingerprint import EVAL_FILE, UNREACHABLE, run_sources
 from pipeline.data.sources import REGISTRY
+from pipeline.stages.sources import EVAL_FILE, UNREACHABLE, run_sources
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from demo_project import tmp_mirror
 
-from pipeline.data.sample import run_sample
 from pipeline.data.schema import SAMPLED_SCHEMA, question_key
 from pipeline.data.sources import REGISTRY, SourcePaths, load_authors_eval
 from pipeline.errors import DataError
+from pipeline.stages.sample import run_sample
 
 
 def _write_raw(mirror: Path, columns: dict[str, pa.Array | list]) -> Path:

@@ -7,7 +7,6 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.sample import run_sample
 from pipeline.data.sources import REGISTRY, DatasetSpec, SourcePaths, get_spec, load_authors_eval, register
 from pipeline.data.sources.long_form import (
     article_task,
@@ -19,6 +18,7 @@ from pipeline.data.sources.long_form import (
 from pipeline.data.sources.math_problems import dapo_unwrap, gsm8k_final_answer, mathqa_option_value
 from pipeline.data.sources.registry import flashrag
 from pipeline.errors import DataError
+from pipeline.stages.sample import run_sample
 
 TRAIN = ["2wikimultihopqa", "hotpotqa", "gsm8k", "dapo_math", "musique", "popqa", "booksum", "writingprompts"]
 OOD = ["mathqa", "squad_v2", "triviaqa", "xsum"]
@@ -193,9 +193,9 @@ def test_eval_only_dataset_is_not_sampled(params):
 
 def test_the_generated_hops_source_is_sampled_validated_and_built(data_params):
     """The generated dataset goes through the same stages and Great Expectations suites as the others."""
-    from pipeline.data.build import run_build
-    from pipeline.data.sample import run_sample
-    from pipeline.data.validate import run_validate
+    from pipeline.stages.build import run_build
+    from pipeline.stages.sample import run_sample
+    from pipeline.stages.validate import run_validate
 
     params = data_params(data={"train_datasets": ["hops"], "id_eval_datasets": ["hops"], "ood_eval_datasets": [],
                                "sample_size": 512})

@@ -11,8 +11,8 @@ import pytest
 from pipeline.data.plan import ValidatePlan
 from pipeline.data.schema import rows_to_table, write_parquet_atomic
 from pipeline.data.sources import REGISTRY, SourcePaths, load_authors_eval
-from pipeline.data.validate import run_validate
 from pipeline.errors import DataError
+from pipeline.stages.validate import run_validate
 
 
 def test_real_data_passes_every_suite(built_data):
@@ -136,8 +136,8 @@ def test_token_budget(built_data, data_params):
 
 def test_skipped_dataset_is_validated_as_empty_and_reported(data_params, shared_datasets, tmp_path):
     """A dataset listed in data.allow_skip whose source is missing flows through all three stages, visibly."""
-    from pipeline.data.build import run_build
-    from pipeline.data.sample import run_sample
+    from pipeline.stages.build import run_build
+    from pipeline.stages.sample import run_sample
 
     mirror = tmp_path / "mirror"
     (mirror / "raw").mkdir(parents=True)

@@ -223,8 +223,8 @@ def test_too_many_failed_rows_fail_the_rows_step(project, shared_datasets):
 
 def test_rows_unanswered_at_the_deadline_fail_the_step_in_bounded_time(project, shared_datasets, monkeypatch):
     # A server that takes 5 s a reply against a 1 s deadline: the doctor cancels the calls and says so.
+    from pipeline.checks.doctor import run_doctor
     from pipeline.config import load_params
-    from pipeline.doctor import run_doctor
 
     lines: list[str] = []
     with FaultServer(model="fault-model", default=Behaviour(delay_s=5.0)) as server:
@@ -265,7 +265,7 @@ def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_pat
     from transformers import AutoTokenizer
 
     from pipeline.agent.protocol import ConversationBuilder
-    from pipeline.doctor_train import decoded_trajectories
+    from pipeline.checks.doctor_train import decoded_trajectories
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     builder = ConversationBuilder(tokenizer)
@@ -304,8 +304,8 @@ def test_the_verl_step_runs_one_mini_batch_saved_to_a_temporary_folder(repo_root
     from verl.utils.config import validate_config
     from verl_cpu import compose_verl
 
+    from pipeline.checks.doctor_train import one_step_params
     from pipeline.config import load_params
-    from pipeline.doctor_train import one_step_params
     from pipeline.train.verl_backend import build_overrides
 
     params = load_params(repo_root / "params.yaml", {"profile": "smoke-1gpu"})
@@ -334,9 +334,9 @@ def test_the_doctors_batch_is_the_smallest_the_layout_check_accepts(repo_root, t
     """paper: 8 GPUs x micro-batch 2 = 16 trajectories, and 8 agent-loop workers: lcm 16, over group 5 -> 16
     questions (80 trajectories, not 128 x 5); paper-1node: lcm(6 x 2, 8) = 24 -> 24 questions. The layout
     check (verl's arithmetic) accepts it, and one question fewer it refuses."""
+    from pipeline.checks.doctor_train import one_step_params
+    from pipeline.checks.layout import layout_problems
     from pipeline.config import load_params
-    from pipeline.doctor_train import one_step_params
-    from pipeline.layout import layout_problems
 
     params = load_params(repo_root / "params.yaml", {"profile": profile})
     one = one_step_params(params, tmp_path)
@@ -348,9 +348,9 @@ def test_the_doctors_batch_is_the_smallest_the_layout_check_accepts(repo_root, t
 
 
 def test_the_checkpoint_folder_is_beside_the_checkpoints_and_removed_when_the_doctor_ends(project):
+    from pipeline.checks.doctor import Doctor
+    from pipeline.checks.doctor_train import checkpoint_folder
     from pipeline.config import load_params
-    from pipeline.doctor import Doctor
-    from pipeline.doctor_train import checkpoint_folder
 
     params = load_params(project / "params.yaml", {"paths": {"checkpoint_dir": "ckpt/agent"}})
     doc = Doctor(params=params)

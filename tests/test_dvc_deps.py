@@ -45,9 +45,9 @@ def test_closure_follows_lazy_imports_and_parent_packages(tmp_path: Path) -> Non
     closure = {str(p.relative_to(ROOT)) for p in import_closure("pipeline.cli")}
     assert "pipeline/__init__.py" in closure
     assert "pipeline/config/loading.py" in closure  # top-level import of cli (through the package)
-    assert "pipeline/agent/ask.py" in closure        # imported only inside `ask()`
-    assert verb_modules()["sample"] == {"pipeline.data.sample"}  # a written-out command's lazy import
-    assert verb_modules()["register"] == {"pipeline.register"}   # a `module:function` row
+    assert "pipeline/commands/ask.py" in closure        # imported only inside `ask()`
+    assert verb_modules()["sample"] == {"pipeline.stages.sample"}  # a written-out command's lazy import
+    assert verb_modules()["register"] == {"pipeline.stages.register"}   # a `module:function` row
 
 
 def test_a_missing_dep_is_reported() -> None:

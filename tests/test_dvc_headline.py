@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from pipeline.headline import (
+from pipeline.tracking.headline import (
     HEADLINE_KEYS,
     MAX_FIGURES_VALUES,
     check_headline,

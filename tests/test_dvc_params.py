@@ -293,9 +293,9 @@ def test_what_stage_code_reads_at_run_time_is_in_the_static_reads(
     the mirror, and the pure parts of two heavy stages (verl's overrides for train, the pyfunc's environment
     for register). Every key they read is in the stage's static reads."""
     from pipeline.config import load_params
-    from pipeline.data.fingerprint import run_sources
-    from pipeline.data.sample import run_sample
-    from pipeline.register import environment_json
+    from pipeline.stages.register import environment_json
+    from pipeline.stages.sample import run_sample
+    from pipeline.stages.sources import run_sources
     from pipeline.train.plan import TrainPlan
     from pipeline.train.verl_backend import build_overrides
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.checks.layout import LayoutError, assert_runnable, layout_problems
 from pipeline.config import load_params
 from pipeline.environment.budget import longest_reply_tokens, reply_budget_problems
-from pipeline.layout import LayoutError, assert_runnable, layout_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_KEYS = ("environment.timeout_s", "environment.max_tokens", "environment.length_retry_factor",

@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 import pytest
 from demo_project import free_port, pid_alive
 
+from pipeline.commands.env import STATE_FILE, cli_start, cli_stop
 from pipeline.environment.client import EnvironmentClient
-from pipeline.environment.manual import STATE_FILE, cli_start, cli_stop
 from pipeline.environment.servers import (
     environment_server,
     is_healthy,

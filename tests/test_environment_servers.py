@@ -18,9 +18,9 @@ import pytest
 from demo_project import free_port, pid_alive
 from fault_server import FaultServer
 
+from pipeline.commands.env import STATE_FILE, cli_start, cli_status, cli_stop
 from pipeline.config import load_params
 from pipeline.environment import servers
-from pipeline.environment.manual import STATE_FILE, cli_start, cli_status, cli_stop
 from pipeline.environment.servers import (
     environment_server,
     is_healthy,

@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 from helpers import FIXTURES, make_project
 
-from pipeline import evaluate as E
 from pipeline.errors import UserError
 from pipeline.evaluation.costs import grpo_one_off, inference_costs, one_off_costs
 from pipeline.evaluation.paper import load_paper_results, paper_comparison, paper_markdown
@@ -27,6 +26,7 @@ from pipeline.evaluation.report import (
 from pipeline.evaluation.scores import aggregate, answer_outcomes, score_system, usage_by_system
 from pipeline.evaluation.systems import TRAINED, Answer, run_system
 from pipeline.metrics import SemanticSimilarity
+from pipeline.stages import evaluate as E
 from pipeline.types import EvalRow
 
 

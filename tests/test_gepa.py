@@ -16,7 +16,7 @@ import pytest
 from fault_server import FaultServer
 
 from pipeline import metrics as M
-from pipeline.gepa_prompt import COMPONENT, EnvironmentInstructionAdapter, TaskExample, load_slices, run_gepa
+from pipeline.stages.gepa import COMPONENT, EnvironmentInstructionAdapter, TaskExample, load_slices, run_gepa
 
 SHORT = "Reply with the bare answer only: a few words, no sentence."
 HEDGE = "I believe the answer to this could well be {gold}, although I am honestly not completely sure."
@@ -148,7 +148,7 @@ def test_gepa_stage_accepts_a_proposal_and_reports_held_out_scores(gepa_params):
     info = runs[0].info
     assert info.end_time - info.start_time >= 1000 * cost["wall_s"] - 100, (info.end_time - info.start_time, cost)
     # ... and logs the three slices it read as datasets, each with the DVC md5 of train.parquet
-    from pipeline.tracking import dvc_md5
+    from pipeline.tracking.runs import dvc_md5
 
     inputs = {i.dataset.name: ({t.key: t.value for t in i.tags}, json.loads(i.dataset.profile))
               for i in runs[0].inputs.dataset_inputs}
@@ -158,13 +158,13 @@ def test_gepa_stage_accepts_a_proposal_and_reports_held_out_scores(gepa_params):
     assert inputs["gepa/holdout"][1]["num_rows"] == saved["holdout"]["rows"]
 
     # The train stage of the same execution continues this parent (one repro, one parent run) ...
-    from pipeline.tracking import parent_run_id, stage_run
+    from pipeline.tracking.runs import parent_run_id, stage_run
 
     gepa_parent = runs[0].data.tags["mlflow.parentRunId"]
     (params.path(params.paths.reports_dir) / "mlflow_run.json").unlink()  # DVC removes train's outputs first
     with stage_run(params, "train", new_parent=True) as run:
         assert client.get_run(run.info.run_id).data.tags["mlflow.parentRunId"] == gepa_parent
-        from pipeline.tracking import describe_stage
+        from pipeline.tracking.runs import describe_stage
 
         describe_stage("train", "Trained.")
     assert parent_run_id(params) == gepa_parent
@@ -249,7 +249,7 @@ def test_train_opens_its_own_parent_when_params_changed_since_gepa(gepa_params):
     would claim settings it did not train with."""
     import mlflow
 
-    from pipeline.tracking import describe_stage, stage_run
+    from pipeline.tracking.runs import describe_stage, stage_run
 
     with FaultServer(responder=respond) as server:
         params = gepa_params(server.url)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline import layout
+from pipeline.checks import layout
 from pipeline.cli import ENV_COMMANDS, app
 from pipeline.config import deep_merge, load_params, parse_override
 from pipeline.environment.harmony import needs_harmony
@@ -105,7 +105,7 @@ def test_the_training_node_commands_pass_and_need_no_gpt_oss_files():
 
 
 def test_the_doctor_section_lists_the_steps_in_the_order_the_doctor_runs_them():
-    from pipeline.doctor import steps
+    from pipeline.checks.doctor import steps
 
     text = DOC.read_text(encoding="utf-8")
     section = text[text.index("## 4. `promptr1 doctor`") : text.index("## 5.")]

@@ -1,4 +1,4 @@
-"""The layout check (pipeline/layout.py, `promptr1 check`): each infeasible layout fails naming its keys,
+"""The layout check (pipeline/checks/layout.py, `promptr1 check`): each infeasible layout fails naming its keys,
 every shipped profile passes, and the batch arithmetic agrees with verl 0.9.1's own validation."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import deep_merge, load_params, parse_override
-from pipeline.layout import (
+from pipeline.checks.layout import (
     LayoutError,
     assert_runnable,
     cuda_visible_devices,
@@ -19,6 +18,7 @@ from pipeline.layout import (
     layout_problems,
     training_gpus,
 )
+from pipeline.config import deep_merge, load_params, parse_override
 from pipeline.train.plan import TrainPlan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

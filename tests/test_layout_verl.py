@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.checks.layout import Placement, actor_estimate, layout_problems
 from pipeline.config import deep_merge, load_params, parse_override
-from pipeline.layout import Placement, actor_estimate, layout_problems
 from pipeline.train import memory
 from pipeline.train.plan import TrainPlan
 from pipeline.train.resources import checkpoint_disk_problem, gpu_problems
@@ -181,7 +181,7 @@ def test_actor_memory_must_fit_beside_the_vllm_fractions(sets, fix):
 def test_unknown_model_is_not_judged_but_said(tmp_path):
     params = merged("profile=paper", "agent.model=example-org/unlisted-7b")
     assert actor_estimate(Placement.for_layout(params), compose_run(params)) is None and layout_problems(params) == []
-    from pipeline.layout import describe
+    from pipeline.checks.layout import describe
 
     assert "actor memory not estimated" in describe(params)
 

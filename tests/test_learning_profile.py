@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.config import load_params
 from pipeline.errors import UserError
-from pipeline.register import PRODUCTION_ALIAS, check_production_alias, run_register
+from pipeline.stages.register import PRODUCTION_ALIAS, check_production_alias, run_register
 from pipeline.train.plan import TrainPlan
 from pipeline.train.warmup import WITHHELD_REPLY, build_demonstrations
 

@@ -209,7 +209,7 @@ def test_two_environment_micro_run_shows_the_matrix_everywhere(
     from conftest import free_port
     from helpers import FIXTURES, make_project
 
-    from pipeline import evaluate as E
+    from pipeline.stages import evaluate as E
 
     project = make_project(tmp_path, repo_root, shared_datasets, {"hotpotqa": "id", "triviaqa": "ood"})
     shutil.copytree(FIXTURES / "gepa", project / "data" / "gepa")

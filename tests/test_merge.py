@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from pipeline.config import load_params
-from pipeline.train import checkpoint as ckpt
-from pipeline.train.merge import (
+from pipeline.stages.merge import (
     MergeVerificationError,
     _verify,
     probe_input,
@@ -19,6 +18,7 @@ from pipeline.train.merge import (
     run_merge,
     verl_merge_command,
 )
+from pipeline.train import checkpoint as ckpt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,7 @@ from pipeline.agent.rollout import run_rollout, trajectory_record
 from pipeline.config import EnvironmentConfig, RewardConfig, load_params
 from pipeline.environment.client import EnvironmentClient
 from pipeline.reward import reward_for_trajectory
-from pipeline.traces import MAX_TEXT_CHARS, clean_text
+from pipeline.tracking.traces import MAX_TEXT_CHARS, clean_text
 from pipeline.train.plan import TrainPlan
 from pipeline.types import PromptItem
 
@@ -66,8 +66,8 @@ def test_clean_text_escapes_control_characters_redacts_and_caps_the_length():
 def test_micro_evaluation_traces_table_and_description(tmp_path, repo_root, shared_datasets, tiny_llama_dir):
     import mlflow
 
-    from pipeline import evaluate as E
-    from pipeline.tracking import parent_run_id
+    from pipeline.stages import evaluate as E
+    from pipeline.tracking.runs import parent_run_id
 
     project = _project(tmp_path, repo_root, shared_datasets)
     with FaultServer() as server:
@@ -176,7 +176,7 @@ def two_turn_trajectories(tiny_llama_dir):
 def test_spans_per_turn_hold_prompt_reply_tokens_latency_cost_sanitised(store, two_turn_trajectories):
     import mlflow
 
-    from pipeline.traces import flush_traces, log_trajectory_trace
+    from pipeline.tracking.traces import flush_traces, log_trajectory_trace
 
     mlflow.set_tracking_uri(store)
     mlflow.set_experiment("traces")
@@ -239,7 +239,7 @@ def test_traces_time_each_trajectory_and_separate_queueing_from_latency(store, t
     from fault_server import Behaviour
     from transformers import AutoTokenizer
 
-    from pipeline.traces import flush_traces, log_trajectory_trace
+    from pipeline.tracking.traces import flush_traces, log_trajectory_trace
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     items = [PromptItem(uid=q, messages=[{"role": "user", "content": f"Question: {q}?\n"}], gold_answers=["x"],
@@ -307,8 +307,8 @@ def test_a_sample_of_each_training_step_becomes_traces_of_the_train_run(store, t
 def test_parent_description_lists_each_stage_in_pipeline_order(store, params):
     import mlflow
 
-    from pipeline.tracking import NOTE_TAG, describe_stage
-    from pipeline.train.stage import describe_training
+    from pipeline.stages.train import describe_training
+    from pipeline.tracking.runs import NOTE_TAG, describe_stage
 
     mlflow.set_tracking_uri(store)
     mlflow.set_experiment("described")
@@ -337,7 +337,7 @@ def test_a_trace_of_cache_hits_says_so_and_carries_system_and_dataset_tags(store
 
     import mlflow
 
-    from pipeline.traces import flush_traces, log_trajectory_trace
+    from pipeline.tracking.traces import flush_traces, log_trajectory_trace
 
     mlflow.set_tracking_uri(store)
     mlflow.set_experiment("cached")
@@ -371,7 +371,7 @@ def test_parent_runs_differ_at_a_glance_and_list_the_datasets_and_the_registered
     links the registered version; the experiment opens on its runs in MLflow 3's UI (experimentKind)."""
     import mlflow
 
-    from pipeline.tracking import (
+    from pipeline.tracking.runs import (
         EXPERIMENT_KIND,
         EXPERIMENT_KIND_TAG,
         link_parent_to_model_version,

@@ -35,9 +35,9 @@ from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
 from pipeline.agent.rollout import rollout
 from pipeline.config import load_params
-from pipeline.data.build import RL_SCHEMA, rl_row
 from pipeline.environment.client import EnvironmentClient
 from pipeline.reward import reward_for_trajectory
+from pipeline.stages.build import RL_SCHEMA, rl_row
 from pipeline.train.plan import TrainPlan
 from pipeline.train.questions import prompt_item_from_row
 from pipeline.train.verl_backend import build_overrides

@@ -9,7 +9,7 @@ import pytest
 from helpers import averages, register_params, save_smollm2_agent, write_eval_metrics
 
 from pipeline.config import RegisterConfig
-from pipeline.register import EvalAverages, decide_promotion
+from pipeline.stages.register import EvalAverages, decide_promotion
 
 CFG = RegisterConfig(metric="f1", margin=0.5, ood_tolerance=1.0, ci_rule="confident")
 
@@ -69,8 +69,8 @@ def test_unknown_metric_fails_before_anything_is_registered(tmp_path, repo_root,
     import mlflow
 
     from pipeline.errors import UserError
-    from pipeline.register import run_register
-    from pipeline.tracking import configure
+    from pipeline.stages.register import run_register
+    from pipeline.tracking.runs import configure
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     model_dir = tmp_path / "agent"
@@ -96,7 +96,7 @@ def test_tags_round_trip():
 def test_register_rule_both_ways_in_a_real_sqlite_registry(tmp_path, repo_root, tiny_llama_dir, monkeypatch):
     import mlflow
 
-    from pipeline.register import run_register
+    from pipeline.stages.register import run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     params = register_params(tmp_path, repo_root, tiny_llama_dir)
@@ -141,7 +141,7 @@ def test_register_rule_both_ways_in_a_real_sqlite_registry(tmp_path, repo_root, 
     parent = client.get_run(run.data.tags["mlflow.parentRunId"])  # the description says the last decision
     assert f"Registered {name} v4: promoted" in parent.data.tags["mlflow.note.content"]
     assert parent.data.tags["registered_model_version"] == f"models:/{name}/4"  # the parent links its version
-    from pipeline.registry_lineage import logged_model_id
+    from pipeline.tracking.lineage import logged_model_id
 
     v4_model = logged_model_id(client.get_model_version(name, "4"))
     assert v4_model
@@ -159,7 +159,7 @@ def test_champion_answers_through_a_real_llamacpp_environment(tmp_path, repo_roo
     import mlflow
     import pandas as pd
 
-    from pipeline.register import run_register
+    from pipeline.stages.register import run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("PROMPTR1_CACHE_DIR", str(tmp_path / "cache"))  # the served agent's GGUF export
@@ -216,7 +216,7 @@ def test_a_failing_registry_is_an_error_not_no_champion(monkeypatch):
     from fault_server import Behaviour, FaultServer
 
     from pipeline.errors import UserError
-    from pipeline.register import current_champion
+    from pipeline.stages.register import current_champion
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with FaultServer(Behaviour("status", status=500)) as server:
@@ -229,7 +229,7 @@ def test_a_failing_registry_is_an_error_not_no_champion(monkeypatch):
 def test_missing_alias_and_missing_model_mean_no_champion(tmp_path):
     import mlflow
 
-    from pipeline.register import current_champion
+    from pipeline.stages.register import current_champion
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}")
     assert current_champion(client, "nope", "champion") is None
@@ -245,7 +245,7 @@ def test_untagged_champion_is_kept_and_the_alias_moves_under_a_lock_with_a_reche
 
     import mlflow
 
-    from pipeline.register import promotion_lock, run_register
+    from pipeline.stages.register import promotion_lock, run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     params = register_params(tmp_path, repo_root, tiny_llama_dir)

@@ -2,7 +2,7 @@
 retention rule for never-champion versions, and the flow report of a run that registered nothing.
 
 The registrations are the real `register` stage (`run_register`) in a git project in tmp_path, under a real
-pipeline run with a `train` child (`pipeline.tracking.stage_run`), with a dvc.lock written as DVC writes it.
+pipeline run with a `train` child (`pipeline.tracking.runs.stage_run`), with a dvc.lock written as DVC writes it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _lock_model(root: Path, md5: str) -> None:
 def project(tmp_path, repo_root, monkeypatch):
     """A git project with the repository's params and a small model in models/agent; a pipeline run with a
     train child recorded in reports/mlflow_run.json. Returns (params, the train run id, HEAD)."""
-    from pipeline.tracking import stage_run
+    from pipeline.tracking.runs import stage_run
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")
@@ -79,8 +79,8 @@ def project(tmp_path, repo_root, monkeypatch):
 def test_version_has_lineage_description_and_one_model_copy(project, tiny_llama_dir):
     import mlflow
 
-    from pipeline.register import run_register
-    from pipeline.tracking import parent_run_id
+    from pipeline.stages.register import run_register
+    from pipeline.tracking.runs import parent_run_id
 
     params, train_run, head = project
     model = params.path(params.paths.model_dir)
@@ -114,7 +114,7 @@ def test_version_has_lineage_description_and_one_model_copy(project, tiny_llama_
 
 
 def test_dvc_hash_is_not_claimed_for_a_model_dvc_did_not_record(project):
-    from pipeline.registry_lineage import model_dvc_hash
+    from pipeline.tracking.lineage import model_dvc_hash
 
     params, _, _ = project
     assert model_dvc_hash(params.path(params.paths.model_dir), params.root) == "unknown: dvc.lock has no entry for models/agent"
@@ -128,7 +128,7 @@ def test_dvc_hash_is_not_claimed_for_a_model_dvc_did_not_record(project):
 def test_retention_deletes_the_oldest_never_champion_versions_and_their_files(project):
     import mlflow
 
-    from pipeline.register import run_register
+    from pipeline.stages.register import run_register
 
     params, _, _ = project
     params.register.keep_versions = 1
@@ -162,9 +162,9 @@ def test_report_of_a_run_that_registered_nothing_names_the_champion_not_an_old_d
     import mlflow
 
     from flows.report import RunReport, promotion_line, stage_markdown, to_markdown
-    from pipeline.mlflow_links import stage_mlflow_run
-    from pipeline.register import run_register
-    from pipeline.tracking import parent_run_id
+    from pipeline.stages.register import run_register
+    from pipeline.tracking.links import stage_mlflow_run
+    from pipeline.tracking.runs import parent_run_id
 
     params, _, _ = project
     _metrics(params.root, 30.0, 40.0)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.headline import HEADLINE_METRICS, LAST_REWARD_METRIC
-from pipeline.tracking import KEY_PARAMS
+from pipeline.tracking.headline import HEADLINE_METRICS, LAST_REWARD_METRIC
+from pipeline.tracking.runs import KEY_PARAMS
 from pipeline.train.plan import TrainPlan
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -60,8 +60,8 @@ def _micro_run(project: Path, label: str, model_dir: Path) -> str:
     from pipeline.config import load_params
     from pipeline.evaluation.plan import EvaluatePlan
     from pipeline.evaluation.report import log_mlflow
-    from pipeline.register import run_register
-    from pipeline.tracking import parent_run_id, stage_run
+    from pipeline.stages.register import run_register
+    from pipeline.tracking.runs import parent_run_id, stage_run
     from pipeline.train.record import log_training_record
 
     (project / "run.txt").write_text(label)  # a new commit per execution
@@ -140,7 +140,7 @@ def test_two_micro_runs_compare_on_their_parent_runs(tmp_path, repo_root, tiny_l
     assert train_run.data.params["train.lr"] == "2e-05" and train_run.data.params["agent.model"]
     (train_input,) = train_run.inputs.dataset_inputs
     tags = {t.key: t.value for t in train_input.tags}
-    from pipeline.tracking import dvc_md5
+    from pipeline.tracking.runs import dvc_md5
 
     assert train_input.dataset.name == "train"
     assert tags["dvc.md5"] == dvc_md5(project / "data" / "rl" / "train.parquet") and len(tags["dvc.md5"]) == 32

@@ -12,7 +12,7 @@ configure_logging(verbose=sys.argv[1] == "v")
 warnings.warn("The specified dataset source can be interpreted in multiple ways: A, B", UserWarning)
 warnings.warn("\\x1b[1;33mAn input example was not provided when logging the model.", UserWarning)
 logging.getLogger("mlflow.transformers").warning("The model card could not be retrieved from the hub due to x")
-logging.getLogger("pipeline.register").warning("Unable to find license information for this model.")
+logging.getLogger("pipeline.stages.register").warning("Unable to find license information for this model.")
 logging.getLogger("mlflow.transformers").warning("a real mlflow warning")
 logging.getLogger("pipeline.train").warning("a real pipeline warning")
 """

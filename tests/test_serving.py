@@ -21,7 +21,7 @@ def _agent_context(agent_dir: Path, tmp_path: Path, base_url: str):
     from mlflow.pyfunc import PythonModelContext
 
     from pipeline.config import load_params
-    from pipeline.register import _agent_model_config, environment_json
+    from pipeline.stages.register import _agent_model_config, environment_json
 
     params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
     env_file = tmp_path / "environment.json"
@@ -39,11 +39,11 @@ def test_predict_without_an_environment_fails_fast_naming_the_url(tiny_llama_dir
     retry every call for ~170 s and return an empty answer with no error)."""
     import pandas as pd
 
-    from pipeline.pyfunc_agent import PromptR1Agent
+    from pipeline.serving.agent_model import PromptR1Agent
 
     url = f"http://127.0.0.1:{free_port()}/v1"  # bound, then closed: a real refused connection
     agent = PromptR1Agent()
-    with caplog.at_level(logging.INFO, logger="pipeline.pyfunc_agent"):
+    with caplog.at_level(logging.INFO, logger="pipeline.serving.agent_model"):
         agent.load_context(_agent_context(tiny_llama_dir, tmp_path, url))
     # where the pyfunc keeps its files (a GGUF export is hundreds of MB) and how much, said at load
     assert re.search(rf"Prompt-R1 agent cache: {re.escape(str((tmp_path / 'cache').resolve()))} holds \d+ MB",
@@ -73,7 +73,7 @@ def test_register_logs_the_agent_from_code_without_a_cloudpickle_warning(
     from helpers import write_eval_metrics
 
     from pipeline.config import load_params
-    from pipeline.register import run_register
+    from pipeline.stages.register import run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", raising=False)
@@ -110,10 +110,10 @@ def test_register_logs_the_agent_from_code_without_a_cloudpickle_warning(
     assert type(model.unwrap_python_model()).__name__ == "PromptR1Agent"
 
     # `promptr1 serve` reads the champion's environment.json alone and warns that nothing answers there
-    from pipeline.serving import _warn_if_environment_down, champion_version
-    from pipeline.tracking import tracking_uri
+    from pipeline.commands.serve import _warn_if_environment_down, champion_version
+    from pipeline.tracking.runs import tracking_uri
 
-    with caplog.at_level(logging.WARNING, logger="pipeline.serving"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.commands.serve"):
         _warn_if_environment_down(champion_version(params), tracking_uri(params))
     assert f"does not answer at {params.environment.url}" in caplog.text, caplog.text
 
@@ -167,8 +167,8 @@ def test_promptr1_serve_answers_503_while_the_environment_is_down_and_sigterm_st
     from fault_server import FaultServer
     from helpers import register_params, save_smollm2_agent, write_eval_metrics
 
-    from pipeline.pyfunc_agent import OUTPUT_COLUMNS
-    from pipeline.register import run_register
+    from pipeline.serving.agent_model import OUTPUT_COLUMNS
+    from pipeline.stages.register import run_register
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     agent_dir = save_smollm2_agent(tmp_path / "agent")
@@ -276,8 +276,8 @@ def test_serve_passes_the_request_timeout_mlflow_reads(tmp_path, repo_root, monk
     takes): `promptr1 serve` sets it, and `mlflow models serve --timeout`, from register.serve.request_timeout_s."""
     from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
 
+    from pipeline.commands.serve import TIMEOUT_VARIABLE, serve_command
     from pipeline.config import load_params
-    from pipeline.serving import TIMEOUT_VARIABLE, serve_command
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.name == TIMEOUT_VARIABLE
@@ -289,9 +289,9 @@ def test_serve_passes_the_request_timeout_mlflow_reads(tmp_path, repo_root, monk
 
 
 def test_serve_without_a_champion_names_the_registry(tmp_path, repo_root, monkeypatch):
+    from pipeline.commands.serve import champion_version
     from pipeline.config import load_params
     from pipeline.errors import UserError
-    from pipeline.serving import champion_version
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     params = load_params(

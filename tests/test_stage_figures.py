@@ -1,4 +1,4 @@
-"""Each stage's key figure (pipeline.stage_figures), the stage's MLflow run (pipeline.mlflow_links), the CLI line.
+"""Each stage's key figure (pipeline.stage_figures), the stage's MLflow run (pipeline.tracking.links), the CLI line.
 
 The fixture project is tests/fixtures/stage_outputs: files the real stages wrote, trimmed to the fields
 that matter (sources → gepa and merge: a default-profile `dvc repro`; train: a 12-step local GRPO run;
@@ -143,7 +143,7 @@ def test_evaluation_figure_reads_mean_and_interval_in_order(project: Path):
 
 def test_constants_match_the_stages_that_write_the_files():
     from pipeline import stage_figures
-    from pipeline.data import fingerprint
+    from pipeline.stages import sources as fingerprint
 
     assert stage_figures.SOURCES_DIR == fingerprint.SOURCES_DIR
     assert stage_figures.SOURCES_EVAL_FILE == fingerprint.EVAL_FILE
@@ -182,8 +182,8 @@ def test_real_sample_command_ends_with_its_line(project: Path, shared_datasets: 
 
 
 def test_stage_mlflow_run_is_the_stage_child_of_the_recorded_parent(project: Path, monkeypatch):
-    from pipeline import tracking
-    from pipeline.mlflow_links import mlflow_line, mlflow_run_info, stage_mlflow_run
+    from pipeline.tracking import runs as tracking
+    from pipeline.tracking.links import mlflow_line, mlflow_run_info, stage_mlflow_run
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     params = load_params(project / "params.yaml")
@@ -216,7 +216,7 @@ def test_stage_mlflow_run_is_the_stage_child_of_the_recorded_parent(project: Pat
 
 
 def test_ui_link_only_for_http_servers_and_never_with_credentials():
-    from pipeline.mlflow_links import ui_link
+    from pipeline.tracking.links import ui_link
 
     assert ui_link("https://user:secret@mlflow.example:8443/", "7", "abc") == (
         "https://mlflow.example:8443/#/experiments/7/runs/abc")

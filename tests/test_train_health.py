@@ -449,8 +449,8 @@ def test_register_refuses_a_train_run_the_gate_stopped(tmp_path, repo_root, monk
     import mlflow
 
     from pipeline.errors import UserError
-    from pipeline.register import check_training_health, run_register
-    from pipeline.tracking import HEALTH_BREACH_TAG, configure, stage_run
+    from pipeline.stages.register import check_training_health, run_register
+    from pipeline.tracking.runs import HEALTH_BREACH_TAG, configure, stage_run
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     shutil.copy(repo_root / "params.yaml", tmp_path / "params.yaml")

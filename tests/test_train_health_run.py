@@ -35,7 +35,7 @@ def test_micro_run_trips_the_gate_keeps_the_healthy_checkpoint_and_is_never_regi
     from helpers import tiny_overrides, write_train_parquet
 
     from pipeline.errors import UserError
-    from pipeline.register import run_register
+    from pipeline.stages.register import run_register
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     with FaultServer() as server:

@@ -115,7 +115,7 @@ def _metrics_rows(path: Path) -> pd.DataFrame:
 def test_tiny_training_logs_checkpoints_and_resumes_in_process(tmp_path, tiny_llama_dir, env_server):
     import mlflow
 
-    from pipeline.train.stage import run_train
+    from pipeline.stages.train import run_train
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server))
@@ -471,7 +471,7 @@ def test_killed_training_resumes_without_repeating_steps(tmp_path, tiny_llama_di
 @pytest.mark.slow
 def test_real_stage_one_step_smollm2_llamacpp(tmp_path, llama_server, params):
     """The real stage: SmolLM2-135M-Instruct agent, real llama.cpp environment, 1 step, short generations."""
-    from pipeline.train.stage import run_train
+    from pipeline.stages.train import run_train
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     overrides = {
@@ -492,7 +492,7 @@ def test_real_stage_one_step_smollm2_llamacpp(tmp_path, llama_server, params):
     assert (ckpt.latest_checkpoint(tmp_path / "ckpt") / "adapter").is_dir()
 
     # ... and the merge stage turns that real LoRA checkpoint into a verified HF model with its template.
-    from pipeline.train.merge import run_merge
+    from pipeline.stages.merge import run_merge
 
     real.paths.model_dir = str(tmp_path / "models/agent")
     report = run_merge(real)
@@ -506,8 +506,8 @@ def test_stage_dispatches_verl_backend_inside_the_train_run(tmp_path, monkeypatc
     """backend verl → run_verl(plan, tracking_uri, run) with the active MLflow child run (verl itself needs GPUs)."""
     import mlflow
 
+    from pipeline.stages.train import run_train
     from pipeline.train import resources, verl_backend
-    from pipeline.train.stage import run_train
 
     calls = []
 

@@ -288,10 +288,10 @@ class _HopsEnvironment:
 
 
 def test_reask_demonstrations_ask_twice_with_live_replies_on_two_hop_questions(tmp_path, tiny_llama_dir):
-    from pipeline.data.build import rl_row
     from pipeline.data.sources.synthetic import hops_rows
     from pipeline.environment.hops_world import world
     from pipeline.metrics import normalize_answer
+    from pipeline.stages.build import rl_row
     from pipeline.train.models import load_tokenizer
     from pipeline.train.questions import prompt_item_from_row
     from pipeline.train.warmup import build_demonstrations, needed_followup

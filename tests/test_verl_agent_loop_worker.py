@@ -32,7 +32,7 @@ from verl_cpu import TransformersServerManager, compose_verl, verl_worker_rollou
 
 from pipeline.agent.protocol import ConversationBuilder
 from pipeline.config import load_params
-from pipeline.data.build import RL_SCHEMA, rl_row
+from pipeline.stages.build import RL_SCHEMA, rl_row
 from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_backend import build_overrides
 

@@ -29,10 +29,10 @@ from demo_project import free_port
 from safetensors.torch import load_file
 from verl_cpu import fsdp_checkpoint_worker
 
+from pipeline.checks.layout import assert_runnable
 from pipeline.config import load_params
-from pipeline.layout import assert_runnable
+from pipeline.stages.merge import MergeVerificationError, probe_input, probe_logits, run_merge
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.merge import MergeVerificationError, probe_input, probe_logits, run_merge
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

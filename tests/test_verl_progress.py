@@ -277,8 +277,8 @@ def test_register_refuses_a_train_run_that_did_not_reach_its_total(tmp_path, mon
     import mlflow
 
     from pipeline.errors import UserError
-    from pipeline.register import check_training_complete, run_register
-    from pipeline.tracking import stage_run
+    from pipeline.stages.register import check_training_complete, run_register
+    from pipeline.tracking.runs import stage_run
     from pipeline.train.completion import TrainingProgress
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -293,7 +293,7 @@ class RegisterConfig(_Section):
         "and each OOD CI lower bound >= the champion's OOD mean - ood_tolerance; point: compare means only.",
     )
     keep_versions: int | None = Field(5, ge=1, description="Never-champion versions kept (the newest); older "
-                                      "ones are deleted with their files (pipeline/registry_lineage.py); null = all.")
+                                      "ones are deleted with their files (pipeline/tracking/lineage.py); null = all.")
     serve: ServeConfig = Field(default_factory=ServeConfig)
 
 

@@ -1,4 +1,4 @@
-"""`register.serve`: how `promptr1 serve` runs the registered champion (pipeline/serving.py), and which engine
+"""`register.serve`: how `promptr1 serve` runs the registered champion (pipeline/commands/serve.py), and which engine
 generates the agent's turns outside evaluation (`promptr1 ask`, the pyfunc, `promptr1 serve`:
 pipeline/agent/engine.py).
 

@@ -1,1 +1,1 @@
-"""Data stages: sources (Hub or local mirror) → normalise → sample → validate (GX) → build RL/eval sets."""
+"""Data: sources (Hub or local mirror), normalising, the sampling plan and schemas the data stages use."""

@@ -21,7 +21,7 @@ declared speed must be low enough to absorb them.
 Also refused: a GPT-OSS environment with `reasoning_effort` unset. The server then reasons at medium, which
 is what makes empty replies after `finish_reason: length` likely; the profile must choose.
 
-`layout_problems` (pipeline/layout.py) adds these problems to its own, so `promptr1 check`, every stage and
+`layout_problems` (pipeline/checks/layout.py) adds these problems to its own, so `promptr1 check`, every stage and
 the flow refuse them before anything starts.
 """
 
@@ -37,7 +37,7 @@ GPT_OSS_MARKER = "gpt-oss"
 """GPT-OSS model references (Hub `openai/gpt-oss-20b`, a served name `gpt-oss-20b`) contain this."""
 
 Problem = tuple[tuple[str, ...], str]
-"""(the param keys that decide it, what is wrong): pipeline.layout wraps each into a LayoutProblem."""
+"""(the param keys that decide it, what is wrong): pipeline.checks.layout wraps each into a LayoutProblem."""
 
 
 def is_gpt_oss(env: EnvironmentConfig) -> bool:

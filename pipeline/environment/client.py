@@ -46,7 +46,7 @@ server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisi
   sending anything. `from_params` shares the ledger file under `paths.cache_dir` with every process of
   the project (pipeline/environment/ledger.py), so concurrent processes never spend more than the budget.
 - **No tracing here.** A single call knows nothing of the trajectory, question or system it serves, so the
-  evaluate and train stages trace whole trajectories instead (`pipeline.traces`), from what `reply()`
+  evaluate and train stages trace whole trajectories instead (`pipeline.tracking.traces`), from what `reply()`
   returns (text, tokens, latency, cost).
 - The API key is read from the variable *named* by `environment.api_key_env`; its value is never logged or
   put into an error message. It is sent only to the paid backend (`api`), only over https or to a loopback

@@ -23,7 +23,7 @@ Design decisions:
   KeyboardInterrupt; an `atexit` hook is the last resort if the interpreter exits inside the block.
 - **Startup failures are explained**: the server's output goes to a log file under `paths.cache_dir`; if it dies
   or is not healthy within `server.startup_timeout_s`, EnvironmentUnavailable carries the log's tail.
-- Servers started by hand and left running (`promptr1 env start|stop|status`) are pipeline/environment/manual.py's.
+- Servers started by hand and left running (`promptr1 env start|stop|status`) are pipeline/commands/env.py's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The evaluate stage's parts, one module per job; `pipeline.evaluate` is the stage that calls them in order.
+"""The evaluate stage's parts, one module per job; `pipeline.stages.evaluate` is the stage that calls them in order.
 
 - `systems`: run each compared system (the trained agent with the environment and the baselines) over the
   evaluation rows, through one harness, into `Answer`s.

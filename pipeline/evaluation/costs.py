@@ -41,7 +41,7 @@ def gepa_prompt_path(gepa_dir: Path) -> Path:
 
 
 def read_gepa_prompt(path: Path) -> dict[str, Any]:
-    """The gepa stage's output (see `pipeline.gepa_prompt`) at `path` (`gepa_prompt_path`)."""
+    """The gepa stage's output (see `pipeline.stages.gepa`) at `path` (`gepa_prompt_path`)."""
     if not path.is_file():
         raise UserError(f"no optimised prompt at {path}: run `promptr1 gepa` (dvc repro gepa) or drop `gepa` "
                         "from evaluate.baselines")

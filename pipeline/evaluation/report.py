@@ -2,7 +2,7 @@
 
 Outputs, all under `reports/eval/`:
 - `metrics.json`: the content `scores.aggregate` builds plus environment usage and wall time (a DVC output);
-- `headline.json`: the few figures two runs are compared on (`pipeline.headline`; the one DVC metric, one
+- `headline.json`: the few figures two runs are compared on (`pipeline.tracking.headline`; the one DVC metric, one
   `dvc metrics show` row within 120 columns); `figures.json`: the wider set, `dvc metrics show
   reports/eval/figures.json` on demand;
 - `plot_data.csv`: F1, the one metric every dataset reports, per dataset × system with its split and CI
@@ -53,7 +53,14 @@ from pipeline.evaluation.scores import SPLITS, Scores, other_mode
 from pipeline.evaluation.systems import SYSTEM_LABELS, Answer
 from pipeline.evaluation.traces import TraceIds, evaluation_table
 from pipeline.evaluation.verdict import gepa_kept_seed, metric_label, system_label, verdict_markdown
-from pipeline.headline import FIGURES_FILE, HEADLINE_FILE, figures, headline, last_step_reward, parent_metrics
+from pipeline.tracking.headline import (
+    FIGURES_FILE,
+    HEADLINE_FILE,
+    figures,
+    headline,
+    last_step_reward,
+    parent_metrics,
+)
 from pipeline.types import EvalRow
 
 if TYPE_CHECKING:
@@ -351,7 +358,7 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
     (`plan.engine`)."""
     import mlflow
 
-    from pipeline.tracking import log_dataset_inputs, log_parent_metrics
+    from pipeline.tracking.runs import log_dataset_inputs, log_parent_metrics
 
     out_dir = plan.out_dir
     mlflow.log_params({"evaluate.rows_per_dataset": plan.evaluate.rows_per_dataset,

@@ -25,7 +25,7 @@ Design decisions:
   for 48 (memory-bound), hence 8. The environment-only systems send one row per batch with
   `evaluate.batch_size` in flight (capped by `environment.concurrency`): a slow reply holds up nothing else.
   The agent's synchronous `generate` runs in a worker thread, as in `rollout()`.
-- Loading models and starting the environment is the stage's job (`pipeline.evaluate`): the functions
+- Loading models and starting the environment is the stage's job (`pipeline.stages.evaluate`): the functions
   here take a ready policy and environment client.
 """
 

@@ -1,6 +1,6 @@
 """The evaluate run as MLflow shows it: one trace per evaluated trajectory, and the predictions table.
 
-- `log_traces`: every answer of every system becomes one trace (`pipeline.traces.log_trajectory_trace`):
+- `log_traces`: every answer of every system becomes one trace (`pipeline.tracking.traces.log_trajectory_trace`):
   one span per turn, the prediction and its scores on the root, tagged `stage=evaluate`, `system`,
   `dataset`, `split`, `row` and `uid`. Scores are the headline metrics mode's (`evaluate.metrics_mode`),
   only the metrics the dataset reports. The baselines are traced the same way: `env_only`/`gepa` as one
@@ -23,7 +23,7 @@ import pandas as pd
 from pipeline import metrics as M
 from pipeline.evaluation.scores import Scores
 from pipeline.evaluation.systems import Answer
-from pipeline.traces import clean_text, flush_traces, log_trajectory_trace
+from pipeline.tracking.traces import clean_text, flush_traces, log_trajectory_trace
 from pipeline.types import EvalRow
 
 TraceIds = dict[tuple[str, str, int], str]

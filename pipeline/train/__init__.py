@@ -1,1 +1,1 @@
-"""GRPO training: local backend (CPU / one GPU) and verl backend (GPU nodes, Ray); merge."""
+"""GRPO training: local backend (CPU / one GPU) and verl backend (GPU nodes, Ray), checkpoints."""

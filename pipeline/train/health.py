@@ -36,10 +36,10 @@ from typing import Any
 
 from pipeline.config.health import HealthConfig
 from pipeline.errors import TrainingUnhealthy
-from pipeline.tracking import HEALTH_BREACH_TAG
+from pipeline.tracking.runs import HEALTH_BREACH_TAG
 
 BREACH_TAG = HEALTH_BREACH_TAG
-"""MLflow tag on the train run naming the breached figure (pipeline/register.py refuses such a run)."""
+"""MLflow tag on the train run naming the breached figure (pipeline/stages/register.py refuses such a run)."""
 ZERO_VARIANCE_METRIC = "critic/score/zero_variance_group_frac"
 """Per-step share of groups whose trajectories all scored the same (both backends compute it with
 `zero_variance_share`)."""

@@ -1,7 +1,7 @@
 """The train stage's plan: what its params decide, resolved once at the stage's entry and handed down.
 
 open-r1's `grpo.py` parses its config once into typed arguments handed to `main`; `TrainPlan.from_params`
-is that step here. Every layer below the stage entry (`pipeline.train.stage.run_train`) reads the plan,
+is that step here. Every layer below the stage entry (`pipeline.stages.train.run_train`) reads the plan,
 or one of its config sections, instead of the whole `Params`, and none re-derives what the plan holds:
 
 - `agent_model`: `agent.model` resolved once (`pipeline.modelref`); an unresolvable reference is kept as
@@ -13,7 +13,7 @@ or one of its config sections, instead of the whole `Params`, and none re-derive
   that the stage reads and writes (`steps_csv`, `train_file`, `eval_files`);
 - `server`: the environment server to start or reuse (`pipeline.environment.spec.ServerSpec`).
 
-`source` is the whole `Params` for the two callees that still take it: MLflow's run (`pipeline.tracking`) and
+`source` is the whole `Params` for the two callees that still take it: MLflow's run (`pipeline.tracking.runs`) and
 the served agent's launcher (`pipeline.agent.served.served_policy`, which builds the agent server's
 environment config from params).
 """

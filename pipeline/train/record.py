@@ -10,7 +10,7 @@ Design decisions:
   JSON): MLflow infers a schema from it, which the nested chat-message columns would not give.
 - **How far training got** (`pipeline.train.completion.TrainingProgress`) as `train.progress.*` tags, which the
   register stage reads to refuse a model whose training did not reach its total.
-- **The headline figure on the parent run**: the last step's mean reward (`pipeline.headline`), read back
+- **The headline figure on the parent run**: the last step's mean reward (`pipeline.tracking.headline`), read back
   from `reports/train/steps.csv`, which both backends write (verl's through `export_steps_csv`).
 """
 
@@ -56,8 +56,8 @@ def log_training_record(plan: TrainPlan, progress: TrainingProgress | None = Non
     `train.progress.*` tags register reads); onto the parent: the last step's reward."""
     import mlflow
 
-    from pipeline import tracking
-    from pipeline.headline import LAST_REWARD_METRIC, last_step_reward
+    from pipeline.tracking import runs as tracking
+    from pipeline.tracking.headline import LAST_REWARD_METRIC, last_step_reward
     items = [(k, "" if v is None else str(v)[:500]) for k, v in training_params(plan).items()]
     for i in range(0, len(items), 100):
         mlflow.log_params(dict(items[i : i + 100]))

@@ -11,7 +11,7 @@ are untrusted: a server echoing the API key must not put it in a DVC output); no
 
 `log_step_traces` shows the same trajectories in MLflow: the first `mlflow.trace_train_samples` of each step
 (with GRPO's item-major order, members of one question's group) become traces of the train run, tagged with
-the step, so a user can watch in the Traces tab what the agent learns to ask (`pipeline.traces`).
+the step, so a user can watch in the Traces tab what the agent learns to ask (`pipeline.tracking.traces`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pipeline.agent.rollout import trajectory_record
 from pipeline.environment.sanitize import redact_value
-from pipeline.traces import flush_traces, log_trajectory_trace
+from pipeline.tracking.traces import flush_traces, log_trajectory_trace
 from pipeline.types import Trajectory
 
 TRAJECTORIES_FILE = "trajectories.jsonl"

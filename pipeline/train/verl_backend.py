@@ -172,7 +172,7 @@ def _preflight(plan: TrainPlan) -> list[Path]:
 
 def train_verl(params: Params, run: Any) -> TrainingProgress:
     """`run_verl` for these params (the entry for callers that hold params: `promptr1 doctor`)."""
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking.runs import tracking_uri
     from pipeline.train.plan import TrainPlan
 
     return run_verl(TrainPlan.from_params(params), tracking_uri(params), run)

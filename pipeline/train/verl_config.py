@@ -3,7 +3,7 @@
 `compose_run(params)` (or `compose_plan(plan)` with the train plan) composes `build_overrides(plan)` (our
 params through `pipeline/train/verl_overrides.yaml`, the computed keys, then `train.verl.extra_overrides`, last
 and winning) with verl's `trainer/config/ppo_trainer.yaml`, exactly as `python -m verl.trainer.main_ppo <overrides>` does,
-so the layout check (`pipeline.layout`) judges the composed values: a key set through `extra_overrides`
+so the layout check (`pipeline.checks.layout`) judges the composed values: a key set through `extra_overrides`
 (`actor_rollout_ref.rollout.agent.num_workers`, `actor_rollout_ref.actor.ppo_mini_batch_size`, an FSDP
 offload flag) cannot bypass it.
 

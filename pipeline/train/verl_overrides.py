@@ -1,6 +1,6 @@
 """Our params as verl 0.9.1 Hydra overrides of its `ppo_trainer.yaml`: the mapping, nothing that runs verl.
 
-Split from `verl_backend` (which launches verl) so that the layout check (`pipeline.layout` through
+Split from `verl_backend` (which launches verl) so that the layout check (`pipeline.checks.layout` through
 `pipeline.train.verl_config`) composes exactly the overrides the launch uses without importing the launcher,
 its health watch or the environment servers: the stages that run the check then do not depend on them in
 dvc.yaml. `verl_backend` re-exports every public name here.

@@ -22,9 +22,9 @@ import pytest
 from demo_project import tmp_mirror
 
 from pipeline.config import Params
-from pipeline.data.sample import run_sample
 from pipeline.data.sources import REGISTRY, SourcePaths, load_authors_eval
 from pipeline.errors import DataError
+from pipeline.stages.sample import run_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = "raw/gsm8k/train.parquet"

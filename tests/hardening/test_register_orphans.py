@@ -1,6 +1,6 @@
 """What a register killed mid-way leaves in a real SQLite registry, and how the next register settles it.
 
-`settle_orphans` (pipeline/register.py) runs under the registration lock at the start of every register: a
+`settle_orphans` (pipeline/stages/register.py) runs under the registration lock at the start of every register: a
 version logged by a `register` run that never recorded its decision is deleted (its run marked KILLED); one
 the alias already points at is kept and tagged as recovered; a version registered by hand (not by a
 `register` run) and decided versions are never touched. The kill itself, inside `dvc repro`, is
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import RegisterConfig
-from pipeline.register import settle_orphans
+from pipeline.stages.register import settle_orphans
 
 NAME = "orphan-test-agent"
 

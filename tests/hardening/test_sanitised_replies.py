@@ -94,8 +94,8 @@ def test_hostile_replies_reach_mlflow_only_sanitised(tmp_path, repo_root, shared
                                                      monkeypatch):
     import mlflow
 
-    from pipeline import evaluate as E
     from pipeline.config import load_params
+    from pipeline.stages import evaluate as E
 
     canary = f"canary{uuid.uuid4().hex}"
     monkeypatch.setenv("PROMPTR1_SANITISE_KEY", canary)

@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline import tracking
 from pipeline.config import Params
 from pipeline.environment.sanitize import sanitized_json_copy
+from pipeline.tracking import runs as tracking
 from pipeline.train.record import log_training_record
 
 if TYPE_CHECKING:

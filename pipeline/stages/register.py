@@ -3,10 +3,10 @@
 The straight path (`run_register`): read the candidate's evaluation averages (reports/eval/metrics.json)
 → inside the `register` child run, log the pyfunc `agent` model, registering a new version of
 `register.model_name` → read the current champion's averages from its version tags → decide → set the alias
-(or not) → write reports/promotion.json, tag and describe the version (lineage: pipeline/registry_lineage.py),
+(or not) → write reports/promotion.json, tag and describe the version (lineage: pipeline/tracking/lineage.py),
 delete never-champion versions beyond `register.keep_versions`, print.
 
-Promotion rule: pipeline/promotion.py (`decide_promotion`).
+Promotion rule: pipeline/tracking/promotion.py (`decide_promotion`).
 
 Fail closed (the alias is what serving trusts, so doubt keeps the champion):
 - The champion is read or the stage stops: only MLflow's "alias not found" / "model not found" mean "no
@@ -36,9 +36,9 @@ Where the decision goes: `reports/promotion.json`, tags `promotion.*` on the new
 candidate's averages as `eval.*` tags, which is where the next run reads the champion's numbers from), the
 register run's tags/metrics, and one printed line.
 
-Models: one copy per version. The registered pyfunc `agent` (pipeline/pyfunc_agent.py) bundles the merged
+Models: one copy per version. The registered pyfunc `agent` (pipeline/serving/agent_model.py) bundles the merged
 directory (copied from the *path*, never loaded), the environment configuration (key variable name only) and
-the pipeline code, logged from code (pipeline/pyfunc_model.py); `artifacts/agent` is the HF model. A second log
+the pipeline code, logged from code (pipeline/serving/model_code.py); `artifacts/agent` is the HF model. A second log
 (transformers flavor) of the same directory used to double every registration (1.1 GB a run) for nothing the registry used.
 `pip_requirements` are pinned so MLflow does not load the model again to infer them.
 """
@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
-from pipeline.promotion import (
+from pipeline.tracking.promotion import (
     EvalAverages,
     PromotionDecision,
     check_metric,
@@ -113,7 +113,7 @@ def check_production_alias(profile: str, cfg: RegisterConfig) -> None:
 
 def check_training_health(params: Params) -> None:
     """Raise UserError, before anything is logged, when this execution's train run breached the health gate."""
-    from pipeline.tracking import HEALTH_BREACH_TAG, breached_train_run
+    from pipeline.tracking.runs import HEALTH_BREACH_TAG, breached_train_run
 
     run = breached_train_run(params)
     if run is not None:
@@ -129,7 +129,7 @@ def check_training_complete(params: Params) -> None:
     The train run carries how far training got (`train.progress.*` tags, pipeline/train/completion.py), on the
     figures the train stage decided "complete" with; a run without the record (older than it) is not refused.
     """
-    from pipeline.tracking import newest_train_run
+    from pipeline.tracking.runs import newest_train_run
     from pipeline.train.completion import TrainingProgress
 
     run = newest_train_run(params)
@@ -183,14 +183,14 @@ def log_models(plan: RegisterPlan, tmp_dir: Path) -> Any:
     import mlflow.pyfunc
 
     import pipeline
-    from pipeline.pyfunc_agent import AGENT_ARTIFACT, ENVIRONMENT_ARTIFACT, MODEL_CODE, signature
+    from pipeline.serving.agent_model import AGENT_ARTIFACT, ENVIRONMENT_ARTIFACT, MODEL_CODE, signature
 
     reqs = _pip_requirements()
     env_file = tmp_dir / "environment.json"
     env_file.write_text(json.dumps(plan.environment_json, indent=2))
     return mlflow.pyfunc.log_model(
         name="agent",
-        python_model=str(MODEL_CODE),  # models from code: no CloudPickle (pipeline/pyfunc_model.py)
+        python_model=str(MODEL_CODE),  # models from code: no CloudPickle (pipeline/serving/model_code.py)
         artifacts={AGENT_ARTIFACT: str(plan.model_dir), ENVIRONMENT_ARTIFACT: str(env_file)},
         model_config=plan.model_config,
         code_paths=[str(Path(pipeline.__file__).parent)],
@@ -275,8 +275,8 @@ def run_register(params: Params) -> dict[str, Any]:
 
     import mlflow
 
-    from pipeline import registry_lineage as lineage
-    from pipeline.tracking import (
+    from pipeline.tracking import lineage
+    from pipeline.tracking.runs import (
         describe_stage,
         link_parent_to_model_version,
         log_parent_metrics,

@@ -58,8 +58,8 @@ def champion_version(params: Params) -> Any:
     """The model version the alias points at, or UserError naming the registry and how to make one."""
     import mlflow
 
-    from pipeline.register import current_champion
-    from pipeline.tracking import tracking_uri
+    from pipeline.stages.register import current_champion
+    from pipeline.tracking.runs import tracking_uri
 
     uri = tracking_uri(params)
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -76,7 +76,7 @@ def serve_command(
     params: Params, host: str | None = None, port: int | None = None
 ) -> tuple[list[str], dict[str, str]]:
     """The `mlflow models serve` command line and its environment for the champion."""
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking.runs import tracking_uri
 
     cfg = params.register.serve
     timeout = str(cfg.request_timeout_s)
@@ -126,7 +126,7 @@ def _warn_if_environment_down(version: Any, uri: str) -> None:
     from pipeline.environment.health import check_environment_answers
 
     try:
-        from pipeline.registry_lineage import logged_model_id
+        from pipeline.tracking.lineage import logged_model_id
 
         model = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri).get_logged_model(
             logged_model_id(version)

@@ -11,14 +11,14 @@ trajectories (GPU nodes only).
 - `verl step`: one GRPO step through `pipeline.train.verl_backend.train_verl`, the path `promptr1 train`
   runs (same overrides, same environment reuse, same Ray handling), with params changed only where a
   check differs from a run: the smallest batch verl accepts for the profile as one mini-batch
-  (`pipeline.layout.smallest_batch`: `paper` 16 questions x 5, not 128 x 5), checkpoints in a temporary
+  (`pipeline.checks.layout.smallest_batch`: `paper` 16 questions x 5, not 128 x 5), checkpoints in a temporary
   folder beside `paths.checkpoint_dir` (on the disk the run will use; removed after the merge, and however
   the doctor ends), `save_freq: 1`, no validation, `trainer.total_training_steps=1` and
   `trainer.rollout_data_dir` (verl dumps the step's decoded rollouts as `<step>.jsonl`), its log and
   overrides under `reports/doctor/train/`, and its MLflow run in the experiment `<experiment>-doctor`, so
   the doctor never adds a run to the project's own experiment or a checkpoint to `paths.checkpoint_dir`.
   Its line gives the step's wall time.
-- `merge`: `pipeline.train.merge.run_merge` of that checkpoint into `reports/doctor/model` (verl's merger,
+- `merge`: `pipeline.stages.merge.run_merge` of that checkpoint into `reports/doctor/model` (verl's merger,
   then the load-and-generate check); the checkpoint folder is removed afterwards.
 - `trajectories`: two trajectories of the dump, each split into its agent turns (mask 1) and the
   environment's replies (mask 0). verl's dump holds decoded text, not the token mask, so the split is at
@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN, THINK_OPENER
+from pipeline.checks.doctor_state import BUILD_FIRST, Status, failed, passed, skipped
 from pipeline.config import Params
-from pipeline.doctor import BUILD_FIRST, Status, failed, passed, skipped
 
 if TYPE_CHECKING:
-    from pipeline.doctor import Doctor
+    from pipeline.checks.doctor_state import Doctor
 
 TRAJECTORIES_SHOWN = 2
 SEGMENT_CHARS = 160
@@ -62,7 +62,7 @@ def rollout_dir(reports_dir: Path) -> Path:
 def one_step_params(params: Params, checkpoint_dir: Path) -> Params:
     """`params` for one verl step of the smallest batch, saved to `checkpoint_dir`, every other output under
     reports/doctor/ (module docstring)."""
-    from pipeline.layout import smallest_batch
+    from pipeline.checks.layout import smallest_batch
     from pipeline.train.verl_config import compose_run
 
     p = params.model_copy(deep=True)
@@ -165,7 +165,7 @@ def _verl_skip_reason(doc: Doctor) -> str | None:
 def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     import mlflow
 
-    from pipeline import tracking
+    from pipeline.tracking import runs as tracking
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.verl_backend import train_verl
 
@@ -212,7 +212,7 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
 
 
 def step_merge(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
-    from pipeline.train.merge import run_merge
+    from pipeline.stages.merge import run_merge
 
     if doc.status("verl step") != "pass":
         return skipped("no verl checkpoint (the verl step did not run)")

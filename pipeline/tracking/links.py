@@ -4,7 +4,7 @@ The flow's summary and each stage task's Prefect artifact point here (flows/repo
 it always had). Design decisions:
 
 - **Found from the files the stages write**, like every report: the parent run is the one named in
-  `reports/mlflow_run.json` (pipeline.tracking), a stage's run is the newest child of that parent tagged
+  `reports/mlflow_run.json` (pipeline.tracking.runs), a stage's run is the newest child of that parent tagged
   `stage=<name>` (`tracking.stage_run`). A stage that logs no run (the data stages, `merge`) says so.
 - **A link only where there is a UI to link to**: an http(s) tracking server gives
   `<server>/#/experiments/<id>/runs/<run>`; for the default SQLite store the hint is the `mlflow ui` command
@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pipeline.config import Params
 from pipeline.paths import display_path
-from pipeline.tracking import RUN_FILE, tracking_uri
+from pipeline.tracking.runs import RUN_FILE, tracking_uri
 
 log = logging.getLogger(__name__)
 

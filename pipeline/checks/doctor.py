@@ -6,15 +6,15 @@ failure stops the run (exit 1) with what to change. Everything is written to `re
 
 1. `driver`: nvidia-smi's driver and CUDA versions and the GPUs; the CUDA 13 wheels need driver >= 580.
 2. `imports`: torch and verl import (everywhere); vLLM and flash-attn too where there is a GPU.
-3. `check`: `pipeline.layout.layout_problems` (what `promptr1 check` runs) and the host's GPU count
+3. `check`: `pipeline.checks.layout.layout_problems` (what `promptr1 check` runs) and the host's GPU count
    against the highest device id the layout places on this node.
 4. `weights`: every model the params need is in the Hugging Face cache (`promptr1 weights --check`'s logic).
-5. `resources`: pipeline/doctor_train.py: the train stage's start checks, with the Ray the profile says
+5. `resources`: pipeline/checks/doctor_train.py: the train stage's start checks, with the Ray the profile says
    found or started, and probed for the CUDA devices it owns (GPU nodes, backend verl).
-6-7. `environment`, `rows`: pipeline/doctor_environment.py (the server starts; `--rows` real evaluation
+6-7. `environment`, `rows`: pipeline/checks/doctor_environment.py (the server starts; `--rows` real evaluation
    rows through `EnvironmentClient`: p50/p95 latency, failures, empty-after-length, and the decode speed
    measured against the timeout rule).
-8-10. `verl step`, `merge`, `trajectories`: pipeline/doctor_train.py (one verl step of the smallest batch on
+8-10. `verl step`, `merge`, `trajectories`: pipeline/checks/doctor_train.py (one verl step of the smallest batch on
    the GPU path, its merge, two decoded trajectories).
 
 Decisions:
@@ -30,7 +30,6 @@ Decisions:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.metadata
 import logging
@@ -38,83 +37,35 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
+from pipeline.checks.doctor_state import (
+    DEFAULT_ROWS,
+    ROWS_DEADLINE_S,
+    Doctor,
+    Status,
+    Step,
+    StepResult,
+    failed,
+    passed,
+    skipped,
+)
 from pipeline.config import Params
 
 if TYPE_CHECKING:
-    from pipeline.layout import Placement
+    from pipeline.checks.layout import Placement
 
 log = logging.getLogger(__name__)
 
-Status = Literal["pass", "fail", "skipped"]
 MIN_DRIVER = 580
 """The CUDA 13.0 runtime of torch 2.11's wheels needs an NVIDIA driver of the 580 series or newer."""
-DEFAULT_ROWS = 64
 CPU_ROWS = 16
 """`--rows` unset with a llama.cpp environment (a CPU server). Measured on a 2-core machine shared with other
 work (load average 4-7): 16 rows took 29-120 s (the whole doctor 42-139 s); of 64 rows only 12 were answered
 within the 180 s deadline (long-form rows decode 128 tokens at 3-4 tokens/s a slot, pass the 60 s call
 timeout and are sent again)."""
-BUILD_FIRST = "run dvc repro build first"
-ROWS_DEADLINE_S = 180.0
-"""Rows still unanswered this long after the first was sent count as failed (their calls are cancelled), so
-the doctor ends in bounded time (within five minutes on a CPU) even against a server that hangs or a machine
-busy with other work."""
-
-
-@dataclass
-class StepResult:
-    """One step's outcome: what the line says, the figures behind it, and how long it took."""
-
-    name: str
-    status: Status
-    detail: str
-    figures: dict[str, Any] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def line(self) -> str:
-        return f"{self.status}: {self.name}: {self.detail}"
-
-
-def passed(detail: str, **figures: Any) -> tuple[Status, str, dict[str, Any]]:
-    return "pass", detail, figures
-
-
-def failed(detail: str, **figures: Any) -> tuple[Status, str, dict[str, Any]]:
-    return "fail", detail, figures
-
-
-def skipped(detail: str, **figures: Any) -> tuple[Status, str, dict[str, Any]]:
-    return "skipped", detail, figures
-
-
-@dataclass
-class Doctor:
-    """The state the steps share: params, the host's GPUs, the environment's URL and the results so far."""
-
-    params: Params
-    rows: int = DEFAULT_ROWS
-    rows_deadline_s: float = ROWS_DEADLINE_S
-    gpus: list[dict[str, str]] = field(default_factory=list)
-    """nvidia-smi's GPUs (index, name, driver, memory); empty on a machine without one."""
-    environment_url: str | None = None
-    checkpoint_dir: Path | None = None
-    """The one-step verl run's temporary checkpoint folder (pipeline.doctor_train.checkpoint_folder)."""
-    reports_dir: Path = Path("reports")
-    """`paths.reports_dir`, resolved once by `run_doctor` (the report and the one-step run's outputs go under it)."""
-    results: dict[str, StepResult] = field(default_factory=dict)
-    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-
-    def status(self, name: str) -> Status | None:
-        result = self.results.get(name)
-        return result.status if result else None
-
-
-Step = Callable[[Doctor], tuple[Status, str, dict[str, Any]]]
 
 
 # ------------------------------------------------------------------------------------------- 1. driver
@@ -233,7 +184,7 @@ def layout_gpus_needed(place: Placement) -> int:
 
 
 def step_check(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
-    from pipeline.layout import Placement, describe, layout_problems
+    from pipeline.checks.layout import Placement, describe, layout_problems
 
     problems = [str(p) for p in layout_problems(doc.params)]
     needed = layout_gpus_needed(Placement.for_layout(doc.params))
@@ -276,9 +227,9 @@ def step_weights(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------- run
 def steps() -> list[tuple[str, Step]]:
-    """The steps in the order they run (5 and 8-10 from pipeline.doctor_train)."""
-    from pipeline.doctor_environment import step_environment, step_rows
-    from pipeline.doctor_train import step_merge, step_resources, step_trajectories, step_verl
+    """The steps in the order they run (5 and 8-10 from pipeline.checks.doctor_train)."""
+    from pipeline.checks.doctor_environment import step_environment, step_rows
+    from pipeline.checks.doctor_train import step_merge, step_resources, step_trajectories, step_verl
 
     return [
         ("driver", step_driver),

@@ -18,7 +18,7 @@ Design decisions:
   cost panels).
 - The parent is tagged with the git commit, the profile and the DVC hashes of the data it used. Its params
   are every param plus `git_commit`, so the `KEY_PARAMS` a person compares runs on are all params there;
-  its metrics are the headline figures the stages add (`log_parent_metrics`, `pipeline.headline`).
+  its metrics are the headline figures the stages add (`log_parent_metrics`, `pipeline.tracking.headline`).
 - **Inputs as datasets**: each stage logs the files it read as MLflow dataset inputs
   (`log_dataset_inputs`), each tagged with the md5 DVC records for that file (`dvc_md5`), on its own run
   and on the parent, so the parent lists every training and evaluation dataset of the execution.
@@ -392,7 +392,7 @@ def link_parent_to_model_version(name: str, version: str, model_id: str | None) 
 
 def log_parent_metrics(metrics: dict[str, float]) -> str | None:
     """Log `metrics` (finite numbers only) on the parent of the active stage run: the figures a person
-    compares pipeline runs on (`pipeline.headline`). Returns the parent's id, None without a parent."""
+    compares pipeline runs on (`pipeline.tracking.headline`). Returns the parent's id, None without a parent."""
     from mlflow.entities import Metric
 
     client, parent = _active_parent()

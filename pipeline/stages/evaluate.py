@@ -78,7 +78,7 @@ from pipeline.evaluation.systems import (
     run_env_only,
 )
 from pipeline.evaluation.traces import log_traces
-from pipeline.traces import flush_traces
+from pipeline.tracking.traces import flush_traces
 from pipeline.types import EvalRow
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def evaluate_matrix(plan: EvaluatePlan, rows_by_ds: dict[str, list[EvalRow]], su
 
 def run_evaluate(params: Params) -> dict[str, Any]:
     """Stage 6: evaluate, write reports/eval/*, log the evaluate child run. Returns metrics.json's content."""
-    from pipeline.tracking import describe_stage, stage_run
+    from pipeline.tracking.runs import describe_stage, stage_run
 
     plan = EvaluatePlan.for_evaluate(params)
     out_dir = plan.out_dir

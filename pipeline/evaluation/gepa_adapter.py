@@ -1,4 +1,4 @@
-"""What GEPA calls during the gepa stage (pipeline/gepa_prompt.py): our adapter, proposer, recorder and logger.
+"""What GEPA calls during the gepa stage (pipeline/stages/gepa.py): our adapter, proposer, recorder and logger.
 
 GEPA's protocols, implemented on our `EnvironmentClient`: the adapter answers each row as the `env_only`
 baseline does (`systems.env_only_prompt`) and scores it with the answer reward's token F1; the proposer
@@ -19,7 +19,7 @@ from pipeline.metrics import token_f1
 if TYPE_CHECKING:
     from pipeline.environment.client import EnvironmentClient
 
-log = logging.getLogger("pipeline.gepa_prompt")  # GEPA's lines under the stage's logger, as before
+log = logging.getLogger("pipeline.stages.gepa")  # GEPA's lines under the stage's logger, as before
 
 COMPONENT = "instruction"
 """The one text component GEPA evolves: what the env_only prompt appends to the question."""

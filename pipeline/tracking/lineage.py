@@ -1,7 +1,7 @@
 """What a registered model version carries besides its numbers, how long unwanted versions stay, and what the
 registry says about the champion when a run registered nothing.
 
-Used by the `register` stage (pipeline/register.py) and the flow's report (flows/report.py). Design decisions:
+Used by the `register` stage (pipeline/stages/register.py) and the flow's report (flows/report.py). Design decisions:
 
 - **Lineage as tags, read from the records the pipeline already keeps, never re-derived.** Each version gets
   `lineage.train_run_id` (the newest `stage=train` child of the pipeline run named in reports/mlflow_run.json:
@@ -86,7 +86,7 @@ def model_dvc_hash(model_dir: Path, root: Path) -> str:
 
 def lineage_tags(client: Any, model_dir: Path, root: Path, pipeline_run_id: str | None) -> dict[str, str]:
     """`lineage.*` tags for a version of `model_dir` registered under the pipeline run `pipeline_run_id`."""
-    from pipeline.tracking import git_commit
+    from pipeline.tracking.runs import git_commit
 
     train_run = commit = None
     if pipeline_run_id:
@@ -156,7 +156,7 @@ def _delete_model_files(client: Any, model_id: str | None) -> None:
 def prune_never_champion(client: Any, name: str, keep: int | None) -> list[str]:
     """Delete the oldest never-champion versions of `name` beyond the newest `keep` (module docstring).
 
-    Returns the deleted version numbers. Call under the registration lock (pipeline/register.py).
+    Returns the deleted version numbers. Call under the registration lock (pipeline/stages/register.py).
     """
     if keep is None:
         return []
@@ -200,7 +200,7 @@ def champion_status(params: Params) -> dict[str, Any]:
     Returns {"new_version": False, "alias", "champion_version", "promoted_by_run", "promoted_on"} or, when
     the registry cannot say, {"new_version": False, "alias", "note": why}. Never raises (a report).
     """
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking.runs import tracking_uri
 
     cfg = params.register
     out: dict[str, Any] = {"new_version": False, "alias": cfg.alias, "model_name": cfg.model_name}

@@ -33,7 +33,7 @@ Design decisions:
   so the optimised instruction is selected under the conditions it is evaluated in, and a rerun with
   unchanged inputs costs no calls.
 - **GEPA's log lines go to `logging`** (no prints); its progress is recorded by `HistoryRecorder`
-  (the adapter, proposer, recorder and logger GEPA calls are in pipeline/gepa_adapter.py) (one row
+  (the adapter, proposer, recorder and logger GEPA calls are in pipeline/evaluation/gepa_adapter.py) (one row
   per proposal and per candidate scored on the val slice), which becomes the score history.
 """
 
@@ -52,8 +52,7 @@ import pandas as pd
 
 from pipeline.errors import DataError, UserError
 from pipeline.evaluation.costs import gepa_prompt_path
-from pipeline.evaluation.systems import evaluation_params
-from pipeline.gepa_adapter import (
+from pipeline.evaluation.gepa_adapter import (
     COMPONENT,
     EnvironmentInstructionAdapter,
     HistoryRecorder,
@@ -61,6 +60,7 @@ from pipeline.gepa_adapter import (
     ReflectionProposer,
     TaskExample,
 )
+from pipeline.evaluation.systems import evaluation_params
 from pipeline.progress import progress
 from pipeline.stage_figures import gepa_outcome
 from pipeline.types import UsageStats
@@ -264,7 +264,7 @@ def history_frame(content: dict[str, Any]) -> pd.DataFrame:
 
 def log_slice_inputs(source: Path, slices: Slices) -> None:
     """The three slices as MLflow dataset inputs of the active run (`source`: train.parquet, with its DVC md5)."""
-    from pipeline.tracking import log_dataset_inputs
+    from pipeline.tracking.runs import log_dataset_inputs
 
     frames = {}
     for name in ("train", "val", "holdout"):
@@ -284,7 +284,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
     from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
     from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
     from pipeline.environment.servers import environment_server
-    from pipeline.tracking import describe_stage, stage_run
+    from pipeline.tracking.runs import describe_stage, stage_run
 
     plan = GepaPlan.for_gepa(params)
     slices = load_slices(plan.train_file, plan.gepa)

@@ -26,22 +26,22 @@ import time
 from asyncio import FIRST_EXCEPTION
 from typing import TYPE_CHECKING, Any
 
+from pipeline.checks.doctor_state import BUILD_FIRST, Status, failed, passed, skipped
 from pipeline.config import Params
-from pipeline.doctor import BUILD_FIRST, Status, failed, passed, skipped
 from pipeline.environment.budget import longest_reply_seconds, longest_reply_tokens
 
 if TYPE_CHECKING:
+    from pipeline.checks.doctor_state import Doctor
     from pipeline.config import EnvironmentConfig
-    from pipeline.doctor import Doctor
     from pipeline.types import EnvironmentReply
 
 
 # ------------------------------------------------------------------------------------------- 6. environment
 def step_environment(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    from pipeline.checks.layout import environment_started_here
     from pipeline.environment.client import resolve_api_key
     from pipeline.environment.servers import environment_server, served_models, started_server
     from pipeline.errors import EnvironmentUnavailable
-    from pipeline.layout import environment_started_here
 
     params, env = doc.params, doc.params.environment
     if env.backend == "vllm" and environment_started_here(params) and not doc.gpus:

@@ -4,7 +4,7 @@ MLflow copies this file into the model and runs it at load time, after putting t
 package (`code_paths`) on the import path; `set_model` names the pyfunc it builds. So the model is plain
 source, not a CloudPickle of a `PromptR1Agent` object: no CloudPickle warning when it is logged, and loading
 it does not need `MLFLOW_ALLOW_PICKLE_DESERIALIZATION` (MLflow 3 refuses pickled models by default). The
-class itself is pipeline/pyfunc_agent.py.
+class itself is pipeline/serving/agent_model.py.
 
 Logging: under a bare scoring server (`mlflow models serve`: uvicorn configures its own loggers only) the
 `pipeline` loggers had no handler, so what the agent does at load (its engine, the GGUF export, the llama.cpp
@@ -15,7 +15,7 @@ import logging
 
 import mlflow.models
 
-from pipeline.pyfunc_agent import PromptR1Agent
+from pipeline.serving.agent_model import PromptR1Agent
 
 _pipeline_log = logging.getLogger("pipeline")
 if not _pipeline_log.handlers and not logging.getLogger().handlers:

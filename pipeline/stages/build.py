@@ -34,8 +34,8 @@ from pipeline.config import Params
 from pipeline.data.plan import BuildPlan, sampled_path, validate_summary_path
 from pipeline.data.schema import write_json_atomic, write_parquet_atomic
 from pipeline.data.sources import authors_eval_path, get_spec, load_authors_eval
-from pipeline.data.validate import file_sha256
 from pipeline.errors import DataError
+from pipeline.stages.validate import file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -257,7 +257,7 @@ def _data_summary(plan: MergePlan) -> dict[str, Any]:
 
 def model_card(plan: MergePlan, report: MergeReport) -> str:
     """The README.md / MODEL_CARD.md text."""
-    from pipeline.tracking import git_commit
+    from pipeline.tracking.runs import git_commit
 
     metrics = _final_metrics(plan.steps_csv)
     data = _data_summary(plan)

@@ -9,7 +9,7 @@ Design decisions:
   configuration as JSON (artifact `environment`: endpoint, served model, sampling, system message and the
   *name* of the API-key variable; never a key, which the params never hold), the agent's rollout limits
   (the pyfunc `model_config`), and the `pipeline` package itself (`code_paths`) for the protocol, template,
-  rollout and environment client code. It is logged from code (pipeline/pyfunc_model.py), not pickled.
+  rollout and environment client code. It is logged from code (pipeline/serving/model_code.py), not pickled.
 - **The environment is configurable at load time.** `load_model(uri, model_config={"environment":
   {"base_url": "http://host:port/v1", "served_name": "..."}})`: the given keys are merged over the logged
   environment JSON, so one registered agent can be pointed at another endpoint (plug-and-play, method.md).
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 AGENT_ARTIFACT = "agent"
 ENVIRONMENT_ARTIFACT = "environment"
-MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
+MODEL_CODE = Path(__file__).with_name("model_code.py")
 """The models-from-code file the register stage logs (it builds a `PromptR1Agent`)."""
 OUTPUT_COLUMNS = [
     "answer",

@@ -1,0 +1,2 @@
+"""The `promptr1` commands that are not pipeline stages: `ask` (one question through the agent), `serve` (the
+registered champion over HTTP) and `env` (start, check and stop the environment server)."""
