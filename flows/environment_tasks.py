@@ -125,7 +125,7 @@ def stop_environment(session: EnvironmentSession) -> None:
       cache_policy=NO_CACHE)
 def fetch_weights(params: Params) -> list[str]:
     """Fetch and verify every model the params need (`promptr1 weights`); one line per model."""
-    from pipeline.weights import run_weights
+    from pipeline.commands.weights import run_weights
 
     lines = [f"{s.key}: {s.state} ({s.ref})" for s in run_weights(params)]
     for line in lines:

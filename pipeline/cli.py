@@ -224,7 +224,7 @@ def weights(
     set_: SetOption = None,
 ) -> None:
     """Fetch every model the params need into the Hugging Face cache and verify it (before GPU time)."""
-    from pipeline.weights import run_weights
+    from pipeline.commands.weights import run_weights
 
     _run(lambda: run_weights(_load(params, set_), check_only=check))
 

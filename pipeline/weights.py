@@ -1,8 +1,8 @@
 """Weights before GPU time: fetch and verify every model the merged params need, before anything starts.
 
 A GPT-OSS-20B environment is ~13 GB and a Qwen3-4B agent ~8 GB; downloading them inside vLLM's startup
-timeout, while 16 GPUs wait, is the wrong place. `promptr1 weights` (and the flow's task before training)
-puts every model into the Hugging Face cache first, with progress, and verifies what it got;
+timeout, while 16 GPUs wait, is the wrong place. `promptr1 weights` (pipeline/commands/weights.py, and the
+flow's task before training) puts every model into the Hugging Face cache first, with progress, and verifies what it got;
 `promptr1 weights --check` only reports what is missing (exit 2), so a scheduler can gate a GPU job on it.
 Servers and trainers then start with `HF_HUB_OFFLINE=1`.
 
@@ -11,6 +11,7 @@ Decisions:
   (`environment.model`) when the pipeline serves it itself on this machine (llamacpp, vllm; a paid API, or a
   server at an `environment.base_url` elsewhere, as on the paper's training node, needs nothing here), and
   the SSim embedding model (`evaluate.ssim_model`). Each is reported under the params key that names it.
+  `RequiredWeights.needed_by` decides them once from the three sections; the checks below take that list.
 - **Verification** is structural, not a load: a model directory needs `config.json` and its weights (every
   shard an `*.index.json` lists, or at least one `*.safetensors`/`*.bin`); a GGUF must be a non-empty file
   starting with the `GGUF` magic. A load would cost minutes and GPU memory; a missing shard is what breaks.
@@ -36,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pipeline.config import Params
 from pipeline.errors import UserError
 from pipeline.modelref import ModelRefError, as_resolved
 from pipeline.placement import started_here
@@ -83,6 +83,26 @@ def required_models(agent: AgentConfig, environment: EnvironmentConfig, evaluate
         needed["environment.model"] = environment.model
     needed["evaluate.ssim_model"] = evaluate.ssim_model
     return needed
+
+
+@dataclass(frozen=True)
+class RequiredWeights:
+    """The models a run loads on this machine (module docstring: which), as the weights checks take them."""
+
+    models: tuple[tuple[str, str], ...]
+    """(params key, model reference) for each model, in `required_models`' order."""
+    root: Path
+    """The project root: relative references are resolved against it."""
+    harmony: bool
+    """Whether GPT-OSS's harmony encoding is needed too (vLLM serves a GPT-OSS environment here)."""
+
+    @classmethod
+    def needed_by(cls, agent: AgentConfig, environment: EnvironmentConfig, evaluate: EvaluateConfig,
+           root: Path) -> RequiredWeights:
+        from pipeline.environment.harmony import needs_harmony
+
+        return cls(models=tuple(required_models(agent, environment, evaluate).items()), root=root,
+                   harmony=needs_harmony(environment))
 
 
 def verify_local(location: Path) -> str | None:
@@ -178,23 +198,9 @@ def harmony_status(*, fetch: bool) -> ModelStatus:
     return ModelStatus(HARMONY_KEY, ref, "fetched", str(folder))
 
 
-def ensure_weights(params: Params, *, fetch: bool = True) -> list[ModelStatus]:
-    """Every model the params need: present, fetched, missing or invalid (never raises for one model)."""
-    from pipeline.environment.harmony import needs_harmony
-
-    needed = required_models(params.agent, params.environment, params.evaluate)
-    statuses = [model_status(key, ref, params.root, fetch=fetch) for key, ref in needed.items()]
-    if needs_harmony(params.environment):
+def ensure_weights(required: RequiredWeights, *, fetch: bool = True) -> list[ModelStatus]:
+    """Every required model: present, fetched, missing or invalid (never raises for one model)."""
+    statuses = [model_status(key, ref, required.root, fetch=fetch) for key, ref in required.models]
+    if required.harmony:
         statuses.append(harmony_status(fetch=fetch))
-    return statuses
-
-
-def run_weights(params: Params, *, check_only: bool = False) -> list[ModelStatus]:
-    """`promptr1 weights [--check]`: log one line per model; raise UserError naming every model not ready."""
-    statuses = ensure_weights(params, fetch=not check_only)
-    for status in statuses:
-        log.info("weights: %-20s %-8s %s (%s)", status.key, status.state, status.ref, status.detail)
-    bad = [s for s in statuses if not s.ok]
-    if bad:
-        raise UserError("; ".join(f"{s.key}={s.ref!r} is {s.state}: {s.detail}" for s in bad))
     return statuses

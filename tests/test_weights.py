@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.commands.weights import required_weights, run_weights
 from pipeline.config import load_params
 from pipeline.errors import UserError
-from pipeline.weights import ensure_weights, required_models, run_weights, verify_local
+from pipeline.weights import ensure_weights, required_models, verify_local
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +48,7 @@ def hf_home(tmp_path, monkeypatch):
 def test_default_profile_needs_its_bundled_models_and_has_them():
     params = load_params(ROOT / "params.yaml")
     assert set(required_models(params.agent, params.environment, params.evaluate)) == {"agent.model", "environment.model", "evaluate.ssim_model"}
-    statuses = ensure_weights(params, fetch=False)
+    statuses = ensure_weights(required_weights(params), fetch=False)
     assert [s.state for s in statuses] == ["present"] * 3, statuses
 
 
@@ -64,7 +65,7 @@ def test_hub_model_missing_from_cache_is_reported_with_its_key(hf_home):
 
 def test_fetch_that_cannot_reach_the_hub_is_a_missing_model_not_a_crash(hf_home):
     params = load_params(ROOT / "params.yaml", {"agent": {"model": "Qwen/Qwen3-4B"}})
-    status = next(s for s in ensure_weights(params, fetch=True) if s.key == "agent.model")
+    status = next(s for s in ensure_weights(required_weights(params), fetch=True) if s.key == "agent.model")
     assert status.state == "missing" and status.detail.startswith("download failed")
 
 
@@ -75,11 +76,11 @@ def test_hub_model_in_cache_is_verified_shard_by_shard(hf_home):
         "model-00001-of-00002.safetensors": b"x", "model-00002-of-00002.safetensors": b"y",
     })
     params = load_params(ROOT / "params.yaml", {"agent": {"model": "Qwen/Qwen3-4B"}})
-    status = next(s for s in ensure_weights(params, fetch=False) if s.key == "agent.model")
+    status = next(s for s in ensure_weights(required_weights(params), fetch=False) if s.key == "agent.model")
     assert (status.state, status.detail) == ("present", str(snapshot))
 
     (snapshot / "model-00002-of-00002.safetensors").unlink()   # an interrupted download
-    status = next(s for s in ensure_weights(params, fetch=False) if s.key == "agent.model")
+    status = next(s for s in ensure_weights(required_weights(params), fetch=False) if s.key == "agent.model")
     assert status.state == "invalid" and "model-00002-of-00002.safetensors" in status.detail
 
 
@@ -190,11 +191,11 @@ def test_gpt_oss_weights_bring_the_harmony_encoding(encodings, hf_home):
         run_weights(params, check_only=True)
     assert server.requests == []  # --check never downloads
 
-    harmony = next(s for s in ensure_weights(params, fetch=True) if "harmony" in s.ref)
+    harmony = next(s for s in ensure_weights(required_weights(params), fetch=True) if "harmony" in s.ref)
     assert (harmony.key, harmony.state, harmony.detail) == ("environment.model", "fetched", str(folder))
     assert (folder / "o200k_base.tiktoken").read_bytes() == vocab
     assert server.requests == ["/encodings/o200k_base.tiktoken"]
-    assert [s.state for s in ensure_weights(params, fetch=False) if "harmony" in s.ref] == ["present"]
+    assert [s.state for s in ensure_weights(required_weights(params), fetch=False) if "harmony" in s.ref] == ["present"]
 
 
 def test_harmony_encoding_with_the_wrong_digest_is_refused(encodings, hf_home, monkeypatch):
@@ -202,7 +203,7 @@ def test_harmony_encoding_with_the_wrong_digest_is_refused(encodings, hf_home, m
 
     _, folder, _ = encodings
     monkeypatch.setattr(harmony, "ENCODING_FILES", {"o200k_base.tiktoken": "0" * 64})
-    status = next(s for s in ensure_weights(gpt_oss_params(hf_home), fetch=True) if "harmony" in s.ref)
+    status = next(s for s in ensure_weights(required_weights(gpt_oss_params(hf_home)), fetch=True) if "harmony" in s.ref)
     assert status.state == "missing" and "sha256" in status.detail
     assert list(folder.iterdir()) == []  # nothing half-written left behind
 
@@ -212,5 +213,5 @@ def test_only_a_vllm_served_gpt_oss_needs_the_encoding(hf_home):
     other = load_params(ROOT / "params.yaml", {"profile": "smoke-1gpu"})
     api = load_params(ROOT / "params.yaml", {"profile": "paper", "environment": {
         "backend": "api", "base_url": "https://x.test/v1"}})
-    assert [any("harmony" in s.ref for s in ensure_weights(p, fetch=False)) for p in (paper, other, api)] == [
+    assert [any("harmony" in s.ref for s in ensure_weights(required_weights(p), fetch=False)) for p in (paper, other, api)] == [
         True, False, False]

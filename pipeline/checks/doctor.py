@@ -211,9 +211,10 @@ def step_check(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------- 4. weights
 def step_weights(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    from pipeline.commands.weights import required_weights
     from pipeline.weights import ensure_weights
 
-    statuses = ensure_weights(doc.params, fetch=False)
+    statuses = ensure_weights(required_weights(doc.params), fetch=False)
     figures = {s.key: {"ref": s.ref, "state": s.state} for s in statuses}
     bad = [s for s in statuses if not s.ok]
     if bad:
