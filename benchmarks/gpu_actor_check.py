@@ -9,7 +9,7 @@ What it runs, in order, as verl's trainer runs one GRPO step's actor side (`RayP
    profile's agent, shipped in benchmarks/fixtures/qwen3-0.6b/) and a small word-level tokenizer, written as a
    Hugging Face directory (no Hub, no download);
 3. verl's config for the smoke-1gpu profile as our train stage composes it (`pipeline.train.verl_config.
-   compose_run`: params.yaml + profiles/smoke-1gpu.yaml through pipeline/train/verl_overrides.yaml into verl's
+   compose_plan` of the train plan: params.yaml + profiles/smoke-1gpu.yaml through pipeline/train/verl_overrides.yaml into verl's
    ppo_trainer.yaml), with the model path pointed at the random model and the attention switches of the
    command line; then verl's own workers from it: `ActorRolloutRefWorker(role="actor")` (the FSDP2 engine
    `FSDPEngineWithLMHead`, AdamW, gradient checkpointing, bf16 mixed precision over the `model_dtype` master
@@ -288,10 +288,11 @@ def actor_config(
     from omegaconf import OmegaConf
 
     from pipeline.config import load_params
-    from pipeline.train.verl_config import compose_run
+    from pipeline.train.plan import TrainPlan
+    from pipeline.train.verl_config import compose_plan
 
     params = load_params(ROOT / "params.yaml", {"profile": PROFILE})
-    cfg = OmegaConf.create(OmegaConf.to_container(compose_run(params).cfg, resolve=False))
+    cfg = OmegaConf.create(OmegaConf.to_container(compose_plan(TrainPlan.from_params(params)).cfg, resolve=False))
     for key, value in {
         "actor_rollout_ref.model.path": str(model_dir),
         "actor_rollout_ref.model.use_remove_padding": remove_padding,

@@ -298,7 +298,7 @@ def test_decoded_trajectories_split_agent_turns_from_environment_replies(tmp_pat
 
 
 def test_the_verl_step_runs_one_mini_batch_saved_to_a_temporary_folder(repo_root, tmp_path):
-    """What the GPU-only verl step hands `train_verl`, composed with verl 0.9.1's own Hydra config and
+    """What the GPU-only verl step hands `run_verl`, composed with verl 0.9.1's own Hydra config and
     validated by verl: one step (smoke-1gpu's own 3 replaced) of the smallest batch verl accepts, as one
     mini-batch, saved to the given checkpoint folder, rollouts dumped under reports/doctor/."""
     from verl.utils.config import validate_config

@@ -19,10 +19,15 @@ from pipeline.config import deep_merge, load_params, parse_override
 from pipeline.train import memory
 from pipeline.train.plan import TrainPlan
 from pipeline.train.resources import checkpoint_disk_problem, gpu_problems
-from pipeline.train.verl_config import compose_run, override_key
+from pipeline.train.verl_config import compose_plan, override_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = memory.GIB
+
+
+def compose_run(params):
+    """What the train stage hands verl for these params: `compose_plan` of their train plan."""
+    return compose_plan(TrainPlan.from_params(params))
 
 
 def merged(*sets: str):

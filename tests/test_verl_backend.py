@@ -26,6 +26,13 @@ from pipeline.train.verl_backend import AGENT_LOOP_CONFIG, REWARD_FUNCTION_FILE,
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_verl(params, run):
+    """`verl_backend.run_verl` as the train stage calls it: the plan and the tracking URI of these params."""
+    from pipeline.tracking.runs import tracking_uri
+
+    return verl_backend.run_verl(TrainPlan.from_params(params), tracking_uri(params), run)
+
+
 @pytest.fixture()
 def paper_params():
     return load_params(REPO_ROOT / "params.yaml", {"profile": "paper"})
@@ -150,16 +157,16 @@ def test_preflight_errors(paper_params, tmp_path):
     p.root = tmp_path
     run = SimpleNamespace(info=SimpleNamespace(run_id="0" * 32))
     with pytest.raises(DataError, match="train.parquet"):
-        verl_backend.train_verl(p, run)
+        run_verl(p, run)
     (tmp_path / "data/rl/eval").mkdir(parents=True)
     (tmp_path / "data/rl/train.parquet").write_bytes(b"")
     p.train.verl.use_v1 = True
     if importlib.util.find_spec("transfer_queue") is None:
         with pytest.raises(UserError, match="TransferQueue"):
-            verl_backend.train_verl(p, run)
+            run_verl(p, run)
     p.train.verl.use_v1 = False
     with pytest.raises(DataError, match="no evaluation set"):
-        verl_backend.train_verl(p, run)
+        run_verl(p, run)
 
 
 @pytest.mark.slow
@@ -191,7 +198,7 @@ def test_launch_failure_becomes_user_error_with_log_tail(paper_params, tmp_path,
     # The stage owns the environment: a server already serving the configured model at the URL is reused.
     with FaultServer(model=p.environment.served_name) as environment, pytest.raises(UserError) as excinfo:
         p.environment.base_url = environment.url
-        verl_backend.train_verl(p, run)
+        run_verl(p, run)
     message = str(excinfo.value)
     assert "exit code 1" in message and "promptr1_stop_here" in message  # the tail names the cause
     log_text = (tmp_path / "reports/train/verl.log").read_text()
@@ -231,7 +238,6 @@ def test_tracking_uri_with_credentials_never_reaches_verl_overrides(tmp_path, mo
     from types import SimpleNamespace
 
     from pipeline.errors import UserError
-    from pipeline.train.verl_backend import train_verl
 
     (tmp_path / "data/rl/eval").mkdir(parents=True)
     (tmp_path / "data/rl/train.parquet").write_bytes(b"")
@@ -239,5 +245,5 @@ def test_tracking_uri_with_credentials_never_reaches_verl_overrides(tmp_path, mo
     params.root = tmp_path
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:s3cret@mlflow.example/")
     with pytest.raises(UserError, match="credentials"):
-        train_verl(params, SimpleNamespace(info=SimpleNamespace(run_id="r1")))
+        run_verl(params, SimpleNamespace(info=SimpleNamespace(run_id="r1")))
     assert not (tmp_path / "reports/train/verl_overrides.txt").exists()

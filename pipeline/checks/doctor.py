@@ -23,7 +23,7 @@ Decisions:
 - **The machine before the environment**: step 5 runs before GPT-OSS loads (minutes), as the train stage
   checks its machine before it starts the server.
 - **The environment stays up from step 6 to step 8**, as the train stage holds it: verl's agent loop talks
-  to the server step 6 started (train_verl reuses a healthy server at the URL), and it is stopped at the end.
+  to the server step 6 started (run_verl reuses a healthy server at the URL), and it is stopped at the end.
 - **Figures, not just verdicts**: every line carries the numbers a person would otherwise look up (driver
   version, GPU count, latencies), so a pasted doctor output answers the first support questions.
 """

@@ -8,7 +8,7 @@ trajectories (GPU nodes only).
   verl's launch starts it, pinned to `train.verl.gpus`, probed and stopped again), so a node whose Ray would
   put verl on the environment's GPUs, or that has no Ray to join, fails here, before the environment server
   loads and the rows are sent.
-- `verl step`: one GRPO step through `pipeline.train.verl_backend.train_verl`, the path `promptr1 train`
+- `verl step`: one GRPO step through `pipeline.train.verl_backend.run_verl`, the path `promptr1 train`
   runs (same overrides, same environment reuse, same Ray handling), with params changed only where a
   check differs from a run: the smallest batch verl accepts for the profile as one mini-batch
   (`pipeline.checks.layout.smallest_batch`: `paper` 16 questions x 5, not 128 x 5), checkpoints in a temporary
@@ -63,7 +63,8 @@ def one_step_params(params: Params, checkpoint_dir: Path) -> Params:
     """`params` for one verl step of the smallest batch, saved to `checkpoint_dir`, every other output under
     reports/doctor/ (module docstring)."""
     from pipeline.checks.layout import smallest_batch
-    from pipeline.train.verl_config import compose_run
+    from pipeline.train.plan import TrainPlan
+    from pipeline.train.verl_config import compose_plan
 
     p = params.model_copy(deep=True)
     p.root = params.root
@@ -82,7 +83,7 @@ def one_step_params(params: Params, checkpoint_dir: Path) -> Params:
         o for o in v.extra_overrides if o.split("=", 1)[0].lstrip("+") not in ours
     ]  # a profile's own step count
     v.extra_overrides = [*kept, *(f"{key}={value}" for key, value in ours.items())]
-    p.train.batch_size = p.train.mini_batch_size = smallest_batch(compose_run(p))
+    p.train.batch_size = p.train.mini_batch_size = smallest_batch(compose_plan(TrainPlan.from_params(p)))
     return p
 
 
@@ -167,7 +168,8 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
 
     from pipeline.tracking import runs as tracking
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.verl_backend import train_verl
+    from pipeline.train.plan import TrainPlan
+    from pipeline.train.verl_backend import run_verl
 
     reason = _verl_skip_reason(doc)
     if reason:
@@ -176,11 +178,11 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     shutil.rmtree(rollout_dir(doc.reports_dir), ignore_errors=True)
     p.environment.base_url = (
         doc.environment_url
-    )  # the server the environment step holds: train_verl reuses it
+    )  # the server the environment step holds: run_verl reuses it
     tracking.configure(p)
     started = time.perf_counter()
     with mlflow.start_run(run_name=f"doctor-{p.profile}") as run:
-        train_verl(p, run)
+        run_verl(TrainPlan.from_params(p), tracking.tracking_uri(p), run)
     seconds = time.perf_counter() - started
     actor = ckpt.latest_verl_step(p.path(p.paths.checkpoint_dir))
     dumps = sorted(rollout_dir(doc.reports_dir).glob("*.jsonl"))

@@ -72,7 +72,8 @@ from pipeline.placement import (  # re-exported: the layout's vocabulary
     training_gpus,
 )
 from pipeline.train import memory
-from pipeline.train.verl_config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_run
+from pipeline.train.plan import TrainPlan
+from pipeline.train.verl_config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_plan
 
 __all__ = ["LayoutError", "LayoutProblem", "actor_estimate", "assert_environment_runnable", "assert_runnable",
            "cuda_visible_devices", "describe", "environment_gpus", "environment_layout_problems",
@@ -163,7 +164,7 @@ def layout_problems(params: Params) -> list[LayoutProblem]:
     problems += [LayoutProblem(keys, message) for keys, message in reply_budget_problems(params)]
     if params.train.backend == "verl":
         try:
-            run = compose_run(params)
+            run = compose_plan(TrainPlan.from_params(params))
         except (ModelRefError, UserError) as exc:
             return [*problems, LayoutProblem(("agent.model",), str(exc))]
         except ComposeError as exc:
@@ -363,7 +364,7 @@ def describe(params: Params) -> str:
     if t.backend == "verl":
         train = (f"verl on {v.nnodes} node(s) x GPUs {training_gpus(params)}, rollout TP {v.rollout_tp}, "
                  f"batch {t.batch_size} x group {t.group_size}")
-        found = actor_estimate(Placement.for_layout(params), compose_run(params))
+        found = actor_estimate(Placement.for_layout(params), compose_plan(TrainPlan.from_params(params)))
         train += (f", actor ~{found[0].total / memory.GIB:.1f} of {found[1]:.1f} GiB left per GPU" if found else
                   f", actor memory not estimated (no parameter count for {params.agent.model} offline)")
     else:

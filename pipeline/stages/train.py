@@ -1,7 +1,7 @@
 """Stage `train` (`promptr1 train`): GRPO on the agent with the backend params name, tracked in MLflow.
 
 - backend `local` → `pipeline.train.local.train_local` (transformers on CPU / one GPU);
-- backend `verl`  → `pipeline.train.verl_backend.train_verl` (Ray cluster of GPU nodes).
+- backend `verl`  → `pipeline.train.verl_backend.run_verl` (Ray cluster of GPU nodes).
 
 Both run inside `tracking.stage_run(params, "train", new_parent=True)`: a trained model starts a new
 pipeline execution (parent run), recorded in `reports/mlflow_run.json` for the later stages.

@@ -1,7 +1,7 @@
 """Backend `verl`: GRPO on GPU nodes with verl 0.9.1, driven by our typed params (no fork, no bash blobs).
 
 `build_overrides(plan)` turns the train plan (`pipeline.train.plan`) into the Hydra overrides of verl's own
-`ppo_trainer.yaml`; `run_verl(plan, tracking_uri, run)` (or `train_verl(params, run)`) launches
+`ppo_trainer.yaml`; `run_verl(plan, tracking_uri, run)` launches
 `python -m verl.trainer.main_ppo <overrides>` on a running Ray cluster,
 streams its log, attaches verl's MLflow logger to our run and exports the step metrics to
 `reports/train/steps.csv`.
@@ -21,7 +21,7 @@ Decisions:
   imports the `TransferQueue` package, which the pinned `verl==0.9.1` install does not bring (only the
   `verl[verl-core]` extra does). The legacy trainer (`verl.trainer.main_ppo_v0`, still shipped in 0.9.1,
   logs a deprecation warning) runs the same agent loop, reward loop and GRPO code without it. Set
-  `train.verl.use_v1: true` after `pip install 'verl[verl-core]==0.9.1'`; `train_verl` checks the import
+  `train.verl.use_v1: true` after `pip install 'verl[verl-core]==0.9.1'`; `run_verl` checks the import
   first and says what to install.
 - **Batch sizes are in questions**, as in verl: `data.train_batch_size` = `train.batch_size`,
   `ppo_mini_batch_size` = `train.mini_batch_size` (verl multiplies both by `rollout.n` = G), micro-batches
@@ -85,7 +85,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from pipeline.config import Params
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, TrainingIncomplete, UserError
 from pipeline.placement import private_ray_devices
@@ -118,7 +117,7 @@ from pipeline.train.verl_overrides import (
 __all__ = [  # the override mapping lives in verl_overrides; re-exported for callers of this module
     "AGENT_LOOP_CONFIG", "AGENT_NAME", "OVERRIDE_TABLE", "REWARD_FUNCTION_FILE", "REWARD_FUNCTION_NAME",
     "agent_loop_overrides", "build_overrides", "eval_files", "export_steps_csv", "hydra_value", "model_location",
-    "param_value", "reward_kwargs_overrides", "rollout_dump_dir", "train_file", "train_verl", "verl_launch",
+    "param_value", "reward_kwargs_overrides", "rollout_dump_dir", "run_verl", "train_file", "verl_launch",
 ]
 
 log = logging.getLogger(__name__)
@@ -168,14 +167,6 @@ def _preflight(plan: TrainPlan) -> list[Path]:
     if not present and (plan.train.verl.val_before_train or plan.train.verl.test_freq > 0):
         raise DataError(f"no evaluation set under {plan.rl_dir / 'eval'}: run the build stage")
     return present
-
-
-def train_verl(params: Params, run: Any) -> TrainingProgress:
-    """`run_verl` for these params (the entry for callers that hold params: `promptr1 doctor`)."""
-    from pipeline.tracking.runs import tracking_uri
-    from pipeline.train.plan import TrainPlan
-
-    return run_verl(TrainPlan.from_params(params), tracking_uri(params), run)
 
 
 def run_verl(plan: TrainPlan, uri: str, run: Any) -> TrainingProgress:

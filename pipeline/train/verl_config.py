@@ -1,6 +1,6 @@
 """The config verl will actually run: our overrides composed with verl 0.9.1's own Hydra config.
 
-`compose_run(params)` (or `compose_plan(plan)` with the train plan) composes `build_overrides(plan)` (our
+`compose_plan(plan)` composes, for the train plan (`pipeline.train.plan`), `build_overrides(plan)` (our
 params through `pipeline/train/verl_overrides.yaml`, the computed keys, then `train.verl.extra_overrides`, last
 and winning) with verl's `trainer/config/ppo_trainer.yaml`, exactly as `python -m verl.trainer.main_ppo <overrides>` does,
 so the layout check (`pipeline.checks.layout`) judges the composed values: a key set through `extra_overrides`
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import ConfigError, Params
+from pipeline.config import ConfigError
 from pipeline.train.verl_overrides import OVERRIDE_TABLE, build_overrides
 
 if TYPE_CHECKING:
@@ -120,15 +120,8 @@ class VerlRun:
         return f"{key}={self.value(key)}"
 
 
-def compose_run(params: Params) -> VerlRun:
-    """Compose what `train` hands verl for these params (raises ComposeError or UserError when it cannot)."""
-    from pipeline.train.plan import TrainPlan
-
-    return compose_plan(TrainPlan.from_params(params))
-
-
 def compose_plan(plan: TrainPlan) -> VerlRun:
-    """`compose_run` for a resolved train plan (the stage's resources check)."""
+    """Compose what `train` hands verl for this plan (raises ComposeError or UserError when it cannot)."""
     extra = plan.train.verl.extra_overrides
     cfg = compose_verl(build_overrides(plan))
     return VerlRun(cfg=cfg, overridden=frozenset(override_key(o) for o in extra))

@@ -98,7 +98,7 @@ def build_overrides(plan: TrainPlan, *, val_files: list[Path] | None = None,
                     environment_url: str | None = None, agent_path: Path | None = None) -> list[str]:
     """verl Hydra overrides for `ppo_trainer.yaml` from the train plan, then `train.verl.extra_overrides`.
 
-    `val_files` defaults to every evaluation set named by params (`train_verl` passes the existing ones);
+    `val_files` defaults to every evaluation set named by params (`run_verl` passes the existing ones);
     `agent_path`, the agent's verified local copy (`pipeline.weights.cached_location`), replaces its reference
     as verl's model path, so workers that run offline never look a Hub id up.
     """
