@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.report import RunReport, flow_run_line, stage_markdown, to_markdown
 from pipeline.config import PARAMS_FILE, ConfigError, Params, load_params
+from pipeline.config.specs import stage_folders
 from pipeline.stage_figures import key_figure
 from pipeline.tracking.links import MlflowRunInfo, stage_mlflow_run
 
@@ -45,6 +46,16 @@ def current_flow_run() -> tuple[str | None, str | None]:
         return None, None
 
 
+def stage_figure_and_run(root: Path, stage: str) -> tuple[str, MlflowRunInfo]:
+    """The stage's key figure and its MLflow run, read with the params at `root` (a line saying why there is
+    neither when the params are unreadable)."""
+    try:
+        params = load_params(root / PARAMS_FILE)
+    except ConfigError as exc:
+        return f"no figure (params unreadable: {exc})", MlflowRunInfo(open_hint=f"params unreadable: {exc}")
+    return key_figure(stage_folders(params), stage), stage_mlflow_run(params, stage)
+
+
 def publish_stage(root: Path, stage: str, result: str, seconds: float, error: str | None = None) -> dict[str, Any]:
     """Attach the stage's artifact to the running task; return its outcome (the task's return value).
 
@@ -54,11 +65,7 @@ def publish_stage(root: Path, stage: str, result: str, seconds: float, error: st
     figure: str | None = None
     mlflow: MlflowRunInfo | None = None
     if error is None:
-        figure = key_figure(root, stage)
-        try:
-            mlflow = stage_mlflow_run(load_params(root / PARAMS_FILE), stage)
-        except ConfigError as exc:
-            mlflow = MlflowRunInfo(open_hint=f"params unreadable: {exc}")
+        figure, mlflow = stage_figure_and_run(root, stage)
     try:
         markdown = stage_markdown(stage, result, seconds, figure, mlflow, error=error,
                                   flow_run=flow_run_line(*current_flow_run()))

@@ -22,6 +22,7 @@ from typing import Annotated
 import typer
 
 from pipeline.config import ConfigError, Params, deep_merge, find_root, load_params, parse_override
+from pipeline.config.specs import stage_folders
 from pipeline.errors import UserError
 from pipeline.runtime import configure_logging, quiet_telemetry
 from pipeline.stage_figures import key_figure
@@ -80,7 +81,7 @@ def _run_stage(stage: str, params_file: str | None, sets: list[str] | None,
         params = _load_runnable(params_file, sets)
         start = time.perf_counter()
         call(params)
-        log.info("%s done in %.1f s: %s", stage, time.perf_counter() - start, key_figure(params, stage))
+        log.info("%s done in %.1f s: %s", stage, time.perf_counter() - start, key_figure(stage_folders(params), stage))
 
     _run(stage_then_figure)
 

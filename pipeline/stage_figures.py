@@ -6,8 +6,10 @@ task (log line, return value, artifact, the run summary's stage table). Design d
 - **The files are the contract.** A figure is read from the outputs dvc.yaml declares for the stage
   (`reports/sample/<ds>.json`, `reports/validate/summary.json`, …, `reports/promotion.json`), never from the
   stage's code or memory: the same line comes out of the process that ran the stage, of the flow that ran
-  DVC, and of a later look at the workspace. So this module is a floor module (pipeline.config and
-  pipeline.paths only) that imports no stage and costs a JSON read.
+  DVC, and of a later look at the workspace. So this module is a floor module (pipeline.paths only) that
+  imports no stage and costs a JSON read.
+- **Given the folders, not the params.** The caller, which holds the params, resolves the folders the files
+  lie in (`StageFolders`, built by `pipeline.config.specs.stage_folders`); this module only reads.
 - **Never raises, never invents.** A missing file gives `no figure (<file> missing)`, a file of another
   shape `no figure (<file> unreadable: <why>)`: a reporting line must not fail the stage it reports on.
 - **Stage names as DVC spells them.** `sample@<dataset>` is that dataset's sample; `sample` (the flow's one
@@ -21,10 +23,10 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import PARAMS_FILE, Params, load_params
 from pipeline.paths import display_path
 
 SOURCES_DIR = "data/sources"
@@ -38,6 +40,20 @@ PRIMARY_METRIC = "f1"
 PROMPT_R1 = "prompt_r1"
 
 
+@dataclass(frozen=True)
+class StageFolders:
+    """Where the stages' figures are read from: the folders their outputs lie in, resolved by the caller."""
+
+    root: Path
+    """The project root: shown paths are relative to it; the sources stage writes under it (`SOURCES_DIR`)."""
+    reports_dir: Path
+    """`paths.reports_dir`: the stages' metrics and reports."""
+    model_dir: Path
+    """`paths.model_dir`: the merged agent and its merge report."""
+    train_datasets: tuple[str, ...]
+    """`data.train_datasets`: the datasets the `sample` figure adds up."""
+
+
 class _NoFigure(Exception):
     """A figure cannot be given; the message says why (file missing or unreadable)."""
 
@@ -45,15 +61,15 @@ class _NoFigure(Exception):
 class _Files:
     """Reads a stage's output files, remembering the last one for an error message."""
 
-    def __init__(self, params: Params) -> None:
-        self.params = params
+    def __init__(self, folders: StageFolders) -> None:
+        self.folders = folders
         self.last: Path | None = None
 
     def reports(self, *parts: str) -> Path:
-        return self.params.path(self.params.paths.reports_dir).joinpath(*parts)
+        return self.folders.reports_dir.joinpath(*parts)
 
     def show(self, path: Path) -> str:
-        return display_path(path, self.params.root)
+        return display_path(path, self.folders.root)
 
     def json(self, path: Path) -> Any:
         self.last = path
@@ -85,18 +101,13 @@ class _Files:
         return rows
 
 
-def key_figure(params_or_root: Params | Path | str, stage: str) -> str:
+def key_figure(folders: StageFolders, stage: str) -> str:
     """One line for `stage` (`sample@hotpotqa`, `train`, …) from the files it wrote; never raises."""
     group, _, item = stage.rsplit(":", 1)[-1].partition("@")
     figure = FIGURES.get(group)
     if figure is None:
         return f"no figure (unknown stage {stage!r})"
-    try:
-        params = (params_or_root if isinstance(params_or_root, Params)
-                  else load_params(Path(params_or_root) / PARAMS_FILE))
-    except Exception as exc:  # noqa: BLE001 - a report line must not fail; say why there is none
-        return f"no figure (params unreadable: {exc})"
-    files = _Files(params)
+    files = _Files(folders)
     try:
         return figure(files, item or None)
     except _NoFigure as exc:
@@ -110,7 +121,7 @@ def key_figure(params_or_root: Params | Path | str, stage: str) -> str:
 
 
 def _sources(files: _Files, _item: str | None) -> str:
-    folder = files.params.path(SOURCES_DIR)
+    folder = files.folders.root / SOURCES_DIR
     evals = files.json(folder / SOURCES_EVAL_FILE)
     line = f"sources fingerprinted from the {evals['source']}, {len(evals['eval'])} evaluation files"
     fingerprints = unreachable = 0
@@ -131,7 +142,7 @@ def _sample(files: _Files, dataset: str | None) -> str:
         return line + (f", short by {r['shortfall']})" if r["shortfall"] else ")")
     written = leaked = 0
     skipped: list[str] = []
-    datasets = files.params.data.train_datasets
+    datasets = files.folders.train_datasets
     for ds in datasets:  # each file's fields taken as it is read: a bad one is named
         r = files.json(files.reports("sample", f"{ds}.json"))
         written, leaked = written + int(r["rows_written"]), leaked + int(r["leaked_removed"])
@@ -190,7 +201,7 @@ def _train(files: _Files, _item: str | None) -> str:
 
 
 def _merge(files: _Files, _item: str | None) -> str:
-    model_dir = files.params.path(files.params.paths.model_dir)
+    model_dir = files.folders.model_dir
     r = files.json(model_dir / "merge_report.json")
     return (f"step {r['step']} ({r['source']}) merged into {files.show(model_dir)}, "
             f"max logit difference {float(r['max_abs_logit_diff']):.3g}")

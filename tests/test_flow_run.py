@@ -22,6 +22,8 @@ from demo_project import DEMO_STAGES, StaticEnvironment, make_demo_project, pid_
 
 from flows.artifacts import ARTIFACT_KEY
 from flows.retrain import StagePolicy, cli_flow_run, run_pipeline_flow
+from pipeline.config import load_params
+from pipeline.config.specs import stage_folders
 from pipeline.stage_figures import key_figure
 
 pytestmark = pytest.mark.slow
@@ -157,7 +159,8 @@ def test_flow_runs_each_stage_as_a_task_and_records_the_experiment(demo):
     figures = {**DEMO_FIGURES, "evaluate": (f"prompt_r1 F1 ID 12.00 [10.00, 14.00], OOD 7.00 [5.00, 9.00] ({rows} "
                                             "rows per set); best other system env_only ID 9.00")}
     assert {s["stage"]: s["key_figure"] for s in summary["stages"]} == figures
-    assert {stage: key_figure(demo, stage) for stage in DEMO_STAGES} == figures  # read back from the files
+    folders = stage_folders(load_params(demo / "params.yaml"))
+    assert {stage: key_figure(folders, stage) for stage in DEMO_STAGES} == figures  # read back from the files
     artifacts = _stage_artifacts(state)
     assert set(artifacts) == {f"stage-{stage}" for stage in DEMO_STAGES}
     for stage in DEMO_STAGES:

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from pipeline.config import load_params
+from pipeline.config.specs import stage_folders
 from pipeline.stage_figures import FIGURES, key_figure
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +69,11 @@ def project(tmp_path: Path) -> Path:
     return root
 
 
+def figure_of(root: Path, stage: str) -> str:
+    """`key_figure` of `stage` with the folders the params at `root` name (as `promptr1` and the flow do)."""
+    return key_figure(stage_folders(load_params(root / "params.yaml")), stage)
+
+
 def test_every_dvc_stage_has_a_figure_and_a_test():
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))
     assert set(dvc["stages"]) <= set(FIGURES)
@@ -76,27 +82,30 @@ def test_every_dvc_stage_has_a_figure_and_a_test():
 
 @pytest.mark.parametrize("stage", sorted(EXPECTED))
 def test_key_figure_of_each_stage(project: Path, stage: str):
-    assert key_figure(project, stage) == EXPECTED[stage]
-    assert key_figure(load_params(project / "params.yaml"), stage) == EXPECTED[stage]  # Params or root
+    assert figure_of(project, stage) == EXPECTED[stage]
 
 
 def test_stage_names_as_dvc_spells_them(project: Path):
-    assert key_figure(project, "dvc.yaml:sample@gsm8k") == EXPECTED["sample@gsm8k"]
-    assert key_figure(project, "bogus") == "no figure (unknown stage 'bogus')"
-    assert key_figure(project / "nowhere", "train").startswith("no figure (params unreadable: ")
+    assert figure_of(project, "dvc.yaml:sample@gsm8k") == EXPECTED["sample@gsm8k"]
+    assert figure_of(project, "bogus") == "no figure (unknown stage 'bogus')"
+    from flows.artifacts import stage_figure_and_run
+
+    figure_line, run = stage_figure_and_run(project / "nowhere", "train")
+    assert figure_line.startswith("no figure (params unreadable: ")
+    assert run.open_hint.startswith("params unreadable: ")
 
 
 @pytest.mark.parametrize("stage", sorted(STAGE_FILE))
 def test_missing_file_says_so(project: Path, stage: str):
     (project / STAGE_FILE[stage]).unlink()
-    assert key_figure(project, stage) == f"no figure ({STAGE_FILE[stage]} missing)"
+    assert figure_of(project, stage) == f"no figure ({STAGE_FILE[stage]} missing)"
 
 
 @pytest.mark.parametrize("stage", sorted(STAGE_FILE))
 @pytest.mark.parametrize("content", ["{not json", '{"other": "shape"}', "[1, 2]"])
 def test_unreadable_file_says_so_never_raises(project: Path, stage: str, content: str):
     (project / STAGE_FILE[stage]).write_text(content)
-    figure = key_figure(project, stage)
+    figure = figure_of(project, stage)
     if stage == "register" and content.startswith("{\""):
         # Any JSON object is a decision record; an unknown shape is shown as it is, never guessed at.
         assert figure == '{"other": "shape"}'
@@ -108,24 +117,24 @@ def test_failures_and_skips_are_figures_too(project: Path):
     summary = project / "reports" / "validate" / "summary.json"
     data = json.loads(summary.read_text())
     summary.write_text(json.dumps({**data, "success": False, "expectations_failed": 3, "files_failed": 2}))
-    assert key_figure(project, "validate") == ("FAILED: 3 of 288 expectations on 20 files failed (2 files); "
+    assert figure_of(project, "validate") == ("FAILED: 3 of 288 expectations on 20 files failed (2 files); "
                                                "see reports/validate/data_docs/index.html")
     report = project / "reports" / "sample" / "popqa.json"
     data = json.loads(report.read_text())
     report.write_text(json.dumps({**data, "skipped": True, "rows_written": 0, "skip_reason": "no local source"}))
-    assert key_figure(project, "sample@popqa") == "popqa: skipped (no local source)"
-    assert key_figure(project, "sample") == "8 datasets: 31309 rows written (458 leaked removed), skipped: popqa"
+    assert figure_of(project, "sample@popqa") == "popqa: skipped (no local source)"
+    assert figure_of(project, "sample") == "8 datasets: 31309 rows written (458 leaked removed), skipped: popqa"
     fingerprint = project / "data" / "sources" / "popqa.json"
     data = json.loads(fingerprint.read_text())
     fingerprint.write_text(json.dumps({**data, "source": "hub", "hub": {"id": "x/popqa", "revision": "unreachable"}}))
-    assert key_figure(project, "sources") == EXPECTED["sources"] + ", 1 unreachable"
+    assert figure_of(project, "sources") == EXPECTED["sources"] + ", 1 unreachable"
     steps = project / "reports" / "train" / "steps.csv"
     steps.write_text(steps.read_text().splitlines()[0] + "\n")
-    assert key_figure(project, "train") == "no training step recorded"
+    assert figure_of(project, "train") == "no training step recorded"
     promotion = project / "reports" / "promotion.json"
     promotion.write_text(json.dumps({"promoted": False, "alias": "champion", "version": "2",
                                      "reasons": ["ID F1 +0.2 < margin 0.5", "OOD within tolerance"]}))
-    assert key_figure(project, "register") == ("not promoted to @champion (model version 2): ID F1 +0.2 < margin "
+    assert figure_of(project, "register") == ("not promoted to @champion (model version 2): ID F1 +0.2 < margin "
                                                "0.5; OOD within tolerance")
 
 
@@ -137,7 +146,7 @@ def test_evaluation_figure_reads_mean_and_interval_in_order(project: Path):
     averages["prompt_r1"]["ood"]["f1"] = {"mean": 30.0, "low": 27.5, "high": 32.25}
     averages["gepa"]["id"]["f1"] = {"mean": 39.9, "low": 37.0, "high": 42.0}  # beats env_only's 4.03
     metrics.write_text(json.dumps({**data, "averages": averages, "rows_per_dataset": 128}))
-    assert key_figure(project, "evaluate") == ("prompt_r1 F1 ID 41.20 [38.05, 44.50], OOD 30.00 [27.50, 32.25] "
+    assert figure_of(project, "evaluate") == ("prompt_r1 F1 ID 41.20 [38.05, 44.50], OOD 30.00 [27.50, 32.25] "
                                                "(128 rows per set); best other system gepa ID 39.90")
 
 
