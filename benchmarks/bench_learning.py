@@ -372,6 +372,7 @@ def run(args: argparse.Namespace) -> None:
 
     import mlflow
 
+    from pipeline.config.specs import tracking_spec
     from pipeline.environment.client import EnvironmentClient
     from pipeline.environment.servers import environment_server
     from pipeline.errors import TrainingUnhealthy
@@ -436,7 +437,7 @@ def run(args: argparse.Namespace) -> None:
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
         return result
 
-    with environment_server(params), tracking.stage_run(params, "learning", new_parent=True):
+    with environment_server(params), tracking.stage_run(tracking_spec(params), "learning", new_parent=True):
         mlflow.set_tags({"benchmark": "bench_learning", "mode": args.mode, "seed": str(args.seed)})
         env = EnvironmentClient(eval_params.environment)
 

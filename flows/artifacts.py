@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.report import RunReport, flow_run_line, stage_markdown, to_markdown
 from pipeline.config import PARAMS_FILE, ConfigError, Params, load_params
-from pipeline.config.specs import stage_folders
+from pipeline.config.specs import stage_folders, tracking_spec
 from pipeline.stage_figures import key_figure
 from pipeline.tracking.links import MlflowRunInfo, stage_mlflow_run
 
@@ -53,7 +53,7 @@ def stage_figure_and_run(root: Path, stage: str) -> tuple[str, MlflowRunInfo]:
         params = load_params(root / PARAMS_FILE)
     except ConfigError as exc:
         return f"no figure (params unreadable: {exc})", MlflowRunInfo(open_hint=f"params unreadable: {exc}")
-    return key_figure(stage_folders(params), stage), stage_mlflow_run(params, stage)
+    return key_figure(stage_folders(params), stage), stage_mlflow_run(tracking_spec(params), stage)
 
 
 def publish_stage(root: Path, stage: str, result: str, seconds: float, error: str | None = None) -> dict[str, Any]:

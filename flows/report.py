@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Params
+from pipeline.config.specs import tracking_spec
 from pipeline.stage_figures import promotion_line
 from pipeline.tracking.lineage import champion_status
 from pipeline.tracking.links import MlflowRunInfo, mlflow_line, mlflow_run_info, strip_credentials
@@ -78,8 +79,10 @@ class RunReport:
         reports_dir = params.path(params.paths.reports_dir)
         self.eval_summary = read_eval_summary(reports_dir)
         self.eval_summary_path = str(reports_dir / EVAL_SUMMARY)
-        self.promotion = read_promotion(reports_dir) if self.reproduced("register") else champion_status(params)
-        self.mlflow = mlflow_run_info(params)
+        tracking = tracking_spec(params)
+        self.promotion = (read_promotion(reports_dir) if self.reproduced("register")
+                          else champion_status(params.register, tracking))
+        self.mlflow = mlflow_run_info(tracking)
         self.mlflow_current = any(self.reproduced(stage) for stage in MLFLOW_STAGES)
 
 

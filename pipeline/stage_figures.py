@@ -6,10 +6,10 @@ task (log line, return value, artifact, the run summary's stage table). Design d
 - **The files are the contract.** A figure is read from the outputs dvc.yaml declares for the stage
   (`reports/sample/<ds>.json`, `reports/validate/summary.json`, …, `reports/promotion.json`), never from the
   stage's code or memory: the same line comes out of the process that ran the stage, of the flow that ran
-  DVC, and of a later look at the workspace. So this module is a floor module (pipeline.paths only) that
-  imports no stage and costs a JSON read.
+  DVC, and of a later look at the workspace. So this module is a floor module (pipeline.config and
+  pipeline.paths only) that imports no stage and costs a JSON read.
 - **Given the folders, not the params.** The caller, which holds the params, resolves the folders the files
-  lie in (`StageFolders`, built by `pipeline.config.specs.stage_folders`); this module only reads.
+  lie in (`pipeline.config.specs.stage_folders`); this module only reads.
 - **Never raises, never invents.** A missing file gives `no figure (<file> missing)`, a file of another
   shape `no figure (<file> unreadable: <why>)`: a reporting line must not fail the stage it reports on.
 - **Stage names as DVC spells them.** `sample@<dataset>` is that dataset's sample; `sample` (the flow's one
@@ -23,10 +23,10 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.specs import StageFolders
 from pipeline.paths import display_path
 
 SOURCES_DIR = "data/sources"
@@ -38,20 +38,6 @@ REWARD_COLUMN = "critic/score/mean"
 """The per-step mean reward in reports/train/steps.csv (the `Training reward` plot of dvc.yaml)."""
 PRIMARY_METRIC = "f1"
 PROMPT_R1 = "prompt_r1"
-
-
-@dataclass(frozen=True)
-class StageFolders:
-    """Where the stages' figures are read from: the folders their outputs lie in, resolved by the caller."""
-
-    root: Path
-    """The project root: shown paths are relative to it; the sources stage writes under it (`SOURCES_DIR`)."""
-    reports_dir: Path
-    """`paths.reports_dir`: the stages' metrics and reports."""
-    model_dir: Path
-    """`paths.model_dir`: the merged agent and its merge report."""
-    train_datasets: tuple[str, ...]
-    """`data.train_datasets`: the datasets the `sample` figure adds up."""
 
 
 class _NoFigure(Exception):

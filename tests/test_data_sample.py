@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 from demo_project import tmp_mirror
 
+from pipeline.config.specs import source_paths
 from pipeline.data.schema import SAMPLED_SCHEMA, question_key
-from pipeline.data.sources import REGISTRY, SourcePaths, load_authors_eval
+from pipeline.data.sources import REGISTRY, load_authors_eval
 from pipeline.errors import DataError
 from pipeline.stages.sample import run_sample
 
@@ -41,7 +42,7 @@ def _columns(rows: list[dict]) -> dict[str, list]:
 
 def test_bad_rows_are_dropped_and_counted_per_reason(data_params, shared_datasets, tmp_path):
     mirror = tmp_mirror(tmp_path, shared_datasets)
-    leaked_q = load_authors_eval(SourcePaths.of(data_params()), REGISTRY["gsm8k"])[0].question
+    leaked_q = load_authors_eval(source_paths(data_params()), REGISTRY["gsm8k"])[0].question
     rows = _good(10) + [
         {"id": "b1", "question": None, "answers": ["1"], "context": "", "source_split": "train"},
         {"id": "b2", "question": "   ", "answers": ["1"], "context": "", "source_split": "train"},
@@ -201,7 +202,7 @@ def test_same_seed_gives_byte_identical_output(data_params, tmp_path):
 def test_real_mirror_samples_all_training_sets(built_data):
     params = built_data
     eval_keys = {
-        question_key(r.question) for spec in REGISTRY.values() for r in load_authors_eval(SourcePaths.of(params), spec)
+        question_key(r.question) for spec in REGISTRY.values() for r in load_authors_eval(source_paths(params), spec)
     }
     for dataset in params.data.train_datasets:
         report = json.loads(

@@ -7,7 +7,8 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.sources import REGISTRY, DatasetSpec, SourcePaths, get_spec, load_authors_eval, register
+from pipeline.config.specs import source_paths
+from pipeline.data.sources import REGISTRY, DatasetSpec, get_spec, load_authors_eval, register
 from pipeline.data.sources.long_form import (
     article_task,
     booksum_hub_title,
@@ -99,7 +100,7 @@ def test_every_source_file_is_in_the_shared_mirror(shared_datasets):
 
 def test_authors_eval_rows_read_back(params):
     for spec in REGISTRY.values():
-        rows = load_authors_eval(SourcePaths.of(params), spec)
+        rows = load_authors_eval(source_paths(params), spec)
         assert len(rows) == 128
         assert len({r.id for r in rows}) == 128 and rows[5].id == f"{spec.name}-eval-005"
         assert all(r.question and r.answers for r in rows)
@@ -207,5 +208,5 @@ def test_the_generated_hops_source_is_sampled_validated_and_built(data_params):
     built = run_build(params)
     assert built["train"]["rows"] == 512 and built["eval"]["hops"]["rows"] == 128
     assert built["eval"]["hops"]["template_reproduced"] == 128
-    rows = load_authors_eval(SourcePaths.of(params), get_spec("hops"))
+    rows = load_authors_eval(source_paths(params), get_spec("hops"))
     assert rows[0].id == "hops-eval-000" and rows[0].question and rows[0].answers

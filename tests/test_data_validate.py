@@ -8,9 +8,10 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.config.specs import source_paths
 from pipeline.data.plan import ValidatePlan
 from pipeline.data.schema import rows_to_table, write_parquet_atomic
-from pipeline.data.sources import REGISTRY, SourcePaths, load_authors_eval
+from pipeline.data.sources import REGISTRY, load_authors_eval
 from pipeline.errors import DataError
 from pipeline.stages.validate import run_validate
 
@@ -53,7 +54,7 @@ def test_duplicate_ids_empty_answers_and_overlap_fail_with_a_clear_message(built
     params = _copy_gsm8k_project(built_data, data_params)
     path = params.path(params.paths.sampled_dir) / "gsm8k.parquet"
     rows = pq.read_table(path).to_pylist()
-    eval_question = load_authors_eval(SourcePaths.of(params), REGISTRY["hotpotqa"])[3].question
+    eval_question = load_authors_eval(source_paths(params), REGISTRY["hotpotqa"])[3].question
     rows[1]["id"] = rows[0]["id"]
     rows[2]["answers"] = []
     rows[3]["answers"] = ["ok", "  "]

@@ -16,6 +16,7 @@ import pytest
 from fault_server import FaultServer
 
 from pipeline import metrics as M
+from pipeline.config.specs import tracking_spec
 from pipeline.stages.gepa import COMPONENT, EnvironmentInstructionAdapter, TaskExample, load_slices, run_gepa
 
 SHORT = "Reply with the bare answer only: a few words, no sentence."
@@ -162,14 +163,14 @@ def test_gepa_stage_accepts_a_proposal_and_reports_held_out_scores(gepa_params):
 
     gepa_parent = runs[0].data.tags["mlflow.parentRunId"]
     (params.path(params.paths.reports_dir) / "mlflow_run.json").unlink()  # DVC removes train's outputs first
-    with stage_run(params, "train", new_parent=True) as run:
+    with stage_run(tracking_spec(params), "train", new_parent=True) as run:
         assert client.get_run(run.info.run_id).data.tags["mlflow.parentRunId"] == gepa_parent
         from pipeline.tracking.runs import describe_stage
 
         describe_stage("train", "Trained.")
-    assert parent_run_id(params) == gepa_parent
+    assert parent_run_id(tracking_spec(params)) == gepa_parent
     # ... but a later training (the parent already has a train summary) or other params open a new one.
-    with stage_run(params, "train", new_parent=True) as run:
+    with stage_run(tracking_spec(params), "train", new_parent=True) as run:
         assert client.get_run(run.info.run_id).data.tags["mlflow.parentRunId"] != gepa_parent
 
 
@@ -253,10 +254,10 @@ def test_train_opens_its_own_parent_when_params_changed_since_gepa(gepa_params):
 
     with FaultServer(responder=respond) as server:
         params = gepa_params(server.url)
-        with stage_run(params, "gepa") as run:
+        with stage_run(tracking_spec(params), "gepa") as run:
             describe_stage("gepa", "GEPA did something.")
             gepa_parent = mlflow.MlflowClient().get_run(run.info.run_id).data.tags["mlflow.parentRunId"]
         params.train.steps += 1
-        with stage_run(params, "train", new_parent=True) as run:
+        with stage_run(tracking_spec(params), "train", new_parent=True) as run:
             parent = mlflow.MlflowClient().get_run(run.info.run_id).data.tags["mlflow.parentRunId"]
     assert parent != gepa_parent

@@ -24,6 +24,7 @@ from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import ConversationBuilder
 from pipeline.agent.rollout import run_rollout, trajectory_record
 from pipeline.config import EnvironmentConfig, RewardConfig, load_params
+from pipeline.config.specs import tracking_spec
 from pipeline.environment.client import EnvironmentClient
 from pipeline.reward import reward_for_trajectory
 from pipeline.tracking.traces import MAX_TEXT_CHARS, clean_text
@@ -123,7 +124,7 @@ def test_micro_evaluation_traces_table_and_description(tmp_path, repo_root, shar
         assert turn.outputs["environment_reply"].startswith("echo: ")
         assert turn.attributes["env.completion_tokens"] > 0 and turn.attributes["env.latency_s"] > 0
 
-    parent = client.get_run(parent_run_id(params))
+    parent = client.get_run(parent_run_id(tracking_spec(params)))
     note = parent.data.tags["mlflow.note.content"]
     assert note.startswith("Prompt-R1 pipeline run, profile `default`")
     assert "Evaluated 3 systems on 2 datasets × 2 rows" in note and "prompt_r1 " in note
@@ -389,9 +390,9 @@ def test_parent_runs_differ_at_a_glance_and_list_the_datasets_and_the_registered
     frame = pd.DataFrame({"question": ["q"], "gold_answers": ['["a"]']})
     for path in (train_file, eval_file):
         frame.to_parquet(path)
-    with stage_run(params, "train", new_parent=True):
+    with stage_run(tracking_spec(params), "train", new_parent=True):
         log_dataset_inputs({"train": (frame, train_file)}, context="training")
-    with stage_run(params, "evaluate") as child:
+    with stage_run(tracking_spec(params), "evaluate") as child:
         log_dataset_inputs({"eval/hotpotqa": (frame, eval_file)}, context="evaluation")
         link_parent_to_model_version("prompt-r1-agent", "3", None)
     client = mlflow.MlflowClient()

@@ -9,6 +9,7 @@ import pytest
 from helpers import averages, register_params, save_smollm2_agent, write_eval_metrics
 
 from pipeline.config import RegisterConfig
+from pipeline.config.specs import tracking_spec
 from pipeline.stages.register import EvalAverages, decide_promotion
 
 CFG = RegisterConfig(metric="f1", margin=0.5, ood_tolerance=1.0, ci_rule="confident")
@@ -81,7 +82,7 @@ def test_unknown_metric_fails_before_anything_is_registered(tmp_path, repo_root,
     with pytest.raises(UserError, match=r"register\.metric='bleu'.*available: em, f1, ssim"):
         run_register(params)
     assert not (tmp_path / "reports" / "promotion.json").exists()
-    configure(params)
+    configure(tracking_spec(params))
     assert mlflow.MlflowClient().search_registered_models() == []
     assert mlflow.search_runs(search_all_experiments=True).empty
 

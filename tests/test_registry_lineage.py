@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from pipeline.config import load_params
+from pipeline.config.specs import tracking_spec
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "commit.gpgsign=false"]
 
@@ -71,7 +72,7 @@ def project(tmp_path, repo_root, monkeypatch):
     (model / "weights.bin").write_bytes(hashlib.sha256(b"w").digest() * 4096)  # 128 KiB, found by name below
     (model / "notes.txt").write_text("a stand-in model: register copies files, it never loads them\n")
     params = load_params(tmp_path / "params.yaml")
-    with stage_run(params, "train", new_parent=True) as train:
+    with stage_run(tracking_spec(params), "train", new_parent=True) as train:
         pass
     return params, train.info.run_id, head
 
@@ -92,7 +93,7 @@ def test_version_has_lineage_description_and_one_model_copy(project, tiny_llama_
     client = mlflow.MlflowClient()
     version = client.get_model_version(params.register.model_name, result["version"])
     assert version.tags["lineage.train_run_id"] == train_run
-    assert version.tags["lineage.pipeline_run_id"] == parent_run_id(params)
+    assert version.tags["lineage.pipeline_run_id"] == parent_run_id(tracking_spec(params))
     assert version.tags["lineage.git_commit"] == head
     assert version.tags["lineage.model_dvc_md5"] == "0123456789abcdef0123456789abcdef.dir"
     assert result["lineage"] == {k: v for k, v in version.tags.items() if k.startswith("lineage.")}
@@ -192,7 +193,7 @@ def test_report_of_a_run_that_registered_nothing_names_the_champion_not_an_old_d
     line = promotion_line(idle.promotion)
     assert line == f"no new version; champion is v1, promoted by run {first['run_id']} on {date}"
     # the old pipeline run is not this run's: the report and each stage's artifact say so in the same words
-    last = parent_run_id(params)
+    last = parent_run_id(tracking_spec(params))
     assert not idle.mlflow_current and idle.mlflow.run_id == last
     said = f"up to date (last run {last}: {idle.mlflow.open_hint})"
     assert idle.mlflow.open_hint.startswith("MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri ")
@@ -208,7 +209,7 @@ def test_report_of_a_run_that_registered_nothing_names_the_champion_not_an_old_d
     markdown = to_markdown(idle)
     assert "old verdict" not in markdown
     assert f"{said}: its summary is [summary.md]({summary_md.resolve().as_uri()})" in markdown
-    stage = stage_markdown("register", "up to date", 0.0, "kept", stage_mlflow_run(params, "register"),
+    stage = stage_markdown("register", "up to date", 0.0, "kept", stage_mlflow_run(tracking_spec(params), "register"),
                            flow_run="quiet-run (0c5b7e3a)")
     assert "- **Flow run:** quiet-run (0c5b7e3a)" in stage
     assert "- **MLflow:** up to date (last run " in stage and "[run " not in stage
@@ -216,7 +217,7 @@ def test_report_of_a_run_that_registered_nothing_names_the_champion_not_an_old_d
 
     busy = report("reproduced")  # a run that did register: its own decision and its pipeline run
     assert promotion_line(busy.promotion).startswith("promoted to @champion (model version 1)")
-    assert busy.mlflow.run_id == parent_run_id(params)
+    assert busy.mlflow.run_id == parent_run_id(tracking_spec(params))
 
     # a champion registered before versions carried promotion.date: its register run's start
     client = mlflow.MlflowClient()

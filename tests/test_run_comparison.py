@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from pipeline.config.specs import tracking_spec
 from pipeline.tracking.headline import HEADLINE_METRICS, LAST_REWARD_METRIC
 from pipeline.tracking.runs import KEY_PARAMS
 from pipeline.train.plan import TrainPlan
@@ -76,14 +77,14 @@ def _micro_run(project: Path, label: str, model_dir: Path) -> str:
     _train_parquet(project / "data" / "rl" / "train.parquet", rows=3 if label == "a" else 4)
     (reports / "mlflow_run.json").unlink(missing_ok=True)  # DVC removes the train stage's outputs first
 
-    with stage_run(params, "train", new_parent=True):
+    with stage_run(tracking_spec(params), "train", new_parent=True):
         log_training_record(TrainPlan.from_params(params))
     summary = json.loads((reports / "eval" / "metrics.json").read_text())
     rows, preds = _rows_and_predictions(summary)
-    with stage_run(params, "evaluate"):
+    with stage_run(tracking_spec(params), "evaluate"):
         log_mlflow(summary, preds, rows, replace(EvaluatePlan.for_evaluate(params), out_dir=reports / "eval"), [])
     run_register(params)
-    return parent_run_id(params)
+    return parent_run_id(tracking_spec(params))
 
 
 def _expected_metric_keys(summary: dict) -> set[str]:

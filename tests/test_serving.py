@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from demo_project import free_port
 
+from pipeline.config.specs import tracking_spec
 from pipeline.errors import EnvironmentUnavailable
 
 
@@ -114,7 +115,7 @@ def test_register_logs_the_agent_from_code_without_a_cloudpickle_warning(
     from pipeline.tracking.runs import tracking_uri
 
     with caplog.at_level(logging.WARNING, logger="pipeline.commands.serve"):
-        _warn_if_environment_down(champion_version(params), tracking_uri(params))
+        _warn_if_environment_down(champion_version(params), tracking_uri(tracking_spec(params)))
     assert f"does not answer at {params.environment.url}" in caplog.text, caplog.text
 
 

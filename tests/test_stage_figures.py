@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pipeline.config import load_params
-from pipeline.config.specs import stage_folders
+from pipeline.config.specs import stage_folders, tracking_spec
 from pipeline.stage_figures import FIGURES, key_figure
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,29 +197,29 @@ def test_stage_mlflow_run_is_the_stage_child_of_the_recorded_parent(project: Pat
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     params = load_params(project / "params.yaml")
     (project / "reports" / "mlflow_run.json").unlink(missing_ok=True)
-    assert stage_mlflow_run(params, "evaluate").run_id is None
-    assert mlflow_line(stage_mlflow_run(params, "evaluate")) == "no MLflow run recorded (reports/mlflow_run.json missing)"
+    assert stage_mlflow_run(tracking_spec(params), "evaluate").run_id is None
+    assert mlflow_line(stage_mlflow_run(tracking_spec(params), "evaluate")) == "no MLflow run recorded (reports/mlflow_run.json missing)"
 
-    with tracking.stage_run(params, "train", new_parent=True) as train:
+    with tracking.stage_run(tracking_spec(params), "train", new_parent=True) as train:
         pass
-    with tracking.stage_run(params, "evaluate") as first:
+    with tracking.stage_run(tracking_spec(params), "evaluate") as first:
         pass
-    with tracking.stage_run(params, "evaluate") as retried:  # a retry: the newest is the stage's run
+    with tracking.stage_run(tracking_spec(params), "evaluate") as retried:  # a retry: the newest is the stage's run
         pass
-    parent = mlflow_run_info(params)
+    parent = mlflow_run_info(tracking_spec(params))
     assert parent.run_id == json.loads((project / "reports" / "mlflow_run.json").read_text())["run_id"]
 
-    evaluate = stage_mlflow_run(params, "evaluate")
+    evaluate = stage_mlflow_run(tracking_spec(params), "evaluate")
     assert evaluate.run_id == retried.info.run_id != first.info.run_id
-    assert stage_mlflow_run(params, "train").run_id == train.info.run_id
+    assert stage_mlflow_run(tracking_spec(params), "train").run_id == train.info.run_id
     assert evaluate.link is None  # SQLite: no UI to link to, the command that opens one
     assert evaluate.open_hint == (f"MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri sqlite:///mlflow.db, then experiment "
                                   f"{params.mlflow.experiment}, run {evaluate.run_id}")
-    build = stage_mlflow_run(params, "build")
+    build = stage_mlflow_run(tracking_spec(params), "build")
     assert build.run_id is None
     assert mlflow_line(build) == f"stage build logged no MLflow run under the pipeline run {parent.run_id}"
     (project / "mlflow.db").unlink()
-    gone = stage_mlflow_run(params, "evaluate")
+    gone = stage_mlflow_run(tracking_spec(params), "evaluate")
     assert gone.run_id is None
     assert gone.open_hint == f"tracking store sqlite:///mlflow.db not found (pipeline run {parent.run_id})"
 

@@ -19,6 +19,7 @@ import pytest
 
 from pipeline.config import load_params
 from pipeline.config.health import HealthConfig
+from pipeline.config.specs import tracking_spec
 from pipeline.train.health import (
     LOCAL_METRICS,
     VERL_METRICS,
@@ -462,19 +463,19 @@ def test_register_refuses_a_train_run_the_gate_stopped(tmp_path, repo_root, monk
     (tmp_path / "reports" / "eval").mkdir(parents=True)
     (tmp_path / "reports" / "eval" / "metrics.json").write_text(json.dumps(metrics))
 
-    with pytest.raises(RuntimeError), stage_run(params, "train", new_parent=True):
+    with pytest.raises(RuntimeError), stage_run(tracking_spec(params), "train", new_parent=True):
         mlflow.set_tags({HEALTH_BREACH_TAG: "kl", "health.breach_step": "22"})
         raise RuntimeError("stopped")
     with pytest.raises(UserError, match=r"stopped by the training health gate \(health.breach=kl at step 22\)"):
         run_register(params)
-    configure(params)
+    configure(tracking_spec(params))
     assert mlflow.MlflowClient().search_registered_models() == []
     assert not (tmp_path / "reports" / "promotion.json").exists()
     # a later, healthy train run under the same parent (a rerun continues it) is not refused
     time.sleep(0.05)
-    with stage_run(params, "train"):
+    with stage_run(tracking_spec(params), "train"):
         pass
-    check_training_health(params)
+    check_training_health(tracking_spec(params))
 
 
 def test_the_flow_does_not_retry_a_stage_the_health_gate_stopped():

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from verl_cpu import compose_verl
 
 from pipeline.config import load_params
+from pipeline.config.specs import tracking_spec
 from pipeline.errors import DataError, UserError
 from pipeline.train import verl_backend
 from pipeline.train.plan import TrainPlan
@@ -30,7 +31,7 @@ def run_verl(params, run):
     """`verl_backend.run_verl` as the train stage calls it: the plan and the tracking URI of these params."""
     from pipeline.tracking.runs import tracking_uri
 
-    return verl_backend.run_verl(TrainPlan.from_params(params), tracking_uri(params), run)
+    return verl_backend.run_verl(TrainPlan.from_params(params), tracking_uri(tracking_spec(params)), run)
 
 
 @pytest.fixture()

@@ -26,6 +26,7 @@ import pandas as pd
 import pytest
 
 from pipeline.config import WatchdogConfig, load_params
+from pipeline.config.specs import tracking_spec
 from pipeline.errors import TrainingIncomplete, TrainingStalled
 from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_progress import (
@@ -292,7 +293,7 @@ def test_register_refuses_a_train_run_that_did_not_reach_its_total(tmp_path, mon
     (tmp_path / "reports" / "eval" / "metrics.json").write_text(json.dumps(metrics))
 
     short = TrainingProgress("verl", 20, 20, 40, "2 epoch(s) x 20 steps")
-    with pytest.raises(RuntimeError), stage_run(params, "train", new_parent=True):
+    with pytest.raises(RuntimeError), stage_run(tracking_spec(params), "train", new_parent=True):
         mlflow.set_tags(short.tags())  # recorded before training; the run then died
         raise RuntimeError("killed")
     with pytest.raises(UserError, match=r"ended at step 20 of 40 \(2 epoch\(s\) x 20 steps\): training is not "
@@ -300,6 +301,6 @@ def test_register_refuses_a_train_run_that_did_not_reach_its_total(tmp_path, mon
         run_register(params)
     assert not (tmp_path / "reports" / "promotion.json").exists()
     time.sleep(0.05)
-    with stage_run(params, "train"):  # the rerun resumed and reached the total
+    with stage_run(tracking_spec(params), "train"):  # the rerun resumed and reached the total
         mlflow.set_tags(TrainingProgress("verl", 20, 40, 40, "2 epoch(s) x 20 steps").tags())
-    check_training_complete(params)
+    check_training_complete(tracking_spec(params))

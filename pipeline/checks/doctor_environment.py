@@ -75,14 +75,15 @@ def evaluation_rows(params: Params, n: int) -> tuple[list[dict[str, Any]], str] 
     from the built sets (data/rl/eval/) if there, else the mirror's authors' files. None when neither is."""
     import pyarrow.parquet as pq
 
-    from pipeline.data.sources import SourcePaths, authors_eval_path, get_spec, load_authors_eval
+    from pipeline.config.specs import source_paths
+    from pipeline.data.sources import authors_eval_path, get_spec, load_authors_eval
 
     names = list(params.eval_datasets)
     if not any(get_spec(name).task_type == "math" for name in names):
         names.append("gsm8k")  # the doctor always sends math rows (a reasoning environment's worst case)
     names.sort(key=lambda name: get_spec(name).task_type != "math")
     eval_dir = params.path(params.paths.rl_dir) / "eval"
-    sources = SourcePaths.of(params)
+    sources = source_paths(params)
     per_dataset: dict[str, list[str]] = {}
     source = "data/rl/eval" if any((eval_dir / f"{name}.parquet").is_file() for name in names) else "mirror"
     for name in names:

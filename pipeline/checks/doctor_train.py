@@ -166,6 +166,7 @@ def _verl_skip_reason(doc: Doctor) -> str | None:
 def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     import mlflow
 
+    from pipeline.config.specs import tracking_spec
     from pipeline.tracking import runs as tracking
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.plan import TrainPlan
@@ -179,10 +180,11 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     p.environment.base_url = (
         doc.environment_url
     )  # the server the environment step holds: run_verl reuses it
-    tracking.configure(p)
+    store = tracking_spec(p)
+    tracking.configure(store)
     started = time.perf_counter()
     with mlflow.start_run(run_name=f"doctor-{p.profile}") as run:
-        run_verl(TrainPlan.from_params(p), tracking.tracking_uri(p), run)
+        run_verl(TrainPlan.from_params(p), tracking.tracking_uri(store), run)
     seconds = time.perf_counter() - started
     actor = ckpt.latest_verl_step(p.path(p.paths.checkpoint_dir))
     dumps = sorted(rollout_dir(doc.reports_dir).glob("*.jsonl"))

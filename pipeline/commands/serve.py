@@ -58,10 +58,11 @@ def champion_version(params: Params) -> Any:
     """The model version the alias points at, or UserError naming the registry and how to make one."""
     import mlflow
 
+    from pipeline.config.specs import tracking_spec
     from pipeline.stages.register import current_champion
     from pipeline.tracking.runs import tracking_uri
 
-    uri = tracking_uri(params)
+    uri = tracking_uri(tracking_spec(params))
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
     version = current_champion(client, params.register.model_name, params.register.alias)
     if version is None:
@@ -76,6 +77,7 @@ def serve_command(
     params: Params, host: str | None = None, port: int | None = None
 ) -> tuple[list[str], dict[str, str]]:
     """The `mlflow models serve` command line and its environment for the champion."""
+    from pipeline.config.specs import tracking_spec
     from pipeline.tracking.runs import tracking_uri
 
     cfg = params.register.serve
@@ -99,7 +101,7 @@ def serve_command(
         "--workers",
         "1",
     ]
-    uri = tracking_uri(params)
+    uri = tracking_uri(tracking_spec(params))
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri, TIMEOUT_VARIABLE: timeout}
     env[MODEL_CONFIG_VARIABLE] = json.dumps(serving_model_config(params))
     return cmd, env

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import Params
+from pipeline.config.specs import source_paths
 from pipeline.data.schema import display_path
 from pipeline.data.sources import SourcePaths
 
@@ -52,7 +53,7 @@ class SamplePlan:
         reports_dir = params.path(params.paths.reports_dir)
         return cls(
             dataset=dataset,
-            sources=SourcePaths.of(params),
+            sources=source_paths(params),
             sampled_file=sampled_path(params.path(params.paths.sampled_dir), dataset),
             metrics_file=sample_metrics_path(reports_dir, dataset),
             seed=params.seed,
@@ -80,7 +81,7 @@ class ValidatePlan:
     @classmethod
     def for_validate(cls, params: Params) -> ValidatePlan:
         return cls(
-            sources=SourcePaths.of(params),
+            sources=source_paths(params),
             sampled_dir=params.path(params.paths.sampled_dir),
             reports_dir=params.path(params.paths.reports_dir),
             train_datasets=tuple(params.data.train_datasets),
@@ -119,7 +120,7 @@ class BuildPlan:
     @classmethod
     def for_build(cls, params: Params) -> BuildPlan:
         return cls(
-            sources=SourcePaths.of(params),
+            sources=source_paths(params),
             sampled_dir=params.path(params.paths.sampled_dir),
             rl_dir=params.path(params.paths.rl_dir),
             reports_dir=params.path(params.paths.reports_dir),

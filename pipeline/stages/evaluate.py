@@ -190,6 +190,7 @@ def evaluate_matrix(plan: EvaluatePlan, rows_by_ds: dict[str, list[EvalRow]], su
 
 def run_evaluate(params: Params) -> dict[str, Any]:
     """Stage 6: evaluate, write reports/eval/*, log the evaluate child run. Returns metrics.json's content."""
+    from pipeline.config.specs import tracking_spec
     from pipeline.tracking.runs import describe_stage, stage_run
 
     plan = EvaluatePlan.for_evaluate(params)
@@ -197,7 +198,7 @@ def run_evaluate(params: Params) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_by_ds = load_eval_rows(plan)
     log.info("evaluating on %d datasets × %d rows", len(rows_by_ds), plan.evaluate.rows_per_dataset)
-    with stage_run(params, "evaluate"):
+    with stage_run(tracking_spec(params), "evaluate"):
         started = time.perf_counter()
         all_answers = evaluate_systems(plan, rows_by_ds)
         ssim = M.SemanticSimilarity(plan.evaluate.ssim_model, plan.root)

@@ -280,6 +280,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
     """Stage `gepa`: optimise, write prompt.json and reports/gepa/*, log the gepa MLflow run."""
     import mlflow
 
+    from pipeline.config.specs import tracking_spec
     from pipeline.data.schema import write_json_atomic, write_text_atomic
     from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
     from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
@@ -291,7 +292,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
     tp, cache = plan.task_params, plan.cache
     # The run is open for the whole search, so its duration in MLflow is the stage's (it used to be opened
     # after the search, and read 65 ms for a 114 s stage).
-    with stage_run(params, "gepa"):
+    with stage_run(tracking_spec(params), "gepa"):
         log_slice_inputs(plan.train_file, slices)
         started = time.perf_counter()
         with environment_server(tp):

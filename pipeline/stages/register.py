@@ -64,6 +64,7 @@ from pipeline.tracking.promotion import (
 
 if TYPE_CHECKING:
     from pipeline.config import Params, RegisterConfig
+    from pipeline.config.specs import TrackingSpec
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +112,11 @@ def check_production_alias(profile: str, cfg: RegisterConfig) -> None:
                         "does)")
 
 
-def check_training_health(params: Params) -> None:
+def check_training_health(tracking: TrackingSpec) -> None:
     """Raise UserError, before anything is logged, when this execution's train run breached the health gate."""
     from pipeline.tracking.runs import HEALTH_BREACH_TAG, breached_train_run
 
-    run = breached_train_run(params)
+    run = breached_train_run(tracking)
     if run is not None:
         tags = run.data.tags
         raise UserError(f"train run {run.info.run_id} was stopped by the training health gate "
@@ -123,7 +124,7 @@ def check_training_health(params: Params) -> None:
                         " its model is never registered or promoted; fix the run (or train.health) and train again")
 
 
-def check_training_complete(params: Params) -> None:
+def check_training_complete(tracking: TrackingSpec) -> None:
     """Raise UserError, before anything is logged, when this execution's train run did not reach its total.
 
     The train run carries how far training got (`train.progress.*` tags, pipeline/train/completion.py), on the
@@ -132,7 +133,7 @@ def check_training_complete(params: Params) -> None:
     from pipeline.tracking.runs import newest_train_run
     from pipeline.train.completion import TrainingProgress
 
-    run = newest_train_run(params)
+    run = newest_train_run(tracking)
     progress = TrainingProgress.from_tags(run.data.tags) if run is not None else None
     if progress is not None and not progress.complete:
         raise UserError(f"train run {run.info.run_id} ended at {progress.describe()}: training is not complete, so its "
@@ -275,6 +276,7 @@ def run_register(params: Params) -> dict[str, Any]:
 
     import mlflow
 
+    from pipeline.config.specs import tracking_spec
     from pipeline.tracking import lineage
     from pipeline.tracking.runs import (
         describe_stage,
@@ -285,6 +287,7 @@ def run_register(params: Params) -> dict[str, Any]:
     )
 
     plan = RegisterPlan.for_register(params)
+    tracking = tracking_spec(params)
     cfg = plan.register
     check_production_alias(plan.profile, cfg)
     if not plan.model_dir.exists():
@@ -295,10 +298,10 @@ def run_register(params: Params) -> dict[str, Any]:
     evaluation = json.loads(metrics_file.read_text())
     candidate = EvalAverages.from_metrics_json(evaluation)
     check_metric(candidate, cfg.metric)  # before a model version is registered
-    check_training_health(params)
-    check_training_complete(params)
+    check_training_health(tracking)
+    check_training_complete(tracking)
 
-    with (promotion_lock(plan.lock_dir, cfg.model_name, "registering"), stage_run(params, "register") as run,
+    with (promotion_lock(plan.lock_dir, cfg.model_name, "registering"), stage_run(tracking, "register") as run,
           tempfile.TemporaryDirectory() as tmp):
         client = mlflow.MlflowClient()
         settle_orphans(client, cfg)
@@ -323,7 +326,7 @@ def run_register(params: Params) -> dict[str, Any]:
         client.set_model_version_tag(cfg.model_name, version, "source_run_id", run.info.run_id)
         if decision.promote:
             client.set_model_version_tag(cfg.model_name, version, lineage.PROMOTION_DATE_TAG, lineage.promotion_date())
-        tags = lineage.lineage_tags(client, plan.model_dir, plan.root, parent_run_id(params))
+        tags = lineage.lineage_tags(client, plan.model_dir, plan.root, parent_run_id(tracking))
         for key, value in tags.items():
             client.set_model_version_tag(cfg.model_name, version, key, value)
         client.update_model_version(cfg.model_name, version,

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Params
+from pipeline.config.specs import source_paths
 from pipeline.data.schema import display_path
 from pipeline.data.sources import AUTHORS_EVAL_URL, REGISTRY, DatasetSpec, SourcePaths
 
@@ -176,7 +177,7 @@ def _dump(content: dict[str, Any]) -> bytes:
 
 def run_sources(params: Params, out_dir: Path | None = None) -> dict[str, bool]:
     """Write the fingerprints into `out_dir` (default `data/sources/`); return file name → rewritten?"""
-    where = SourcePaths.of(params)
+    where = source_paths(params)
     target = out_dir if out_dir is not None else sources_dir(where.root)
     target.mkdir(parents=True, exist_ok=True)
     written: dict[str, bool] = {}

@@ -3,7 +3,7 @@
 - backend `local` → `pipeline.train.local.train_local` (transformers on CPU / one GPU);
 - backend `verl`  → `pipeline.train.verl_backend.run_verl` (Ray cluster of GPU nodes).
 
-Both run inside `tracking.stage_run(params, "train", new_parent=True)`: a trained model starts a new
+Both run inside `tracking.stage_run(plan.tracking, "train", new_parent=True)`: a trained model starts a new
 pipeline execution (parent run), recorded in `reports/mlflow_run.json` for the later stages.
 
 The stage ends by describing itself (`tracking.describe_stage`): model, backend, steps, last reward; and
@@ -57,7 +57,7 @@ def run_train(params: Params) -> None:
         from pipeline.train.resources import assert_resources
 
         assert_resources(plan)
-    with tracking.stage_run(params, "train", new_parent=True) as run:
+    with tracking.stage_run(plan.tracking, "train", new_parent=True) as run:
         import mlflow
 
         mlflow.set_tag("train.backend", backend)
@@ -73,7 +73,7 @@ def run_train(params: Params) -> None:
             if plan.train.warmup.steps > 0:
                 log.warning("train.warmup is a local-backend feature: ignored with backend verl")
 
-            progress = run_verl(plan, tracking.tracking_uri(params), run)
+            progress = run_verl(plan, tracking.tracking_uri(plan.tracking), run)
             log_training_record(plan, progress)
             tracking.describe_stage("train", describe_training(plan, {}))
             # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.

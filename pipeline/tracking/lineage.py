@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
+    from pipeline.config import RegisterConfig
+    from pipeline.config.specs import TrackingSpec
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def _date(ms: int | None) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC") if ms else "an unknown date"
 
 
-def champion_status(params: Params) -> dict[str, Any]:
+def champion_status(cfg: RegisterConfig, tracking: TrackingSpec) -> dict[str, Any]:
     """For a run that registered no version: the champion as the registry has it, as a promotion record.
 
     Returns {"new_version": False, "alias", "champion_version", "promoted_by_run", "promoted_on"} or, when
@@ -202,11 +203,10 @@ def champion_status(params: Params) -> dict[str, Any]:
     """
     from pipeline.tracking.runs import tracking_uri
 
-    cfg = params.register
     out: dict[str, Any] = {"new_version": False, "alias": cfg.alias, "model_name": cfg.model_name}
-    uri = tracking_uri(params)
+    uri = tracking_uri(tracking)
     if uri.startswith(SQLITE) and not Path(uri[len(SQLITE) :]).is_file():
-        return {**out, "note": f"no MLflow registry at {params.mlflow.tracking_uri}"}
+        return {**out, "note": f"no MLflow registry at {tracking.configured_uri}"}
     try:
         import mlflow
 
@@ -222,7 +222,7 @@ def champion_status(params: Params) -> dict[str, Any]:
         if not when and run_id:
             when = _date(client.get_run(run_id).info.start_time)
     except Exception as exc:  # noqa: BLE001 - a report must not fail the run; say what is missing
-        log.warning("champion not readable from %s: %s", params.mlflow.tracking_uri, exc)
+        log.warning("champion not readable from %s: %s", tracking.configured_uri, exc)
         return {**out, "note": f"champion not readable from the registry ({str(exc).splitlines()[0][:200]})"}
     return {
         **out,

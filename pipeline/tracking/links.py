@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pipeline.config import Params
+from pipeline.config.specs import RUN_FILE, TrackingSpec
 from pipeline.paths import display_path
-from pipeline.tracking.runs import RUN_FILE, tracking_uri
+from pipeline.tracking.runs import tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,8 @@ class MlflowRunInfo:
 
 @dataclass(frozen=True)
 class MlflowStore:
-    """Where the pipeline's MLflow runs are, resolved once from the params by the public functions below
-    (the helpers get this, not the params)."""
+    """Where the pipeline's MLflow runs are: the tracking spec with the URI in use, read once by the public
+    functions below."""
 
     uri: str
     """The real tracking URI (`tracking.tracking_uri`: MLFLOW_TRACKING_URI or mlflow.tracking_uri)."""
@@ -59,9 +59,8 @@ class MlflowStore:
     """reports/mlflow_run.json: the recorded parent run."""
 
     @classmethod
-    def for_links(cls, params: Params) -> MlflowStore:
-        return cls(uri=tracking_uri(params), root=params.root,
-                   run_file=params.path(params.paths.reports_dir) / RUN_FILE)
+    def for_links(cls, tracking: TrackingSpec) -> MlflowStore:
+        return cls(uri=tracking_uri(tracking), root=tracking.root, run_file=tracking.run_file)
 
 
 def strip_credentials(uri: str) -> str:
@@ -81,9 +80,9 @@ def ui_link(uri: str, experiment_id: str, run_id: str) -> str | None:
     return f"{strip_credentials(uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
-def mlflow_run_info(params: Params) -> MlflowRunInfo:
+def mlflow_run_info(tracking: TrackingSpec) -> MlflowRunInfo:
     """The parent run recorded in reports/mlflow_run.json, with a UI link when the tracking server is http(s)."""
-    store = MlflowStore.for_links(params)
+    store = MlflowStore.for_links(tracking)
     info, uri = _parent(store)
     if info.run_id is None or info.open_hint is not None:
         return info
@@ -97,9 +96,9 @@ def mlflow_run_info(params: Params) -> MlflowRunInfo:
     return info
 
 
-def stage_mlflow_run(params: Params, stage: str) -> MlflowRunInfo:
+def stage_mlflow_run(tracking: TrackingSpec, stage: str) -> MlflowRunInfo:
     """The newest child run tagged `stage=<stage>` under the recorded parent run (`sample@x` → `sample`)."""
-    store = MlflowStore.for_links(params)
+    store = MlflowStore.for_links(tracking)
     parent, uri = _parent(store)
     if parent.run_id is None:
         return parent

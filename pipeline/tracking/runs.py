@@ -11,6 +11,9 @@ Design decisions:
   and params), so one repro is one parent run with gepa, train, evaluate and register under it.
 - Tracking store: SQLite file plus a local artifact folder in the project (both ignored by git);
   `MLFLOW_TRACKING_URI` overrides params. Telemetry is off.
+- **A spec, not the params**: every function here takes a `TrackingSpec` (the store, the experiment, the run
+  file and what a parent run records), built once from the params at the stage's entry
+  (`pipeline.config.specs.tracking_spec`).
 - **Parents tell apart at a glance**: named `pipeline-<profile>-<short commit>-<UTC start, to the second>`
   (`parent_run_name`), not `pipeline-<profile>` for every run. The experiment is tagged
   `mlflow.experimentKind=custom_model_development`: MLflow 3's UI then opens it on its runs (the training
@@ -40,15 +43,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params, flatten
+from pipeline.config.specs import TrackingSpec
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "mlflow_run.json"
 HEALTH_BREACH_TAG = "health.breach"
 """Tag of a train run the training health gate stopped (pipeline/train/health.py); register refuses it."""
 
@@ -61,41 +62,21 @@ KEY_PARAMS = ("profile", "git_commit", "agent.model", "environment.model", "trai
 """The parent run's params a person compares two pipeline runs on (all of them are logged; these first)."""
 
 
-@dataclass(frozen=True)
-class ParentRecord:
-    """What a stage's parent run is made of, resolved once from the params by `stage_run` (the helpers below
-    get this, not the params): where the run file lies, the experiment, and the params the parent logs."""
-
-    root: Path
-    profile: str
-    experiment: str
-    run_file: Path
-    """reports/mlflow_run.json: the parent the later stages attach to."""
-    flat_params: tuple[tuple[str, Any], ...]
-    """Every param, flattened (`flatten`): the parent run's params."""
-
-    @classmethod
-    def for_stage(cls, params: Params) -> ParentRecord:
-        return cls(root=params.root, profile=params.profile, experiment=params.mlflow.experiment,
-                   run_file=params.path(params.paths.reports_dir) / RUN_FILE,
-                   flat_params=tuple(flatten(params).items()))
-
-
-def tracking_uri(params: Params) -> str:
+def tracking_uri(spec: TrackingSpec) -> str:
     """MLFLOW_TRACKING_URI if set, else params' URI with relative sqlite paths anchored at the project root."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.mlflow.tracking_uri
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or spec.configured_uri
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        uri = prefix + str(params.path(uri[len(prefix) :]).resolve())
+        uri = prefix + str((spec.root / uri[len(prefix) :]).resolve())
     return uri
 
 
-def configure(params: Params) -> str:
+def configure(spec: TrackingSpec) -> str:
     """Point MLflow at the project's store and experiment; return the experiment id."""
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    uri = tracking_uri(params)
+    uri = tracking_uri(spec)
     exported = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
@@ -107,11 +88,11 @@ def configure(params: Params) -> str:
         else:
             os.environ[key] = value
     client = mlflow.MlflowClient()
-    experiment = client.get_experiment_by_name(params.mlflow.experiment)
+    experiment = client.get_experiment_by_name(spec.experiment)
     if experiment is None:
-        artifact_root = params.path(params.mlflow.artifact_root).resolve()
+        artifact_root = spec.artifact_root.resolve()
         artifact_root.mkdir(parents=True, exist_ok=True)
-        experiment_id = client.create_experiment(params.mlflow.experiment, artifact_location=artifact_root.as_uri())
+        experiment_id = client.create_experiment(spec.experiment, artifact_location=artifact_root.as_uri())
     else:
         experiment_id = experiment.experiment_id
     if experiment is None or experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
@@ -148,9 +129,9 @@ def dvc_data_hashes(root: Path) -> dict[str, str]:
     return hashes
 
 
-def parent_run_id(params: Params) -> str | None:
+def parent_run_id(spec: TrackingSpec) -> str | None:
     """The parent run recorded by the last `train` stage, if any."""
-    return _recorded_parent(params.path(params.paths.reports_dir) / RUN_FILE)
+    return _recorded_parent(spec.run_file)
 
 
 def _recorded_parent(path: Path) -> str | None:
@@ -159,7 +140,7 @@ def _recorded_parent(path: Path) -> str | None:
     return None
 
 
-def newest_train_run(params: Params) -> Any | None:
+def newest_train_run(spec: TrackingSpec) -> Any | None:
     """The newest train run of the recorded parent (reports/mlflow_run.json), or None.
 
     A train stage rerun (after a breach, a stall) may continue the same parent (`_gepa_parent`), so only its
@@ -167,10 +148,10 @@ def newest_train_run(params: Params) -> Any | None:
     """
     import mlflow
 
-    parent = parent_run_id(params)
+    parent = parent_run_id(spec)
     if parent is None:
         return None
-    configure(params)
+    configure(spec)
     client = mlflow.MlflowClient()
     try:
         experiment = client.get_run(parent).info.experiment_id
@@ -181,9 +162,9 @@ def newest_train_run(params: Params) -> Any | None:
     return runs[0] if runs else None
 
 
-def breached_train_run(params: Params) -> Any | None:
+def breached_train_run(spec: TrackingSpec) -> Any | None:
     """The newest train run of the recorded parent when the health gate stopped it (`HEALTH_BREACH_TAG`), else None."""
-    run = newest_train_run(params)
+    run = newest_train_run(spec)
     return run if run is not None and HEALTH_BREACH_TAG in run.data.tags else None
 
 
@@ -193,7 +174,7 @@ def parent_run_name(profile: str, commit: str, started: float) -> str:
     return f"pipeline-{profile}-{short}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(started))}"
 
 
-def _start_parent(record: ParentRecord) -> str:
+def _start_parent(record: TrackingSpec) -> str:
     import mlflow
 
     root = record.root
@@ -213,7 +194,7 @@ def _start_parent(record: ParentRecord) -> str:
     return run_id
 
 
-def _record_parent(record: ParentRecord, run_id: str) -> None:
+def _record_parent(record: TrackingSpec, run_id: str) -> None:
     """Write reports/mlflow_run.json (atomically): the parent the later stages attach to."""
     path = record.run_file
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,7 +204,7 @@ def _record_parent(record: ParentRecord, run_id: str) -> None:
     tmp.replace(path)
 
 
-def _gepa_parent(record: ParentRecord) -> str | None:
+def _gepa_parent(record: TrackingSpec) -> str | None:
     """The parent run this execution's gepa stage opened, for `train` to continue (module docstring): the
     newest pipeline parent in the experiment, if it holds a gepa summary and no later stage's, and was
     opened at this commit with this profile and exactly these params. None otherwise."""
@@ -249,7 +230,7 @@ def _gepa_parent(record: ParentRecord) -> str | None:
     return run.info.run_id
 
 
-def _parent_params(record: ParentRecord) -> dict[str, Any]:
+def _parent_params(record: TrackingSpec) -> dict[str, Any]:
     """Every param, plus the commit the run was made at (a tag too; a param so runs compare on it)."""
     return {**dict(record.flat_params), "git_commit": git_commit(record.root)}
 
@@ -261,7 +242,7 @@ def _chunks(d: dict[str, Any], n: int) -> Iterator[dict[str, Any]]:
 
 
 @contextmanager
-def stage_run(params: Params, stage: str, new_parent: bool = False) -> Iterator[Any]:
+def stage_run(spec: TrackingSpec, stage: str, new_parent: bool = False) -> Iterator[Any]:
     """Open the child run `stage` under the pipeline's parent run and yield it (an active mlflow run).
 
     `new_parent=True` (the train stage) starts a new parent run, or continues the one this execution's gepa
@@ -269,20 +250,19 @@ def stage_run(params: Params, stage: str, new_parent: bool = False) -> Iterator[
     """
     import mlflow
 
-    configure(params)
-    record = ParentRecord.for_stage(params)
-    parent = None if new_parent else _recorded_parent(record.run_file)
-    if new_parent and (parent := _gepa_parent(record)) is not None:
-        _record_parent(record, parent)
+    configure(spec)
+    parent = None if new_parent else _recorded_parent(spec.run_file)
+    if new_parent and (parent := _gepa_parent(spec)) is not None:
+        _record_parent(spec, parent)
         log.info("MLflow parent run %s (the gepa stage's, continued)", parent)
     if parent is not None:
         try:
             mlflow.MlflowClient().get_run(parent)
         except Exception:  # noqa: BLE001 - a stale file from another store: start afresh
-            log.warning("parent run %s not found in %s; starting a new one", parent, tracking_uri(params))
+            log.warning("parent run %s not found in %s; starting a new one", parent, tracking_uri(spec))
             parent = None
     if parent is None:
-        parent = _start_parent(record)
+        parent = _start_parent(spec)
     with (
         mlflow.start_run(run_id=parent),
         mlflow.start_run(run_name=stage, nested=True, tags={"stage": stage}) as child,

@@ -13,9 +13,10 @@ or one of its config sections, instead of the whole `Params`, and none re-derive
   that the stage reads and writes (`steps_csv`, `train_file`, `eval_files`);
 - `server`: the environment server to start or reuse (`pipeline.environment.spec.ServerSpec`).
 
-`source` is the whole `Params` for the two callees that still take it: MLflow's run (`pipeline.tracking.runs`) and
-the served agent's launcher (`pipeline.agent.served.served_policy`, which builds the agent server's
-environment config from params).
+- `tracking`: where the stage's MLflow runs go (`pipeline.tracking.runs.TrackingSpec`).
+
+`source` is the whole `Params` for the one callee that takes it: the served agent's launcher
+(`pipeline.agent.served.served_policy`, which builds the agent server's environment config from params).
 """
 
 from __future__ import annotations
@@ -24,19 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.config.specs import tracking_spec
 from pipeline.environment.spec import ServerSpec
 from pipeline.modelref import ModelRefError, ResolvedModel, resolve_model
 from pipeline.train.step_metrics import STEPS_CSV
 
 if TYPE_CHECKING:
     from pipeline.config import AgentConfig, EnvironmentConfig, Params, RewardConfig, TrainConfig
+    from pipeline.config.specs import TrackingSpec
 
 
 @dataclass(frozen=True)
 class TrainPlan:
     """The train stage's params, resolved (see module docstring)."""
 
-    source: Params
+    source: Params  # served_policy: part 1
     profile: str
     seed: int
     root: Path
@@ -53,6 +56,8 @@ class TrainPlan:
     cache_dir: Path
     server: ServerSpec
     """The environment server the stage makes reachable (pipeline.environment.servers.serve_environment)."""
+    tracking: TrackingSpec
+    """The MLflow store, experiment and parent-run record of the stage's run (pipeline.tracking.runs)."""
     agent_model: ResolvedModel | None
     agent_model_error: str | None
 
@@ -80,6 +85,7 @@ class TrainPlan:
             checkpoint_dir=params.path(params.paths.checkpoint_dir),
             cache_dir=params.path(params.paths.cache_dir),
             server=ServerSpec.from_params(params),
+            tracking=tracking_spec(params),
             agent_model=model,
             agent_model_error=error,
         )

@@ -22,7 +22,8 @@ import pytest
 from demo_project import tmp_mirror
 
 from pipeline.config import Params
-from pipeline.data.sources import REGISTRY, SourcePaths, load_authors_eval
+from pipeline.config.specs import source_paths
+from pipeline.data.sources import REGISTRY, load_authors_eval
 from pipeline.errors import DataError
 from pipeline.stages.sample import run_sample
 
@@ -83,7 +84,7 @@ def _duplicate_column(path: Path, _: Params) -> None:
 
 
 def _all_leaked(path: Path, params: Params) -> None:
-    questions = [r.question for r in load_authors_eval(SourcePaths.of(params), REGISTRY["gsm8k"])[:20]]
+    questions = [r.question for r in load_authors_eval(source_paths(params), REGISTRY["gsm8k"])[:20]]
     pq.write_table(pa.table(_rows(len(questions), question=questions)), path)
 
 CASES: list[tuple[str, Writer, str]] = [

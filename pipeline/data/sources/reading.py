@@ -32,29 +32,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import Params
+from pipeline.config.specs import SourcePaths
 from pipeline.data.schema import display_path
 from pipeline.data.sources.registry import BadRow, Converter, DatasetSpec, RawRecord
 from pipeline.errors import DataError
 
 MIRROR_COLUMNS = ("id", "question", "answers", "context", "source_split")
 
-
-@dataclass(frozen=True)
-class SourcePaths:
-    """Where a data stage reads its sources: resolved once from the params at the stage's entry
-    (`SourcePaths.of`) and handed down, so no reader re-derives a path from the whole params."""
-
-    root: Path
-    """The project root: shown paths are relative to it."""
-    mirror: Path | None
-    """The local mirror (`paths.mirror`), or None to read the Hugging Face Hub."""
-    cache_dir: Path
-    """`paths.cache_dir`: the Hub's downloads and the authors' evaluation files in Hub mode."""
-
-    @classmethod
-    def of(cls, params: Params) -> SourcePaths:
-        return cls(root=params.root, mirror=params.mirror, cache_dir=params.path(params.paths.cache_dir))
 
 COLUMN_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "id": ((str, int), "text or an integer"),
