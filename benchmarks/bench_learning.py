@@ -1,4 +1,4 @@
-"""The learning experiment (issues 12, 32): does our GRPO teach the agent to use an environment that knows the answers?
+"""The learning experiment: does our GRPO teach the agent to use an environment that knows the answers?
 
     python benchmarks/bench_learning.py --mode hops --seed 1         # one seed of the hops mode, with its controls
     python benchmarks/bench_learning.py --mode terse --seed 1        # one seed of the terse mode, with its controls

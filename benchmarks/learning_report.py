@@ -248,7 +248,7 @@ def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str
                     "grpo": load(run_dir / f"grpo_step{runs[-1]['grpo_steps_done']}.json")["examples"]}
     get = lambda key, part: main[key][part] if has else None
     return {
-        "what": (f"learning experiment (issues 12, 32): warm-up-only vs GRPO-trained agent on a fixed held-out set, "
+        "what": (f"learning experiment: warm-up-only vs GRPO-trained agent on a fixed held-out set, "
                  f"knowledgeable environment in {main_mode} mode, with controls; top-level figures are means over "
                  f"the seeds in `seeds`"),
         "command": "python benchmarks/bench_learning.py --mode terse --seed N (per seed); --report pools them",
@@ -264,7 +264,7 @@ def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str
         "heldout_em_gain": get("gain_em", "mean"), "heldout_em_gain_ci": get("gain_em", "ci"),
         "heldout_format_rate_warmup": main["format_rate"][0] if has else None,
         "heldout_format_rate_grpo": main["format_rate"][1] if has else None,
-        "target": ("issue 32: in the terse mode, GRPO's mean held-out F1 above every entry of `controls` and the "
+        "target": ("in the terse mode, GRPO's mean held-out F1 above every entry of `controls` and the "
                    "gain's paired 95% CI above 0, over at least 3 seeds"),
         "target_met": target_met and len(seeds) >= 3,
         "heldout": runs[0]["heldout"] if runs else None,

@@ -4,7 +4,7 @@ The DVC test builds a real DVC project in tmp_path (git init + dvc init) from dv
 and `sample` stages (code deps dropped: the tmp project holds no code) over a tiny mirror, and checks
 what the stage exists for: the first repro runs sources + sample, a second one reruns only `sources`
 (sample skipped: the fingerprint's hash is unchanged), a changed mirror file reruns sample, and an empty
-`paths.mirror` (the Hub) no longer breaks DVC.
+`paths.mirror` (the Hub) does not break DVC.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_dvc_reruns_sample_only_when_its_source_changes(shared_datasets, tmp_pat
     assert _ran(_dvc(project, "repro")) == ["sources", "sample@gsm8k"]
     assert pq.read_metadata(project / "data" / "sampled" / "gsm8k.parquet").num_rows == 8
 
-    # The Hub (paths.mirror empty) is just a param now: DVC no longer needs `/raw` or the mirror folder.
+    # The Hub (paths.mirror empty) is just a param: DVC needs neither `/raw` nor the mirror folder.
     raw = yaml.safe_load((project / "params.yaml").read_text())
     raw["paths"]["mirror"] = ""
     (project / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))

@@ -4,7 +4,7 @@ The paper's claim is that an agent trained against one environment works, unchan
 with GPT-4o-mini, evaluated with GPT-OSS-20B and others). Each entry here names one more environment; the
 evaluate stage runs the trained agent and the baselines that use an environment (`env_only`, `base_agent`,
 `gepa`) with it on the same rows, and the report shows the matrix trained-with × evaluated-with
-(pipeline/evaluation/matrix.py). Empty (the default): the training environment only, as before.
+(pipeline/evaluation/matrix.py). Empty (the default): the training environment only.
 
 Design decisions:
 - **An entry is a partial `environment` section** plus a `name`: the keys it sets replace the training

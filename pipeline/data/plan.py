@@ -1,4 +1,4 @@
-"""What each data stage resolves from the params, once, at its entry (issue 29: one plan per stage).
+"""What each data stage resolves from the params, once, at its entry (one plan per stage).
 
 The stage entry (`run_sample`, `run_validate`, `run_build`) turns the params into one of these frozen
 objects and hands it down: the readers and writers below get paths already resolved against the project

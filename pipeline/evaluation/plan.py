@@ -1,4 +1,4 @@
-"""What the evaluate stage resolves from the params, once, at its entry (issue 29: one plan per stage).
+"""What the evaluate stage resolves from the params, once, at its entry (one plan per stage).
 
 `EvaluatePlan.for_evaluate(params)` decides every fact the stage's parts would otherwise re-derive from the
 whole params: the files it reads and writes, who runs the agents (`evaluate.agent_engine` with `auto`

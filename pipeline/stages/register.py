@@ -38,8 +38,8 @@ register run's tags/metrics, and one printed line.
 
 Models: one copy per version. The registered pyfunc `agent` (pipeline/serving/agent_model.py) bundles the merged
 directory (copied from the *path*, never loaded), the environment configuration (key variable name only) and
-the pipeline code, logged from code (pipeline/serving/model_code.py); `artifacts/agent` is the HF model. A second log
-(transformers flavor) of the same directory used to double every registration (1.1 GB a run) for nothing the registry used.
+the pipeline code, logged from code (pipeline/serving/model_code.py); `artifacts/agent` is the HF model. No second log
+(transformers flavor) of the same directory: it would double every registration (1.1 GB a run) for nothing the registry uses.
 `pip_requirements` are pinned so MLflow does not load the model again to infer them.
 """
 
