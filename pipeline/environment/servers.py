@@ -48,7 +48,7 @@ import httpx
 from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
 from pipeline.environment.harmony import encodings_dir, harmony_server_env, needs_harmony, verify_encodings
-from pipeline.environment.knowledge import knowledge_command
+from pipeline.environment.knowledge_server import knowledge_command
 from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.hardware import server_threads
