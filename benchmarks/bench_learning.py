@@ -119,13 +119,14 @@ def heldout_rows(params):
 
 def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: str) -> dict[str, Any]:
     """Greedy held-out answers of the model in `model_dir`, per question: F1, EM, format (the `released`
-    gate), whether an interaction request was answered (`terse.answered`), the prediction; and the means."""
+    gate), whether an interaction request was answered (`knowledge_replies.answered`), the prediction; and the
+    means."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from pipeline.agent.policy import TransformersPolicy
     from pipeline.agent.protocol import parse_turn
-    from pipeline.environment.terse import answered
+    from pipeline.environment.knowledge_replies import answered
     from pipeline.evaluation.systems import run_agent_with_environment
     from pipeline.metrics import exact_match, token_f1
     from pipeline.reward import compute_reward
@@ -167,7 +168,8 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
 
 def knowledge_store(params):
     """The knowledge base the seed's environment server answers from (its sources, overlap and mode)."""
-    from pipeline.environment.knowledge import knowledge_base, load_facts
+    from pipeline.environment.knowledge import load_facts
+    from pipeline.environment.knowledge_server import knowledge_base
 
     k = params.environment.knowledge
     return knowledge_base(load_facts(k.sources), k.min_overlap, k.mode)
