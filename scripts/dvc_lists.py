@@ -125,11 +125,15 @@ def _listable(key: Key) -> bool:
 
 
 def new_params(items: list[Item], verb: str, indent: str) -> list[Item]:
-    """Entries that are still exact in their order, then the keys read but not listed, sorted."""
+    """Entries that are still exact in their order, then the keys read but not listed, sorted (comment lines and
+    other params files' entries are kept as they are)."""
     reads = param_reads(verb)
     kept: list[Item] = []
     covered: set[Key] = set()
     for item in items:
+        if not item.value or item.value.startswith("#") or item.value.endswith(":"):
+            kept.append(item)  # a comment line, or another params file's entry: not a key of params.yaml
+            continue
         key = parse_key(item.value)
         if not _listable(key) or not leaves(key) <= reads or leaves(key) & covered:
             continue
@@ -162,8 +166,10 @@ def _items(lines: list[str], start: int, indent: int) -> tuple[list[Item], int]:
         match = ITEM.match(line)
         if match and depth == indent + 2:
             items.append(Item(match["value"], [line]))
-        else:  # a mapping entry's keys, or a comment line inside the list
+        elif items:  # a mapping entry's keys, or a comment line below an item
             items[-1].lines.append(line)
+        else:  # a comment line above the first item
+            items.append(Item("", [line]))
         at += 1
     return items, at
 
