@@ -5,9 +5,9 @@
 
 The truth is what tests/test_dvc_deps.py and tests/test_dvc_params.py check against, computed by the same
 helpers: a stage's code deps are its verb's import closure plus the CLI's stage path
-(`dvc_closure.stage_closure`), one file per line, sorted; its params are the keys its code reads
-(`param_reads.stage_reads`), leaf by leaf, a section whole only where the stage reads every key of it and the
-section is not one of LEAF_ONLY_SECTIONS. The helpers stay in tests/ beside the tests that use them (they are
+(`dvc_closure.stage_closure`) and the modules that code runs by name in another process (RUN_BY_NAME), one
+file per line, sorted; its params are the keys its code reads (`param_reads.stage_reads`), leaf by leaf, a
+section whole only where the stage reads every key of it and the section is not one of LEAF_ONLY_SECTIONS. The helpers stay in tests/ beside the tests that use them (they are
 test scaffolding, importing the package and its `Params` tree); this script puts tests/ on `sys.path`.
 
 The rewrite is line-based and touches only the items of each stage's `deps:` and `params:` blocks, so
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from code_index import NODES, Key, dotted, leaves, parse_key
-from dvc_closure import CODE_PACKAGES, stage_closure
+from dvc_closure import CODE_PACKAGES, import_closure, module_file, stage_closure
 from param_reads import stage_reads
 
 LEAF_ONLY_SECTIONS = ("environment", "mlflow", "paths")
@@ -54,15 +54,32 @@ class Item:
     """Its lines in dvc.yaml: the `- ` line, then any deeper lines (a mapping's keys)."""
 
 
-MODULES_READ_AS_FILES = {"register": ("pipeline/serving/model_code.py",)}
-"""Python files a stage reads by path, not by import: MLflow logs the pyfunc's model code from its file."""
+RUN_BY_NAME = {
+    "pipeline.environment.servers": ("pipeline.environment.llama_server",),
+    "pipeline.train.verl_overrides": ("pipeline.train.verl_agent_loop", "pipeline.train.verl_reward"),
+    "pipeline.serving.agent_model": ("pipeline.serving.model_code",),
+}
+"""Modules a stage's code runs without importing them (launcher → launched): llama.cpp's server started with
+`python -m`, verl's agent loop and reward function (agent_loop.yaml's `_target_`, the reward file's path) that
+verl's workers import, the pyfunc's model code MLflow loads from its file. The import closure does not see
+them; a stage whose closure holds the launcher depends on the launched modules' closures too."""
 
 
 @functools.cache
 def code_deps(verb: str) -> tuple[str, ...]:
-    """The repo files `promptr1 <verb>` runs or reads as code, relative to the root, sorted."""
-    closure = {str(p.relative_to(ROOT)) for p in stage_closure(verb)}
-    return tuple(sorted(closure | set(MODULES_READ_AS_FILES.get(verb, ()))))
+    """The repo files `promptr1 <verb>` runs (its closure and what it launches by name), relative, sorted."""
+    files = set(stage_closure(verb))
+    launched: set[str] = set()
+    while more := {
+        name
+        for launcher, names in RUN_BY_NAME.items()
+        if module_file(launcher) in files
+        for name in names
+        if name not in launched
+    }:
+        launched |= more
+        files |= set().union(*(import_closure(name) for name in more))
+    return tuple(sorted(str(p.relative_to(ROOT)) for p in files))
 
 
 @functools.cache
