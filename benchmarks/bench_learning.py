@@ -341,7 +341,7 @@ def keep_rollouts(reports_dir: Path, target: Path) -> None:
     what the agent asked during training and what the environment answered (`learning_report.rollout_requests`)."""
     import gzip
 
-    from pipeline.train.trajectory_log import TRAJECTORIES_FILE
+    from pipeline.stage_files import TRAJECTORIES_FILE
 
     source = reports_dir / "train" / TRAJECTORIES_FILE
     if source.is_file():

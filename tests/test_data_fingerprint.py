@@ -23,7 +23,8 @@ import yaml
 from helpers import copy_params
 
 from pipeline.data.sources import REGISTRY
-from pipeline.stages.sources import EVAL_FILE, UNREACHABLE, run_sources
+from pipeline.stage_files import SOURCES_EVAL_FILE
+from pipeline.stages.sources import UNREACHABLE, run_sources
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +60,7 @@ def test_mirror_fingerprint_changes_with_the_file_and_only_then(data_params, sha
     out = tmp_path / "sources"
 
     written = run_sources(params, out)
-    assert set(written) == {f"{name}.json" for name in REGISTRY} | {EVAL_FILE}
+    assert set(written) == {f"{name}.json" for name in REGISTRY} | {SOURCES_EVAL_FILE}
     assert all(written.values())
     first = _read(out)
     gsm8k = json.loads(first["gsm8k.json"])
@@ -67,7 +68,7 @@ def test_mirror_fingerprint_changes_with_the_file_and_only_then(data_params, sha
     assert gsm8k["raw"][0]["file"] == "raw/gsm8k/train.parquet" and len(gsm8k["raw"][0]["md5"]) == 32
     assert gsm8k["eval"]["file"] == "prompt-r1/eval/gsm8k.parquet" and "md5" in gsm8k["eval"]
     assert json.loads(first["hotpotqa.json"])["raw"][0]["missing"] is True  # absent here: recorded, no error
-    assert set(json.loads(first[EVAL_FILE])["eval"]) == set(REGISTRY)
+    assert set(json.loads(first[SOURCES_EVAL_FILE])["eval"]) == set(REGISTRY)
     assert str(tmp_path) not in b"".join(first.values()).decode()  # no machine paths in the fingerprints
 
     # Nothing changed (even the file's mtime): nothing rewritten, same bytes.

@@ -77,14 +77,14 @@ def run_train(params: Params) -> None:
             log_training_record(plan, progress)
             tracking.describe_stage("train", describe_training(plan, {}))
             # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.
-            from pipeline.train.trajectory_log import TRAJECTORIES_FILE
+            from pipeline.stage_files import TRAJECTORIES_FILE
 
             empty_log = plan.steps_csv.with_name(TRAJECTORIES_FILE)
             empty_log.parent.mkdir(parents=True, exist_ok=True)
             empty_log.touch()
             return
+        from pipeline.stage_files import TRAJECTORIES_FILE
         from pipeline.train.local import train_local
-        from pipeline.train.trajectory_log import TRAJECTORIES_FILE
 
         final = train_local(plan, run)
         log_training_record(plan, training_progress(plan))

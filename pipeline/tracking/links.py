@@ -23,7 +23,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pipeline.config import Params
 from pipeline.paths import display_path
-from pipeline.tracking.runs import RUN_FILE, tracking_uri
+from pipeline.stage_files import RUN_FILE
+from pipeline.tracking.runs import tracking_uri
 
 log = logging.getLogger(__name__)
 

@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Params, flatten
+from pipeline.stage_files import RUN_FILE
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "mlflow_run.json"
 HEALTH_BREACH_TAG = "health.breach"
 """Tag of a train run the training health gate stopped (pipeline/train/health.py); register refuses it."""
 
