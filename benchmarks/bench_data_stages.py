@@ -5,7 +5,7 @@ Measures, on the default profile (full 5,120-row sampling, all 20 validations, a
    sets, `promptr1 validate`, `promptr1 build`), from a clean state (no outputs);
 2. `dvc_cold`: `dvc repro --force --no-run-cache build` from a clean state (no outputs, no lock);
 3. `dvc_nochange`: a second `dvc repro build` with nothing changed (every stage skipped).
-Targets (issue 2): cold ≤ 60 s, no-change ≤ 10 s.
+Targets: cold ≤ 60 s, no-change ≤ 10 s.
 
 By default it runs in a throw-away copy of the project (`--copy`, the default) so the workspace's outputs,
 dvc.lock and git state are never touched: the copy gets the package sources, params and profiles, a

@@ -1,4 +1,4 @@
-"""The learning experiment (issues 12, 32): does our GRPO teach the agent to use an environment that knows the answers?
+"""The learning experiment: does our GRPO teach the agent to use an environment that knows the answers?
 
     python benchmarks/bench_learning.py --mode hops --seed 1         # one seed of the hops mode, with its controls
     python benchmarks/bench_learning.py --mode terse --seed 1        # one seed of the terse mode, with its controls
@@ -119,13 +119,14 @@ def heldout_rows(params):
 
 def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: str) -> dict[str, Any]:
     """Greedy held-out answers of the model in `model_dir`, per question: F1, EM, format (the `released`
-    gate), whether an interaction request was answered (`terse.answered`), the prediction; and the means."""
+    gate), whether an interaction request was answered (`knowledge_replies.answered`), the prediction; and the
+    means."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from pipeline.agent.policy import TransformersPolicy
     from pipeline.agent.protocol import parse_turn
-    from pipeline.environment.terse import answered
+    from pipeline.environment.knowledge_replies import answered
     from pipeline.evaluation.systems import run_agent_with_environment
     from pipeline.metrics import exact_match, token_f1
     from pipeline.reward import compute_reward
@@ -167,7 +168,8 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
 
 def knowledge_store(params):
     """The knowledge base the seed's environment server answers from (its sources, overlap and mode)."""
-    from pipeline.environment.knowledge import knowledge_base, load_facts
+    from pipeline.environment.knowledge import load_facts
+    from pipeline.environment.knowledge_server import knowledge_base
 
     k = params.environment.knowledge
     return knowledge_base(load_facts(k.sources), k.min_overlap, k.mode)
@@ -339,7 +341,7 @@ def keep_rollouts(reports_dir: Path, target: Path) -> None:
     what the agent asked during training and what the environment answered (`learning_report.rollout_requests`)."""
     import gzip
 
-    from pipeline.train.trajectory_log import TRAJECTORIES_FILE
+    from pipeline.stage_files import TRAJECTORIES_FILE
 
     source = reports_dir / "train" / TRAJECTORIES_FILE
     if source.is_file():

@@ -4,7 +4,8 @@ timed out.
 
     python benchmarks/bench_repro.py                       # idle, idle, loaded, loaded (~80 min on our 2 cores)
     python benchmarks/bench_repro.py --loads idle idle     # one pair
-    python benchmarks/bench_repro.py --keep DIR            # keep the clones (DIR/run1, DIR/run2, ...)
+    python benchmarks/bench_repro.py --keep DIR            # keep the clones (DIR/run1, ...) and consoles (DIR/run1.log)
+    python benchmarks/bench_repro.py --compare A B         # two kept runs (e.g. before and after a refactor)
 
 Each run: `git clone` of the committed HEAD (so an empty `.cache/`, no outputs, and the datasets mirror
 `../shared/datasets` passed as an absolute path), then `dvc repro -f` with its output piped and every line
@@ -18,6 +19,12 @@ fields (`seconds`, `_s`, `per_s`, `tokens_per_s`, ...), which measure the machin
 that differs is listed by name in `differing`; the console lines where an environment call timed out are
 listed in `timeouts`. Writes benchmarks/results/repro.json:
 `{"runs": [{"load", "total_s", "stages": {stage: s}}], "differing": [...], "timeouts": [...], ...}`.
+
+`--compare A B` runs nothing: it compares two kept runs (folders with a project and its console log beside it,
+`run1/` and `run1.log`), for example of the commits before and after a change meant to keep behaviour: the
+same figures, and the console lines once times, durations, speeds, process ids and MLflow run ids are masked
+(the lines whose only difference is a logger name are counted apart: a module that moved logs under its new
+name). Writes `--out` (default benchmarks/results/repro_compare.json).
 """
 
 from __future__ import annotations
@@ -76,12 +83,71 @@ def figures(project: Path) -> dict[str, object]:
     return out
 
 
+MASKS = [
+    (re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ "), ""),  # the log line's timestamp
+    (re.compile(r"\b[0-9a-f]{32}\b"), "<run id>"),
+    (re.compile(r"\b(pid|port) \d+"), r"\1 <n>"),
+    (re.compile(r"\d+(\.\d+)?(e-?\d+)?( ?)(s|ms|min|h|tok/s|it/s|/s|s/it)\b"), r"<t>\3\4"),
+    (re.compile(r"\d+:\d\d(:\d\d)?"), "<clock>"),
+]
+LOGGER = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+
+
+def masked(line: str) -> str:
+    """A console line with what measures the machine or names a run masked."""
+    for pattern, repl in MASKS:
+        line = pattern.sub(repl, line)
+    return line.rstrip()
+
+
+def compare_console(a: list[str], b: list[str]) -> dict[str, object]:
+    """Console lines of two runs, masked, compared in order: equal, different only in the logger, different."""
+    a, b = [masked(x) for x in a], [masked(x) for x in b]
+    logger_only, differing = [], []
+    for i in range(max(len(a), len(b))):
+        x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
+        if x == y:
+            continue
+        if x is not None and y is not None and LOGGER.sub(r"\1 ", x) == LOGGER.sub(r"\1 ", y):
+            logger_only.append(f"{x.split(':')[0]} -> {y.split(':')[0]}")
+        else:
+            differing.append({"line": i + 1, "a": x, "b": y})
+    return {"lines": [len(a), len(b)], "logger_only": sorted(set(logger_only)), "differing": differing}
+
+
+def compare(a: Path, b: Path, out: Path) -> None:
+    """`--compare`: the figures and consoles of two kept runs."""
+    fa, fb = figures(a), figures(b)
+    differing = sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
+    logs = [p.with_name(p.name + ".log") for p in (a, b)]
+    console = (compare_console(*(p.read_text().splitlines() for p in logs)) if all(p.is_file() for p in logs)
+               else None)
+    result = {"what": "two kept dvc repro runs compared: figures, and console lines with times and ids masked",
+              "command": f"python benchmarks/bench_repro.py --compare {a.name} {b.name}",
+              "commits": [subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=p, capture_output=True, check=True,
+                                         text=True).stdout.strip() for p in (a, b)],
+              "figures_compared": len(fa), "differing": differing, "console": console}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{len(differing)} of {len(fa)} figures differ" + (f": {differing[:20]}" if differing else ""))
+    if console:
+        print(f"console: {console['lines'][0]} and {console['lines'][1]} lines; {len(console['differing'])} differ "
+              f"once masked; {len(console['logger_only'])} logger renames: {console['logger_only'][:10]}")
+    if differing or (console and console["differing"]):
+        sys.exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loads", nargs="+", choices=["idle", "loaded"], default=["idle", "idle", "loaded", "loaded"])
     parser.add_argument("--keep", type=Path, help="clone into this folder and keep the clones")
-    parser.add_argument("--out", type=Path, default=RESULTS / "repro.json")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare two kept runs")
     args = parser.parse_args()
+    if args.compare:
+        compare(*args.compare, args.out or RESULTS / "repro_compare.json")
+        return
+    args.out = args.out or RESULTS / "repro.json"
 
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="promptr1-repro-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +160,8 @@ def main() -> None:
         commit = clone_head(project)
         print(f"== run {i} of {len(args.loads)} ({load}) in {project}", flush=True)
         total, lines = run_repro(project, load)
+        if args.keep:
+            project.with_name(project.name + ".log").write_text("".join(text + "\n" for _, text in lines))
         runs.append({"load": load, "total_s": round(total, 1), "stages": stage_seconds(lines, total)})
         timeouts += [f"run {i} ({load}) at {t:.0f}s: {text.strip()}" for t, text in lines if TIMEOUT_LINE.search(text)]
         seen.append(figures(project))

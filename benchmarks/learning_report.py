@@ -13,8 +13,8 @@ say nothing about how another seed would do.
 Training rollouts (`rollouts.jsonl.gz`, `rollout_requests`): per seed, what the requests sampled during GRPO
 got from the environment, so a flat request side can be traced to whether any group held a short request.
 Request side: the share of questions whose interaction request got an answer from the environment (not a
-refusal, not "unknown": `pipeline.environment.terse.answered`); extraction side: the mean F1 over those
-questions only.
+refusal, not "unknown": `pipeline.environment.knowledge_replies.answered`); extraction side: the mean F1
+over those questions only.
 The `hops` mode (`hops_summary`, learning.json's `hops`) is reported per hop ("1-hop", "2-hop"): every figure
 is the mean over seeds of a seed's mean F1 over its questions of that hop; `seed_interval` is a t-interval
 (n - 1 degrees of freedom) over the per-seed differences GRPO - the control with the best mean on 2-hop, so it
@@ -72,7 +72,7 @@ def picks(evaluation: dict[str, Any]) -> dict[str, int] | None:
     `gold` (F1 1), `distractor` (another entry of a `terse` reply, word for word after SQuAD normalisation),
     `other` (neither: made up, or a partial answer), `unanswered` (no reply answered the request). It tells a
     reading that picks the right entry from one that copies any entry, which F1 alone does not."""
-    from pipeline.environment.terse import answered
+    from pipeline.environment.knowledge_replies import answered
     from pipeline.evaluation.trivial_rules import terse_entries
     from pipeline.metrics import normalize_answer
 
@@ -107,7 +107,8 @@ def rollout_requests(path: Path) -> dict[str, Any] | None:
     share answered per GRPO step. It shows whether the groups ever held a reward difference on the request."""
     import gzip
 
-    from pipeline.environment.terse import MAX_REQUEST_WORDS, answered
+    from pipeline.environment.knowledge_replies import answered
+    from pipeline.environment.terse import MAX_REQUEST_WORDS
 
     if not path.is_file():
         return None
@@ -248,7 +249,7 @@ def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str
                     "grpo": load(run_dir / f"grpo_step{runs[-1]['grpo_steps_done']}.json")["examples"]}
     get = lambda key, part: main[key][part] if has else None
     return {
-        "what": (f"learning experiment (issues 12, 32): warm-up-only vs GRPO-trained agent on a fixed held-out set, "
+        "what": (f"learning experiment: warm-up-only vs GRPO-trained agent on a fixed held-out set, "
                  f"knowledgeable environment in {main_mode} mode, with controls; top-level figures are means over "
                  f"the seeds in `seeds`"),
         "command": "python benchmarks/bench_learning.py --mode terse --seed N (per seed); --report pools them",
@@ -264,7 +265,7 @@ def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str
         "heldout_em_gain": get("gain_em", "mean"), "heldout_em_gain_ci": get("gain_em", "ci"),
         "heldout_format_rate_warmup": main["format_rate"][0] if has else None,
         "heldout_format_rate_grpo": main["format_rate"][1] if has else None,
-        "target": ("issue 32: in the terse mode, GRPO's mean held-out F1 above every entry of `controls` and the "
+        "target": ("in the terse mode, GRPO's mean held-out F1 above every entry of `controls` and the "
                    "gain's paired 95% CI above 0, over at least 3 seeds"),
         "target_met": target_met and len(seeds) >= 3,
         "heldout": runs[0]["heldout"] if runs else None,

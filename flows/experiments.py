@@ -14,7 +14,7 @@ from pathlib import Path
 from flows.dvc_steps import run_dvc
 from pipeline.errors import UserError
 
-log = logging.getLogger("flows.dvc_steps")  # its lines under the DVC steps' logger, as before
+log = logging.getLogger("flows.dvc_steps")  # its lines under the DVC steps' logger
 
 
 def git_head(root: Path) -> str | None:

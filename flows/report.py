@@ -29,6 +29,7 @@ from typing import Any
 from pipeline.config import Params
 from pipeline.config.specs import tracking_spec
 from pipeline.stage_figures import promotion_line
+from pipeline.stage_files import EVAL_REPORTS_DIR, EVAL_SUMMARY_FILE, PROMOTION_FILE
 from pipeline.tracking.lineage import champion_status
 from pipeline.tracking.links import MlflowRunInfo, mlflow_line, mlflow_run_info, strip_credentials
 from pipeline.tracking.runs import DESCRIBED_STAGES
@@ -37,8 +38,7 @@ __all__ = ["MlflowRunInfo", "RunReport", "flow_run_line", "mlflow_line", "mlflow
            "read_eval_summary", "read_promotion", "run_mlflow_line", "stage_markdown", "strip_credentials",
            "to_markdown", "up_to_date"]
 
-EVAL_SUMMARY = Path("eval") / "summary.md"
-PROMOTION = Path("promotion.json")
+EVAL_SUMMARY = Path(EVAL_REPORTS_DIR) / EVAL_SUMMARY_FILE
 MLFLOW_STAGES = DESCRIBED_STAGES
 """The stages that log an MLflow run (each a child of the pipeline run; pipeline.tracking.runs)."""
 REPRODUCED = "reproduced"
@@ -88,7 +88,7 @@ class RunReport:
 
 def read_promotion(reports_dir: Path) -> dict[str, Any] | None:
     """reports/promotion.json (`reports_dir`: paths.reports_dir), or None when it is missing or unreadable."""
-    path = reports_dir / PROMOTION
+    path = reports_dir / PROMOTION_FILE
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

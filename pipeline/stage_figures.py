@@ -6,8 +6,8 @@ task (log line, return value, artifact, the run summary's stage table). Design d
 - **The files are the contract.** A figure is read from the outputs dvc.yaml declares for the stage
   (`reports/sample/<ds>.json`, `reports/validate/summary.json`, …, `reports/promotion.json`), never from the
   stage's code or memory: the same line comes out of the process that ran the stage, of the flow that ran
-  DVC, and of a later look at the workspace. So this module is a floor module (pipeline.config and
-  pipeline.paths only) that imports no stage and costs a JSON read.
+  DVC, and of a later look at the workspace. So this module is a floor module (pipeline.config,
+  pipeline.paths and the file names of pipeline.stage_files only) that imports no stage and costs a JSON read.
 - **Given the folders, not the params.** The caller, which holds the params, resolves the folders the files
   lie in (`pipeline.config.specs.stage_folders`); this module only reads.
 - **Never raises, never invents.** A missing file gives `no figure (<file> missing)`, a file of another
@@ -28,10 +28,21 @@ from typing import Any
 
 from pipeline.config.specs import StageFolders
 from pipeline.paths import display_path
+from pipeline.stage_files import (
+    BUILD_REPORTS_DIR,
+    EVAL_REPORTS_DIR,
+    GEPA_REPORTS_DIR,
+    MERGE_REPORT_FILE,
+    METRICS_FILE,
+    PROMOTION_FILE,
+    SAMPLE_REPORTS_DIR,
+    SOURCES_DIR,
+    SOURCES_EVAL_FILE,
+    STEPS_CSV,
+    SUMMARY_FILE,
+    VALIDATE_REPORTS_DIR,
+)
 
-SOURCES_DIR = "data/sources"
-"""Where the `sources` stage writes its fingerprints (pipeline.stages.sources.SOURCES_DIR)."""
-SOURCES_EVAL_FILE = "eval.json"
 UNREACHABLE = "unreachable"
 """The Hub revision a fingerprint records for a source it could not reach (pipeline.stages.sources)."""
 REWARD_COLUMN = "critic/score/mean"
@@ -120,7 +131,7 @@ def _sources(files: _Files, _item: str | None) -> str:
 
 def _sample(files: _Files, dataset: str | None) -> str:
     if dataset is not None:
-        r = files.json(files.reports("sample", f"{dataset}.json"))
+        r = files.json(files.reports(SAMPLE_REPORTS_DIR, f"{dataset}.json"))
         if r["skipped"]:
             return f"{dataset}: skipped ({r['skip_reason']})"
         line = (f"{dataset}: {r['rows_written']} rows written of {r['rows_source']} "
@@ -130,7 +141,7 @@ def _sample(files: _Files, dataset: str | None) -> str:
     skipped: list[str] = []
     datasets = files.folders.train_datasets
     for ds in datasets:  # each file's fields taken as it is read: a bad one is named
-        r = files.json(files.reports("sample", f"{ds}.json"))
+        r = files.json(files.reports(SAMPLE_REPORTS_DIR, f"{ds}.json"))
         written, leaked = written + int(r["rows_written"]), leaked + int(r["leaked_removed"])
         skipped += [ds] if r["skipped"] else []
     line = f"{len(datasets)} datasets: {written} rows written ({leaked} leaked removed)"
@@ -138,7 +149,7 @@ def _sample(files: _Files, dataset: str | None) -> str:
 
 
 def _validate(files: _Files, _item: str | None) -> str:
-    s = files.json(files.reports("validate", "summary.json"))
+    s = files.json(files.reports(VALIDATE_REPORTS_DIR, SUMMARY_FILE))
     checked = f"{s['expectations_evaluated']} expectations on {s['files_validated']} files"
     if s["success"]:
         return f"passed: {checked}"
@@ -147,7 +158,7 @@ def _validate(files: _Files, _item: str | None) -> str:
 
 
 def _build(files: _Files, _item: str | None) -> str:
-    s = files.json(files.reports("build", "summary.json"))
+    s = files.json(files.reports(BUILD_REPORTS_DIR, SUMMARY_FILE))
     train = s["train"]
     line = (f"{train['rows']} training rows from {len(train['rows_per_dataset'])} datasets, "
             f"{s['eval_rows_total']} evaluation rows in {len(s['eval'])} sets")
@@ -155,7 +166,7 @@ def _build(files: _Files, _item: str | None) -> str:
 
 
 def _gepa(files: _Files, _item: str | None) -> str:
-    return gepa_outcome(files.json(files.reports("gepa", "metrics.json")))
+    return gepa_outcome(files.json(files.reports(GEPA_REPORTS_DIR, METRICS_FILE)))
 
 
 def gepa_outcome(m: dict[str, Any]) -> str:
@@ -179,7 +190,7 @@ def gepa_outcome(m: dict[str, Any]) -> str:
 
 
 def _train(files: _Files, _item: str | None) -> str:
-    rows = files.csv_rows(files.reports("train", "steps.csv"), ("step", REWARD_COLUMN))
+    rows = files.csv_rows(files.reports(STEPS_CSV), ("step", REWARD_COLUMN))
     if not rows:
         return "no training step recorded"
     first, last = float(rows[0][REWARD_COLUMN]), float(rows[-1][REWARD_COLUMN])
@@ -188,13 +199,13 @@ def _train(files: _Files, _item: str | None) -> str:
 
 def _merge(files: _Files, _item: str | None) -> str:
     model_dir = files.folders.model_dir
-    r = files.json(model_dir / "merge_report.json")
+    r = files.json(model_dir / MERGE_REPORT_FILE)
     return (f"step {r['step']} ({r['source']}) merged into {files.show(model_dir)}, "
             f"max logit difference {float(r['max_abs_logit_diff']):.3g}")
 
 
 def _evaluate(files: _Files, _item: str | None) -> str:
-    m = files.json(files.reports("eval", "metrics.json"))
+    m = files.json(files.reports(EVAL_REPORTS_DIR, METRICS_FILE))
     averages = m["averages"]
 
     def score(system: str, split: str) -> str:
@@ -211,7 +222,7 @@ def _evaluate(files: _Files, _item: str | None) -> str:
 
 
 def _register(files: _Files, _item: str | None) -> str:
-    promotion = files.json(files.reports("promotion.json"))
+    promotion = files.json(files.reports(PROMOTION_FILE))
     if not isinstance(promotion, dict):
         raise TypeError("not a JSON object")
     return promotion_line(promotion)

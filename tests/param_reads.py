@@ -85,16 +85,24 @@ class Reads:
         self.keys |= leaves(key)
 
 
-def _member_reads() -> dict[tuple[str, str], ast.FunctionDef]:
-    """(section model class, property/method) → its definition in pipeline/config/sections.py."""
-    tree = ast.parse((ROOT / "pipeline" / "config" / "sections.py").read_text(encoding="utf-8"))
-    return {
-        (cls.name, fn.name): fn
-        for cls in tree.body
-        if isinstance(cls, ast.ClassDef)
-        for fn in cls.body
-        if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_")
-    }
+SECTION_FILES = ("sections.py", "environment.py")
+"""The files of pipeline/config/ whose section models have public properties or methods."""
+
+
+def _member_reads() -> dict[tuple[str, str], tuple[Path, ast.FunctionDef]]:
+    """(section model class, property/method) → its file and definition (one of SECTION_FILES)."""
+    members: dict[tuple[str, str], tuple[Path, ast.FunctionDef]] = {}
+    for name in SECTION_FILES:
+        path = ROOT / "pipeline" / "config" / name
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        members.update(
+            ((cls.name, fn.name), (path, fn))
+            for cls in tree.body
+            if isinstance(cls, ast.ClassDef)
+            for fn in cls.body
+            if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_")
+        )
+    return members
 
 
 MEMBERS = _member_reads()
@@ -215,9 +223,8 @@ class FunctionReads:
             if model is not None and attr in model.model_fields and (*key, attr) in NODES:
                 out.add((*key, attr))
             elif model is not None and record and (model.__name__, attr) in MEMBERS:
-                member = Unit(
-                    ROOT / "pipeline" / "config" / "sections.py", attr, [MEMBERS[(model.__name__, attr)]]
-                )
+                path, definition = MEMBERS[(model.__name__, attr)]
+                member = Unit(path, attr, [definition])
                 FunctionReads(member, self.index, self.reads, self_keys={key}).run()
             elif model is not None and record and attr in WHOLE_METHODS:
                 self.reads.add_whole(key, f"{self.where(node)} ({attr})")

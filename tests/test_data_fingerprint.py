@@ -4,7 +4,7 @@ The DVC test builds a real DVC project in tmp_path (git init + dvc init) from dv
 and `sample` stages (code deps dropped: the tmp project holds no code) over a tiny mirror, and checks
 what the stage exists for: the first repro runs sources + sample, a second one reruns only `sources`
 (sample skipped: the fingerprint's hash is unchanged), a changed mirror file reruns sample, and an empty
-`paths.mirror` (the Hub) no longer breaks DVC.
+`paths.mirror` (the Hub) does not break DVC.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import yaml
 from helpers import copy_params
 
 from pipeline.data.sources import REGISTRY
-from pipeline.stages.sources import EVAL_FILE, UNREACHABLE, run_sources
+from pipeline.stage_files import SOURCES_EVAL_FILE
+from pipeline.stages.sources import UNREACHABLE, run_sources
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +60,7 @@ def test_mirror_fingerprint_changes_with_the_file_and_only_then(data_params, sha
     out = tmp_path / "sources"
 
     written = run_sources(params, out)
-    assert set(written) == {f"{name}.json" for name in REGISTRY} | {EVAL_FILE}
+    assert set(written) == {f"{name}.json" for name in REGISTRY} | {SOURCES_EVAL_FILE}
     assert all(written.values())
     first = _read(out)
     gsm8k = json.loads(first["gsm8k.json"])
@@ -67,7 +68,7 @@ def test_mirror_fingerprint_changes_with_the_file_and_only_then(data_params, sha
     assert gsm8k["raw"][0]["file"] == "raw/gsm8k/train.parquet" and len(gsm8k["raw"][0]["md5"]) == 32
     assert gsm8k["eval"]["file"] == "prompt-r1/eval/gsm8k.parquet" and "md5" in gsm8k["eval"]
     assert json.loads(first["hotpotqa.json"])["raw"][0]["missing"] is True  # absent here: recorded, no error
-    assert set(json.loads(first[EVAL_FILE])["eval"]) == set(REGISTRY)
+    assert set(json.loads(first[SOURCES_EVAL_FILE])["eval"]) == set(REGISTRY)
     assert str(tmp_path) not in b"".join(first.values()).decode()  # no machine paths in the fingerprints
 
     # Nothing changed (even the file's mtime): nothing rewritten, same bytes.
@@ -150,7 +151,7 @@ def test_dvc_reruns_sample_only_when_its_source_changes(shared_datasets, tmp_pat
     assert _ran(_dvc(project, "repro")) == ["sources", "sample@gsm8k"]
     assert pq.read_metadata(project / "data" / "sampled" / "gsm8k.parquet").num_rows == 8
 
-    # The Hub (paths.mirror empty) is just a param now: DVC no longer needs `/raw` or the mirror folder.
+    # The Hub (paths.mirror empty) is just a param: DVC needs neither `/raw` nor the mirror folder.
     raw = yaml.safe_load((project / "params.yaml").read_text())
     raw["paths"]["mirror"] = ""
     (project / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))

@@ -284,7 +284,7 @@ def test_cpu_ci_runs_the_verl_the_gpu_nodes_get():
 
 @pytest.mark.parametrize("constraints", ["cpu.txt", "gpu.txt"])
 def test_pyproject_admits_each_pinned_set(constraints):
-    """The base dependencies must not make either set uninstallable (they used to pin torch 2.13.0)."""
+    """The base dependencies must not make either set uninstallable (e.g. a pin of torch 2.13.0 would)."""
     project = pyproject()["project"]
     base = {canonicalize_name(r.name): r for r in map(Requirement, project["dependencies"])}
     if constraints == "gpu.txt":

@@ -54,7 +54,7 @@ def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: 
     console = _run(["dvc", "repro"], project, env, 1500)
     first = time.perf_counter() - started
     # A console worth reading: in a pipe, one start and one "done in … s: <figure>" line per stage, no
-    # progress-bar fragments, no third-party INFO chatter, no absolute paths (issue 15: <= 150 lines).
+    # progress-bar fragments, no third-party INFO chatter, no absolute paths (<= 150 lines).
     lines = (console.stdout + console.stderr).splitlines()
     assert len(lines) <= 150, "\n".join(lines)
     assert not [ln for ln in lines if "\r" in ln or "it/s]" in ln], "progress-bar fragments in a pipe"

@@ -131,7 +131,7 @@ def test_real_server_through_the_launcher_and_the_environment_client(params, tmp
     env.knowledge.sources = [str(source)]
     env.server.startup_timeout_s = 30
     command = server_command(ServerSpec.from_params(params))
-    assert command[:3] == [sys.executable, "-m", "pipeline.environment.knowledge"]
+    assert command[:3] == [sys.executable, "-m", "pipeline.environment.knowledge_server"]
     with environment_server(params) as url:
         server = started_server(url)
         assert server is not None and pid_alive(server.pid)

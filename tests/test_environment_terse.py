@@ -13,9 +13,11 @@ import pytest
 from demo_project import free_port
 
 from pipeline.environment.client import EnvironmentClient
-from pipeline.environment.knowledge import REPLY_TEMPLATES, UNKNOWN_REPLY, KnowledgeBase, knowledge_base
+from pipeline.environment.knowledge import REPLY_TEMPLATES, UNKNOWN_REPLY, KnowledgeBase
+from pipeline.environment.knowledge_replies import answered
+from pipeline.environment.knowledge_server import knowledge_base
 from pipeline.environment.servers import environment_server, server_command
-from pipeline.environment.terse import MAX_REQUEST_WORDS, TOO_LONG_REPLY, TerseKnowledgeBase, answered
+from pipeline.environment.terse import MAX_REQUEST_WORDS, TOO_LONG_REPLY, TerseKnowledgeBase
 from pipeline.evaluation.trivial_rules import (
     INFORMED_RULES,
     RULES,
@@ -147,7 +149,7 @@ def test_real_terse_server_through_the_environment_client(params, tmp_path):
     env.backend, env.served_name, env.port, env.cache = "knowledge", "knowledge-base", free_port(), False
     env.knowledge.sources, env.knowledge.mode = [str(source)], "terse"
     env.server.startup_timeout_s = 30
-    assert server_command(params)[:3] == [sys.executable, "-m", "pipeline.environment.knowledge"]
+    assert server_command(params)[:3] == [sys.executable, "-m", "pipeline.environment.knowledge_server"]
     with environment_server(params):
         client = EnvironmentClient(env)
 

@@ -251,7 +251,7 @@ def test_run_evaluate_small_real_run(tmp_path, repo_root, shared_datasets, llama
     assert {t.info.tags["system"] for t in traces} == set(metrics["systems"])
 
 
-# --- cost beside quality, the fifth system, the paper's table (issue 14) ---------------------------------
+# --- cost beside quality, the fifth system, the paper's table ------------------------------------------
 
 
 

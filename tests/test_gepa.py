@@ -145,7 +145,7 @@ def test_gepa_stage_accepts_a_proposal_and_reports_held_out_scores(gepa_params):
     assert said.startswith("GEPA chose a proposal (val score 1.000, the seed's ") and "→ 100.00" in said
     parent = client.get_run(runs[0].data.tags["mlflow.parentRunId"]).data.tags
     assert parent["summary.gepa"] == said and said in parent["mlflow.note.content"]
-    # the run lasts the whole search (it used to open after it: 65 ms for a 114 s stage) ...
+    # the run lasts the whole search (not opened after it: 65 ms for a 114 s stage) ...
     info = runs[0].info
     assert info.end_time - info.start_time >= 1000 * cost["wall_s"] - 100, (info.end_time - info.start_time, cost)
     # ... and logs the three slices it read as datasets, each with the DVC md5 of train.parquet

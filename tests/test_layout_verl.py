@@ -1,5 +1,5 @@
 """The layout check on the config verl runs (params + overrides + extra_overrides composed with verl's own
-ppo_trainer.yaml), its rules added for issue 27, and the stage-start checks of the machine (GPUs, Ray, disk).
+ppo_trainer.yaml), its verl rules, and the stage-start checks of the machine (GPUs, Ray, disk).
 
 Each rule is shown with a layout verl 0.9.1 really rejects; where the rejection is an assertion deep in a
 training step, the slow tests run that very verl function (DataProto.chunk, make_iterator) on the sizes the

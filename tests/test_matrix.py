@@ -1,4 +1,4 @@
-"""The plug-and-play matrix (issue 31 item 5): `evaluate.environments`, its report, and a real two-environment run.
+"""The plug-and-play matrix: `evaluate.environments`, its report, and a real two-environment run.
 
 The fast tests check the config entries (merge over the training environment, refusals naming the entry) and
 the matrix's outputs on hand-made aggregates; the slow one runs evaluate with the llama.cpp environment (the

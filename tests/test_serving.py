@@ -36,8 +36,8 @@ def _agent_context(agent_dir: Path, tmp_path: Path, base_url: str):
 
 
 def test_predict_without_an_environment_fails_fast_naming_the_url(tiny_llama_dir, tmp_path, caplog):
-    """Nothing listens on the port: predict raises within seconds, naming the URL and what to start (it used to
-    retry every call for ~170 s and return an empty answer with no error)."""
+    """Nothing listens on the port: predict raises within seconds, naming the URL and what to start (not retry
+    every call for ~170 s and return an empty answer with no error)."""
     import pandas as pd
 
     from pipeline.serving.agent_model import PromptR1Agent

@@ -110,7 +110,7 @@ def _calls(root: Path, name: str) -> list[str]:
 
 
 def test_model_references_are_resolved_in_few_places():
-    """A stage resolves a reference once and hands the ResolvedModel down (issue 29: at most 3 places)."""
+    """A stage resolves a reference once and hands the ResolvedModel down (at most 3 places)."""
     calls = _calls(REPO, "resolve_model")
     assert len(calls) <= 3, f"resolve_model is called from {len(calls)} places: {calls}"
 

@@ -274,7 +274,7 @@ class _HopsEnvironment:
     """The `hops` knowledge base asked in-process with the server's own reply code (the real rules)."""
 
     def __init__(self) -> None:
-        from pipeline.environment.knowledge import knowledge_base
+        from pipeline.environment.knowledge_server import knowledge_base
 
         self.kb = knowledge_base([], 0.6, "hops")
         self.calls = 0

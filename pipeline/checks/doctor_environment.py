@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.checks.doctor_state import BUILD_FIRST, Status, failed, passed, skipped
 from pipeline.config import Params
 from pipeline.environment.budget import longest_reply_seconds, longest_reply_tokens
+from pipeline.stage_files import EVAL_SETS_DIR
 
 if TYPE_CHECKING:
     from pipeline.checks.doctor_state import Doctor
@@ -82,7 +83,7 @@ def evaluation_rows(params: Params, n: int) -> tuple[list[dict[str, Any]], str] 
     if not any(get_spec(name).task_type == "math" for name in names):
         names.append("gsm8k")  # the doctor always sends math rows (a reasoning environment's worst case)
     names.sort(key=lambda name: get_spec(name).task_type != "math")
-    eval_dir = params.path(params.paths.rl_dir) / "eval"
+    eval_dir = params.path(params.paths.rl_dir) / EVAL_SETS_DIR
     sources = source_paths(params)
     per_dataset: dict[str, list[str]] = {}
     source = "data/rl/eval" if any((eval_dir / f"{name}.parquet").is_file() for name in names) else "mirror"

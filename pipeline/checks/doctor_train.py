@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.agent.protocol import RESPONSE_CLOSE, RESPONSE_OPEN, THINK_OPENER
 from pipeline.checks.doctor_state import BUILD_FIRST, Status, failed, passed, skipped
 from pipeline.config import Params
+from pipeline.stage_files import TRAIN_FILE
 
 if TYPE_CHECKING:
     from pipeline.checks.doctor_state import Doctor
@@ -156,8 +157,8 @@ def _verl_skip_reason(doc: Doctor) -> str | None:
         return "train.backend=local: no verl step (the local backend trains with `promptr1 train`)"
     if not doc.gpus:
         return "needs a GPU: none on this machine"
-    if not (params.path(params.paths.rl_dir) / "train.parquet").is_file():
-        return f"{BUILD_FIRST} (no {params.paths.rl_dir}/train.parquet)"
+    if not (params.path(params.paths.rl_dir) / TRAIN_FILE).is_file():
+        return f"{BUILD_FIRST} (no {params.paths.rl_dir}/{TRAIN_FILE})"
     if doc.environment_url is None:
         return "no environment server (the environment step did not pass)"
     return None

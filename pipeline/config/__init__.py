@@ -11,10 +11,12 @@ Design decisions:
 - Secrets never live here: the environment section names the *variable* holding an API key.
 
 Layout: `sections.py` holds the typed sections and `Params` (what a key means, its bounds, its default);
-`train.py` holds the `train` section and its sub-sections; `loading.py` turns files and overrides into a validated `Params` (profiles, `-S` overrides, output-path
-confinement, flattening for MLflow). Import from `pipeline.config`: both are re-exported here.
+`train.py` holds the `train` section and its sub-sections, `environment.py` the `environment` section;
+`loading.py` turns files and overrides into a validated `Params` (profiles, `-S` overrides, output-path
+confinement, flattening for MLflow). Import from `pipeline.config`: every section is re-exported here.
 """
 
+from pipeline.config.environment import EnvironmentConfig, KnowledgeConfig, ServerConfig
 from pipeline.config.loading import (
     OUTPUT_PATH_KEYS,
     PARAMS_FILE,
@@ -32,17 +34,14 @@ from pipeline.config.loading import (
 from pipeline.config.sections import (
     AgentConfig,
     DataConfig,
-    EnvironmentConfig,
     EvaluateConfig,
     FlowConfig,
     GepaConfig,
-    KnowledgeConfig,
     MlflowConfig,
     Params,
     PathsConfig,
     RegisterConfig,
     RewardConfig,
-    ServerConfig,
 )
 from pipeline.config.train import (
     KlLossType,

@@ -4,7 +4,7 @@ The paper's claim is that an agent trained against one environment works, unchan
 with GPT-4o-mini, evaluated with GPT-OSS-20B and others). Each entry here names one more environment; the
 evaluate stage runs the trained agent and the baselines that use an environment (`env_only`, `base_agent`,
 `gepa`) with it on the same rows, and the report shows the matrix trained-with × evaluated-with
-(pipeline/evaluation/matrix.py). Empty (the default): the training environment only, as before.
+(pipeline/evaluation/matrix.py). Empty (the default): the training environment only.
 
 Design decisions:
 - **An entry is a partial `environment` section** plus a `name`: the keys it sets replace the training
@@ -28,12 +28,11 @@ Design decisions:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-if TYPE_CHECKING:
-    from pipeline.config.sections import EnvironmentConfig
+from pipeline.config.environment import EnvironmentConfig
 
 TRAINING_ENVIRONMENT = "training"
 """The matrix row of the environment the agent trained with (the `environment` section)."""
@@ -59,8 +58,6 @@ class EnvironmentVariant(BaseModel):
 
     @model_validator(mode="after")
     def _overrides_are_environment_keys(self) -> EnvironmentVariant:
-        from pipeline.config.sections import EnvironmentConfig
-
         if self.name == TRAINING_ENVIRONMENT:
             raise ValueError(
                 f"name {TRAINING_ENVIRONMENT!r} is the training environment's row: choose another"

@@ -19,9 +19,7 @@ from typing import Any
 
 from pipeline.config.loading import flatten
 from pipeline.config.sections import Params
-
-RUN_FILE = "mlflow_run.json"
-"""The file under `paths.reports_dir` naming the pipeline's parent MLflow run (pipeline.tracking.runs)."""
+from pipeline.stage_files import RUN_FILE
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`train`: the training stage's section (GRPO, its LoRA, format warm-up and verl sub-sections).
 
-In its own module so `sections.py` stays readable (issue 29: no module above ~400 lines); import it from
+In its own module so `sections.py` stays readable (no module above ~400 lines); import it from
 `pipeline.config`, which re-exports every section.
 """
 

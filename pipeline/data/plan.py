@@ -1,4 +1,4 @@
-"""What each data stage resolves from the params, once, at its entry (issue 29: one plan per stage).
+"""What each data stage resolves from the params, once, at its entry (one plan per stage).
 
 The stage entry (`run_sample`, `run_validate`, `run_build`) turns the params into one of these frozen
 objects and hands it down: the readers and writers below get paths already resolved against the project
@@ -17,6 +17,7 @@ from pipeline.config import Params
 from pipeline.config.specs import source_paths
 from pipeline.data.schema import display_path
 from pipeline.data.sources import SourcePaths
+from pipeline.stage_files import SAMPLE_REPORTS_DIR, SUMMARY_FILE, VALIDATE_REPORTS_DIR
 
 
 def sampled_path(sampled_dir: Path, dataset: str) -> Path:
@@ -26,12 +27,12 @@ def sampled_path(sampled_dir: Path, dataset: str) -> Path:
 
 def sample_metrics_path(reports_dir: Path, dataset: str) -> Path:
     """`<paths.reports_dir>/sample/<dataset>.json`: the sample stage's metrics file of one dataset."""
-    return reports_dir / "sample" / f"{dataset}.json"
+    return reports_dir / SAMPLE_REPORTS_DIR / f"{dataset}.json"
 
 
 def validate_summary_path(reports_dir: Path) -> Path:
     """`<paths.reports_dir>/validate/summary.json`: what `validate` writes and `build` checks."""
-    return reports_dir / "validate" / "summary.json"
+    return reports_dir / VALIDATE_REPORTS_DIR / SUMMARY_FILE
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class ValidatePlan:
 
     @property
     def validate_dir(self) -> Path:
-        return self.reports_dir / "validate"
+        return self.reports_dir / VALIDATE_REPORTS_DIR
 
     @property
     def summary_path(self) -> Path:

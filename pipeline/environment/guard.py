@@ -21,8 +21,8 @@ Decisions:
   kernel fate sharing), but the raylet starts each worker process (`ray::<Actor>`) in a process group of
   its own, where a `killpg` does not reach it; those workers still stay in the session. A test SIGKILLs
   the pipeline process of such a run (`tests/hardening/test_ray_orphans.py`): no process of the Ray
-  session remains (Ray's own shutdown, the raylet stopping its workers, already achieved that with a
-  group-only guard; the session sweep no longer depends on it, and a second test shows a child in a group
+  session remains (Ray's own shutdown, the raylet stopping its workers, achieves that with a
+  group-only guard too; the session sweep does not depend on it, and a second test shows a child in a group
   of its own is stopped). Only a process that calls `setsid` itself leaves the session; Ray's do not.
   A guard not started as a session leader (a bare `guarded(...)` run) stops only its group, never the
   caller's session.

@@ -2,19 +2,14 @@
 
 `EnvironmentClient` records every sent call (failed after all retries, or not) and raises
 `EnvironmentUnhealthy` once the window is full and fails above `environment.max_failure_rate`, so training
-and evaluation stop instead of learning from, or scoring, error notes. `check_environment_answers` is the
-one-probe check before any call, for the callers that start no server themselves (the served agent).
+and evaluation stop instead of learning from, or scoring, error notes. The one-probe check before any call,
+for the callers that start no server themselves, is `servers.check_environment_answers`, beside the other
+probes of a server.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
-
-from pipeline.errors import EnvironmentUnavailable
-
-if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig
 
 
 class FailureWindow:
@@ -36,26 +31,3 @@ class FailureWindow:
 
     def unhealthy(self) -> bool:
         return len(self._outcomes) == self.size and self.rate > self.max_rate
-
-
-def check_environment_answers(cfg: EnvironmentConfig, timeout_s: float = 5.0) -> None:
-    """Raise EnvironmentUnavailable, naming the URL and what to start, unless the endpoint answers
-    `GET <url>/models` (and lists the configured model, when it lists any).
-
-    For callers that start no server (the pyfunc agent, `promptr1 serve`): without this one check, a missing
-    environment costs every call its full retry schedule (~170 s per question) and the agent then "answers"
-    from error notes, an empty answer with no error. One probe of a few seconds says it at once.
-    """
-    from pipeline.environment.client import resolve_api_key
-    from pipeline.environment.servers import check_serves_configured_model, served_models
-
-    key = resolve_api_key(cfg) if cfg.backend == "api" else None
-    models = served_models(cfg.url, key, timeout_s)
-    if models is None:
-        raise EnvironmentUnavailable(
-            f"the agent's environment does not answer at {cfg.url} (GET {cfg.url.rstrip('/')}/models failed "
-            f"within {timeout_s:g} s): start it first (`promptr1 env start`, or llama.cpp/vLLM serving "
-            f"{cfg.served_name!r} there), or point the model at a running one with "
-            "model_config={'environment': {'base_url': 'http://host:port/v1'}}"
-        )
-    check_serves_configured_model(cfg, models)

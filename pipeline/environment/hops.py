@@ -26,12 +26,11 @@ only their count is reported: every question of the `hops` data source is compos
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pipeline.environment.hops_world import World, nearest_relation, tokens, world
-from pipeline.environment.knowledge import STOP_WORDS, KnowledgeBase, content_tokens
+from pipeline.environment.knowledge import KnowledgeBase
 
 ONE_AT_A_TIME_REPLY = "I can look up one name at a time. Your request names {names}; ask about one of them."
 NO_SUBJECT_REPLY = (
@@ -141,43 +140,3 @@ def refused(reply: str) -> bool:
         or text.startswith(ONE_AT_A_TIME_REPLY.split("{")[0])
         or (text.startswith("About ") and text.endswith("Ask for one of them."))
     )
-
-
-_ENTITY = re.compile(r"[A-Z][\w'-]*(?:(?: (?:of|the|de|da|del|von|van|la|le))* [A-Z][\w'-]*)*")
-_LEADING = frozenset({"the", "a", "an", "about", "i", "in", "ask", "your"})
-_WORD = re.compile(r"[A-Za-z0-9]+")
-
-
-def reply_entity(reply: str, request: str = "") -> str:
-    """The entity a reply states beyond the request: the last run of capitalised words (joined by "of", "the",
-    "de" and the like; a leading article or sentence opener dropped) that the request does not contain (case-insensitive); '' for a reply that states
-    no fact (`refused`, or any mode's refusal: `terse.answered`). Written for any reply, not from the world."""
-    from pipeline.environment.terse import answered
-
-    if not answered(reply):
-        return ""
-    said = f" {' '.join(tokens(request))} "
-    found = []
-    for run in _ENTITY.findall(reply):
-        words = run.split()
-        while words and words[0].lower() in _LEADING:
-            words = words[1:]
-        if words and f" {' '.join(tokens(' '.join(words)))} " not in said:
-            found.append(" ".join(words))
-    return found[-1] if found else ""
-
-
-def content_words(question: str, limit: int = 8) -> list[str]:
-    """The question's first `limit` words that are not stop words, in its order and spelling."""
-    return [w for w in _WORD.findall(question) if w.lower() not in STOP_WORDS][:limit]
-
-
-def reask_request(question: str, reply: str) -> str:
-    """A second request from the first reply: its entity (`reply_entity`) followed by the question's content
-    words the reply did not restate ('' when the reply states no entity). Generic: it needs no knowledge of
-    the world, only the reply, so it is a reference for what a re-asking agent can do."""
-    entity = reply_entity(reply, question)
-    if not entity:
-        return ""
-    said = content_tokens(reply)
-    return " ".join([entity, *(w for w in content_words(question) if w.lower() not in said)])

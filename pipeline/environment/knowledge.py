@@ -26,29 +26,25 @@ Sources: Parquet files in verl's RL schema (`extra_info.question`, `reward_model
 build stage writes), Parquet or JSON-lines files with `question` and `answers` columns, or folders of such
 Parquet files. `environment.knowledge.mode: terse` swaps in `pipeline.environment.terse`'s rules (a request
 length limit the long questions exceed, replies with distractors); `hops` swaps in `pipeline.environment.hops`
-(one subject per request, single-hop facts of a made-up world, so a 2-hop question needs two requests). Started and stopped by
-`pipeline.environment.servers` (backend `knowledge`) like llama.cpp:
-    python -m pipeline.environment.knowledge --source data/rl/train.parquet --source data/rl/eval \\
-        --host 127.0.0.1 --port 8765 --served-name knowledge-base --min-overlap 0.6
+(one subject per request, single-hop facts of a made-up world, so a 2-hop question needs two requests). Both
+build on this module's `KnowledgeBase`, so the mode is chosen one level up, in
+`pipeline.environment.knowledge_server`, which serves the chosen knowledge base with this module's
+`make_server` and is started and stopped by `pipeline.environment.servers` (backend `knowledge`) like
+llama.cpp.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import re
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -254,59 +250,3 @@ def make_server(kb: KnowledgeBase, host: str, port: int, served_name: str) -> Th
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
     return server
-
-
-def knowledge_base(facts: Iterable[tuple[str, Sequence[str]]], min_overlap: float = 0.6,
-                   mode: str = "question") -> KnowledgeBase:
-    """The knowledge base of `environment.knowledge.mode`: `question` (this module's rules), `terse`
-    (pipeline/environment/terse.py: a request length limit, matching on key words, replies with distractors)
-    or `hops` (pipeline/environment/hops.py: one subject per request, single-hop facts of a made-up world)."""
-    if mode == "hops":
-        from pipeline.environment.hops import HopsKnowledgeBase
-
-        return HopsKnowledgeBase(facts, min_overlap)
-    if mode == "terse":
-        from pipeline.environment.terse import TerseKnowledgeBase
-
-        return TerseKnowledgeBase(facts, min_overlap)
-    if mode != "question":
-        raise ValueError(f"environment.knowledge.mode={mode!r}: expected question, terse or hops")
-    return KnowledgeBase(facts, min_overlap)
-
-
-def knowledge_command(cfg: EnvironmentConfig, root: Path) -> list[str]:
-    """The command that serves `cfg.knowledge` on `cfg.host:cfg.port` (sources resolved against `root`)."""
-    sources: list[str] = []
-    for source in cfg.knowledge.sources:
-        path = Path(source)
-        sources += ["--source", str(path if path.is_absolute() else root / path)]
-    return [sys.executable, "-m", "pipeline.environment.knowledge", *sources,
-            "--min-overlap", str(cfg.knowledge.min_overlap), "--mode", cfg.knowledge.mode,
-            "--served-name", cfg.served_name,
-            "--host", cfg.host, "--port", str(cfg.port)]
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Serve a knowledge base as an OpenAI-compatible environment.")
-    parser.add_argument("--source", action="append", required=True, help="Parquet/JSONL file or folder")
-    parser.add_argument("--min-overlap", type=float, default=0.6)
-    parser.add_argument("--mode", choices=["question", "terse", "hops"], default="question",
-                        help="terse: pipeline/environment/terse.py's request limit and distractors; "
-                             "hops: pipeline/environment/hops.py's one-subject look-ups")
-    parser.add_argument("--served-name", default="knowledge-base")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    kb = knowledge_base(load_facts(args.source), args.min_overlap, args.mode)
-    server = make_server(kb, args.host, args.port, args.served_name)
-    logger.info("knowledge environment (%s mode): %d questions, min_overlap %g, serving %r at http://%s:%d/v1",
-                args.mode, len(kb), args.min_overlap, args.served_name, args.host, server.server_address[1])
-    try:
-        server.serve_forever(poll_interval=0.2)
-    finally:
-        server.server_close()
-
-
-if __name__ == "__main__":
-    main()

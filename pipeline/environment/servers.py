@@ -7,7 +7,7 @@ Backends (`environment.backend`):
   `python -m llama_cpp.server` (`llama-cpp-python`). The CPU default; starts in about two seconds.
 - `vllm`: `vllm serve <model>` with the tensor-parallel size, GPU memory fraction and max model length
   from `environment.server` (GPT-OSS-20B in the paper profile). Built here, runs on GPU nodes only.
-- `knowledge`: `python -m pipeline.environment.knowledge` on `environment.knowledge.sources`, an environment
+- `knowledge`: `python -m pipeline.environment.knowledge_server` on `environment.knowledge.sources`, an environment
   that knows the questions' gold answers (the `learn` profile; see that module). Starts in about a second.
 - `api`: a paid endpoint; nothing is started, but the key variable must be set (fails fast otherwise).
 
@@ -48,7 +48,7 @@ import httpx
 from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
 from pipeline.environment.harmony import encodings_dir, harmony_server_env, needs_harmony, verify_encodings
-from pipeline.environment.knowledge import knowledge_command
+from pipeline.environment.knowledge_server import knowledge_command
 from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.hardware import server_threads
@@ -203,6 +203,26 @@ def check_serves_configured_model(cfg: EnvironmentConfig, models: list[str]) -> 
             f"the server answering at {cfg.url} serves {models}, not environment.served_name={cfg.served_name!r}: "
             "stop it, point environment.port/base_url elsewhere, or set environment.served_name to what it serves"
         )
+
+
+def check_environment_answers(cfg: EnvironmentConfig, timeout_s: float = 5.0) -> None:
+    """Raise EnvironmentUnavailable, naming the URL and what to start, unless the endpoint answers
+    `GET <url>/models` (and lists the configured model, when it lists any).
+
+    For callers that start no server (the pyfunc agent, `promptr1 serve`): without this one check, a missing
+    environment costs every call its full retry schedule (~170 s per question) and the agent then "answers"
+    from error notes, an empty answer with no error. One probe of a few seconds says it at once.
+    """
+    key = resolve_api_key(cfg) if cfg.backend == "api" else None
+    models = served_models(cfg.url, key, timeout_s)
+    if models is None:
+        raise EnvironmentUnavailable(
+            f"the agent's environment does not answer at {cfg.url} (GET {cfg.url.rstrip('/')}/models failed "
+            f"within {timeout_s:g} s): start it first (`promptr1 env start`, or llama.cpp/vLLM serving "
+            f"{cfg.served_name!r} there), or point the model at a running one with "
+            "model_config={'environment': {'base_url': 'http://host:port/v1'}}"
+        )
+    check_serves_configured_model(cfg, models)
 
 
 # -- start / stop ---------------------------------------------------------------------------------------

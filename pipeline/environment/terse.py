@@ -142,13 +142,3 @@ class TerseKnowledgeBase(KnowledgeBase):
             PHRASES[(seed // 7 + k) % len(PHRASES)].format(label=label, answer=answer)
             for k, (label, answer) in enumerate(entries)
         )
-
-
-def answered(reply: str) -> bool:
-    """Whether an environment reply (any mode) answers the request: not a refusal, not 'unknown', not a `hops`
-    reply that states no fact."""
-    from pipeline.environment.hops import refused
-
-    text = reply.strip()
-    return (bool(text) and text != UNKNOWN_REPLY and not text.startswith(TOO_LONG_REPLY.split("{")[0])
-            and not refused(text))

@@ -30,18 +30,11 @@ from pipeline.evaluation.systems import TRAINED, Answer
 if TYPE_CHECKING:
     from pipeline.config import EnvironmentConfig
 
-GEPA_PROMPT_FILE = "prompt.json"
-STEPS_CSV = "train/steps.csv"
 ENV_STEP_COLUMNS = ("env/calls", "env/cache_hits", "env/prompt_tokens", "env/completion_tokens", "env/cost_usd")
 
 
-def gepa_prompt_path(gepa_dir: Path) -> Path:
-    """Where the gepa stage writes, and the evaluation reads, the optimised instruction (`paths.gepa_dir`)."""
-    return gepa_dir / GEPA_PROMPT_FILE
-
-
 def read_gepa_prompt(path: Path) -> dict[str, Any]:
-    """The gepa stage's output (see `pipeline.stages.gepa`) at `path` (`gepa_prompt_path`)."""
+    """The gepa stage's output (see `pipeline.stages.gepa`) at `path` (`<paths.gepa_dir>/prompt.json`, pipeline.stage_files.GEPA_PROMPT_FILE)."""
     if not path.is_file():
         raise UserError(f"no optimised prompt at {path}: run `promptr1 gepa` (dvc repro gepa) or drop `gepa` "
                         "from evaluate.baselines")

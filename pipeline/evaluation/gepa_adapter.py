@@ -19,7 +19,7 @@ from pipeline.metrics import token_f1
 if TYPE_CHECKING:
     from pipeline.environment.client import EnvironmentClient
 
-log = logging.getLogger("pipeline.stages.gepa")  # GEPA's lines under the stage's logger, as before
+log = logging.getLogger("pipeline.stages.gepa")  # GEPA's lines under the stage's logger
 
 COMPONENT = "instruction"
 """The one text component GEPA evolves: what the env_only prompt appends to the question."""

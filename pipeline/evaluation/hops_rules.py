@@ -4,7 +4,7 @@ Why: the `hops` mode (pipeline/environment/hops.py) is a test of the agent's *se
 fixed rule gets the 2-hop answers. Each strategy here is a few lines, asked exactly as the server answers
 (`trivial_rules.ask`: the same reply and `max_tokens` cut), with no agent and no training, at most two
 requests (the learn-hops profile's `agent.max_turns: 3`: two requests, then the answer). The answer is read
-with `hops.reply_entity` from the last reply that states a fact (else from an earlier one).
+with `knowledge_replies.reply_entity` from the last reply that states a fact (else from an earlier one).
 
 Trivial rules (`TRIVIAL`), what a person would try first:
 - `prior_per_relation`: no request; the most common answer of the question's relation among the training
@@ -19,8 +19,8 @@ Trivial rules (`TRIVIAL`), what a person would try first:
 References (`REFERENCES`), not trivial:
 - `informed`: the question, then "{relation} of {bridge}", the relation taken from the question's chain
   (what the world's designer knows): the ceiling of a two-request strategy;
-- `reask`: the question, then `hops.reask_request` (the first reply's entity followed by the question's
-  content words the reply did not restate): a generic re-ask that needs no knowledge of the world, and the
+- `reask`: the question, then `knowledge_replies.reask_request` (the first reply's entity followed by the
+  question's content words the reply did not restate): a generic re-ask that needs no knowledge of the world, and the
   second request of the learn-hops warm-up's demonstrations (`train.warmup.followup: reask`).
 """
 
@@ -32,10 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.environment.hops import content_words, reask_request, reply_entity
 from pipeline.environment.hops_world import World
 from pipeline.environment.knowledge import KnowledgeBase
-from pipeline.environment.terse import answered
+from pipeline.environment.knowledge_replies import answered, content_words, reask_request, reply_entity
 from pipeline.evaluation.trivial_rules import ask
 from pipeline.metrics import exact_match, token_f1
 

@@ -36,7 +36,7 @@ from pipeline.evaluation.systems import BASELINES, evaluation_params
 
 if TYPE_CHECKING:
     from pipeline.config import Params
-    from pipeline.config.sections import EnvironmentConfig
+    from pipeline.config.environment import EnvironmentConfig
 
 MATRIX_FILE = "matrix.csv"
 MATRIX_METRIC = "f1"

@@ -1,4 +1,4 @@
-"""What the evaluate stage resolves from the params, once, at its entry (issue 29: one plan per stage).
+"""What the evaluate stage resolves from the params, once, at its entry (one plan per stage).
 
 `EvaluatePlan.for_evaluate(params)` decides every fact the stage's parts would otherwise re-derive from the
 whole params: the files it reads and writes, who runs the agents (`evaluate.agent_engine` with `auto`
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig, Params
 from pipeline.evaluation.agent_server import agent_engine, rollout_batch_size
-from pipeline.evaluation.costs import GEPA_PROMPT_FILE, STEPS_CSV
 from pipeline.evaluation.matrix import variant_params
 from pipeline.evaluation.systems import evaluation_params
+from pipeline.stage_files import EVAL_REPORTS_DIR, EVAL_SETS_DIR, GEPA_PROMPT_FILE, STEPS_CSV
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ class EvaluatePlan:
         return cls(
             root=params.root,
             seed=params.seed,
-            rows_dir=params.path(params.paths.rl_dir) / "eval",
-            out_dir=reports_dir / "eval",
+            rows_dir=params.path(params.paths.rl_dir) / EVAL_SETS_DIR,
+            out_dir=reports_dir / EVAL_REPORTS_DIR,
             model_dir=params.path(params.paths.model_dir),
             gepa_prompt=params.path(params.paths.gepa_dir) / GEPA_PROMPT_FILE,
             steps_csv=reports_dir / STEPS_CSV,

@@ -53,9 +53,8 @@ from pipeline.evaluation.scores import SPLITS, Scores, other_mode
 from pipeline.evaluation.systems import SYSTEM_LABELS, Answer
 from pipeline.evaluation.traces import TraceIds, evaluation_table
 from pipeline.evaluation.verdict import gepa_kept_seed, metric_label, system_label, verdict_markdown
+from pipeline.stage_files import EVAL_SUMMARY_FILE, FIGURES_FILE, HEADLINE_FILE, METRICS_FILE
 from pipeline.tracking.headline import (
-    FIGURES_FILE,
-    HEADLINE_FILE,
     figures,
     headline,
     last_step_reward,
@@ -330,7 +329,7 @@ def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, plan: Eval
         if pd.api.types.is_object_dtype(redacted[column]) or pd.api.types.is_string_dtype(redacted[column]):
             redacted[column] = redacted[column].map(redact_value, na_action="ignore")
     write_parquet_atomic(pa.Table.from_pandas(redacted, preserve_index=False), out_dir / "predictions.parquet")
-    write_json_atomic(summary, out_dir / "metrics.json")
+    write_json_atomic(summary, out_dir / METRICS_FILE)
     write_json_atomic(headline(summary), out_dir / HEADLINE_FILE)
     write_json_atomic(figures(summary, last_step_reward(plan.steps_csv)), out_dir / FIGURES_FILE)
     write_text_atomic(plot_rows(summary).to_csv(index=False), out_dir / "plot_data.csv")
@@ -339,7 +338,7 @@ def write_reports(summary: dict[str, Any], predictions: pd.DataFrame, plan: Eval
         points = quality_cost_rows(summary, PLOT_METRIC)
         write_text_atomic(points.to_csv(index=False), out_dir / "quality_cost.csv")
         plots.append(write_quality_cost_plot(points, out_dir / "plots" / "quality_vs_cost.png"))
-    write_text_atomic(summary_markdown(summary, plan), out_dir / "summary.md")
+    write_text_atomic(summary_markdown(summary, plan), out_dir / EVAL_SUMMARY_FILE)
     return plots
 
 
@@ -370,7 +369,7 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
     log_dataset_inputs({f"eval/{d}": (_input_frame(rows), plan.rows_dir / f"{d}.parquet")
                         for d, rows in rows_by_ds.items()}, context="evaluation")
     mlflow.log_table(evaluation_table(predictions, trace_ids or {}), artifact_file="eval/predictions.json")
-    for name in ("metrics.json", HEADLINE_FILE, FIGURES_FILE, "summary.md", "plot_data.csv", "quality_cost.csv", MATRIX_FILE):
+    for name in (METRICS_FILE, HEADLINE_FILE, FIGURES_FILE, EVAL_SUMMARY_FILE, "plot_data.csv", "quality_cost.csv", MATRIX_FILE):
         if (out_dir / name).is_file():
             mlflow.log_artifact(str(out_dir / name), artifact_path="eval")
     for path in plots:

@@ -22,7 +22,7 @@ Readings:
 `INFORMED_RULES` holds one more rule that is not trivial (`read_label_match`: it reads `terse`'s entries and
 picks the one labelled with the request's words), to show what a reading of that mode's replies can reach.
 Every combination is a rule (`RULES`); `evaluate_rules` scores each on F1/EM and on how often the request was
-answered (`terse.answered`), per question, so the CIs can be recomputed.
+answered (`knowledge_replies.answered`), per question, so the CIs can be recomputed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.environment.knowledge import REPLY_TEMPLATES, KnowledgeBase, completion_body, content_tokens
-from pipeline.environment.terse import MAX_REQUEST_WORDS, PHRASES, answered
+from pipeline.environment.knowledge_replies import answered
+from pipeline.environment.terse import MAX_REQUEST_WORDS, PHRASES
 from pipeline.metrics import exact_match, token_f1
 
 _TOKEN = re.compile(r"[A-Za-z0-9]+")

@@ -15,7 +15,7 @@ Design decisions:
   environment JSON, so one registered agent can be pointed at another endpoint (plug-and-play, method.md).
   The pyfunc starts no server: the endpoint must be up (`promptr1 env start`, vLLM, or a paid API whose key
   is in the named variable). `predict` probes it once first and raises `EnvironmentDown` naming the
-  URL and what to start (pipeline/environment/health.py), instead of retrying each call for minutes. It is
+  URL and what to start (pipeline/environment/servers.py), instead of retrying each call for minutes. It is
   both the project's `EnvironmentUnavailable` and an `MlflowException` with error code
   `TEMPORARILY_UNAVAILABLE`, which MLflow's scoring server answers with HTTP 503 and the line as the JSON
   `message` (any other exception becomes MLflow's generic 400 blaming the input).
@@ -137,7 +137,7 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
         from pipeline.agent.rollout import run_rollout, trajectory_record
         from pipeline.agent.template import render_user_message
         from pipeline.environment.client import EnvironmentClient
-        from pipeline.environment.health import check_environment_answers
+        from pipeline.environment.servers import check_environment_answers
         from pipeline.types import PromptItem
 
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)

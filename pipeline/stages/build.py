@@ -35,6 +35,7 @@ from pipeline.data.plan import BuildPlan, sampled_path, validate_summary_path
 from pipeline.data.schema import write_json_atomic, write_parquet_atomic
 from pipeline.data.sources import authors_eval_path, get_spec, load_authors_eval
 from pipeline.errors import DataError
+from pipeline.stage_files import BUILD_REPORTS_DIR, EVAL_SETS_DIR, SUMMARY_FILE, TRAIN_FILE
 from pipeline.stages.validate import file_sha256
 
 log = logging.getLogger(__name__)
@@ -156,11 +157,11 @@ def run_build(params: Params) -> dict[str, Any]:
     summary: dict[str, Any] = {"train": {}, "eval": {}, "skipped": []}
 
     rows, per_dataset = _train_rows(plan)
-    write_parquet_atomic(pa.Table.from_pylist(rows, schema=RL_SCHEMA), rl_dir / "train.parquet")
+    write_parquet_atomic(pa.Table.from_pylist(rows, schema=RL_SCHEMA), rl_dir / TRAIN_FILE)
     summary["train"] = {
         "rows": len(rows),
         "rows_per_dataset": per_dataset,
-        "file": plan.shown(rl_dir / "train.parquet"),
+        "file": plan.shown(rl_dir / TRAIN_FILE),
     }
     for ds in [d for d, n in per_dataset.items() if n == 0]:
         summary["skipped"].append(ds)
@@ -191,7 +192,7 @@ def run_build(params: Params) -> dict[str, Any]:
             render_user_message(r.question, ds, dataset_instruction=r.has_instruction) == r.prompt_content
             for r in eval_rows
         )
-        target = rl_dir / "eval" / f"{ds}.parquet"
+        target = rl_dir / EVAL_SETS_DIR / f"{ds}.parquet"
         write_parquet_atomic(pa.Table.from_pylist(out, schema=RL_SCHEMA), target)
         summary["eval"][ds] = {
             "rows": len(out),
@@ -201,7 +202,7 @@ def run_build(params: Params) -> dict[str, Any]:
             "rows_with_dataset_instruction": sum(r.has_instruction for r in eval_rows),
         }
     summary["eval_rows_total"] = sum(e["rows"] for e in summary["eval"].values())
-    write_json_atomic(summary, plan.reports_dir / "build" / "summary.json")
+    write_json_atomic(summary, plan.reports_dir / BUILD_REPORTS_DIR / SUMMARY_FILE)
     log.debug(
         "built %s (%d rows) and %d evaluation files (%d rows)",
         summary["train"]["file"],

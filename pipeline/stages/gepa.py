@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from pipeline.errors import DataError, UserError
-from pipeline.evaluation.costs import gepa_prompt_path
 from pipeline.evaluation.gepa_adapter import (
     COMPONENT,
     EnvironmentInstructionAdapter,
@@ -63,6 +62,7 @@ from pipeline.evaluation.gepa_adapter import (
 from pipeline.evaluation.systems import evaluation_params
 from pipeline.progress import progress
 from pipeline.stage_figures import gepa_outcome
+from pipeline.stage_files import GEPA_PROMPT_FILE, GEPA_REPORTS_DIR, METRICS_FILE, TRAIN_FILE
 from pipeline.types import UsageStats
 
 if TYPE_CHECKING:
@@ -107,9 +107,9 @@ class GepaPlan:
         from pipeline.environment.client import CACHE_FILE
 
         task_params = evaluation_params(params)
-        return cls(gepa=params.gepa, train_file=params.path(params.paths.rl_dir) / "train.parquet",
-                   prompt_file=gepa_prompt_path(params.path(params.paths.gepa_dir)),
-                   out_dir=params.path(params.paths.reports_dir) / "gepa",
+        return cls(gepa=params.gepa, train_file=params.path(params.paths.rl_dir) / TRAIN_FILE,
+                   prompt_file=params.path(params.paths.gepa_dir) / GEPA_PROMPT_FILE,
+                   out_dir=params.path(params.paths.reports_dir) / GEPA_REPORTS_DIR,
                    seed_instruction=params.evaluate.env_only_instruction, task_params=task_params,
                    reflection=reflection_config(task_params.environment, params.gepa),
                    cache=params.path(params.paths.cache_dir) / CACHE_FILE)
@@ -308,7 +308,7 @@ def run_gepa(params: Params) -> dict[str, Any]:
         out_dir = plan.out_dir
         metrics = report_metrics(content)
         write_json_atomic(content, plan.prompt_file)
-        write_json_atomic(metrics, out_dir / "metrics.json")
+        write_json_atomic(metrics, out_dir / METRICS_FILE)
         write_text_atomic(history_frame(content).to_csv(index=False), out_dir / "history.csv")
         describe_stage("gepa", describe_gepa(metrics))
         mlflow.log_params({f"gepa.{k}": v for k, v in plan.gepa.model_dump().items()})

@@ -41,6 +41,7 @@ import torch
 
 from pipeline.config import AgentConfig, EnvironmentConfig, Params, RewardConfig, TrainConfig
 from pipeline.errors import UserError
+from pipeline.stage_files import MERGE_REPORT_FILE, STEPS_CSV, TRAIN_FILE
 from pipeline.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
@@ -66,14 +67,12 @@ class MergePlan:
 
     @classmethod
     def from_params(cls, params: Params) -> MergePlan:
-        from pipeline.train.step_metrics import steps_csv_path
-
         return cls(root=params.root, agent=params.agent, train=params.train, reward=params.reward,
                    environment=params.environment, train_datasets=tuple(params.data.train_datasets),
                    checkpoint_dir=params.path(params.paths.checkpoint_dir),
                    model_dir=params.path(params.paths.model_dir), rl_dir=str(params.paths.rl_dir),
-                   train_file=params.path(params.paths.rl_dir) / "train.parquet",
-                   steps_csv=steps_csv_path(params.path(params.paths.reports_dir)))
+                   train_file=params.path(params.paths.rl_dir) / TRAIN_FILE,
+                   steps_csv=params.path(params.paths.reports_dir) / STEPS_CSV)
 
 PROBE_MESSAGES = [{"role": "user", "content": "Question: Who wrote Hamlet?\nAnswer briefly."}]
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
@@ -243,9 +242,9 @@ def _data_summary(plan: MergePlan) -> dict[str, Any]:
 
     path = plan.train_file
     if not path.is_file():
-        return {"train_file": plan.rl_dir + "/train.parquet", "present": False}
+        return {"train_file": f"{plan.rl_dir}/{TRAIN_FILE}", "present": False}
     md5 = hashlib.md5(path.read_bytes()).hexdigest()
-    info: dict[str, Any] = {"train_file": f"{plan.rl_dir}/train.parquet", "md5": md5}
+    info: dict[str, Any] = {"train_file": f"{plan.rl_dir}/{TRAIN_FILE}", "md5": md5}
     try:
         import pyarrow.parquet as pq
 
@@ -336,7 +335,7 @@ def run_merge(params: Params) -> MergeReport:
         card = model_card(plan, report)
         (tmp / "README.md").write_text(card)
         (tmp / "MODEL_CARD.md").write_text(card)
-        (tmp / "merge_report.json").write_text(json.dumps(report.__dict__, indent=2))
+        (tmp / MERGE_REPORT_FILE).write_text(json.dumps(report.__dict__, indent=2))
         _publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

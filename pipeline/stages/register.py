@@ -38,8 +38,8 @@ register run's tags/metrics, and one printed line.
 
 Models: one copy per version. The registered pyfunc `agent` (pipeline/serving/agent_model.py) bundles the merged
 directory (copied from the *path*, never loaded), the environment configuration (key variable name only) and
-the pipeline code, logged from code (pipeline/serving/model_code.py); `artifacts/agent` is the HF model. A second log
-(transformers flavor) of the same directory used to double every registration (1.1 GB a run) for nothing the registry used.
+the pipeline code, logged from code (pipeline/serving/model_code.py); `artifacts/agent` is the HF model. No second log
+(transformers flavor) of the same directory: it would double every registration (1.1 GB a run) for nothing the registry uses.
 `pip_requirements` are pinned so MLflow does not load the model again to infer them.
 """
 
@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
+from pipeline.stage_files import EVAL_REPORTS_DIR, METRICS_FILE, PROMOTION_FILE
 from pipeline.tracking.promotion import (
     EvalAverages,
     PromotionDecision,
@@ -68,7 +69,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROMOTION_FILE = "promotion.json"
 PRODUCTION_ALIAS = "champion"
 EXPERIMENT_PROFILES = frozenset({"learn", "learn-hops"})
 """Profiles whose models are experiments: they may never move the production alias."""
@@ -99,7 +99,7 @@ class RegisterPlan:
         reports_dir = params.path(params.paths.reports_dir)
         return cls(profile=params.profile, register=params.register, root=params.root,
                    model_dir=params.path(params.paths.model_dir), model_dir_param=params.paths.model_dir,
-                   metrics_file=reports_dir / "eval" / "metrics.json", promotion_file=reports_dir / PROMOTION_FILE,
+                   metrics_file=reports_dir / EVAL_REPORTS_DIR / METRICS_FILE, promotion_file=reports_dir / PROMOTION_FILE,
                    lock_dir=params.path(params.paths.cache_dir), environment_json=environment_json(params),
                    model_config=_agent_model_config(params))
 

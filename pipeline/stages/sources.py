@@ -48,12 +48,10 @@ from pipeline.config import Params
 from pipeline.config.specs import source_paths
 from pipeline.data.schema import display_path
 from pipeline.data.sources import AUTHORS_EVAL_URL, REGISTRY, DatasetSpec, SourcePaths
+from pipeline.stage_files import SOURCES_DIR, SOURCES_EVAL_FILE
 
 log = logging.getLogger(__name__)
 
-SOURCES_DIR = "data/sources"
-"""Relative to the project root; dvc.yaml's `sources` stage declares it as its output."""
-EVAL_FILE = "eval.json"
 UNREACHABLE = "unreachable"
 HUB_TIMEOUT_S = 10.0
 _HASH_CACHE = "sources_md5.json"
@@ -166,7 +164,7 @@ def fingerprints(where: SourcePaths) -> dict[str, dict[str, Any]]:
                             "revision": revisions[hub.path]}
         entry["eval"] = evals[spec.name] = _eval_entry(mirror, spec, cache)
         out[f"{spec.name}.json"] = entry
-    out[EVAL_FILE] = {"source": "mirror" if mirror is not None else "hub", "eval": evals}
+    out[SOURCES_EVAL_FILE] = {"source": "mirror" if mirror is not None else "hub", "eval": evals}
     cache.save()
     return out
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.config import Params
 from pipeline.environment.sanitize import sanitized_json_copy
+from pipeline.stage_files import RUN_FILE
 from pipeline.tracking import runs as tracking
 from pipeline.train.record import log_training_record
 
@@ -49,7 +50,7 @@ def run_train(params: Params) -> None:
     plan = TrainPlan.from_params(params)
     backend = plan.train.backend
     complete = training_complete(plan)
-    if complete and (plan.reports_dir / tracking.RUN_FILE).is_file():
+    if complete and (plan.reports_dir / RUN_FILE).is_file():
         log.info("train: already complete at %s (checkpoints in %s); nothing to do",
                  training_progress(plan).describe(), params.paths.checkpoint_dir)
         return
@@ -77,14 +78,14 @@ def run_train(params: Params) -> None:
             log_training_record(plan, progress)
             tracking.describe_stage("train", describe_training(plan, {}))
             # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.
-            from pipeline.train.trajectory_log import TRAJECTORIES_FILE
+            from pipeline.stage_files import TRAJECTORIES_FILE
 
             empty_log = plan.steps_csv.with_name(TRAJECTORIES_FILE)
             empty_log.parent.mkdir(parents=True, exist_ok=True)
             empty_log.touch()
             return
+        from pipeline.stage_files import TRAJECTORIES_FILE
         from pipeline.train.local import train_local
-        from pipeline.train.trajectory_log import TRAJECTORIES_FILE
 
         final = train_local(plan, run)
         log_training_record(plan, training_progress(plan))

@@ -33,8 +33,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-HEADLINE_FILE = "headline.json"
-FIGURES_FILE = "figures.json"
+from pipeline.stage_files import FIGURES_FILE, HEADLINE_FILE
+
 HEADLINE_KEYS = ("id_r1", "id_bo", "id_d", "id_lo", "id_hi", "od_r1", "od_bo", "od_d", "od_lo", "od_hi", "tok")
 """headline.json's keys, in order: what `dvc metrics show` prints in one row of at most 120 columns."""
 MAX_FIGURES_VALUES = 30

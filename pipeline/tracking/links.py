@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pipeline.config.specs import RUN_FILE, TrackingSpec
+from pipeline.config.specs import TrackingSpec
 from pipeline.paths import display_path
+from pipeline.stage_files import RUN_FILE
 from pipeline.tracking.runs import tracking_uri
 
 log = logging.getLogger(__name__)

@@ -40,6 +40,7 @@ import pandas as pd
 import torch
 
 from pipeline.errors import BudgetExceeded, EnvironmentUnhealthy, UserError
+from pipeline.stage_files import TRAJECTORIES_FILE
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import health, warmup
 from pipeline.train.models import (
@@ -60,7 +61,7 @@ from pipeline.train.step_metrics import (
     write_warmup_csv,
 )
 from pipeline.train.trainer import LocalTrainer
-from pipeline.train.trajectory_log import TRAJECTORIES_FILE, TrajectoryLog, log_step_traces
+from pipeline.train.trajectory_log import TrajectoryLog, log_step_traces
 
 if TYPE_CHECKING:
     from pipeline.config import TrainConfig

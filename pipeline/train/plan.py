@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from pipeline.config.specs import tracking_spec
 from pipeline.environment.spec import ServerSpec
 from pipeline.modelref import ModelRefError, ResolvedModel, resolve_model
-from pipeline.train.step_metrics import STEPS_CSV
+from pipeline.stage_files import EVAL_SETS_DIR, STEPS_CSV, TRAIN_FILE
 
 if TYPE_CHECKING:
     from pipeline.config import AgentConfig, EnvironmentConfig, Params, RewardConfig, TrainConfig
@@ -104,9 +104,9 @@ class TrainPlan:
     @property
     def train_file(self) -> Path:
         """The training set the build stage writes."""
-        return self.rl_dir / "train.parquet"
+        return self.rl_dir / TRAIN_FILE
 
     @property
     def eval_files(self) -> list[Path]:
         """The evaluation sets the build stage writes, in params' order (ID then OOD)."""
-        return [self.rl_dir / "eval" / f"{name}.parquet" for name in self.eval_datasets]
+        return [self.rl_dir / EVAL_SETS_DIR / f"{name}.parquet" for name in self.eval_datasets]

@@ -21,9 +21,9 @@ from typing import get_args
 import pandas as pd
 import torch
 
+from pipeline.stage_files import STEPS_CSV
 from pipeline.types import StopReason, Trajectory
 
-STEPS_CSV = "train/steps.csv"
 WARMUP_CSV = "train/warmup.csv"
 """The format warm-up's metrics (pipeline.train.warmup), one row per warm-up step, beside steps.csv."""
 

@@ -26,8 +26,6 @@ from pipeline.environment.sanitize import redact_value
 from pipeline.tracking.traces import flush_traces, log_trajectory_trace
 from pipeline.types import Trajectory
 
-TRAJECTORIES_FILE = "trajectories.jsonl"
-
 
 class TrajectoryLog:
     """Append-only JSONL of the trajectories of each step (see module docstring)."""

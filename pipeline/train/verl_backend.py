@@ -88,6 +88,7 @@ from urllib.parse import urlsplit
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, TrainingIncomplete, UserError
 from pipeline.placement import private_ray_devices
+from pipeline.stage_files import EVAL_SETS_DIR
 from pipeline.train import health
 from pipeline.train.verl_health import BreachSeen, VerlHealthWatch
 from pipeline.train.verl_progress import VerlProgress
@@ -165,7 +166,7 @@ def _preflight(plan: TrainPlan) -> list[Path]:
     if missing:
         log.warning("validation sets not found, left out of verl validation: %s", ", ".join(missing))
     if not present and (plan.train.verl.val_before_train or plan.train.verl.test_freq > 0):
-        raise DataError(f"no evaluation set under {plan.rl_dir / 'eval'}: run the build stage")
+        raise DataError(f"no evaluation set under {plan.rl_dir / EVAL_SETS_DIR}: run the build stage")
     return present
 
 
@@ -272,11 +273,11 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
         raise UserError(f"verl training failed with exit code {rc}{hint}; see {reports / 'verl.log'}. "
                         f"Last lines:\n{tail}")
     verified = progress.verify()
-    rows = export_steps_csv(run_id, reports / "steps.csv")
-    log.info("verl finished: %d logged steps written to %s", rows, reports / "steps.csv")
+    rows = export_steps_csv(run_id, plan.steps_csv)
+    log.info("verl finished: %d logged steps written to %s", rows, plan.steps_csv)
     import mlflow
 
-    mlflow.log_artifact(str(reports / "steps.csv"), artifact_path="train")
+    mlflow.log_artifact(str(plan.steps_csv), artifact_path="train")
     mlflow.log_artifact(str(reports / "verl_overrides.txt"), artifact_path="train")
     return verified
 

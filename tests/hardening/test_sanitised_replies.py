@@ -169,7 +169,8 @@ def test_hostile_reply_reaches_trajectories_jsonl_without_secrets(tmp_path, monk
     from pipeline.agent.protocol import parse_turn
     from pipeline.config import EnvironmentConfig
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.train.trajectory_log import TRAJECTORIES_FILE, TrajectoryLog
+    from pipeline.stage_files import TRAJECTORIES_FILE
+    from pipeline.train.trajectory_log import TrajectoryLog
     from pipeline.types import PromptItem, Trajectory, Turn
 
     canary = f"canary{uuid.uuid4().hex}"

@@ -28,8 +28,9 @@ from pipeline.data.sources.authors_eval import (
     load_authors_eval,
     normalised_eval_row,
 )
-from pipeline.data.sources.reading import MIRROR_COLUMNS, RawSource, SourcePaths, load_raw, read_mirror_file
+from pipeline.data.sources.reading import RawSource, SourcePaths, load_raw, read_mirror_file
 from pipeline.data.sources.registry import (
+    MIRROR_COLUMNS,
     PAPER_ORDER,
     REGISTRY,
     BadRow,

@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeline.agent.template import split_user_message
 from pipeline.data.schema import display_path
+from pipeline.data.sources.generated import generated_files
 from pipeline.data.sources.reading import SourcePaths, read_mirror_file
 from pipeline.data.sources.registry import DatasetSpec
 from pipeline.errors import DataError
@@ -26,9 +27,7 @@ def authors_eval_path(where: SourcePaths, spec: DatasetSpec) -> Path:
     """Local path of the authors' evaluation file (fetched into the cache once in Hub mode); for a generated
     dataset, its held-out file (`generated.generated_files`)."""
     if spec.generated is not None:
-        from pipeline.data.sources.generated import generated_files
-
-        return generated_files(where, spec)[1]
+        return generated_files(where.cache_dir, spec)[1]
     if where.mirror is not None:
         return where.mirror / "prompt-r1" / "eval" / spec.eval_file
     target = where.cache_dir / "prompt-r1" / "eval" / spec.eval_file

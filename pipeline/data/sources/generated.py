@@ -3,7 +3,7 @@
 A generated dataset (`registry.GeneratedSource`, the `hops` world) has no Hub id and no mirror file. So that
 `sample`, `validate`, `build` and the leakage check treat it exactly like the others (the same readers, the
 same checks, the sha256 that `build` compares), its rows are written to `<paths.cache_dir>/generated/<name>/`:
-- `train.parquet`: the training rows in the mirror's columns (`reading.MIRROR_COLUMNS`);
+- `train.parquet`: the training rows in the mirror's columns (`registry.MIRROR_COLUMNS`);
 - `eval.parquet`: the held-out rows in the authors' evaluation layout (`prompt` = the rendered Prompt-R1
   user message, `reward_model.ground_truth`), which `authors_eval.load_authors_eval` reads back.
 The rows are deterministic and the files are rewritten only when their bytes differ, so an unchanged
@@ -20,8 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.agent.template import render_user_message
-from pipeline.data.sources.reading import MIRROR_COLUMNS, SourcePaths
-from pipeline.data.sources.registry import DatasetSpec
+from pipeline.data.sources.registry import MIRROR_COLUMNS, DatasetSpec
 
 TRAIN_SCHEMA = pa.schema(
     [
@@ -45,8 +44,9 @@ EVAL_SCHEMA = pa.schema(
 )
 
 
-def generated_dir(where: SourcePaths, spec: DatasetSpec) -> Path:
-    return where.cache_dir / "generated" / spec.name
+def generated_dir(cache_dir: Path, spec: DatasetSpec) -> Path:
+    """The folder of a generated dataset's files under `paths.cache_dir`."""
+    return cache_dir / "generated" / spec.name
 
 
 def _write_if_changed(table: pa.Table, path: Path) -> None:
@@ -61,11 +61,12 @@ def _write_if_changed(table: pa.Table, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def generated_files(where: SourcePaths, spec: DatasetSpec) -> tuple[Path, Path]:
-    """(training file, held-out file) of a generated dataset, written first when absent or changed."""
+def generated_files(cache_dir: Path, spec: DatasetSpec) -> tuple[Path, Path]:
+    """(training file, held-out file) of a generated dataset under `cache_dir` (`paths.cache_dir`), written
+    first when absent or changed."""
     if spec.generated is None:
         raise ValueError(f"{spec.name} is not a generated dataset")
-    folder = generated_dir(where, spec)
+    folder = generated_dir(cache_dir, spec)
     train, heldout = spec.generated.rows()
     _write_if_changed(
         pa.Table.from_pylist([{c: r.get(c) for c in MIRROR_COLUMNS} for r in train], schema=TRAIN_SCHEMA),

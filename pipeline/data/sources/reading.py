@@ -34,11 +34,9 @@ import pyarrow.parquet as pq
 
 from pipeline.config.specs import SourcePaths
 from pipeline.data.schema import display_path
-from pipeline.data.sources.registry import BadRow, Converter, DatasetSpec, RawRecord
+from pipeline.data.sources.generated import generated_files
+from pipeline.data.sources.registry import MIRROR_COLUMNS, BadRow, Converter, DatasetSpec, RawRecord
 from pipeline.errors import DataError
-
-MIRROR_COLUMNS = ("id", "question", "answers", "context", "source_split")
-
 
 COLUMN_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "id": ((str, int), "text or an integer"),
@@ -193,9 +191,7 @@ def _load_hub(spec: DatasetSpec, cache_dir: Path) -> RawSource:
 
 
 def _load_generated(spec: DatasetSpec, where: SourcePaths) -> RawSource:
-    from pipeline.data.sources.generated import generated_files
-
-    path, _ = generated_files(where, spec)
+    path, _ = generated_files(where.cache_dir, spec)
     rows = read_mirror_file(path, where.root)
     shown = display_path(path, where.root)
     records = [check_record_types({c: row[c] for c in MIRROR_COLUMNS}, i, shown) for i, row in enumerate(rows)]

@@ -38,6 +38,8 @@ METRIC_FAMILY: dict[str, MetricFamily] = {
 
 RawRecord = dict[str, Any]
 """id, question, answers, context, source_split: values as read, not yet checked."""
+MIRROR_COLUMNS = ("id", "question", "answers", "context", "source_split")
+"""A raw record's columns: those of the mirror's Parquet files, which `generated.py` writes too."""
 
 
 class BadRow(ValueError):

@@ -1,0 +1,93 @@
+"""Imports point one way: no two modules of pipeline/ or flows/ import each other, directly or round a loop,
+and no import climbs back up the layers.
+
+The layers, top down: the entry points (`pipeline/cli.py`, `flows/`); the stage modules, the other commands
+and the node checks (`pipeline/stages/`, `pipeline/commands/`, `pipeline/checks/`); everything else (the
+libraries and the package root's leaves). A module may import its own layer or a lower one, never a higher:
+a library that imported a stage would make the stage's dvc.yaml deps, and its readers, follow it back up.
+Every import counts (module level, inside a function, under `TYPE_CHECKING`, relative): a shared piece moves
+down to a module both import, it is not hidden in a function. tests/import_graph.py builds the graph.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from import_graph import cycles, import_graph
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shown(found: list[list[str]]) -> str:
+    return "\n".join(" -> ".join(cycle) for cycle in found)
+
+
+ENTRY_LAYER = ("pipeline.cli", "flows")
+STAGE_LAYER = ("pipeline.stages", "pipeline.commands", "pipeline.checks")
+
+
+def layer(module: str) -> int:
+    """2: an entry point; 1: a stage, command or node check; 0: a library or a leaf."""
+    def within(prefixes: tuple[str, ...]) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+    return 2 if within(ENTRY_LAYER) else 1 if within(STAGE_LAYER) else 0
+
+
+def climbing(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every import of a module in a higher layer than the importer's."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer(b) > layer(a))
+
+
+def test_the_code_has_no_import_cycles() -> None:
+    found = cycles(import_graph(ROOT))
+    assert not found, f"import cycles (break each by moving the shared piece down):\n{_shown(found)}"
+
+
+def test_no_import_climbs_back_up() -> None:
+    found = climbing(import_graph(ROOT))
+    assert not found, "imports of a higher layer (move the shared piece down):\n" + "\n".join(found)
+
+
+def test_a_library_importing_a_stage_climbs(tmp_path: Path) -> None:
+    """The layer rule itself: a library importing a stage module (lazily) and a stage importing the CLI climb;
+    a stage importing a library, a check importing a stage and the CLI importing a stage do not."""
+    files = {
+        "pipeline/__init__.py": "",
+        "pipeline/cli.py": "def train():\n    from pipeline.stages import train\n",
+        "pipeline/stages/__init__.py": "",
+        "pipeline/stages/train.py": "from pipeline.train import local\n\ndef f():\n    import pipeline.cli\n",
+        "pipeline/checks/__init__.py": "",
+        "pipeline/checks/doctor.py": "from pipeline.stages.train import f\n",
+        "pipeline/train/__init__.py": "",
+        "pipeline/train/local.py": "def g():\n    from pipeline.stages.train import f\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert climbing(import_graph(tmp_path)) == ["pipeline.stages.train -> pipeline.cli",
+                                                "pipeline.train.local -> pipeline.stages.train"]
+
+
+def test_a_cycle_through_lazy_typing_and_relative_imports_is_found(tmp_path: Path) -> None:
+    """The checker itself: two modules that import each other only inside a function and under
+    TYPE_CHECKING, through a relative import, are a cycle; a module importing a name of the package is not."""
+    package = tmp_path / "pipeline"
+    package.mkdir()
+    (package / "__init__.py").write_text("VERSION = 1\n")
+    (package / "a.py").write_text("def f():\n    from pipeline import b\n\n    return b\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from . import a\n"
+    )
+    (package / "c.py").write_text("from pipeline import VERSION\nfrom pipeline.a import f\n")
+
+    graph = import_graph(tmp_path)
+
+    assert graph == {
+        "pipeline": set(),
+        "pipeline.a": {"pipeline.b"},
+        "pipeline.b": {"pipeline.a"},
+        "pipeline.c": {"pipeline", "pipeline.a"},
+    }
+    assert cycles(graph) == [["pipeline.a", "pipeline.b", "pipeline.a"]]
+    assert _shown(cycles(graph)) == "pipeline.a -> pipeline.b -> pipeline.a"
