@@ -1,10 +1,10 @@
 """The Prefect artifacts of a flow run: its summary, and one per stage task with what the stage produced.
 
-- `promptr1-retrain` (`publish_report`): the run's summary (flows/report.py `to_markdown`): stage table with
+- `promptr1-retrain` (`publish_report`): the run's summary (flows/run_report.py `to_markdown`): stage table with
   key figures, evaluation table, promotion decision, MLflow run. Failed runs publish it too, with the error.
 - `stage-<name>` (`publish_stage`), attached to the stage's task run: the flow run (name and id), result,
   seconds, key figure
-  (pipeline.stage_figures), the stage's MLflow run (pipeline.tracking.links), or the error of a failed stage,
+  (pipeline.stages.figures), the stage's MLflow run (pipeline.tracking.links), or the error of a failed stage,
   so a task's Prefect page answers "what came out" without opening its logs. Prefect artifact keys allow
   lowercase letters, digits and dashes only (`stage_artifact_key`).
 """
@@ -20,10 +20,10 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.report import RunReport, flow_run_line, stage_markdown, to_markdown
+from flows.run_report import RunReport, flow_run_line, stage_markdown, to_markdown
 from pipeline.config import PARAMS_FILE, ConfigError, Params, load_params
 from pipeline.config.specs import stage_folders, tracking_spec
-from pipeline.stage_figures import key_figure
+from pipeline.stages.figures import key_figure
 from pipeline.tracking.links import MlflowRunInfo, stage_mlflow_run
 
 log = logging.getLogger(__name__)

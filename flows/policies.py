@@ -38,7 +38,7 @@ STAGE_POLICIES: dict[str, StagePolicy] = {
 DEFAULT_POLICY = StagePolicy()
 
 HEALTH_GATE_MARK = "training health gate"
-"""Start of the line a stage prints when the training health gate stopped it (pipeline/train/health.py)."""
+"""Start of the line a stage prints when the training health gate stopped it (pipeline/train/health_gate.py)."""
 RESUME_CHECK_MARK = "training resume check"
 """Start of the line when verl did not train the steps it should have (pipeline/train/verl_progress.py)."""
 STALL_MARK = "training stalled"

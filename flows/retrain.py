@@ -49,7 +49,7 @@ MLflow records *what happened*. Design decisions:
   evaluation table (reports/eval/summary.md), the promotion decision (reports/promotion.json) and the MLflow
   run (reports/mlflow_run.json; a UI link for an http(s) tracking server). Failed runs publish it too, with
   the error. The flow returns the same data as a dict. **Each stage task** logs its key figure
-  (pipeline.stage_figures) and attaches an artifact `stage-<name>` with it and the stage's MLflow run, or
+  (pipeline.stages.figures) and attaches an artifact `stage-<name>` with it and the stage's MLflow run, or
   with the error of a failed stage (flows/artifacts.py); its state message carries that error too.
 - **Failure notifications** are Prefect automations, configured outside the code (flows/deploy.py,
   docs/prefect.md).
@@ -87,8 +87,8 @@ from flows.environment_tasks import (
     stop_live_environments,
 )
 from flows.policies import DEFAULT_POLICY, STAGE_POLICIES, StagePolicy, retry_unless_unhealthy
-from flows.report import MlflowRunInfo, RunReport, flow_run_line, promotion_line, run_mlflow_line
 from flows.run_lock import run_lock
+from flows.run_report import MlflowRunInfo, RunReport, flow_run_line, promotion_line, run_mlflow_line
 from pipeline.checks.layout import assert_runnable
 from pipeline.config import PARAMS_FILE, Params, find_root, load_params
 from pipeline.errors import UserError
@@ -343,7 +343,7 @@ def cli_flow_run(profile: str | None, sets: list[str], force: bool,
     if not state.is_completed():
         raise UserError(f"pipeline flow {state.name.lower()}: {state.message or 'see the Prefect logs'}")
     summary = state.result()
-    info = MlflowRunInfo(**summary["mlflow"])  # this run's (flows/report.py), not whatever the files name now
+    info = MlflowRunInfo(**summary["mlflow"])  # this run's (flows/run_report.py), not whatever the files name now
     typer.echo(f"flow run:   {flow_run_line(summary.get('flow_run'), summary.get('flow_run_id'))}")
     for stage in summary.get("stages", []):
         typer.echo(f"  {stage['stage']:<10} {stage['result']} ({stage['seconds']:.1f} s): {stage.get('key_figure')}")

@@ -6,7 +6,7 @@ Each stage command imports its module, `pipeline.stages.<stage>`, in its body: `
 and a CPU install never imports GPU code, while the import stays visible to readers and to "go to definition".
 Process setup (telemetry off, logging to stderr) is `pipeline.runtime`'s, shared with `python -m flows.retrain`.
 Every stage command goes through `_run_stage`, which ends it with one INFO line
-`<stage> done in <s> s: <key figure>` (pipeline.stage_figures, read back from the files the stage wrote).
+`<stage> done in <s> s: <key figure>` (pipeline.stages.figures, read back from the files the stage wrote).
 Errors the user can fix (bad params, bad data, missing key variable) print one clear line and exit 1,
 without a traceback.
 """
@@ -25,7 +25,7 @@ from pipeline.config import ConfigError, Params, deep_merge, find_root, load_par
 from pipeline.config.specs import stage_folders
 from pipeline.errors import UserError
 from pipeline.runtime import configure_logging, quiet_telemetry
-from pipeline.stage_figures import key_figure
+from pipeline.stages.figures import key_figure
 
 log = logging.getLogger(__name__)
 

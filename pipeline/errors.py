@@ -23,7 +23,7 @@ class EnvironmentUnhealthy(UserError):
 
 
 class TrainingUnhealthy(UserError):
-    """The training health gate (`train.health`, pipeline/train/health.py) saw a breach: the run stops with one
+    """The training health gate (`train.health`, pipeline/train/health_gate.py) saw a breach: the run stops with one
     line naming the figure, its value, the threshold and the step; the last healthy checkpoint is kept."""
 
 

@@ -7,7 +7,7 @@ like fault_server.py), benchmarks put tests/ on sys.path first. It also holds th
 The real stages take minutes and need the models; the flow's own behaviour (stage tasks, DVC skipping,
 experiments, environment lifecycle, locking, failure handling) does not. `make_demo_project()` writes a
 git + DVC project whose five stages (build → train → merge → evaluate → register) are one-line Python
-steps writing the same report files the real stages write (in the shapes pipeline.stage_figures reads, so
+steps writing the same report files the real stages write (in the shapes pipeline.stages.figures reads, so
 each stage has its key figure), with the repository's real params.yaml and profiles so `load_params` and
 overrides behave exactly as in the real project.
 

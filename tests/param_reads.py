@@ -20,7 +20,7 @@ and no key it does not (else editing `mlflow.trace_evaluation` reruns training).
   library function or to a repo function whose parameter is not annotated as a section, returned unannotated,
   put in a container) reads every key below it. `getattr` over a literal tuple of names reads those names;
   `param_value` reads the `$a.b` keys of pipeline/train/verl_overrides.yaml (DATA_READERS). `flatten`
-  (pipeline.config) and `training_params` (pipeline.train.record) are MLflow's params view of a run: they
+  (pipeline.config) and `training_params` (pipeline.train.mlflow_record) are MLflow's params view of a run: they
   show keys and change no output, so they are
   not counted (DISPLAY_ONLY).
 

@@ -20,9 +20,9 @@ import yaml
 
 from flows import dvc_steps
 from flows.deploy import build_deployment, cli_flow_serve
-from flows.report import MlflowRunInfo, RunReport, promotion_line, strip_credentials, to_markdown
 from flows.retrain import ENVIRONMENT_BACKENDS, FLOW_NAME, STAGE_POLICIES, retrain, run_overrides
 from flows.run_lock import RunLockBusy, lock_path, workspace_lock
+from flows.run_report import MlflowRunInfo, RunReport, promotion_line, strip_credentials, to_markdown
 from pipeline.config import load_params
 from pipeline.errors import UserError
 

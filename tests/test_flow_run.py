@@ -24,7 +24,7 @@ from flows.artifacts import ARTIFACT_KEY
 from flows.retrain import StagePolicy, cli_flow_run, run_pipeline_flow
 from pipeline.config import load_params
 from pipeline.config.specs import stage_folders
-from pipeline.stage_figures import key_figure
+from pipeline.stages.figures import key_figure
 
 pytestmark = pytest.mark.slow
 
@@ -313,7 +313,7 @@ def test_cli_flow_run_prints_run_and_decision(demo, monkeypatch, capsys):
     cli_flow_run(None, [], False)  # nothing to rerun: the default launcher is never needed
     out = capsys.readouterr().out
     steps = yaml.safe_load((demo / "params.yaml").read_text())["train"]["steps"]  # the repo's params.yaml
-    # This run reproduced nothing: it names no MLflow run and no decision as its own (flows/report.py); the
+    # This run reproduced nothing: it names no MLflow run and no decision as its own (flows/run_report.py); the
     # demo's stages log to no registry, so the champion cannot be read from one and the line says why.
     assert (f"MLflow:     up to date (last run demo-run-{steps}: tracking store sqlite:///mlflow.db not found)"
             in out)

@@ -2,7 +2,7 @@
 
 Two micro runs are built from stage outputs real runs recorded (`benchmarks/results/pipeline_*`: the train
 stage's steps.csv, the evaluate stage's metrics.json), with different params and commits, through the code
-the stages run after their work: the train run's record (`pipeline.train.record`), the evaluate run's MLflow
+the stages run after their work: the train run's record (`pipeline.train.mlflow_record`), the evaluate run's MLflow
 logging (`report.log_mlflow`) and the real register stage (tiny model, real SQLite registry). No training,
 no environment. Then only the two parent runs are read back through `MlflowClient`.
 """
@@ -63,7 +63,7 @@ def _micro_run(project: Path, label: str, model_dir: Path) -> str:
     from pipeline.evaluation.report import log_mlflow
     from pipeline.stages.register import run_register
     from pipeline.tracking.runs import parent_run_id, stage_run
-    from pipeline.train.record import log_training_record
+    from pipeline.train.mlflow_record import log_training_record
 
     (project / "run.txt").write_text(label)  # a new commit per execution
     _git(project, "add", "-A")

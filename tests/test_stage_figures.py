@@ -1,4 +1,4 @@
-"""Each stage's key figure (pipeline.stage_figures), the stage's MLflow run (pipeline.tracking.links), the CLI line.
+"""Each stage's key figure (pipeline.stages.figures), the stage's MLflow run (pipeline.tracking.links), the CLI line.
 
 The fixture project is tests/fixtures/stage_outputs: files the real stages wrote, trimmed to the fields
 that matter (sources → gepa and merge: a default-profile `dvc repro`; train: a 12-step local GRPO run;
@@ -18,7 +18,7 @@ import yaml
 
 from pipeline.config import load_params
 from pipeline.config.specs import stage_folders, tracking_spec
-from pipeline.stage_figures import FIGURES, key_figure
+from pipeline.stages.figures import FIGURES, key_figure
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "stage_outputs"
@@ -151,7 +151,7 @@ def test_evaluation_figure_reads_mean_and_interval_in_order(project: Path):
 
 
 def test_constants_match_the_stages_that_write_the_files():
-    from pipeline import stage_figures
+    from pipeline.stages import figures as stage_figures
     from pipeline.stages import sources as fingerprint
 
     assert stage_figures.UNREACHABLE == fingerprint.UNREACHABLE

@@ -1,4 +1,4 @@
-"""The training health gate (pipeline/train/health.py, verl_health.py): scripted degenerate and healthy runs,
+"""The training health gate (pipeline/train/health_gate.py, verl_health.py): scripted degenerate and healthy runs,
 grace and window scaled to the run's length, the recorded runs replayed (tests/fixtures/health_runs: the healthy
 ones never trip, the collapsed terse seed 2 does by step 10), verl's metric lines, total and rollout dumps,
 stopping a real streamed process, the verl checkpoints set aside, and register refusing a breached train run.
@@ -18,9 +18,9 @@ import pandas as pd
 import pytest
 
 from pipeline.config import load_params
-from pipeline.config.health import HealthConfig
+from pipeline.config.health_gate import HealthConfig
 from pipeline.config.specs import tracking_spec
-from pipeline.train.health import (
+from pipeline.train.health_gate import (
     LOCAL_METRICS,
     VERL_METRICS,
     ZERO_VARIANCE_METRIC,
@@ -29,7 +29,7 @@ from pipeline.train.health import (
     zero_variance_share,
 )
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl_health import BreachSeen, VerlHealthWatch, parse_step_line, rollout_figures
+from pipeline.train.verl_health_gate import BreachSeen, VerlHealthWatch, parse_step_line, rollout_figures
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"

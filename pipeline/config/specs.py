@@ -55,7 +55,7 @@ class SourcePaths:
 
 @dataclass(frozen=True)
 class StageFolders:
-    """Where the stages' key figures are read from (pipeline.stage_figures): the folders of their outputs."""
+    """Where the stages' key figures are read from (pipeline.stages.figures): the folders of their outputs."""
 
     root: Path
     """The project root: shown paths are relative to it; the sources stage writes under it."""

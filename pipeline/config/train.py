@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.config.health import HealthConfig
+from pipeline.config.health_gate import HealthConfig
 
 # The values verl 0.9.1's core_algos accept (kl_penalty; agg_loss); a "+" suffix means straight-through k2.
 KlLossType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",

@@ -76,7 +76,7 @@ import openai
 from openai import AsyncOpenAI
 
 from pipeline.environment.cache import CachedResponse, ResponseCache
-from pipeline.environment.health import FailureWindow
+from pipeline.environment.failure_window import FailureWindow
 from pipeline.environment.ledger import LEDGER_FILE, CostLedger
 from pipeline.environment.sanitize import redact_secrets, register_secret
 from pipeline.environment.wire import MalformedReply, parse_completion, retry_after_seconds, shorten

@@ -61,8 +61,8 @@ from pipeline.evaluation.gepa_adapter import (
 )
 from pipeline.evaluation.systems import evaluation_params
 from pipeline.progress import progress
-from pipeline.stage_figures import gepa_outcome
 from pipeline.stage_files import GEPA_PROMPT_FILE, GEPA_REPORTS_DIR, METRICS_FILE, TRAIN_FILE
+from pipeline.stages.figures import gepa_outcome
 from pipeline.types import UsageStats
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ Fail closed (the alias is what serving trusts, so doubt keeps the champion):
   (the kill came after the alias moved, on a decision already taken with its `eval.*` tags): then it is
   tagged `promoted` with the reason "recovered". The rerun registers its own version as usual.
 
-A model whose train run the health gate stopped (tag `health.breach`, pipeline/train/health.py) is refused first,
+A model whose train run the health gate stopped (tag `health.breach`, pipeline/train/health_gate.py) is refused first,
 and so is one whose train run did not reach its total (`train.progress.*` tags, pipeline/train/completion.py:
 the figures the train stage decides "complete" with).
 
@@ -356,5 +356,5 @@ def run_register(params: Params) -> dict[str, Any]:
         write_json_atomic(result, out)
         mlflow.log_artifact(str(out))
     line = (f"{cfg.model_name} v{version}: {verdict} ({cfg.alias} → v{after}). {reason}")
-    log.debug(line)  # the stage's closing line (pipeline.stage_figures) says it once on the console
+    log.debug(line)  # the stage's closing line (pipeline.stages.figures) says it once on the console
     return result

@@ -7,7 +7,7 @@ Both run inside `tracking.stage_run(plan.tracking, "train", new_parent=True)`: a
 pipeline execution (parent run), recorded in `reports/mlflow_run.json` for the later stages.
 
 The stage ends by describing itself (`tracking.describe_stage`): model, backend, steps, last reward; and
-by logging its params, its input dataset and the last step's reward on the parent (`pipeline.train.record`).
+by logging its params, its input dataset and the last step's reward on the parent (`pipeline.train.mlflow_record`).
 The trajectory log reaches MLflow as a sanitised copy (`pipeline.environment.sanitize`): it holds the
 environment's replies, untrusted text.
 
@@ -33,7 +33,7 @@ from pipeline.config import Params
 from pipeline.environment.sanitize import sanitized_json_copy
 from pipeline.stage_files import RUN_FILE
 from pipeline.tracking import runs as tracking
-from pipeline.train.record import log_training_record
+from pipeline.train.mlflow_record import log_training_record
 
 if TYPE_CHECKING:
     from pipeline.train.plan import TrainPlan

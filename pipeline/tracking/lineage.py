@@ -1,7 +1,7 @@
 """What a registered model version carries besides its numbers, how long unwanted versions stay, and what the
 registry says about the champion when a run registered nothing.
 
-Used by the `register` stage (pipeline/stages/register.py) and the flow's report (flows/report.py). Design decisions:
+Used by the `register` stage (pipeline/stages/register.py) and the flow's report (flows/run_report.py). Design decisions:
 
 - **Lineage as tags, read from the records the pipeline already keeps, never re-derived.** Each version gets
   `lineage.train_run_id` (the newest `stage=train` child of the pipeline run named in reports/mlflow_run.json:

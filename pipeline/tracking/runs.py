@@ -51,7 +51,7 @@ from pipeline.config.specs import TrackingSpec
 log = logging.getLogger(__name__)
 
 HEALTH_BREACH_TAG = "health.breach"
-"""Tag of a train run the training health gate stopped (pipeline/train/health.py); register refuses it."""
+"""Tag of a train run the training health gate stopped (pipeline/train/health_gate.py); register refuses it."""
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"

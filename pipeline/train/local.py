@@ -9,7 +9,7 @@
 4. GRPO steps (`pipeline.train.trainer.LocalTrainer.step`), each logged to `reports/train/steps.csv` and
    MLflow (`pipeline.train.step_metrics`), its trajectories to `reports/train/trajectories.jsonl` and a
    sample of them as MLflow traces (`pipeline.train.trajectory_log`), checkpointed every `save_every`
-   (`pipeline.train.checkpoint`); each step is first judged by the health gate (`pipeline.train.health`):
+   (`pipeline.train.checkpoint`); each step is first judged by the health gate (`pipeline.train.health_gate`):
    a breach logs the step, tags the run and raises `TrainingUnhealthy` before the step is checkpointed.
 
 Design decisions:
@@ -42,7 +42,7 @@ import torch
 from pipeline.errors import BudgetExceeded, EnvironmentUnhealthy, UserError
 from pipeline.stage_files import TRAJECTORIES_FILE
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import health, warmup
+from pipeline.train import health_gate, warmup
 from pipeline.train.models import (
     PolicyModels,
     load_full_weights,
@@ -126,7 +126,7 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
         ckpt.save_checkpoint(root, st, partial(write_weights, models), trainer.optimizer, keep=cfg.keep_checkpoints)
 
     last: dict[str, float] = dict(state.metrics) if state else {}
-    gate = health.HealthGate(cfg.health, health.LOCAL_METRICS, cfg.steps,
+    gate = health_gate.HealthGate(cfg.health, health_gate.LOCAL_METRICS, cfg.steps,
                              [(int(r["step"]), r) for r in steps_log.rows])  # a resume judges the same windows
     end = cfg.steps if max_steps is None else min(cfg.steps, start + max_steps)
     with serve_environment(plan.server):
@@ -160,7 +160,7 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
                     steps_log.append(step, metrics)
                     trajectory_log.append(step, trainer.last_trajectories)
                     log_mlflow_metrics(metrics, step)
-                    raise health.stop_training(breach, _kept(root))
+                    raise health_gate.stop_training(breach, _kept(root))
                 t0 = time.perf_counter()
                 if step % cfg.save_every == 0 or step == cfg.steps or step == end:
                     save(step, metrics)

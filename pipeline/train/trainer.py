@@ -10,7 +10,7 @@ A step reads top to bottom:
    PPO mini-batches of `mini_batch_size` questions, in micro-batches of `micro_batch_size` trajectories; a
    mini-batch without a non-zero advantage takes no optimizer step (`actor/skipped_no_signal`);
 4. its metrics under verl's names (`pipeline.train.step_metrics`), with the share of groups whose G
-   trajectories all scored the same (`pipeline.train.health`); the caller judges, logs and checkpoints them.
+   trajectories all scored the same (`pipeline.train.health_gate`); the caller judges, logs and checkpoints them.
 
 Design decisions:
 - **old_log_prob is recomputed by the training forward, not taken from the sampler.** The sampler's
@@ -59,7 +59,7 @@ import torch
 from pipeline.hardware import resolve_autocast
 from pipeline.train.batch import RolloutBatch, collate, response_log_probs, shared_prompt_log_probs
 from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
-from pipeline.train.health import ZERO_VARIANCE_METRIC, flat_groups, zero_variance_share
+from pipeline.train.health_gate import ZERO_VARIANCE_METRIC, flat_groups, zero_variance_share
 from pipeline.train.models import PolicyModels
 from pipeline.train.questions import QuestionSampler, prompt_item_from_row
 from pipeline.train.rollout_engine import rollout_engine

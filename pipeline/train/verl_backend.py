@@ -32,7 +32,7 @@ Decisions:
 - **MLflow**: `trainer.logger=[console,mlflow]`; verl's logger runs inside Ray actors, so
   `MLFLOW_TRACKING_URI` and `MLFLOW_RUN_ID` (our active child run) are set both in the launcher's
   environment and in the Ray job's `runtime_env`, and verl logs into our run instead of opening its own.
-- **Health gate** (`train.health`, pipeline/train/verl_health.py): every output line goes to a watch that
+- **Health gate** (`train.health`, pipeline/train/verl_health_gate.py): every output line goes to a watch that
   judges each step from verl's step line and its rollout dump (`trainer.rollout_data_dir`); a breach stops
   verl's process group, sets the breaching step's checkpoints aside and fails the stage with one line.
 - **Offline, on a local path**: before verl starts, the agent's weights are checked in this machine's
@@ -89,8 +89,8 @@ from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, TrainingIncomplete, UserError
 from pipeline.placement import private_ray_devices
 from pipeline.stage_files import EVAL_SETS_DIR
-from pipeline.train import health
-from pipeline.train.verl_health import BreachSeen, VerlHealthWatch
+from pipeline.train import health_gate
+from pipeline.train.verl_health_gate import BreachSeen, VerlHealthWatch
 from pipeline.train.verl_progress import VerlProgress
 from pipeline.weights import OFFLINE_ENV, cached_location
 
@@ -256,7 +256,7 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
         from pipeline.train.checkpoint import set_aside_verl_steps
 
         kept = set_aside_verl_steps(plan.checkpoint_dir, seen.breach.step)
-        raise health.stop_training(seen.breach, f"kept checkpoint {kept.parent.name}" if kept is not None
+        raise health_gate.stop_training(seen.breach, f"kept checkpoint {kept.parent.name}" if kept is not None
                                    else "no checkpoint kept (none was saved before the breach)") from None
     except TrainingIncomplete as restarted:  # stopped at its first step (verl_progress): keep the resume point
         raise TrainingIncomplete(f"{restarted}; {progress.check.undo_restart()}") from None

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import DataError, TrainingIncomplete, TrainingStalled
 from pipeline.train.completion import TrainingProgress
-from pipeline.train.verl_health import TRAINING_KEY, parse_step_line
+from pipeline.train.verl_health_gate import TRAINING_KEY, parse_step_line
 
 if TYPE_CHECKING:
     from pipeline.config import AgentConfig, EnvironmentConfig, WatchdogConfig

@@ -12,7 +12,7 @@ What our process sees of a running verl trainer is its output stream (pipeline/t
   zero-variance share and the reward parts come from that file (`rollout_figures`; the G trajectories of a
   question share its prompt text).
 
-The gate's grace and window scale with the run's total steps (pipeline/config/health.py). verl decides its own
+The gate's grace and window scale with the run's total steps (pipeline/config/health_gate.py). verl decides its own
 total: `len(train_dataloader) * trainer.total_epochs` (batches of `data.train_batch_size`, the last partial one
 dropped), or `trainer.total_training_steps` when set (verl/trainer/ppo/ray_trainer.py `_create_dataloader`).
 The watch starts from that total computed on the composed config and the training set's row count
@@ -39,8 +39,14 @@ import re
 import statistics
 from pathlib import Path
 
-from pipeline.config.health import HealthConfig
-from pipeline.train.health import VERL_METRICS, ZERO_VARIANCE_METRIC, Breach, HealthGate, zero_variance_share
+from pipeline.config.health_gate import HealthConfig
+from pipeline.train.health_gate import (
+    VERL_METRICS,
+    ZERO_VARIANCE_METRIC,
+    Breach,
+    HealthGate,
+    zero_variance_share,
+)
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Read from the files the stages write (contracts): `reports/eval/summary.md` (evaluate),
 `reports/promotion.json` (register), `reports/mlflow_run.json` (train, via pipeline.tracking.runs), and each
-stage's key figure (pipeline.stage_figures). A missing file is reported as missing, never invented. The
+stage's key figure (pipeline.stages.figures). A missing file is reported as missing, never invented. The
 MLflow link is a real UI link only for an http(s) tracking server; for the default SQLite store the summary
 gives the `mlflow ui` command that opens it (pipeline.tracking.links, re-exported here under the names this
 module always had).
@@ -28,8 +28,8 @@ from typing import Any
 
 from pipeline.config import Params
 from pipeline.config.specs import tracking_spec
-from pipeline.stage_figures import promotion_line
 from pipeline.stage_files import EVAL_REPORTS_DIR, EVAL_SUMMARY_FILE, PROMOTION_FILE
+from pipeline.stages.figures import promotion_line
 from pipeline.tracking.lineage import champion_status
 from pipeline.tracking.links import MlflowRunInfo, mlflow_line, mlflow_run_info, strip_credentials
 from pipeline.tracking.runs import DESCRIBED_STAGES

@@ -1,7 +1,7 @@
 """The training health gate: judge each GRPO step's figures against `train.health`, stop the run on a breach.
 
 Four figures, each the mean over a window of the last steps after a grace period, both scaled to the run's
-total steps (why: see pipeline/config/health.py):
+total steps (why: see pipeline/config/health_gate.py):
 - `zero_variance_share`: the share of groups whose G trajectories all scored the same. GRPO's advantage is 0
   for such a group, so a window of them taught nothing (all failed: the policy lost the format; all solved
   at every step: nothing left to learn from these questions either).
@@ -13,7 +13,7 @@ total steps (why: see pipeline/config/health.py):
 Design decisions:
 - **A pure function over a sequence of per-step metric dicts** (`judge`), with one `MetricNames` per backend:
   the local trainer's dicts (pipeline/train/step_metrics.py) and verl's (its console step lines plus the
-  figures our process computes from verl's rollout dump, pipeline/train/verl_health.py) differ only in the
+  figures our process computes from verl's rollout dump, pipeline/train/verl_health_gate.py) differ only in the
   response length (agent tokens locally; verl's `response_length/mean` counts the environment's tokens too).
   A figure whose metrics a backend lacks is not judged.
 - **The breaching step is never the kept checkpoint.** The local loop judges a step before it checkpoints it
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config.health import HealthConfig
+from pipeline.config.health_gate import HealthConfig
 from pipeline.errors import TrainingUnhealthy
 from pipeline.tracking.runs import HEALTH_BREACH_TAG
 
