@@ -34,7 +34,8 @@ Design decisions:
   `extra_info`), so the reward is computed from the exact turns and not from a re-parse of the decoded
   response.
 - **Configuration and the environment client** come from `pipeline.train.verl_worker_client` (no verl
-  there): `LoopSettings` from the trainer config's `prompt_r1` block, one client per worker process whose
+  there): `LoopSettings` from the trainer config's `prompt_r1` block (the serialised `AgentConfig` gives
+  the turn settings), one client per worker process whose
   calls in flight are an even share of `environment.concurrency` and whose spend goes to the project's
   shared cost ledger (`<paths.cache_dir>/environment_ledger.json`), so `budget_usd` caps all workers and
   stages together. `actor_rollout_ref.rollout.multi_turn.max_assistant_turns` and `response_length`
@@ -73,11 +74,11 @@ class PromptR1AgentLoop(AgentLoopBase):
         super().__init__(*args, **kwargs)
         self.settings = LoopSettings.from_trainer_config(self.config)
         multi_turn_limit = OmegaConf.select(self.rollout_config, "multi_turn.max_assistant_turns")
-        self.max_turns = int(multi_turn_limit or self.settings.max_turns)
+        self.max_turns = int(multi_turn_limit or self.settings.agent.max_turns)
         self.response_length = int(self.rollout_config.response_length)
         num_workers = int(OmegaConf.select(self.rollout_config, "agent.num_workers") or 1)
         self.env = environment_client(self.settings, num_workers)
-        self.builder = self._builder_for(self.tokenizer, self.settings.env_reply_max_chars)
+        self.builder = self._builder_for(self.tokenizer, self.settings.agent.env_reply_max_chars)
 
     @classmethod
     def _builder_for(cls, tokenizer: Any, env_reply_max_chars: int) -> ConversationBuilder:
@@ -95,7 +96,7 @@ class PromptR1AgentLoop(AgentLoopBase):
             prompt_ids=self._cap_text_prompt_length(self.builder.start(messages)),
             response_logprobs=[] if want_logprobs else None,
         )
-        rules = TurnRules(max_turns=self.max_turns, max_turn_tokens=self.settings.max_turn_tokens,
+        rules = TurnRules(max_turns=self.max_turns, max_turn_tokens=self.settings.agent.max_turn_tokens,
                           max_response_tokens=self.response_length)
         metrics: dict[str, Any] = {"num_preempted": 0}
         generate = self._generator(sampling_params, want_logprobs, metrics)
