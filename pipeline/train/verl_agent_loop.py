@@ -92,7 +92,7 @@ class PromptR1AgentLoop(AgentLoopBase):
         want_logprobs = bool(sampling_params.get("logprobs"))
         traj = Trajectory(
             item=PromptItem(uid=str((kwargs.get("extra_info") or {}).get("id", "")), messages=messages,
-                            gold_answers=[], data_source=str(kwargs.get("data_source", ""))),
+                            gold_answers=gold_answers_of(kwargs), data_source=str(kwargs.get("data_source", ""))),
             prompt_ids=self._cap_text_prompt_length(self.builder.start(messages)),
             response_logprobs=[] if want_logprobs else None,
         )
