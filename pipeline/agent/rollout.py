@@ -1,26 +1,28 @@
-"""The multi-turn Prompt-R1 rollout: the agent and the environment take turns for many trajectories at once.
+"""The multi-turn Prompt-R1 rollout: one conversation per trajectory, many trajectories at once.
 
-One loop serves training (local backend), evaluation and `promptr1 ask`:
+One loop serves training (local backend), evaluation, the served pyfunc and `promptr1 ask`:
 
     prompt ids = chat template + <think> opener                         (ConversationBuilder.start)
-    repeat while some trajectory is active:
-        policy generates one turn for every active trajectory, in one batch   (mask 1, log-probs)
-        parse each turn; decide: answer / out of budget / no action / turn limit / ask the environment
-        all environment calls go out together (asyncio.gather; the client's semaphore bounds them),
-        each trajectory with its own environment history
-        append each reply as mask-0 tokens: close turn, user <interaction_response>, assistant <think>
+    one `run_episode` per trajectory (pipeline.agent.episode), all running together;
+    each turn, the agent turns of every live episode are generated in one batch   (mask 1, log-probs)
+    each episode parses its turn, decides (TurnRules) and asks the environment with its own history;
+    the calls of one turn run concurrently (the client's semaphore bounds them)
     reward_fn(trajectory) for each
 
 Design decisions:
-- **Turn rules are `pipeline.agent.protocol.TurnRules`**, the same object verl's agent loop uses: each
-  turn's generation limit (`max_turn_tokens` clipped to what is left of `max_response_tokens`, which counts
-  agent and environment tokens alike), the decision after each turn (`answer`, `token_budget`,
-  `no_action`, `max_turns` or ask the environment; the last allowed turn never calls it) and how much of a
-  reply fits. Only `prompt_too_long` is decided here: when `max_prompt_tokens` is given and the prompt
-  alone exceeds it, the trajectory is not rolled out (verl's loop truncates instead, verl's own rule).
-- **Generation runs in a worker thread** (`asyncio.to_thread`), so the event loop stays free for anything
-  else in flight; the environment calls of one round run concurrently, and a round's generation waits for
-  them (the agent needs the replies).
+- **The conversation is `pipeline.agent.episode.run_episode`**, the function verl's agent loop runs too;
+  this module supplies its generator and runs the episodes. Turn rules are `TurnRules` (the generation
+  limit, the decision after each turn, how much of a reply fits). Only `prompt_too_long` is decided here:
+  when `max_prompt_tokens` is given and the prompt alone exceeds it, the trajectory is not rolled out
+  (verl's loop truncates instead, verl's own rule).
+- **One batch per turn** (`_TurnBatches`): an episode's request waits until every live episode has asked
+  for its next turn (or ended); then one `Policy.generate` runs over all of them in trajectory order. Every
+  episode starts together and waits for the batch, so the episodes stay in lockstep: the batch of turn t
+  holds exactly the trajectories still going at turn t, in the order they were created, and a seeded
+  sampler draws the same tokens as any turn-by-turn batched loop. Results are handed back in trajectory
+  order, so the environment calls of a turn also go out in that order.
+- **Generation runs in a worker thread** (`asyncio.to_thread`), so the event loop stays free for the
+  environment calls in flight; a turn's batch waits for them (the agent needs the replies).
 - **Timings per trajectory:** `generation_s` adds the wall time of every batch the trajectory was part of
   (it waited that long); `environment_s` adds its own environment calls' wall time (queueing included);
   `wall_s` runs from the rollout's start to the moment the trajectory finished, its own wall time. Each turn
@@ -38,14 +40,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from pipeline.agent.policy import Generation, Policy
-from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder, TurnRules, parse_turn
+from pipeline.agent.episode import TurnGeneration, run_episode
+from pipeline.agent.policy import Policy
+from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder, TurnRules
 from pipeline.progress import LogProgress
 from pipeline.progress import progress as progress_bar
-from pipeline.types import EnvironmentReply, PromptItem, RewardBreakdown, StopReason, Trajectory, Turn
+from pipeline.types import PromptItem, RewardBreakdown, Trajectory
 
 if TYPE_CHECKING:
     from pipeline.environment.client import EnvironmentClient
@@ -53,33 +56,78 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Live:
-    """Rollout state of one trajectory beyond what Trajectory holds."""
+class _TurnBatches:
+    """The episodes' generator: one `Policy.generate` per turn over every live episode (see module doc)."""
 
-    traj: Trajectory
-    env_history: list[dict[str, str]] = field(default_factory=list)
-    done: bool = False
-    started: float = field(default_factory=time.perf_counter)
-    """perf_counter at the rollout's start."""
+    def __init__(
+        self, policy: Policy, episodes: int, temperature: float, top_p: float, return_logprobs: bool, bar: Any
+    ) -> None:
+        self.policy = policy
+        self.temperature = temperature
+        self.top_p = top_p
+        self.return_logprobs = return_logprobs
+        self.bar = bar
+        self.live = episodes
+        """Episodes that have not ended: a batch runs once each of them is waiting for its turn."""
+        self.waiting: dict[int, tuple[list[int], int, asyncio.Future[TurnGeneration]]] = {}
+        self.turn = 0
+        self.running: set[asyncio.Task[None]] = set()
 
-    @property
-    def context(self) -> list[int]:
-        return self.traj.prompt_ids + self.traj.response_ids
+    async def generate(self, index: int, context: list[int], limit: int) -> TurnGeneration:
+        """Episode `index`'s next turn, generated in the batch of every live episode's request."""
+        future: asyncio.Future[TurnGeneration] = asyncio.get_running_loop().create_future()
+        self.waiting[index] = (context, limit, future)
+        self._run_when_complete()
+        return await future
 
+    def leave(self) -> None:
+        """An episode ended: the batches no longer wait for it."""
+        self.live -= 1
+        self._run_when_complete()
 
-def _finish(live: _Live, reason: StopReason, bar: Any) -> None:
-    live.done = True
-    live.traj.stop_reason = reason
-    live.traj.wall_s = time.perf_counter() - live.started
-    bar.update(1)
+    def _run_when_complete(self) -> None:
+        # a cancelled episode (another one failed) leaves its request behind: it is not generated
+        self.waiting = {i: request for i, request in self.waiting.items() if not request[2].done()}
+        if self.waiting and len(self.waiting) == self.live:
+            batch = [self.waiting[i] for i in sorted(self.waiting)]
+            self.waiting = {}
+            task = asyncio.create_task(self._run(batch))
+            self.running.add(task)
+            task.add_done_callback(self.running.discard)
 
-
-async def _timed_reply(env: EnvironmentClient, history: list[dict[str, str]], prompt: str
-                       ) -> tuple[EnvironmentReply, float]:
-    start = time.perf_counter()
-    reply = await env.reply(list(history), prompt)
-    return reply, time.perf_counter() - start
+    async def _run(self, batch: list[tuple[list[int], int, asyncio.Future[TurnGeneration]]]) -> None:
+        self.turn += 1
+        self.bar.set_postfix(turn=self.turn, active=len(batch))
+        limits = [limit for _, limit, _ in batch]
+        start = time.perf_counter()
+        try:
+            generations = await asyncio.to_thread(
+                self.policy.generate,
+                [context for context, _, _ in batch],
+                limits,
+                self.temperature,
+                self.top_p,
+                list(STOP_STRINGS),
+                self.return_logprobs,
+            )
+        except Exception as exc:  # noqa: BLE001 - raised in every episode of the batch
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        elapsed = time.perf_counter() - start
+        for (_, _, future), gen in zip(batch, generations, strict=True):
+            if not future.done():  # a cancelled episode no longer waits
+                future.set_result(
+                    TurnGeneration(
+                        token_ids=gen.token_ids,
+                        logprobs=gen.logprobs,
+                        text=gen.text,
+                        hit_limit=gen.finish_reason == "length",
+                        started=start,
+                        seconds=elapsed,
+                    )
+                )
 
 
 async def rollout(
@@ -105,106 +153,74 @@ async def rollout(
     and gets one count per finished trajectory (the evaluation's one report per system).
     """
     builder = ConversationBuilder(policy.tokenizer, env_reply_max_chars)
-    rules = TurnRules(max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_response_tokens=max_response_tokens)
-    lives: list[_Live] = []
+    rules = TurnRules(
+        max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_response_tokens=max_response_tokens
+    )
     started = time.perf_counter()
+    trajectories: list[Trajectory] = []
     for item in items:
         prompt_ids = builder.start(item.messages)
         for _ in range(group_size):
-            traj = Trajectory(item=item, prompt_ids=list(prompt_ids),
-                              response_logprobs=[] if return_logprobs else None)
-            lives.append(_Live(traj, started=started))
+            trajectories.append(
+                Trajectory(
+                    item=item, prompt_ids=list(prompt_ids), response_logprobs=[] if return_logprobs else None
+                )
+            )
 
     own_bar = isinstance(progress, bool)
     if not own_bar:  # the caller's bar (evaluation): one count per finished trajectory, not closed here
         bar = progress
     elif progress:
-        bar = progress_bar(total=len(lives), desc="rollout", unit="traj", quiet=True)
+        bar = progress_bar(total=len(trajectories), desc="rollout", unit="traj", quiet=True)
     else:
-        bar = LogProgress(total=len(lives), silent=True)
+        bar = LogProgress(total=len(trajectories), silent=True)
     try:
-        if max_prompt_tokens is not None:
-            for live in lives:
-                if len(live.traj.prompt_ids) > max_prompt_tokens:
-                    logger.warning("prompt of %s has %d tokens > max_prompt_tokens %d: not rolled out",
-                                   live.traj.item.uid, len(live.traj.prompt_ids), max_prompt_tokens)
-                    _finish(live, "prompt_too_long", bar)
+        going = []
+        for index, traj in enumerate(trajectories):
+            if max_prompt_tokens is not None and len(traj.prompt_ids) > max_prompt_tokens:
+                logger.warning(
+                    "prompt of %s has %d tokens > max_prompt_tokens %d: not rolled out",
+                    traj.item.uid,
+                    len(traj.prompt_ids),
+                    max_prompt_tokens,
+                )
+                traj.stop_reason = "prompt_too_long"
+                traj.wall_s = time.perf_counter() - started
+                bar.update(1)
+            else:
+                going.append(index)
+        batches = _TurnBatches(policy, len(going), temperature, top_p, return_logprobs, bar)
 
-        for turn_index in range(1, max_turns + 1):
-            active = [live for live in lives if not live.done]
-            if not active:
-                break
-            bar.set_postfix(turn=turn_index, active=len(active))
-            limits = [rules.token_limit(len(live.traj.response_ids)) for live in active]
-            start = time.perf_counter()
-            generations: list[Generation] = await asyncio.to_thread(
-                policy.generate, [live.context for live in active], limits, temperature, top_p,
-                list(STOP_STRINGS), return_logprobs,
-            )
-            elapsed = time.perf_counter() - start
+        async def episode(index: int) -> None:
+            try:
+                await run_episode(
+                    trajectories[index],
+                    lambda ids, limit: batches.generate(index, ids, limit),
+                    env,
+                    builder,
+                    rules,
+                    started=started,
+                )
+                bar.update(1)
+            finally:
+                batches.leave()
 
-            asking: list[tuple[_Live, Turn, str]] = []
-            for live, gen, limit in zip(active, generations, limits, strict=True):
-                traj = live.traj
-                traj.generation_s += elapsed
-                parsed = parse_turn(builder.think_opener + gen.text)
-                turn = Turn(parsed=parsed, agent_token_ids=list(gen.token_ids), agent_logprobs=gen.logprobs,
-                            generation_s=elapsed, started_s=start - live.started)
-                traj.turns.append(turn)
-                _append(traj, gen.token_ids, 1, gen.logprobs)
-                decision = rules.after_agent_turn(parsed, turn_number=turn_index, hit_limit=gen.finish_reason == "length",
-                                                  limit=limit, response_tokens=len(traj.response_ids))
-                if decision.stop is not None:
-                    _finish(live, decision.stop, bar)
-                else:
-                    asking.append((live, turn, decision.prompt))
-
-            if not asking:
-                continue
-            replies = await asyncio.gather(
-                *(_timed_reply(env, live.env_history, prompt) for live, _, prompt in asking)
-            )
-            for (live, turn, prompt), (reply, seconds) in zip(asking, replies, strict=True):
-                traj = live.traj
-                traj.environment_s += seconds
-                turn.env_wait_s = seconds
-                traj.usage.add(reply)
-                live.env_history += [{"role": "user", "content": prompt},
-                                     {"role": "assistant", "content": reply.text}]
-                env_ids, stop = rules.fit_reply(builder.env_turn_ids(reply.text, turn.agent_token_ids),
-                                                len(traj.response_ids))
-                turn.env_reply = reply
-                turn.env_token_ids = env_ids
-                _append(traj, env_ids, 0, None)
-                if stop is not None:
-                    _finish(live, stop, bar)
-
-        for live in lives:  # only reachable with max_turns < 1
-            if not live.done:
-                _finish(live, "max_turns", bar)
+        tasks = [asyncio.create_task(episode(index)) for index in going]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     finally:
         if own_bar:
             bar.close()
 
-    trajectories = [live.traj for live in lives]
     if reward_fn is not None:
         for traj in trajectories:
             traj.reward = reward_fn(traj)
     return trajectories
-
-
-def _append(traj: Trajectory, ids: list[int], mask: int, logprobs: list[float] | None) -> None:
-    """Extend the response with `ids` (mask 1 agent / 0 environment), keeping log-probs aligned."""
-    traj.response_ids.extend(ids)
-    traj.response_mask.extend([mask] * len(ids))
-    if traj.response_logprobs is not None:
-        if mask and logprobs is not None and len(logprobs) == len(ids):
-            traj.response_logprobs.extend(logprobs)
-        else:  # environment tokens (0.0: never read), or agent tokens the policy has no log-probs for (NaN:
-            # a server whose tokens did not line up with the re-encoded ids; the trainer skips them)
-            if mask:
-                logger.debug("policy returned no log-probs for %d agent tokens: recorded as NaN", len(ids))
-            traj.response_logprobs.extend([float("nan") if mask else 0.0] * len(ids))
 
 
 def run_rollout(*args: Any, **kwargs: Any) -> list[Trajectory]:
@@ -218,9 +234,15 @@ def trajectory_record(traj: Trajectory) -> list[dict[str, Any]]:
     for turn in traj.turns:
         p = turn.parsed
         rec: dict[str, Any] = {
-            "text": p.text, "think": p.think, "interaction_prompt": p.interaction_prompt, "answer": p.answer,
-            "valid_intermediate": p.valid_intermediate, "complete_final": p.complete_final, "issues": p.issues,
-            "agent_tokens": len(turn.agent_token_ids), "generation_s": round(turn.generation_s, 4),
+            "text": p.text,
+            "think": p.think,
+            "interaction_prompt": p.interaction_prompt,
+            "answer": p.answer,
+            "valid_intermediate": p.valid_intermediate,
+            "complete_final": p.complete_final,
+            "issues": p.issues,
+            "agent_tokens": len(turn.agent_token_ids),
+            "generation_s": round(turn.generation_s, 4),
             "started_s": round(turn.started_s, 4),
         }
         if turn.env_reply is not None:

@@ -152,17 +152,16 @@ def pyfunc_params(agent_ref: str, config: dict[str, Any], environment: dict[str,
         PathsConfig,
     )
 
-    agent = dict(config.get("agent") or {})
+    if "agent" not in config:
+        raise ValueError(
+            "the pyfunc's model_config lacks `agent` (the serialised AgentConfig the register stage writes)"
+        )
+    agent = AgentConfig.from_dump(config["agent"], "model_config agent")
     cache = Path(config.get("cache_dir") or default_cache_dir()).expanduser().resolve()
     cache.mkdir(parents=True, exist_ok=True)
     params = Params(
         data=DataConfig(train_datasets=[], id_eval_datasets=[], ood_eval_datasets=[]),
-        agent=AgentConfig(
-            model=config.get("base_model") or agent_ref,
-            dtype=agent.get("dtype", "float32"),
-            max_response_tokens=int(agent.get("max_response_tokens", 1024)),
-            max_prompt_tokens=int(agent.get("max_prompt_tokens", 1024)),
-        ),
+        agent=agent.model_copy(update={"model": config.get("base_model") or agent_ref}),
         environment=EnvironmentConfig.model_validate(environment),
         evaluate=EvaluateConfig(agent_gguf_dtype=config.get("gguf_dtype") or "f16"),
         paths=PathsConfig(mirror="", cache_dir=str(cache)),

@@ -42,6 +42,7 @@ from pipeline.config.sections import (
     PathsConfig,
     RegisterConfig,
     RewardConfig,
+    evaluated_agent,
 )
 from pipeline.config.train import (
     KlLossType,
@@ -58,5 +59,5 @@ __all__ = [
     "DataConfig", "EnvironmentConfig", "EvaluateConfig", "FlowConfig", "GepaConfig", "KlLossType",
     "KnowledgeConfig", "LoraConfig", "LossAggMode", "MlflowConfig", "Params", "PathsConfig", "RegisterConfig",
     "RewardConfig", "ServerConfig", "TrainConfig", "VerlConfig", "WarmupConfig", "WatchdogConfig", "deep_merge",
-    "find_root", "flatten", "flatten_dict", "load_params", "output_path_problems", "parse_override",
+    "evaluated_agent", "find_root", "flatten", "flatten_dict", "load_params", "output_path_problems", "parse_override",
 ]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -77,6 +78,20 @@ class AgentConfig(_Section):
     env_reply_max_chars: int = Field(2048, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+
+    @classmethod
+    def from_dump(cls, data: Mapping[str, Any], where: str) -> AgentConfig:
+        """The section back from its `model_dump()` (verl's trainer config, the pyfunc's model config).
+
+        Every key must be there: a serialised section is complete, so a missing key means it was written by
+        something else, and a default filled in here would silently differ from the params that wrote it.
+        `where` names the block in the error.
+        """
+        missing = [name for name in cls.model_fields if name not in data]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)}: it must hold the whole serialised "
+                             "AgentConfig (`AgentConfig.model_dump()` of the params that ran)")
+        return cls.model_validate(dict(data))
 
 
 class RewardConfig(_Section):
@@ -144,6 +159,12 @@ class EvaluateConfig(_Section):
         " only the final answer inside <answer> </answer>.",
         description="Appended to the question for the agent_only baseline (one turn, no environment).",
     )
+
+
+def evaluated_agent(agent: AgentConfig, evaluate: EvaluateConfig) -> AgentConfig:
+    """The agent settings evaluation rolls out with and the registered model serves with: `agent`, each turn
+    `evaluate.agent_max_turn_tokens` long."""
+    return agent.model_copy(update={"max_turn_tokens": evaluate.agent_max_turn_tokens})
 
 
 class GepaConfig(_Section):

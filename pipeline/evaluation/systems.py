@@ -3,7 +3,9 @@
 Design decisions:
 - **Systems.** All systems answer the same rows and are scored by the same code:
   - `prompt_r1`: the merged agent (`paths.model_dir`) with the environment, through the same
-    `rollout()` training uses, greedy (temperature 0), up to `agent.max_turns` turns;
+    `rollout()` training uses, greedy (temperature 0), up to `agent.max_turns` turns of
+    `evaluate.agent_max_turn_tokens` tokens (`config.evaluated_agent`, the settings the registered model
+    serves with);
   - `env_only` ("w/o agent"): the environment answers the question directly: the question followed
     by `evaluate.env_only_instruction` (answer or complete the task; for short-answer questions reply
     with only the answer), one call, empty history, the method's system message;
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.agent.protocol import ANSWER_CLOSE, THINK_OPENER, ConversationBuilder, parse_turn
 from pipeline.agent.rollout import rollout, trajectory_record
+from pipeline.config import evaluated_agent
 from pipeline.progress import progress
 from pipeline.types import EvalRow, PromptItem, Trajectory, UsageStats
 
@@ -141,10 +144,12 @@ def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list
     """`rollout()` (greedy) on every dataset: the trained agent (`prompt_r1`) or the untrained one.
     `batch_size` questions together (default `evaluate.batch_size`)."""
 
+    agent = evaluated_agent(agent, evaluate)
+
     async def answer_batch(chunk: Sequence[EvalRow], bar: Any) -> list[Answer]:
         trajs = await rollout(
             policy, env, _prompt_items(chunk), group_size=1, max_turns=agent.max_turns,
-            max_turn_tokens=evaluate.agent_max_turn_tokens,
+            max_turn_tokens=agent.max_turn_tokens,
             max_response_tokens=agent.max_response_tokens,
             env_reply_max_chars=agent.env_reply_max_chars, temperature=0.0, top_p=1.0,
             return_logprobs=False, reward_fn=None, progress=bar,

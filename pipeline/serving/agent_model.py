@@ -7,9 +7,11 @@ same rollout as training and evaluation: the bundled agent prompts the configure
 Design decisions:
 - **What the model bundles.** The merged agent directory (artifact `agent`), the environment
   configuration as JSON (artifact `environment`: endpoint, served model, sampling, system message and the
-  *name* of the API-key variable; never a key, which the params never hold), the agent's rollout limits
-  (the pyfunc `model_config`), and the `pipeline` package itself (`code_paths`) for the protocol, template,
-  rollout and environment client code. It is logged from code (pipeline/serving/model_code.py), not pickled.
+  *name* of the API-key variable; never a key, which the params never hold), the agent's settings (the
+  pyfunc `model_config["agent"]`: the evaluated agent's serialised `AgentConfig`, `config.evaluated_agent`,
+  read back whole by `AgentConfig.from_dump`, so a missing key is an error naming it, not a default), and
+  the `pipeline` package itself (`code_paths`) for the protocol, template, rollout and environment client
+  code. It is logged from code (pipeline/serving/model_code.py), not pickled.
 - **The environment is configurable at load time.** `load_model(uri, model_config={"environment":
   {"base_url": "http://host:port/v1", "served_name": "..."}})`: the given keys are merged over the logged
   environment JSON, so one registered agent can be pointed at another endpoint (plug-and-play, method.md).
@@ -106,7 +108,7 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
         agent_ref = context.artifacts[AGENT_ARTIFACT]
         params = pyfunc_params(agent_ref, config, env_json)
         self.env_cfg = params.environment
-        self.agent_cfg = config.get("agent") or {}
+        self.agent_cfg = params.agent
         self.default_dataset = config.get("default_dataset", "hotpotqa")
         # The engine (and a llama.cpp server) lives as long as the model: closed at interpreter exit.
         self._engine_stack = contextlib.ExitStack()
@@ -171,15 +173,15 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
                 env,
                 items,
                 group_size=1,
-                max_turns=int(a.get("max_turns", 5)),
-                max_turn_tokens=int(a.get("max_turn_tokens", 1024)),
-                max_response_tokens=int(a.get("max_response_tokens", 8192)),
-                env_reply_max_chars=int(a.get("env_reply_max_chars", 2048)),
+                max_turns=a.max_turns,
+                max_turn_tokens=a.max_turn_tokens,
+                max_response_tokens=a.max_response_tokens,
+                env_reply_max_chars=a.env_reply_max_chars,
                 temperature=0.0,
                 top_p=1.0,
                 return_logprobs=False,
                 reward_fn=None,
-                max_prompt_tokens=int(a.get("max_prompt_tokens", 8192)),
+                max_prompt_tokens=a.max_prompt_tokens,
             )
         finally:
             asyncio.run(env.aclose())

@@ -158,13 +158,12 @@ def _pip_requirements() -> list[str]:
 
 def _agent_model_config(params: Params) -> dict[str, Any]:
     from pipeline.agent.serving_policy import engine_model_config
+    from pipeline.config import evaluated_agent
 
-    a = params.agent
     return {
         **engine_model_config(params),  # which engine generates when served (base GGUF, engine, slots)
-        "agent": {"dtype": a.dtype, "max_turns": a.max_turns, "max_turn_tokens": params.evaluate.agent_max_turn_tokens,
-                  "max_response_tokens": a.max_response_tokens, "env_reply_max_chars": a.env_reply_max_chars,
-                  "max_prompt_tokens": a.max_prompt_tokens},
+        # the agent as evaluation rolled it out, whole: the pyfunc reads it back with AgentConfig.from_dump
+        "agent": evaluated_agent(params.agent, params.evaluate).model_dump(mode="json"),
         "default_dataset": params.data.id_eval_datasets[0] if params.data.id_eval_datasets else "hotpotqa",
         "environment": {},
     }

@@ -156,7 +156,9 @@ def reward_kwargs_overrides(r: RewardConfig) -> list[str]:
 
 
 def agent_loop_overrides(plan: TrainPlan, environment_url: str | None = None) -> list[str]:
-    """The `+prompt_r1.*` block the agent-loop workers read (see verl_worker_client.LoopSettings).
+    """The `+prompt_r1.*` block the agent-loop workers read (see verl_worker_client.LoopSettings): the
+    environment, the whole agent section (`AgentConfig.model_dump()`, read back with `AgentConfig.from_dump`)
+    and the cache folder.
 
     `environment_url` is the endpoint the stage started or health-checked; workers get exactly that one as
     `base_url`, so they never guess a host (on several nodes it must not be loopback: `promptr1 check`).
@@ -167,12 +169,8 @@ def agent_loop_overrides(plan: TrainPlan, environment_url: str | None = None) ->
     if environment_url:
         env = environment_with(env, base_url=environment_url)
     out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
-    out += [
-        _kv("+prompt_r1.agent.max_turns", plan.agent.max_turns),
-        _kv("+prompt_r1.agent.max_turn_tokens", plan.agent.max_turn_tokens),
-        _kv("+prompt_r1.agent.env_reply_max_chars", plan.agent.env_reply_max_chars),
-        _kv("+prompt_r1.cache_dir", str(plan.cache_dir.resolve())),
-    ]
+    out += [_kv(f"+prompt_r1.agent.{name}", value) for name, value in plan.agent.model_dump(mode="json").items()]
+    out.append(_kv("+prompt_r1.cache_dir", str(plan.cache_dir.resolve())))
     return out
 
 

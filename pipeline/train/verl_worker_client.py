@@ -4,7 +4,9 @@ Split from `verl_agent_loop` so that it imports no verl (nor torch): the client 
 tested, and reasoned about, on its own. Design decisions:
 
 - **Settings from the trainer config.** verl carries the `prompt_r1` block that `verl_backend.build_overrides`
-  writes (environment endpoint, turn limits, cache path) to every agent-loop worker, on any node. The
+  writes (environment endpoint, the serialised `AgentConfig`, cache path) to every agent-loop worker, on any
+  node. The agent block is read back whole (`AgentConfig.from_dump`): a missing key is an error naming it,
+  never a default of this module's. The
   reward is not the loop's business: verl's reward loop computes it. Without that block (verl run by hand)
   the params file named by `PROMPTR1_PARAMS`, else the nearest params.yaml, is read.
 - **One client per worker process**, kept at module level (a loop object lives for one trajectory), keyed
@@ -33,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import EnvironmentConfig
+from pipeline.config import AgentConfig, EnvironmentConfig
 from pipeline.environment.client import CACHE_FILE, LEDGER_FILE, EnvironmentClient
 from pipeline.environment.spec import environment_with
 
@@ -47,9 +49,9 @@ class LoopSettings:
     """What one agent-loop worker needs besides verl's own rollout config."""
 
     environment: EnvironmentConfig
-    max_turns: int
-    max_turn_tokens: int
-    env_reply_max_chars: int
+    agent: AgentConfig
+    """The params' agent section: the turn settings (`max_turns` unless verl's `multi_turn.max_assistant_turns`
+    is set, `max_turn_tokens`, `env_reply_max_chars`); verl's `response_length` is the response budget."""
     cache_dir: Path | None
 
     @classmethod
@@ -59,13 +61,14 @@ class LoopSettings:
         if block is None:
             return cls.from_params_file(os.environ.get(PARAMS_ENV_VAR))
         data = _plain(block)
-        agent = data.get("agent", {})
+        for key in ("environment", "agent"):
+            if key not in data:
+                raise ValueError(f"the trainer config's prompt_r1 block lacks `{key}` "
+                                 "(verl_overrides.agent_loop_overrides writes it)")
         cache_dir = data.get("cache_dir")
         return cls(
             environment=EnvironmentConfig.model_validate(data["environment"]),
-            max_turns=int(agent.get("max_turns", 5)),
-            max_turn_tokens=int(agent.get("max_turn_tokens", 1024)),
-            env_reply_max_chars=int(agent.get("env_reply_max_chars", 2048)),
+            agent=AgentConfig.from_dump(data["agent"], "prompt_r1.agent"),
             cache_dir=Path(cache_dir) if cache_dir else None,
         )
 
@@ -76,9 +79,7 @@ class LoopSettings:
         params = load_params(path)
         return cls(
             environment=params.environment,
-            max_turns=params.agent.max_turns,
-            max_turn_tokens=params.agent.max_turn_tokens,
-            env_reply_max_chars=params.agent.env_reply_max_chars,
+            agent=params.agent,
             cache_dir=params.path(params.paths.cache_dir),
         )
 

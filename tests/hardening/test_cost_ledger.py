@@ -171,11 +171,13 @@ VERL_WORKER = """
 import asyncio, json, sys, time
 from pathlib import Path
 from omegaconf import OmegaConf
+from pipeline.config import AgentConfig
 from pipeline.errors import BudgetExceeded
 from pipeline.train.verl_worker_client import LoopSettings, environment_client
 
 # The trainer config verl hands every agent-loop worker: the `prompt_r1` block verl_backend writes.
-config = OmegaConf.create({"prompt_r1": {"environment": json.loads(sys.argv[1]), "cache_dir": sys.argv[2]},
+config = OmegaConf.create({"prompt_r1": {"environment": json.loads(sys.argv[1]), "cache_dir": sys.argv[2],
+                                         "agent": AgentConfig(model="m").model_dump(mode="json")},
                            "reward": {"custom_reward_function": {"reward_kwargs": {"preset": "paper"}}}})
 client = environment_client(LoopSettings.from_trainer_config(config), num_workers=3)
 go = Path(sys.argv[3])
