@@ -140,7 +140,7 @@ def test_verl_loop_reads_the_serialised_agent_config(params, tiny_llama_dir):
 def pyfunc_context(params, agent_dir: Path, tmp_path: Path, **agent_changes: Any):
     """The pyfunc's load context from what the register stage logs (`_agent_model_config`)."""
     from mlflow.pyfunc import PythonModelContext
-    from pipeline.register import _agent_model_config, environment_json
+    from pipeline.stages.register import _agent_model_config, environment_json
 
     env_file = tmp_path / "environment.json"
     env_file.write_text(json.dumps(environment_json(params)))
@@ -155,7 +155,7 @@ def pyfunc_context(params, agent_dir: Path, tmp_path: Path, **agent_changes: Any
 
 
 def test_the_registered_pyfunc_serves_the_evaluated_agent_config(params, tiny_llama_dir, tmp_path):
-    from pipeline.pyfunc_agent import PromptR1Agent
+    from pipeline.serving.agent_model import PromptR1Agent
 
     with pytest.raises(ValueError, match="model_config agent lacks max_turn_tokens"):
         PromptR1Agent().load_context(pyfunc_context(params, tiny_llama_dir, tmp_path, max_turn_tokens=None))
