@@ -39,13 +39,13 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------------------------- 6. environment
 def step_environment(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
-    from pipeline.checks.layout import environment_started_here
+    from pipeline.checks.layout import started_here
     from pipeline.environment.client import resolve_api_key
     from pipeline.environment.servers import environment_server, served_models, started_server
     from pipeline.errors import EnvironmentUnavailable
 
     params, env = doc.params, doc.params.environment
-    if env.backend == "vllm" and environment_started_here(params) and not doc.gpus:
+    if env.backend == "vllm" and started_here(env) and not doc.gpus:
         return skipped(f"environment.backend=vllm serves {env.model} on a GPU: none on this machine")
     if env.backend == "knowledge":
         missing = [s for s in env.knowledge.sources if not params.path(s).exists()]
