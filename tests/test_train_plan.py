@@ -7,11 +7,11 @@ import ast
 from pathlib import Path
 
 import pytest
+from helpers import server_spec
 from pydantic import ValidationError
 
 from pipeline.agent.engine import decide_engine
 from pipeline.environment.spec import (
-    ServerSpec,
     agent_server_environment,
     environment_with,
 )
@@ -61,7 +61,7 @@ def test_the_plan_resolves_the_agent_model_once(params, tmp_path):
     assert plan.agent_model == resolve_model(params.agent.model, params.root)
     assert plan.require_agent_model() is plan.agent_model
     assert plan.steps_csv == params.path(params.paths.reports_dir) / "train" / "steps.csv"
-    assert plan.server == ServerSpec.from_params(params)
+    assert plan.server == server_spec(params)
     params.agent.model = str(tmp_path / "missing.gguf")
     missing = TrainPlan.from_params(params)  # building the plan does not fail: the stage may not need a model
     with pytest.raises(ModelRefError, match="missing.gguf"):

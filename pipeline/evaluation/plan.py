@@ -6,10 +6,11 @@ decided: recorded in metrics.json as what ran, not re-decided afterwards), how m
 the environment every system answers under (the evaluation's sampling), and each plug-and-play
 environment's. The runners, the scores, the report and the matrix get this plan or a single section.
 
-Two whole params travel inside the plan, for the APIs outside the stage that take nothing else:
-`eval_params` (the environment's server and client: `environment_server`, `EnvironmentClient.from_params`)
-and `agent_params` (the agent's own llama.cpp server, `pipeline.agent.served`). Open-r1's `grpo.py` is the
-model: the config is parsed once into typed arguments handed to `main`.
+Each environment the systems answer with is a `ServerSpec` (its section with the evaluation's sampling, the
+project root, the resolved cache folder): what `serve_environment` starts and `EnvironmentClient.in_cache_dir`
+talks to. The whole params travel inside the plan once, as `agent_params`, for the agent's own llama.cpp
+server (`pipeline.agent.served`). Open-r1's `grpo.py` is the model: the config is parsed once into typed
+arguments handed to `main`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig, Params
+from pipeline.environment.spec import ServerSpec
 from pipeline.evaluation.agent_server import agent_engine, rollout_batch_size
-from pipeline.evaluation.matrix import variant_params
-from pipeline.evaluation.systems import evaluation_params
+from pipeline.evaluation.matrix import variant_environment
+from pipeline.evaluation.systems import evaluation_environment
 from pipeline.stage_files import EVAL_REPORTS_DIR, EVAL_SETS_DIR, GEPA_PROMPT_FILE, STEPS_CSV
 
 
@@ -35,11 +37,11 @@ class TrainedSetup:
 
 @dataclass(frozen=True)
 class EnvironmentRun:
-    """One plug-and-play environment (`evaluate.environments`): its name and the params its systems answer
-    under (`variant_params`: the entry's environment with the evaluation's sampling)."""
+    """One plug-and-play environment (`evaluate.environments`): its name and the server its systems answer
+    with (`variant_environment`: the entry's environment with the evaluation's sampling)."""
 
     name: str
-    eval_params: Params
+    server: ServerSpec
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,9 @@ class EvaluatePlan:
     """What runs the agents: `evaluate.agent_engine` with `auto` decided, once."""
     rollout_batch: int
     """Questions rolled out together (`rollout_batch_size` for `engine`)."""
-    eval_params: Params
-    """The params every system answers under (`evaluation_params`: the evaluation's sampling)."""
+    server: ServerSpec
+    """The environment every system answers with (`evaluation_environment`: the training environment with
+    the evaluation's sampling), its project root and `paths.cache_dir`."""
     agent_params: Params
     """The loaded params, for the agent's llama.cpp server (`evaluation_policy`)."""
     variants: tuple[EnvironmentRun, ...]
@@ -80,7 +83,12 @@ class EvaluatePlan:
     @classmethod
     def for_evaluate(cls, params: Params) -> EvaluatePlan:
         reports_dir = params.path(params.paths.reports_dir)
+        cache_dir = params.path(params.paths.cache_dir)
         engine = agent_engine(params)
+
+        def server(environment: EnvironmentConfig) -> ServerSpec:
+            return ServerSpec(environment=environment, root=params.root, cache_dir=cache_dir)
+
         return cls(
             root=params.root,
             seed=params.seed,
@@ -100,9 +108,10 @@ class EvaluatePlan:
             trace_evaluation=params.mlflow.trace_evaluation,
             engine=engine,
             rollout_batch=rollout_batch_size(engine, params.evaluate),
-            eval_params=evaluation_params(params),
+            server=server(evaluation_environment(params.environment, params.evaluate)),
             agent_params=params,
             variants=tuple(
-                EnvironmentRun(name=v.name, eval_params=variant_params(params, v)) for v in params.evaluate.environments
+                EnvironmentRun(v.name, server(variant_environment(params.environment, params.evaluate, v)))
+                for v in params.evaluate.environments
             ),
         )

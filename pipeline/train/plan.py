@@ -68,6 +68,7 @@ class TrainPlan:
             model, error = resolve_model(params.agent.model, params.root), None
         except ModelRefError as exc:
             model, error = None, str(exc)
+        cache_dir = params.path(params.paths.cache_dir)
         return cls(
             source=params,
             profile=params.profile,
@@ -83,8 +84,8 @@ class TrainPlan:
             rl_dir=params.path(params.paths.rl_dir),
             reports_dir=params.path(params.paths.reports_dir),
             checkpoint_dir=params.path(params.paths.checkpoint_dir),
-            cache_dir=params.path(params.paths.cache_dir),
-            server=ServerSpec.from_params(params),
+            cache_dir=cache_dir,
+            server=ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir),
             tracking=tracking_spec(params),
             agent_model=model,
             agent_model_error=error,
