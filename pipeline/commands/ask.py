@@ -87,6 +87,7 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
     from contextlib import ExitStack
 
     from pipeline.agent.rollout import rollout
+    from pipeline.agent.served import AgentServing
     from pipeline.agent.serving_policy import agent_policy
     from pipeline.agent.template import render_user_message
     from pipeline.environment.client import CACHE_FILE, EnvironmentClient
@@ -113,8 +114,11 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
         start = time.perf_counter()
         with console.status(f"loading agent {ref}"):
             serve = params.register.serve
+            serving = AgentServing.from_sections(
+                params.agent, params.environment, params.evaluate, root=params.root, cache_dir=cache_dir
+            )
             agent_engine = stack.enter_context(
-                agent_policy(ref, params, engine or serve.agent_engine, threads=serve.agent_threads))
+                agent_policy(ref, serving, engine or serve.agent_engine, threads=serve.agent_threads))
         policy = agent_engine.policy
         load_s = time.perf_counter() - start
 

@@ -8,9 +8,9 @@ environment's. The runners, the scores, the report and the matrix get this plan 
 
 Each environment the systems answer with is a `ServerSpec` (its section with the evaluation's sampling, the
 project root, the resolved cache folder): what `serve_environment` starts and `EnvironmentClient.in_cache_dir`
-talks to. The whole params travel inside the plan once, as `agent_params`, for the agent's own llama.cpp
-server (`pipeline.agent.served`). Open-r1's `grpo.py` is the model: the config is parsed once into typed
-arguments handed to `main`.
+talks to; the agent's own llama.cpp server is an `AgentServing` (`pipeline.agent.served`). No whole params
+travel inside the plan. Open-r1's `grpo.py` is the model: the config is parsed once into typed arguments
+handed to `main`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.agent.served import AgentServing
 from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig, Params
 from pipeline.environment.spec import ServerSpec
 from pipeline.evaluation.agent_server import agent_engine, rollout_batch_size
@@ -75,8 +76,8 @@ class EvaluatePlan:
     server: ServerSpec
     """The environment every system answers with (`evaluation_environment`: the training environment with
     the evaluation's sampling), its project root and `paths.cache_dir`."""
-    agent_params: Params
-    """The loaded params, for the agent's llama.cpp server (`evaluation_policy`)."""
+    agent_serving: AgentServing
+    """The agent's llama.cpp server and GGUF export (`evaluation_policy`)."""
     variants: tuple[EnvironmentRun, ...]
     """Each plug-and-play environment (`evaluate.environments`), in order."""
 
@@ -84,7 +85,10 @@ class EvaluatePlan:
     def for_evaluate(cls, params: Params) -> EvaluatePlan:
         reports_dir = params.path(params.paths.reports_dir)
         cache_dir = params.path(params.paths.cache_dir)
-        engine = agent_engine(params)
+        agent_serving = AgentServing.from_sections(
+            params.agent, params.environment, params.evaluate, root=params.root, cache_dir=cache_dir
+        )
+        engine = agent_engine(params.evaluate, agent_serving)
 
         def server(environment: EnvironmentConfig) -> ServerSpec:
             return ServerSpec(environment=environment, root=params.root, cache_dir=cache_dir)
@@ -109,7 +113,7 @@ class EvaluatePlan:
             engine=engine,
             rollout_batch=rollout_batch_size(engine, params.evaluate),
             server=server(evaluation_environment(params.environment, params.evaluate)),
-            agent_params=params,
+            agent_serving=agent_serving,
             variants=tuple(
                 EnvironmentRun(v.name, server(variant_environment(params.environment, params.evaluate, v)))
                 for v in params.evaluate.environments

@@ -146,7 +146,7 @@ def evaluate_systems(
         env = EnvironmentClient.in_cache_dir(server.environment, server.cache_dir)
         try:
             # The trained agent's server/model is gone when this block ends, before the base model comes.
-            with evaluation_policy(str(plan.model_dir), plan.agent_params, engine=plan.engine) as policy:
+            with evaluation_policy(str(plan.model_dir), plan.agent_serving, ev, engine=plan.engine) as policy:
                 answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, agent, ev, TRAINED, batch)
                 if "agent_only" in baselines:
                     answers["agent_only"] = run_agent_only(policy, rows_by_ds, ev, batch)
@@ -159,7 +159,8 @@ def evaluate_systems(
                 answers["gepa"] = run_env_only(env, rows_by_ds, ev, concurrency, instruction=gepa_instruction,
                                                system="gepa")
             if "base_agent" in baselines:
-                with evaluation_policy(agent.model, plan.agent_params, tokenizer, engine=plan.engine) as base:
+                base_policy = evaluation_policy(agent.model, plan.agent_serving, ev, tokenizer, engine=plan.engine)
+                with base_policy as base:
                     answers["base_agent"] = run_agent_with_environment(base, env, rows_by_ds, agent, ev,
                                                                        "base_agent", batch)
                 del base
