@@ -93,7 +93,8 @@ def in_process(question: str, cache_dir: str) -> dict:
 def environment_alone(cache_dir: str) -> dict:
     from pipeline.config import load_params
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.environment.servers import environment_server
+    from pipeline.environment.servers import serve_environment
+    from pipeline.environment.spec import ServerSpec
 
     params = load_params(ROOT / "params.yaml", overrides(cache_dir, free_port()))
     params.environment.cache = False
@@ -105,7 +106,8 @@ def environment_alone(cache_dir: str) -> dict:
         finally:
             await client.aclose()
 
-    with environment_server(params):
+    cache = params.path(params.paths.cache_dir)
+    with serve_environment(ServerSpec(environment=params.environment, root=params.root, cache_dir=cache)):
         replies = asyncio.run(ask_all())
     tokens = sum(r.completion_tokens for r in replies)
     latency = sum(r.latency_s for r in replies)

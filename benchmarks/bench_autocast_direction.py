@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import test_learning as tl
     from demo_project import free_port, write_tiny_llama
-    from helpers import knowledge_server_overrides
+    from helpers import knowledge_server_overrides, server_spec
 
     from pipeline.config import load_params
-    from pipeline.environment.servers import environment_server
+    from pipeline.environment.servers import serve_environment
 
     results: list[dict] = []
     started = time.monotonic()
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         tiny = write_tiny_llama(tmp / "tiny")
         env_params = load_params(ROOT / "params.yaml", knowledge_server_overrides(tmp / "env", tl.TASK, free_port()))
-        with environment_server(env_params) as url:
+        with serve_environment(server_spec(env_params)) as url:
             for warm_name in args.warmups:
                 model_dir = warm_model(tmp / f"warm_{warm_name}", tiny, url, PRECISIONS[warm_name])
                 for update_name in args.updates:

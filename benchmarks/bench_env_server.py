@@ -105,9 +105,11 @@ def run_engine(params, engine: str, prompts: list[str], levels: list[int]) -> di
         params.environment.port = free_port()
         params.environment.server.engine = engine
         params.environment.concurrency = level
-        server = start_server(ServerSpec.from_params(params))
+        cache_dir = params.path(params.paths.cache_dir)
+        spec = ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir)
+        server = start_server(spec)
         try:
-            client = EnvironmentClient.from_params(params)
+            client = EnvironmentClient.in_cache_dir(params.environment, cache_dir)
 
             async def one_level(client=client, level=level) -> dict[str, object]:
                 await client.reply([], "Say hello.")  # warm-up (not one of the measured prompts)

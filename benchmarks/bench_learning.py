@@ -376,7 +376,8 @@ def run(args: argparse.Namespace) -> None:
 
     from pipeline.config.specs import tracking_spec
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.environment.servers import environment_server
+    from pipeline.environment.servers import serve_environment
+    from pipeline.environment.spec import ServerSpec
     from pipeline.errors import TrainingUnhealthy
     from pipeline.tracking import runs as tracking
     from pipeline.train import checkpoint as ckpt
@@ -439,7 +440,9 @@ def run(args: argparse.Namespace) -> None:
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
         return result
 
-    with environment_server(params), tracking.stage_run(tracking_spec(params), "learning", new_parent=True):
+    cache_dir = params.path(params.paths.cache_dir)
+    server = ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir)
+    with serve_environment(server), tracking.stage_run(tracking_spec(params), "learning", new_parent=True):
         mlflow.set_tags({"benchmark": "bench_learning", "mode": args.mode, "seed": str(args.seed)})
         env = EnvironmentClient(eval_params.environment)
 

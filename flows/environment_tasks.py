@@ -3,7 +3,7 @@
 Design decisions:
 - **Started only when needed.** The flow (flows/retrain.py) runs `start-environment` and
   `check-environment` right before `train` and `evaluate`, and only if DVC says that stage will run (or
-  `force`). Starting enters `pipeline.environment.servers.environment_server(params)`, which reuses a
+  `force`). Starting enters `pipeline.environment.servers.serve_environment(spec)`, which reuses a
   healthy server already answering at the URL and never stops one it did not start; the stage commands
   then find the server healthy and reuse it too.
 - **Health is `GET <url>/models` answering 200**, the OpenAI-compatible route every backend (llama.cpp,
@@ -43,10 +43,13 @@ ENVIRONMENT_RETRY_DELAYS_S = [20.0, 60.0]
 
 
 def default_launcher(params: Params) -> AbstractContextManager[str]:
-    """The configured environment server (`pipeline.environment.servers.environment_server`)."""
-    from pipeline.environment.servers import environment_server
+    """The configured environment server (`pipeline.environment.servers.serve_environment`)."""
+    from pipeline.environment.servers import serve_environment
+    from pipeline.environment.spec import ServerSpec
 
-    return environment_server(params)
+    cache_dir = params.path(params.paths.cache_dir)
+    spec = ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir)
+    return serve_environment(spec)
 
 
 class EnvironmentSession:

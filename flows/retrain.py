@@ -320,7 +320,7 @@ def run_pipeline_flow(
 ) -> Any:
     """Run the flow on `project_dir` in this process (tests, benchmarks, the CLI).
 
-    `launcher` replaces `environment_server` (a context manager yielding the base URL) and `policies`
+    `launcher` replaces `default_launcher` (a context manager yielding the base URL) and `policies`
     replaces per-stage retry policies; both only for this call. Returns the flow's summary dict, or its
     final Prefect state with `return_state=True` (then a failure does not raise).
     """

@@ -1,8 +1,9 @@
 """Where things run: the CUDA device ids verl and the environment server take, and which addresses are local.
 
-Pure functions of the params (no I/O), shared by the layout check (`pipeline.checks.layout`), the environment
-client and servers, and the verl launcher. They live apart from the layout check so that the environment
-code (imported by most stages) does not import the check's verl config composition.
+Pure functions of the config sections they read (`EnvironmentConfig`, `TrainConfig`; no I/O), shared by
+the layout check (`pipeline.checks.layout`), the environment client and servers, and the verl launcher.
+They live apart from the layout check so that the environment code (imported by most stages) does not
+import the check's verl config composition.
 
 - `train.verl.gpus` (per node, Ray's CUDA_VISIBLE_DEVICES) and `environment.server.gpus` (the vLLM server's
   CUDA_VISIBLE_DEVICES) name CUDA device ids; an empty list means what the tools do unasked: Ray takes the
@@ -16,7 +17,7 @@ import ipaddress
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig, Params, TrainConfig
+    from pipeline.config import EnvironmentConfig, TrainConfig
 
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", ""})
 
@@ -33,38 +34,24 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback or address.is_unspecified
 
 
-def environment_started_here(params: Params) -> bool:
-    """Whether the pipeline starts the environment server on this machine (vllm/llamacpp at its own
-    host:port) rather than using one at a `base_url` elsewhere."""
-    return started_here(params.environment)
-
-
 def started_here(env: EnvironmentConfig) -> bool:
-    """`environment_started_here` for the environment config `env`."""
+    """Whether the pipeline starts the server of environment `env` on this machine (a local backend at its
+    own host:port) rather than using one at a `base_url` elsewhere."""
     if env.backend == "api":
         return False
     return not env.base_url or env.url == f"http://{env.host}:{env.port}/v1"
 
 
-def environment_gpus(params: Params) -> list[int]:
-    """CUDA device ids the environment server takes on this machine ([] when it takes none here)."""
-    return gpus_of_environment(params.environment)
-
-
 def gpus_of_environment(env: EnvironmentConfig) -> list[int]:
-    """`environment_gpus` for the environment config `env` (what a server spec holds)."""
+    """CUDA device ids the server of environment `env` takes on this machine ([] when it takes none here)."""
     if env.backend != "vllm" or not started_here(env):
         return []
     return list(env.server.gpus) or list(range(env.server.tensor_parallel_size))
 
 
-def training_gpus(params: Params) -> list[int]:
-    """CUDA device ids verl takes on each node ([] with the local backend, which is not placed here)."""
-    return gpus_of_training(params.train)
-
-
 def gpus_of_training(train: TrainConfig) -> list[int]:
-    """`training_gpus` for the train section `train` (what the train plan holds)."""
+    """CUDA device ids verl takes on each node under the train section `train` ([] with the local backend,
+    which is not placed here)."""
     if train.backend != "verl":
         return []
     return list(train.verl.gpus) or list(range(train.verl.n_gpus_per_node))

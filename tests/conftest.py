@@ -51,17 +51,19 @@ def llama_server(tmp_path_factory):
 
     Serves params.yaml's `environment.model` under `environment.served_name` ("smollm2-135m-instruct").
     Point a config at it with `params.environment.base_url = llama_server`. Started and stopped by
-    `pipeline.environment.servers.environment_server`; its log is in a session tmp dir.
+    `pipeline.environment.servers.serve_environment`; its log is in a session tmp dir.
     """
+    from helpers import server_spec
+
     from pipeline.config import load_params
-    from pipeline.environment.servers import environment_server
+    from pipeline.environment.servers import serve_environment
 
     params = load_params(REPO_ROOT / "params.yaml", {
         "paths": {"cache_dir": str(tmp_path_factory.mktemp("llama_server"))},
         "environment": {"port": free_port(), "base_url": "", "concurrency": 8,
                         "server": {"n_ctx": 2048, "startup_timeout_s": 120, "parallel": 8}},
     })
-    with environment_server(params) as url:
+    with serve_environment(server_spec(params)) as url:
         yield url
 
 

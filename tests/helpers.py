@@ -15,10 +15,33 @@ import pandas as pd
 
 from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
+from pipeline.agent.served import AgentServing
+from pipeline.environment.client import EnvironmentClient
+from pipeline.environment.spec import ServerSpec
 from pipeline.stages.register import EvalAverages
 from pipeline.types import PromptItem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------ the environment, as stages build it
+def server_spec(params) -> ServerSpec:
+    """The environment server `params` describe, built as a stage's plan builds it."""
+    cache_dir = params.path(params.paths.cache_dir)
+    return ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir)
+
+
+def agent_serving(params) -> AgentServing:
+    """The agent's llama.cpp serving `params` describe, built as the evaluate plan builds it."""
+    cache_dir = params.path(params.paths.cache_dir)
+    return AgentServing.from_sections(params.agent, params.environment, params.evaluate, root=params.root,
+                                      cache_dir=cache_dir)
+
+
+def environment_client(params) -> EnvironmentClient:
+    """The client of the environment `params` describe, caching under `paths.cache_dir` as the stages do."""
+    return EnvironmentClient.in_cache_dir(params.environment, params.path(params.paths.cache_dir))
+
 
 # ------------------------------------------------------------------------------- a scripted rollout agent
 # What the agent generates after the template's "<think>\n" opener.

@@ -9,6 +9,7 @@ import json
 import logging
 
 import pytest
+from helpers import agent_serving
 
 from pipeline.agent.serving_policy import agent_policy, choose_engine, pyfunc_params
 from pipeline.errors import UserError
@@ -16,15 +17,15 @@ from pipeline.errors import UserError
 
 def test_auto_is_llama_cpp_for_a_gguf_base_model_as_in_evaluation(params, tiny_llama_dir):
     assert params.agent.model.endswith(".gguf")  # the default profile's SmolLM2 Q4_1
-    assert choose_engine(params, "auto") == "llama.cpp"
-    assert choose_engine(params, "transformers") == "transformers"
+    assert choose_engine(agent_serving(params), "auto") == "llama.cpp"
+    assert choose_engine(agent_serving(params), "transformers") == "transformers"
     params.agent.model = str(tiny_llama_dir)  # a Hugging Face directory: no GGUF template to export with
-    assert choose_engine(params, "auto") == "transformers"
-    assert choose_engine(params, "llama.cpp") == "llama.cpp"
+    assert choose_engine(agent_serving(params), "auto") == "transformers"
+    assert choose_engine(agent_serving(params), "llama.cpp") == "llama.cpp"
     with pytest.raises(
         UserError, match=r"register\.serve\.agent_engine='vllm': expected one of auto, llama\.cpp"
     ):
-        choose_engine(params, "vllm")
+        choose_engine(agent_serving(params), "vllm")
 
 
 def test_an_agent_llama_cpp_cannot_take_is_refused_when_asked_and_falls_back_under_auto(
@@ -34,11 +35,11 @@ def test_an_agent_llama_cpp_cannot_take_is_refused_when_asked_and_falls_back_und
     the mismatch; `auto` warns and answers with transformers."""
     params.paths.cache_dir = str(tmp_path)
     refused = r"register\.serve\.agent_engine=llama\.cpp: .*attention/KV heads.*not the same architecture"
-    with pytest.raises(UserError, match=refused), agent_policy(str(tiny_llama_dir), params, "llama.cpp"):
+    with pytest.raises(UserError, match=refused), agent_policy(str(tiny_llama_dir), agent_serving(params), "llama.cpp"):
         pass
     with (
         caplog.at_level(logging.WARNING, logger="pipeline.agent.engine"),
-        agent_policy(str(tiny_llama_dir), params, "auto") as agent,
+        agent_policy(str(tiny_llama_dir), agent_serving(params), "auto") as agent,
     ):
         assert agent.engine == "transformers"
         assert type(agent.policy).__name__ == "TransformersPolicy"
@@ -55,8 +56,8 @@ def test_the_pyfunc_decides_from_what_register_logged(params, tiny_llama_dir, tm
     config["cache_dir"] = str(tmp_path / "cache")
     rebuilt = pyfunc_params(str(tiny_llama_dir), config, environment_json(params))
     assert rebuilt.agent.model == params.agent.model
-    assert rebuilt.evaluate.agent_gguf_dtype == params.evaluate.agent_gguf_dtype
-    assert rebuilt.path(rebuilt.paths.cache_dir) == tmp_path / "cache"
+    assert rebuilt.gguf_dtype == params.evaluate.agent_gguf_dtype
+    assert rebuilt.cache_dir == rebuilt.root == tmp_path / "cache"
     assert choose_engine(rebuilt, config["agent_engine"]) == "llama.cpp"
     del config["base_model"]
     older = pyfunc_params(str(tiny_llama_dir), config, environment_json(params))

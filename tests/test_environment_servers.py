@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 from demo_project import free_port, pid_alive
 from fault_server import FaultServer
+from helpers import server_spec
 
 from pipeline.commands.env import STATE_FILE, cli_start, cli_status, cli_stop
 from pipeline.config import load_params
 from pipeline.environment import servers
 from pipeline.environment.servers import (
-    environment_server,
     is_healthy,
+    serve_environment,
     server_command,
     started_server,
     vllm_command,
 )
-from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.hardware import usable_cores
 
@@ -64,7 +64,7 @@ def test_llamacpp_command_from_params(local_params, engine, module, monkeypatch)
     cfg = local_params.environment
     cfg.server.engine = engine
     cfg.server.extra_args = ["--verbose", "false"]
-    cmd = server_command(ServerSpec.from_params(local_params))
+    cmd = server_command(server_spec(local_params))
     assert cmd[:3] == [sys.executable, "-m", module]
     args = dict(zip(cmd[3:-2:2], cmd[4:-2:2], strict=True))
     if engine == "llama.cpp":
@@ -95,24 +95,26 @@ def test_vllm_command_from_paper_profile(repo_root):
 def test_llamacpp_needs_a_gguf(local_params, tmp_path):
     local_params.environment.model = str(tmp_path)  # a directory, not a GGUF
     with pytest.raises(EnvironmentUnavailable, match="not a .gguf"):
-        server_command(ServerSpec.from_params(local_params))
+        server_command(server_spec(local_params))
 
 
 def test_api_backend_starts_nothing(local_params, monkeypatch):
     cfg = local_params.environment
     cfg.backend, cfg.base_url, cfg.api_key_env = "api", "https://api.example.invalid/v1", "PROMPTR1_TEST_KEY"
     monkeypatch.setenv("PROMPTR1_TEST_KEY", "sk-test")
-    with environment_server(local_params) as url:
+    with serve_environment(server_spec(local_params)) as url:
         assert url == "https://api.example.invalid/v1" and started_server(url) is None
     monkeypatch.delenv("PROMPTR1_TEST_KEY")
-    with pytest.raises(EnvironmentUnavailable, match=r"PROMPTR1_TEST_KEY"), environment_server(local_params):
+    with pytest.raises(EnvironmentUnavailable, match=r"PROMPTR1_TEST_KEY"), serve_environment(
+        server_spec(local_params)
+    ):
         pytest.fail("must not enter the block")
 
 
 def test_healthy_server_is_reused_not_stopped(local_params):
     with FaultServer(model="smollm2-135m-instruct") as running:
         local_params.environment.port = running.port
-        with environment_server(local_params) as url:
+        with serve_environment(server_spec(local_params)) as url:
             assert url == running.url and started_server(url) is None
         assert is_healthy(running.url)
 
@@ -122,18 +124,20 @@ def test_server_serving_another_model_is_not_reused(local_params):
     with FaultServer(model="some-other-model") as running:
         local_params.environment.port = running.port
         expected = r"serves \['some-other-model'\], not environment\.served_name"
-        with pytest.raises(EnvironmentUnavailable, match=expected), environment_server(local_params):
+        with pytest.raises(EnvironmentUnavailable, match=expected), serve_environment(
+            server_spec(local_params)
+        ):
             pytest.fail("must not enter the block")
         assert is_healthy(running.url)  # left alone
 
 
 def test_start_and_stop_own_server_also_when_body_raises(local_params, stand_in):
-    with environment_server(local_params) as url:
+    with serve_environment(server_spec(local_params)) as url:
         pid = started_server(url).pid
         assert is_healthy(url) and pid_alive(pid)
     assert not pid_alive(pid) and not is_healthy(url)
 
-    with pytest.raises(RuntimeError, match="boom"), environment_server(local_params) as url:
+    with pytest.raises(RuntimeError, match="boom"), serve_environment(server_spec(local_params)) as url:
         pid = started_server(url).pid
         raise RuntimeError("boom")
     assert not pid_alive(pid) and not is_healthy(url) and started_server(url) is None
@@ -142,7 +146,7 @@ def test_start_and_stop_own_server_also_when_body_raises(local_params, stand_in)
 def test_startup_failure_reports_log_tail(local_params):
     local_params.environment.server.extra_args = ["--no-such-flag-xyz"]
     with (pytest.raises(EnvironmentUnavailable, match="exited with code") as info,
-          environment_server(local_params)):
+          serve_environment(server_spec(local_params))):
         pytest.fail("must not enter the block")
     assert "no-such-flag-xyz" in str(info.value)  # argparse's complaint, from the log
     log = Path(local_params.paths.cache_dir) / f"environment_server_llamacpp_{local_params.environment.port}.log"
@@ -154,7 +158,9 @@ def test_startup_timeout_kills_the_process(local_params, monkeypatch, tmp_path):
     sleeper = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
     monkeypatch.setattr(servers, "server_command", lambda params: [sys.executable, "-c", sleeper])
     local_params.environment.server.startup_timeout_s = 1.0
-    with pytest.raises(EnvironmentUnavailable, match="did not answer"), environment_server(local_params):
+    with pytest.raises(EnvironmentUnavailable, match="did not answer"), serve_environment(
+        server_spec(local_params)
+    ):
         pytest.fail("must not enter the block")
     assert not pid_alive(int(pid_file.read_text())), "a server that never became healthy must be killed"
     assert started_server(local_params.environment.url) is None
@@ -165,13 +171,17 @@ def test_missing_server_binary(local_params, tiny_llama_dir):
     local_params.environment.model = str(tiny_llama_dir)  # weights present: the missing binary is the problem
     if shutil.which("vllm"):
         pytest.skip("vllm is installed here (GPU node)")
-    with pytest.raises(EnvironmentUnavailable, match="cannot start"), environment_server(local_params):
+    with pytest.raises(EnvironmentUnavailable, match="cannot start"), serve_environment(
+        server_spec(local_params)
+    ):
         pass
 
 
 def test_base_url_elsewhere_is_not_started(local_params):
     local_params.environment.base_url = f"http://127.0.0.1:{free_port()}/v1"
-    with pytest.raises(EnvironmentUnavailable, match="base_url"), environment_server(local_params):
+    with pytest.raises(EnvironmentUnavailable, match="base_url"), serve_environment(
+        server_spec(local_params)
+    ):
         pass
 
 
@@ -222,12 +232,12 @@ def test_vllm_server_gets_only_its_gpus_and_starts_offline(local_params, tiny_ll
     env_cfg = local_params.environment
     env_cfg.backend, env_cfg.model = "vllm", str(tiny_llama_dir)
     env_cfg.server.gpus, env_cfg.server.tensor_parallel_size = [6, 7], 2
-    env = server_env(ServerSpec.from_params(local_params))
+    env = server_env(server_spec(local_params))
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["HF_HUB_OFFLINE"] == "1"
 
     env_cfg.model = "some-org/not-downloaded-model"
     with pytest.raises(EnvironmentUnavailable, match=r"run `promptr1 weights` before starting vLLM"):
-        server_env(ServerSpec.from_params(local_params))
+        server_env(server_spec(local_params))
 
 
 def test_gpt_oss_vllm_starts_offline_with_harmony_reading_the_fetched_encoding(repo_root, tmp_path, monkeypatch):
@@ -251,22 +261,22 @@ def test_gpt_oss_vllm_starts_offline_with_harmony_reading_the_fetched_encoding(r
 
     with pytest.raises(EnvironmentUnavailable, match=r"GPT-OSS, whose harmony encoding .*o200k_base\.tiktoken is "
                                                      r"missing\. Run `promptr1 weights`"):
-        server_env(ServerSpec.from_params(params))
+        server_env(server_spec(params))
     folder.mkdir()
     (folder / "o200k_base.tiktoken").write_bytes(vocab + b"tampered")
     with pytest.raises(EnvironmentUnavailable, match="sha256"):
-        server_env(ServerSpec.from_params(params))
+        server_env(server_spec(params))
     (folder / "o200k_base.tiktoken").write_bytes(vocab)
-    env = server_env(ServerSpec.from_params(params))
+    env = server_env(server_spec(params))
     assert env["TIKTOKEN_ENCODINGS_BASE"] == str(folder.resolve())
     assert env["HF_HUB_OFFLINE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15"
-    assert server_command(ServerSpec.from_params(params))[:3] == ["vllm", "serve", str(model)]
+    assert server_command(server_spec(params))[:3] == ["vllm", "serve", str(model)]
 
     # Not GPT-OSS: no harmony file needed, none pointed at
     monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
     params.environment.served_name = "qwen"
     params.environment.model = str(model.rename(tmp_path / "qwen"))
-    assert "TIKTOKEN_ENCODINGS_BASE" not in server_env(ServerSpec.from_params(params))
+    assert "TIKTOKEN_ENCODINGS_BASE" not in server_env(server_spec(params))
 
 
 def test_llama_server_extra_args_set_llama_cpp_fields_by_name_and_type():

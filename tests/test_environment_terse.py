@@ -11,12 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 from demo_project import free_port
+from helpers import server_spec
 
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.knowledge import REPLY_TEMPLATES, UNKNOWN_REPLY, KnowledgeBase
 from pipeline.environment.knowledge_replies import answered
 from pipeline.environment.knowledge_server import knowledge_base
-from pipeline.environment.servers import environment_server, server_command
+from pipeline.environment.servers import serve_environment, server_command
 from pipeline.environment.terse import MAX_REQUEST_WORDS, TOO_LONG_REPLY, TerseKnowledgeBase
 from pipeline.evaluation.trivial_rules import (
     INFORMED_RULES,
@@ -149,8 +150,8 @@ def test_real_terse_server_through_the_environment_client(params, tmp_path):
     env.backend, env.served_name, env.port, env.cache = "knowledge", "knowledge-base", free_port(), False
     env.knowledge.sources, env.knowledge.mode = [str(source)], "terse"
     env.server.startup_timeout_s = 30
-    assert server_command(params)[:3] == [sys.executable, "-m", "pipeline.environment.knowledge_server"]
-    with environment_server(params):
+    assert server_command(server_spec(params))[:3] == [sys.executable, "-m", "pipeline.environment.knowledge_server"]
+    with serve_environment(server_spec(params)):
         client = EnvironmentClient(env)
 
         async def ask():

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 from fault_server import FaultServer
+from helpers import server_spec
 
 from pipeline.config import load_params
 from pipeline.environment.client import EnvironmentClient
-from pipeline.environment.spec import ServerSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DATE = "2026-11-28"
@@ -159,10 +159,10 @@ def test_gpt_oss_server_keeps_the_instruction_in_the_developer_message(tmp_path,
     monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path / "encodings"))
     monkeypatch.setenv("VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS", "1")
     params = load_params(REPO / "params.yaml", {"profile": "paper", "environment": {"model": str(model)}})
-    assert server_env(ServerSpec.from_params(params))["VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS"] == "0"
+    assert server_env(server_spec(params))["VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS"] == "0"
     monkeypatch.delenv("VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS")
     params.environment.served_name, params.environment.model = "qwen", str(model.rename(tmp_path / "qwen"))
-    assert "VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS" not in server_env(ServerSpec.from_params(params))
+    assert "VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS" not in server_env(server_spec(params))
 
 
 def test_docs_say_which_role_and_why_for_the_pinned_vllm():

@@ -13,10 +13,10 @@ from pipeline.checks.layout import (
     LayoutError,
     assert_runnable,
     cuda_visible_devices,
-    environment_gpus,
+    gpus_of_environment,
+    gpus_of_training,
     is_loopback,
     layout_problems,
-    training_gpus,
 )
 from pipeline.config import deep_merge, load_params, parse_override
 from pipeline.train.plan import TrainPlan
@@ -145,16 +145,18 @@ def test_only_active_backends_are_judged():
     # An environment served elsewhere shares no GPU with training, whatever its server block says.
     remote = merged("profile=paper", "environment.server.gpus=[0,1,2,3,4,5,6,7]",
                     "environment.base_url=http://env-node:8000/v1")
-    assert environment_gpus(remote) == [] and layout_problems(remote) == []
-    assert environment_gpus(merged("profile=api")) == []
+    assert gpus_of_environment(remote.environment) == [] and layout_problems(remote) == []
+    assert gpus_of_environment(merged("profile=api").environment) == []
 
 
 def test_placement_defaults_are_what_ray_and_vllm_take():
     params = merged("profile=paper", "environment.server.gpus=[]", "train.verl.gpus=[]",
                     "environment.server.tensor_parallel_size=2")
-    assert training_gpus(params) == list(range(8)) and environment_gpus(params) == [0, 1]
-    assert training_gpus(merged()) == []  # local backend
-    assert cuda_visible_devices(environment_gpus(merged("profile=paper"))) == "8,9,10,11,12,13,14,15"
+    assert gpus_of_training(params.train) == list(range(8))
+    assert gpus_of_environment(params.environment) == [0, 1]
+    assert gpus_of_training(merged().train) == []  # local backend
+    paper = merged("profile=paper").environment
+    assert cuda_visible_devices(gpus_of_environment(paper)) == "8,9,10,11,12,13,14,15"
 
 
 @pytest.mark.parametrize(("host", "loopback"), [
@@ -170,7 +172,7 @@ def test_smoke_profile_is_one_gpu_with_a_small_agent():
     params = merged("profile=smoke-1gpu")
     assert params.train.backend == "verl" and params.train.verl.rollout_name == "vllm"
     assert params.environment.backend == "vllm"
-    assert training_gpus(params) == environment_gpus(params) == [0]
+    assert gpus_of_training(params.train) == gpus_of_environment(params.environment) == [0]
     assert params.environment.server.gpu_memory_utilization + params.train.verl.rollout_gpu_memory_utilization <= 1
     assert params.agent.model == "Qwen/Qwen3-0.6B"
     assert "trainer.total_training_steps=3" in params.train.verl.extra_overrides
@@ -186,8 +188,9 @@ def test_paper_1node_is_the_paper_but_for_the_layout():
     paper, one_node = flatten(merged("profile=paper")), flatten(merged("profile=paper-1node"))
     differing = {k for k in paper.keys() | one_node.keys() if paper.get(k) != one_node.get(k)}
     assert differing == layout_keys
-    assert set(training_gpus(merged("profile=paper-1node"))).isdisjoint(environment_gpus(merged("profile=paper-1node")))
-    assert len(training_gpus(merged("profile=paper-1node")) + environment_gpus(merged("profile=paper-1node"))) == 8
+    one = merged("profile=paper-1node")
+    assert set(gpus_of_training(one.train)).isdisjoint(gpus_of_environment(one.environment))
+    assert len(gpus_of_training(one.train) + gpus_of_environment(one.environment)) == 8
 
 
 def _compose_verl(overrides: list[str]):
@@ -237,7 +240,7 @@ def test_gpu_profiles_compose_into_a_config_verl_validates(profile):
     params = merged(f"profile={profile}")
     cfg = _compose_verl(build_overrides(TrainPlan.from_params(params)))
     _verl_validates(cfg)
-    assert cfg.trainer.n_gpus_per_node == len(training_gpus(params))
+    assert cfg.trainer.n_gpus_per_node == len(gpus_of_training(params.train))
     assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == params.train.verl.rollout_tp
     assert cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n % cfg.trainer.n_gpus_per_node == 0
     if profile == "smoke-1gpu":

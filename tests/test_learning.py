@@ -62,10 +62,10 @@ from pathlib import Path
 import pytest
 import torch
 from demo_project import free_port
-from helpers import knowledge_server_overrides, write_train_parquet
+from helpers import environment_client, knowledge_server_overrides, server_spec, write_train_parquet
 
 from pipeline.config import load_params
-from pipeline.environment.servers import environment_server
+from pipeline.environment.servers import serve_environment
 from pipeline.train.plan import TrainPlan
 
 pytestmark = pytest.mark.slow
@@ -112,7 +112,7 @@ def knowledge_url(tmp_path_factory):
     """The knowledgeable environment as a real server process, for the module."""
     folder = tmp_path_factory.mktemp("knowledge_env")
     params = load_params(_ROOT / "params.yaml", knowledge_server_overrides(folder, TASK, free_port()))
-    with environment_server(params) as url:
+    with serve_environment(server_spec(params)) as url:
         yield url
 
 
@@ -150,7 +150,6 @@ def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, fl
 
     import numpy as np
 
-    from pipeline.environment.client import EnvironmentClient
     from pipeline.train import trainer as trainer_module
     from pipeline.train.batch import collate, response_log_probs
     from pipeline.train.grpo import grpo_advantages as intact_advantages
@@ -173,7 +172,7 @@ def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, fl
     trainer = trainer_module.LocalTrainer(plan, models, frame, device, QuestionSampler(len(frame), seed))
     trainer.reference_is_policy = True  # a fresh run, as pipeline.train.local sets it
     before_model = copy.deepcopy(models.model).eval()
-    env = EnvironmentClient.from_params(params)
+    env = environment_client(params)
     handed: list[list[str]] = []  # the group ids verl's advantage function got from step()
     advantage_fn = trainer_module.grpo_advantages
     trainer_module.grpo_advantages = lambda s, m, ids, *a, **k: handed.append(list(ids)) or advantage_fn(s, m, ids, *a, **k)

@@ -24,7 +24,7 @@ from pipeline.evaluation.matrix import (
     matrix_metrics,
     matrix_plot_rows,
     matrix_row,
-    variant_params,
+    variant_environment,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,8 @@ def test_an_entry_changes_only_its_keys_and_a_moved_endpoint_drops_the_inherited
         },
         environment={"base_url": "http://127.0.0.1:9999/v1", "temperature": 0.7},
     )
-    kb = variant_params(params, params.evaluate.environments[0]).environment
+    first, second = params.evaluate.environments
+    kb = variant_environment(params.environment, params.evaluate, first)
     assert (kb.backend, kb.served_name, kb.port, kb.url) == (
         "knowledge",
         "kb",
@@ -76,7 +77,7 @@ def test_an_entry_changes_only_its_keys_and_a_moved_endpoint_drops_the_inherited
     assert kb.knowledge.min_overlap == 0.5 and kb.knowledge.sources == params.environment.knowledge.sources
     assert kb.system_prompt == params.environment.system_prompt  # inherited
     assert (kb.temperature, kb.cache) == (0.0, False)  # the evaluation's sampling, not the training's 0.7
-    same_endpoint = variant_params(params, params.evaluate.environments[1]).environment
+    same_endpoint = variant_environment(params.environment, params.evaluate, second)
     assert same_endpoint.url == "http://127.0.0.1:9999/v1" and same_endpoint.max_tokens == 64
     assert params.environment.served_name != "other"  # the training section itself is untouched
 
@@ -106,7 +107,7 @@ def test_api_profile_lists_gpt_oss_20b_beside_gpt_4o_mini():
     params = load_params(ROOT / "params.yaml", {"profile": "api"})
     assert params.environment.served_name == "gpt-4o-mini"
     [entry] = params.evaluate.environments
-    env = variant_params(params, entry).environment
+    env = variant_environment(params.environment, params.evaluate, entry)
     assert (entry.name, env.served_name, env.model) == ("gpt-oss-20b", "gpt-oss-20b", "openai/gpt-oss-20b")
     assert env.base_url == "" and env.url == "http://127.0.0.1:8000/v1"  # not the OpenAI URL it would inherit
 
@@ -160,8 +161,8 @@ def _aggregate(f1: dict[str, float]) -> dict:
 def test_matrix_outputs_one_row_per_environment(params):
     main = _aggregate({"prompt_r1": 30.0, "env_only": 20.0, "agent_only": 10.0})
     with_kb = _load({"environments": [{"name": "kb", "served_name": "kb"}]})
-    other = variant_params(with_kb, with_kb.evaluate.environments[0])
-    rows = [matrix_row("kb", other.environment, _aggregate({"prompt_r1": 60.0, "env_only": 50.0}))]
+    other = variant_environment(with_kb.environment, with_kb.evaluate, with_kb.evaluate.environments[0])
+    rows = [matrix_row("kb", other, _aggregate({"prompt_r1": 60.0, "env_only": 50.0}))]
     main["matrix"] = build_matrix(params.environment, main, rows)
 
     md = "\n".join(matrix_markdown(main))

@@ -13,11 +13,11 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from helpers import server_spec
 from omegaconf import OmegaConf
 from verl_cpu import compose_verl
 
 from pipeline.config import load_params
-from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable, UserError
 from pipeline.train.plan import TrainPlan
 
@@ -121,7 +121,7 @@ def test_vllm_serves_the_snapshot_folder_offline(hub, tmp_path, monkeypatch):
     from pipeline.environment.servers import server_command, server_env
 
     params = paper(tmp_path)
-    spec = ServerSpec.from_params(params)
+    spec = server_spec(params)
     with pytest.raises(EnvironmentUnavailable, match=r"run `promptr1 weights` before starting vLLM"):
         server_command(spec)
     snapshot = cached_model(hub, "openai/gpt-oss-20b")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from demo_project import free_port
+from helpers import agent_serving
 
 from pipeline.agent.completions_policy import batched_requests
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
@@ -53,7 +54,7 @@ def _sample(repo_root, tmp_path, jitter: bool) -> tuple[list[list[int]], list[di
             time.sleep(delays.uniform(0.0, 0.3))
 
     gguf = Path(resolve_model(SMOLLM2).location)
-    with served_policy(gguf, params, tokenizer, SLOTS, quiet=True) as policy:
+    with served_policy(gguf, agent_serving(params), tokenizer, SLOTS, quiet=True) as policy:
         policy.seed = 7
         policy._client.event_hooks["request"].append(on_request)
         gens = policy.generate(prompts, 8, 1.0, 1.0, STOP_STRINGS, True)

@@ -7,11 +7,11 @@ import ast
 from pathlib import Path
 
 import pytest
+from helpers import agent_serving, server_spec
 from pydantic import ValidationError
 
 from pipeline.agent.engine import decide_engine
 from pipeline.environment.spec import (
-    ServerSpec,
     agent_server_environment,
     environment_with,
 )
@@ -51,9 +51,11 @@ def test_training_and_evaluation_decide_auto_alike(params, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("training prefers the in-process policy on CUDA, evaluation does not")
     params.train.rollout_engine = params.evaluate.agent_engine = "auto"
-    assert rollout_engine(TrainPlan.from_params(params)) == agent_engine(params) == "llama.cpp"
+    assert rollout_engine(TrainPlan.from_params(params)) == agent_engine(params.evaluate, agent_serving(params))
+    assert agent_engine(params.evaluate, agent_serving(params)) == "llama.cpp"
     params.agent.model = str(tmp_path / "missing.gguf")
-    assert rollout_engine(TrainPlan.from_params(params)) == agent_engine(params) == "transformers"
+    assert rollout_engine(TrainPlan.from_params(params)) == agent_engine(params.evaluate, agent_serving(params))
+    assert agent_engine(params.evaluate, agent_serving(params)) == "transformers"
 
 
 def test_the_plan_resolves_the_agent_model_once(params, tmp_path):
@@ -61,7 +63,7 @@ def test_the_plan_resolves_the_agent_model_once(params, tmp_path):
     assert plan.agent_model == resolve_model(params.agent.model, params.root)
     assert plan.require_agent_model() is plan.agent_model
     assert plan.steps_csv == params.path(params.paths.reports_dir) / "train" / "steps.csv"
-    assert plan.server == ServerSpec.from_params(params)
+    assert plan.server == server_spec(params)
     params.agent.model = str(tmp_path / "missing.gguf")
     missing = TrainPlan.from_params(params)  # building the plan does not fail: the stage may not need a model
     with pytest.raises(ModelRefError, match="missing.gguf"):
@@ -86,11 +88,13 @@ def test_the_agent_server_config_is_the_served_agents(params, tmp_path):
     gguf = tmp_path / "agent-abc.gguf"
     n_ctx = params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64
     built = agent_server_environment(
-        params.environment, gguf, port=agent_port(params), parallel=3, n_ctx=n_ctx
+        params.environment, gguf, port=agent_port(params.evaluate, params.environment), parallel=3, n_ctx=n_ctx
     )
-    assert built == agent_environment(gguf, params, 3)
+    serving = TrainPlan.from_params(params).agent_serving
+    assert serving.port == agent_serving(params).port and serving.cache_dir == agent_serving(params).cache_dir
+    assert built == agent_environment(gguf, serving, 3) == agent_environment(gguf, agent_serving(params), 3)
     threads_before = params.environment.server.n_threads
-    own = agent_environment(gguf, params, 2, port=1234, threads=1)
+    own = agent_environment(gguf, serving, 2, port=1234, threads=1)
     assert (own.port, own.server.n_threads, own.server.parallel) == (1234, 1, 2)
     assert params.environment.server.n_threads == threads_before
     other = agent_server_environment(params.environment, tmp_path / "x.gguf", port=1, parallel=1, n_ctx=512)

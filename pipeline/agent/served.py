@@ -12,6 +12,10 @@ Two users:
   sampled at `agent.temperature`. llama.cpp's server truncates the distribution by default (top-k 40,
   min-p 0.05); `served_policy` turns those off so that the sampled distribution is the policy's, as the
   in-process sampler's is (temperature and top-p only).
+
+What serving needs from the params is an `AgentServing`, built once by the caller's plan or entry (the
+evaluate plan, the train plan, `promptr1 ask`, the pyfunc from its logged config): the functions here and
+in pipeline.agent.serving_policy / pipeline.evaluation.agent_server take it, never the whole params.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipeline.agent.completions_policy import OpenAICompletionsPolicy
-    from pipeline.config import EnvironmentConfig, Params
+    from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,28 +37,55 @@ UNTRUNCATED = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0
 """llama.cpp sampler settings that leave the distribution as temperature and top-p make it."""
 
 
-def agent_port(params: Params) -> int:
+def agent_port(evaluate: EvaluateConfig, environment: EnvironmentConfig) -> int:
     """`evaluate.agent_port`, or the port after the environment's."""
-    return params.evaluate.agent_port or params.environment.port + 1
+    return evaluate.agent_port or environment.port + 1
 
 
-def agent_environment(gguf_path: Path, params: Params, parallel: int, *, port: int | None = None,
+@dataclass(frozen=True)
+class AgentServing:
+    """What serving the agent (evaluation, `ask`, the pyfunc, the trainer's llama.cpp rollouts) needs from
+    the params, resolved once by the caller's plan or entry (module docstring)."""
+
+    agent: AgentConfig
+    """The agent section: its base model (a GGUF template), dtype and the token budgets that size a slot."""
+    environment: EnvironmentConfig
+    """The environment section: the agent's server takes its host and server settings (threads)."""
+    port: int
+    """The agent server's port (`agent_port`) when the caller names none."""
+    gguf_dtype: str
+    """The precision of a merged agent's GGUF export (`evaluate.agent_gguf_dtype`; the trainer's per-step
+    exports: `train.rollout_gguf_dtype`)."""
+    root: Path
+    """The project root: relative model references and the server's working folder."""
+    cache_dir: Path
+    """`paths.cache_dir`, resolved: GGUF exports and the agent server's log."""
+
+    @classmethod
+    def from_sections(cls, agent: AgentConfig, environment: EnvironmentConfig, evaluate: EvaluateConfig, *,
+                      root: Path, cache_dir: Path) -> AgentServing:
+        """The agent as evaluation serves it: `evaluate.agent_port` and `evaluate.agent_gguf_dtype`."""
+        return cls(agent=agent, environment=environment, port=agent_port(evaluate, environment),
+                   gguf_dtype=evaluate.agent_gguf_dtype, root=root, cache_dir=cache_dir)
+
+
+def agent_environment(gguf_path: Path, serving: AgentServing, parallel: int, *, port: int | None = None,
                       threads: int | str | None = None) -> EnvironmentConfig:
     """The environment config of the agent's llama.cpp server (pipeline.environment.spec's one constructor):
     `parallel` slots, each holding one whole conversation (prompt and every turn of its response), at `port`
-    (default `agent_port`), with `threads` threads (default: the environment server's)."""
+    (default `serving.port`), with `threads` threads (default: the environment server's)."""
     from pipeline.environment.spec import agent_server_environment, environment_with
 
-    env = params.environment
+    env = serving.environment
     if threads is not None:
         env = environment_with(env, server=env.server.model_dump() | {"n_threads": threads})
     return agent_server_environment(
-        env, gguf_path, port=port or agent_port(params), parallel=parallel,
-        n_ctx=params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64)
+        env, gguf_path, port=port or serving.port, parallel=parallel,
+        n_ctx=serving.agent.max_prompt_tokens + serving.agent.max_response_tokens + 64)
 
 
 @contextmanager
-def served_policy(gguf_path: Path, params: Params, tokenizer: Any, parallel: int,
+def served_policy(gguf_path: Path, serving: AgentServing, tokenizer: Any, parallel: int,
                   quiet: bool = False, *, port: int | None = None,
                   threads: int | str | None = None) -> Iterator[OpenAICompletionsPolicy]:
     """Serve `gguf_path` for the block and yield the policy talking to it; the server stops after (unless
@@ -63,8 +95,8 @@ def served_policy(gguf_path: Path, params: Params, tokenizer: Any, parallel: int
     from pipeline.environment.servers import serve_environment
     from pipeline.environment.spec import ServerSpec
 
-    env = agent_environment(gguf_path, params, parallel, port=port, threads=threads)
-    spec = ServerSpec(environment=env, root=params.root, cache_dir=params.path(params.paths.cache_dir))
+    env = agent_environment(gguf_path, serving, parallel, port=port, threads=threads)
+    spec = ServerSpec(environment=env, root=serving.root, cache_dir=serving.cache_dir)
     with serve_environment(spec, role="agent", quiet=quiet) as url:
         policy = OpenAICompletionsPolicy(url, env.served_name, tokenizer, concurrency=parallel,
                                          token_prompts=True, sampling=UNTRUNCATED)

@@ -1,7 +1,8 @@
 """The agent outside evaluation and training (`promptr1 ask`, the registered pyfunc, `promptr1 serve`): which
 engine generates its turns, and the policy that engine yields.
 
-`agent_policy(ref, params, requested)` is the one entry point. `requested` is `register.serve.agent_engine`
+`agent_policy(ref, serving, requested)` is the one entry point (`serving`: a
+`pipeline.agent.served.AgentServing`). `requested` is `register.serve.agent_engine`
 (`auto | llama.cpp | transformers`, default `auto`; `promptr1 ask --engine` overrides it for one question):
 
 - `auto` applies the rule evaluation and training apply (`pipeline.agent.engine.decide_engine`):
@@ -20,7 +21,7 @@ engine generates its turns, and the policy that engine yields.
 Why: on 2 CPU cores the torch agent made one served question take 41-47 s; llama.cpp keeps the
 conversation's KV cache between turns and decodes several times faster (docs/serving.md has the figures).
 
-The pyfunc has no params.yaml: `pyfunc_params` builds the few sections this module reads from what the
+The pyfunc has no params.yaml: `pyfunc_params` builds the `AgentServing` this module reads from what the
 register stage logged (`engine_model_config` + the environment JSON), with the GGUF cache in
 `cache_dir` (default: `$PROMPTR1_CACHE_DIR`, else the user's cache folder, `~/.cache/promptr1`).
 """
@@ -41,7 +42,9 @@ from pipeline.paths import default_cache_dir
 
 if TYPE_CHECKING:
     from pipeline.agent.policy import PolicyBackend
-    from pipeline.config import Params
+    from pipeline.agent.served import AgentServing
+    from pipeline.config import AgentConfig, EvaluateConfig
+    from pipeline.config.serving import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +65,14 @@ class AgentEngine:
     """What that engine loaded: the GGUF file (llama.cpp) or the agent reference (transformers)."""
 
 
-def choose_engine(params: Params, requested: str) -> str:
+def choose_engine(serving: AgentServing, requested: str) -> str:
     """`requested` with `auto` decided by the one rule (`pipeline.agent.engine.decide_engine`: llama.cpp when `agent.model`,
     the agent's base model, is a GGUF file), as evaluation decides it."""
     from pipeline.modelref import resolved_or_none
 
     if requested not in REQUESTS:
         raise UserError(f"{ENGINE_KEY}={requested!r}: expected one of {', '.join(REQUESTS)}")
-    return decide_engine(requested, resolved_or_none(params.agent.model, params.root))
+    return decide_engine(requested, resolved_or_none(serving.agent.model, serving.root))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -81,7 +84,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @contextmanager
 def agent_policy(
-    ref: str, params: Params, requested: str = "auto", *, parallel: int = 1, threads: int | str | None = None
+    ref: str, serving: AgentServing, requested: str = "auto", *, parallel: int = 1,
+    threads: int | str | None = None,
 ) -> Iterator[AgentEngine]:
     """The agent at `ref` generating through the engine `requested` decides (see module docstring).
 
@@ -90,11 +94,11 @@ def agent_policy(
     block ends."""
     from pipeline.evaluation.agent_server import agent_gguf
 
-    engine = choose_engine(params, requested)
+    engine = choose_engine(serving, requested)
     gguf: Path | None = None
     if engine == "llama.cpp":
         try:
-            gguf = agent_gguf(ref, params)
+            gguf = agent_gguf(ref, serving)
         except UserError as exc:
             if requested != "auto":
                 raise UserError(f"{ENGINE_KEY}=llama.cpp: {exc}") from exc
@@ -105,7 +109,7 @@ def agent_policy(
     if gguf is None:
         from pipeline.agent.policy import TransformersPolicy
 
-        policy = TransformersPolicy.from_ref(ref, params.root, params.agent.dtype)
+        policy = TransformersPolicy.from_ref(ref, serving.root, serving.agent.dtype)
         logger.info("agent engine: transformers, in this process (%s)", ref)
         yield AgentEngine(policy, "transformers", ref)
         return
@@ -113,9 +117,9 @@ def agent_policy(
     from pipeline.agent.served import served_policy
     from pipeline.modelref import load_tokenizer
 
-    host = params.environment.host if params.environment.host != "0.0.0.0" else "127.0.0.1"
-    tokenizer = load_tokenizer(ref, params.root)
-    with served_policy(gguf, params, tokenizer, parallel, port=free_port(host), threads=threads) as policy:
+    host = serving.environment.host if serving.environment.host != "0.0.0.0" else "127.0.0.1"
+    tokenizer = load_tokenizer(ref, serving.root)
+    with served_policy(gguf, serving, tokenizer, parallel, port=free_port(host), threads=threads) as policy:
         logger.info("agent engine: llama.cpp server at %s (%s)", policy.base_url, gguf.name)
         yield AgentEngine(policy, "llama.cpp", str(gguf))
 
@@ -123,34 +127,29 @@ def agent_policy(
 # --- the registered pyfunc ------------------------------------------------------------------------------
 
 
-def engine_model_config(params: Params) -> dict[str, Any]:
+def engine_model_config(agent: AgentConfig, serve: ServeConfig, evaluate: EvaluateConfig) -> dict[str, Any]:
     """The pyfunc `model_config` keys this module reads, as the register stage logs them.
 
     Top-level keys, so that `mlflow models serve` (through `SERVING_MODEL_CONFIG`) and `load_model(...,
     model_config=...)` can override each (MLflow overrides only keys the logged config has, whole values)."""
     return {
-        "base_model": params.agent.model,
-        "agent_engine": params.register.serve.agent_engine,
-        "agent_parallel": params.register.serve.agent_parallel,
-        "agent_threads": params.register.serve.agent_threads,
-        "gguf_dtype": params.evaluate.agent_gguf_dtype,
+        "base_model": agent.model,
+        "agent_engine": serve.agent_engine,
+        "agent_parallel": serve.agent_parallel,
+        "agent_threads": serve.agent_threads,
+        "gguf_dtype": evaluate.agent_gguf_dtype,
         "cache_dir": None,
     }
 
 
-def pyfunc_params(agent_ref: str, config: dict[str, Any], environment: dict[str, Any]) -> Params:
-    """Params for `agent_policy` inside the pyfunc, from its logged `model_config` and environment JSON.
+def pyfunc_params(agent_ref: str, config: dict[str, Any], environment: dict[str, Any]) -> AgentServing:
+    """The `AgentServing` for `agent_policy` inside the pyfunc, from its logged `model_config` and environment
+    JSON; the cache folder is also the root its references resolve against.
 
     A version logged before these keys existed has no `base_model`: the agent is its own base then, which
     `auto` reads as "not a GGUF file", so transformers answers as it did."""
-    from pipeline.config import (
-        AgentConfig,
-        DataConfig,
-        EnvironmentConfig,
-        EvaluateConfig,
-        Params,
-        PathsConfig,
-    )
+    from pipeline.agent.served import AgentServing
+    from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig
 
     if "agent" not in config:
         raise ValueError(
@@ -159,12 +158,10 @@ def pyfunc_params(agent_ref: str, config: dict[str, Any], environment: dict[str,
     agent = AgentConfig.from_dump(config["agent"], "model_config agent")
     cache = Path(config.get("cache_dir") or default_cache_dir()).expanduser().resolve()
     cache.mkdir(parents=True, exist_ok=True)
-    params = Params(
-        data=DataConfig(train_datasets=[], id_eval_datasets=[], ood_eval_datasets=[]),
-        agent=agent.model_copy(update={"model": config.get("base_model") or agent_ref}),
-        environment=EnvironmentConfig.model_validate(environment),
-        evaluate=EvaluateConfig(agent_gguf_dtype=config.get("gguf_dtype") or "f16"),
-        paths=PathsConfig(mirror="", cache_dir=str(cache)),
+    return AgentServing.from_sections(
+        agent.model_copy(update={"model": config.get("base_model") or agent_ref}),
+        EnvironmentConfig.model_validate(environment),
+        EvaluateConfig(agent_gguf_dtype=config.get("gguf_dtype") or "f16"),
+        root=cache,
+        cache_dir=cache,
     )
-    params.root = cache
-    return params

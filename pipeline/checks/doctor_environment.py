@@ -1,6 +1,6 @@
 """`promptr1 doctor` steps 6-7: the environment server starts, then real evaluation rows go through it.
 
-- `environment`: `pipeline.environment.servers.environment_server`, as the train and evaluate stages use it
+- `environment`: `pipeline.environment.servers.serve_environment`, as the train and evaluate stages use it
   (reuse a healthy server at the URL, else start llama.cpp / vLLM / the knowledge server; nothing for a paid
   API), then `GET <url>/models` with the key: a paid endpoint is only judged reachable once it answers.
   The server is held on the doctor's exit stack, so the rows and the verl step use it, and stopped at the end.
@@ -39,20 +39,22 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------------------------- 6. environment
 def step_environment(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
-    from pipeline.checks.layout import environment_started_here
+    from pipeline.checks.layout import started_here
     from pipeline.environment.client import resolve_api_key
-    from pipeline.environment.servers import environment_server, served_models, started_server
+    from pipeline.environment.servers import serve_environment, served_models, started_server
+    from pipeline.environment.spec import ServerSpec
     from pipeline.errors import EnvironmentUnavailable
 
     params, env = doc.params, doc.params.environment
-    if env.backend == "vllm" and environment_started_here(params) and not doc.gpus:
+    if env.backend == "vllm" and started_here(env) and not doc.gpus:
         return skipped(f"environment.backend=vllm serves {env.model} on a GPU: none on this machine")
     if env.backend == "knowledge":
         missing = [s for s in env.knowledge.sources if not params.path(s).exists()]
         if missing:
             return skipped(f"{BUILD_FIRST} (environment.knowledge.sources {missing} not built)")
     try:
-        url = doc.stack.enter_context(environment_server(params))
+        server = ServerSpec(environment=env, root=params.root, cache_dir=params.path(params.paths.cache_dir))
+        url = doc.stack.enter_context(serve_environment(server))
         models = served_models(url, resolve_api_key(env), timeout_s=10.0)
     except EnvironmentUnavailable as exc:
         return failed(f"{exc}", url=env.url)

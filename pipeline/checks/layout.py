@@ -66,18 +66,18 @@ from pipeline.errors import UserError
 from pipeline.modelref import ModelRefError
 from pipeline.placement import (  # re-exported: the layout's vocabulary
     cuda_visible_devices,
-    environment_gpus,
-    environment_started_here,
+    gpus_of_environment,
+    gpus_of_training,
     is_loopback,
-    training_gpus,
+    started_here,
 )
 from pipeline.train import memory
 from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_plan
 
 __all__ = ["LayoutError", "LayoutProblem", "actor_estimate", "assert_environment_runnable", "assert_runnable",
-           "cuda_visible_devices", "describe", "environment_gpus", "environment_layout_problems",
-           "environment_started_here", "is_loopback", "layout_problems", "smallest_batch", "training_gpus"]
+           "cuda_visible_devices", "describe", "environment_layout_problems", "gpus_of_environment",
+           "gpus_of_training", "is_loopback", "layout_problems", "smallest_batch", "started_here"]
 
 GPUS = ("trainer.n_gpus_per_node", "trainer.nnodes")
 BATCH, N, MINI = "data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_mini_batch_size"
@@ -118,15 +118,16 @@ class Placement:
     agent_model: str
     root: Path
     environment_here: bool
-    """Whether the pipeline starts the environment server on this machine (`environment_started_here`)."""
+    """Whether the pipeline starts the environment server on this machine (`started_here`)."""
     environment_gpus: tuple[int, ...]
     training_gpus: tuple[int, ...]
 
     @classmethod
     def for_layout(cls, params: Params) -> Placement:
         return cls(environment=params.environment, verl=params.train.verl, agent_model=params.agent.model,
-                   root=params.root, environment_here=environment_started_here(params),
-                   environment_gpus=tuple(environment_gpus(params)), training_gpus=tuple(training_gpus(params)))
+                   root=params.root, environment_here=started_here(params.environment),
+                   environment_gpus=tuple(gpus_of_environment(params.environment)),
+                   training_gpus=tuple(gpus_of_training(params.train)))
 
     @property
     def shared_gpus(self) -> list[int]:
@@ -154,14 +155,15 @@ def environment_layout_problems(params: Params) -> list[LayoutProblem]:
     (the paper's second 8-GPU node) the trainer's placement, which the params also describe, is not this
     node's to run, so its GPUs, memory and batch arithmetic are not judged there."""
     problems = _environment_problems(Placement.for_layout(params))
-    return problems + [LayoutProblem(keys, message) for keys, message in reply_budget_problems(params)]
+    budget = reply_budget_problems(params.environment)
+    return problems + [LayoutProblem(keys, message) for keys, message in budget]
 
 
 def layout_problems(params: Params) -> list[LayoutProblem]:
     """Every problem with the placement, parallelism, batch arithmetic and memory of the active backends."""
     place = Placement.for_layout(params)
     problems = _environment_problems(place)
-    problems += [LayoutProblem(keys, message) for keys, message in reply_budget_problems(params)]
+    problems += [LayoutProblem(keys, message) for keys, message in reply_budget_problems(params.environment)]
     if params.train.backend == "verl":
         try:
             run = compose_plan(TrainPlan.from_params(params))
@@ -362,16 +364,16 @@ def describe(params: Params) -> str:
     """One line: where training and the environment run (what `promptr1 check` prints on success)."""
     t, v, env = params.train, params.train.verl, params.environment
     if t.backend == "verl":
-        train = (f"verl on {v.nnodes} node(s) x GPUs {training_gpus(params)}, rollout TP {v.rollout_tp}, "
+        train = (f"verl on {v.nnodes} node(s) x GPUs {gpus_of_training(t)}, rollout TP {v.rollout_tp}, "
                  f"batch {t.batch_size} x group {t.group_size}")
         found = actor_estimate(Placement.for_layout(params), compose_plan(TrainPlan.from_params(params)))
         train += (f", actor ~{found[0].total / memory.GIB:.1f} of {found[1]:.1f} GiB left per GPU" if found else
                   f", actor memory not estimated (no parameter count for {params.agent.model} offline)")
     else:
         train = "local backend"
-    if env.backend == "vllm" and environment_started_here(params):
-        where = f"vllm on GPUs {environment_gpus(params)} (TP {env.server.tensor_parallel_size})"
-    elif environment_started_here(params):
+    if env.backend == "vllm" and started_here(env):
+        where = f"vllm on GPUs {gpus_of_environment(env)} (TP {env.server.tensor_parallel_size})"
+    elif started_here(env):
         where = f"{env.backend} on this machine"
     else:
         where = f"{env.backend} at {env.url}"

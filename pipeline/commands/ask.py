@@ -87,11 +87,12 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
     from contextlib import ExitStack
 
     from pipeline.agent.rollout import rollout
+    from pipeline.agent.served import AgentServing
     from pipeline.agent.serving_policy import agent_policy
     from pipeline.agent.template import render_user_message
     from pipeline.environment.client import CACHE_FILE, EnvironmentClient
-    from pipeline.environment.servers import environment_server
-    from pipeline.environment.spec import environment_with
+    from pipeline.environment.servers import serve_environment
+    from pipeline.environment.spec import ServerSpec, environment_with
 
     console = console or Console()
     wall = time.perf_counter()
@@ -107,17 +108,22 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
         data_source=ASK_DATASET,
         question=question,
     )
-    with environment_server(params) as url, ExitStack() as stack:
+    cache_dir = params.path(params.paths.cache_dir)
+    server = ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir)
+    with serve_environment(server) as url, ExitStack() as stack:
         start = time.perf_counter()
         with console.status(f"loading agent {ref}"):
             serve = params.register.serve
+            serving = AgentServing.from_sections(
+                params.agent, params.environment, params.evaluate, root=params.root, cache_dir=cache_dir
+            )
             agent_engine = stack.enter_context(
-                agent_policy(ref, params, engine or serve.agent_engine, threads=serve.agent_threads))
+                agent_policy(ref, serving, engine or serve.agent_engine, threads=serve.agent_threads))
         policy = agent_engine.policy
         load_s = time.perf_counter() - start
 
         cfg = environment_with(params.environment, base_url=url)
-        cache = params.path(params.paths.cache_dir) / CACHE_FILE if cfg.cache else None
+        cache = cache_dir / CACHE_FILE if cfg.cache else None
         agent = params.agent
 
         async def ask_once() -> Trajectory:

@@ -34,6 +34,12 @@ STATE_FILE = "environment_server.json"
 logger = logging.getLogger(__name__)
 
 
+def _server_spec(params: Params) -> ServerSpec:
+    """The environment server the params describe: its section, the project root, `paths.cache_dir`."""
+    cache_dir = params.path(params.paths.cache_dir)
+    return ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir)
+
+
 def _state_path(spec: ServerSpec) -> Path:
     return cache_dir(spec) / STATE_FILE
 
@@ -67,7 +73,7 @@ def _runs_command(server: ServerProcess) -> bool:
 
 def cli_start(params: Params) -> None:
     """`promptr1 env start`: start (or reuse) the server and leave it running; record its PID."""
-    spec = ServerSpec.from_params(params)
+    spec = _server_spec(params)
     cfg = spec.environment
     if cfg.backend == "api":
         resolve_api_key(cfg)
@@ -86,7 +92,7 @@ def cli_start(params: Params) -> None:
 
 def cli_stop(params: Params) -> None:
     """`promptr1 env stop`: stop the server `env start` recorded; never touches servers it did not start."""
-    spec = ServerSpec.from_params(params)
+    spec = _server_spec(params)
     state = _read_state(spec)
     path = _state_path(spec)
     if state is None:
@@ -104,7 +110,7 @@ def cli_stop(params: Params) -> None:
 
 def cli_status(params: Params) -> None:
     """`promptr1 env status`: health-check the configured endpoint; exit 1 when nothing healthy answers."""
-    spec = ServerSpec.from_params(params)
+    spec = _server_spec(params)
     cfg = spec.environment
     api_key = resolve_api_key(cfg) if cfg.backend == "api" else None
     models = served_models(cfg.url, api_key=api_key, timeout_s=5.0)

@@ -1,4 +1,5 @@
-"""Can one environment call finish in time? The reply budget against `environment.timeout_s`, params only.
+"""Can one environment call finish in time? The reply budget against `environment.timeout_s`, from the
+environment section alone.
 
 `EnvironmentClient.reply` gives every request `environment.timeout_s` (pipeline/environment/client.py,
 `asyncio.timeout` around each request), and a reply that comes back empty after `finish_reason: length` (a
@@ -31,7 +32,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig, Params
+    from pipeline.config import EnvironmentConfig
 
 GPT_OSS_MARKER = "gpt-oss"
 """GPT-OSS model references (Hub `openai/gpt-oss-20b`, a served name `gpt-oss-20b`) contain this."""
@@ -56,9 +57,8 @@ def longest_reply_seconds(env: EnvironmentConfig, tokens_per_s: float) -> float:
     return longest_reply_tokens(env) / tokens_per_s
 
 
-def reply_budget_problems(params: Params) -> list[Problem]:
-    """Every reason an environment call cannot finish within its timeout (see module docstring)."""
-    env = params.environment
+def reply_budget_problems(env: EnvironmentConfig) -> list[Problem]:
+    """Every reason a call to environment `env` cannot finish within its timeout (see module docstring)."""
     problems: list[Problem] = []
     tokens = longest_reply_tokens(env)
     needed_s = longest_reply_seconds(env, env.decode_tokens_per_s)

@@ -43,7 +43,7 @@ server for GPT-OSS-20B on GPU nodes, and a paid API (GPT-4o-mini). Design decisi
 - **Budget.** Cost is computed from the price table in params (USD per million prompt/completion tokens).
   Each call reserves its worst case (`worst_case_usd`) in a `CostLedger` before it is sent and settles its
   real cost after; a call that could take the total over `budget_usd` raises `BudgetExceeded` before
-  sending anything. `from_params` shares the ledger file under `paths.cache_dir` with every process of
+  sending anything. `in_cache_dir` shares the ledger file under `paths.cache_dir` with every process of
   the project (pipeline/environment/ledger.py), so concurrent processes never spend more than the budget.
 - **No tracing here.** A single call knows nothing of the trajectory, question or system it serves, so the
   evaluate and train stages trace whole trajectories instead (`pipeline.tracking.traces`), from what `reply()`
@@ -85,7 +85,7 @@ from pipeline.placement import is_loopback
 from pipeline.types import EnvironmentReply, UsageStats
 
 if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig, Params
+    from pipeline.config import EnvironmentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +151,6 @@ class EnvironmentClient:
         self.health = FailureWindow(cfg.failure_window, cfg.max_failure_rate)
         self.ledger = None if cfg.budget_usd is None else CostLedger(
             cfg.budget_usd, ledger_path, where=f" at {cfg.url}" + (f" (ledger {ledger_path})" if ledger_path else ""))
-
-    @classmethod
-    def from_params(cls, params: Params) -> EnvironmentClient:
-        """The client the params describe (`in_cache_dir` with `paths.cache_dir`)."""
-        return cls.in_cache_dir(params.environment, params.path(params.paths.cache_dir))
 
     @classmethod
     def in_cache_dir(cls, cfg: EnvironmentConfig, cache_dir: Path) -> EnvironmentClient:

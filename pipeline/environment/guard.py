@@ -1,6 +1,6 @@
 """Owner guard: a server the pipeline starts never outlives the process that started it.
 
-`environment_server` stops its server on every exit path Python sees (normal exit, exception, Ctrl-C,
+`serve_environment` stops its server on every exit path Python sees (normal exit, exception, Ctrl-C,
 SIGTERM turned into KeyboardInterrupt by `pipeline.runtime`), but nothing runs when the owner is killed
 with SIGKILL or the OOM killer: llama.cpp or vLLM would keep the port and the GPUs. So the server is not
 started directly but under this guard:

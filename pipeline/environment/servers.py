@@ -1,4 +1,4 @@
-"""Start, health-check and stop the environment's local OpenAI-compatible server, as params describe.
+"""Start, health-check and stop the environment's local OpenAI-compatible server, as a `ServerSpec` says.
 
 Backends (`environment.backend`):
 - `llamacpp`: a llama.cpp server on the model ref (the bundled SmolLM2-135M-Instruct GGUF by default),
@@ -19,7 +19,7 @@ Design decisions:
   never stopped by us (a server started by `promptr1 env start`, by a test session, or by an operator).
 - **We stop only what we started**, by process group: the server runs in its own session
   (`start_new_session=True`) so SIGTERM → (grace) → SIGKILL reaches the server and any workers it forked
-  (vLLM spawns several). `environment_server` stops it on normal exit, on exceptions and on
+  (vLLM spawns several). `serve_environment` stops it on normal exit, on exceptions and on
   KeyboardInterrupt; an `atexit` hook is the last resort if the interpreter exits inside the block.
 - **Startup failures are explained**: the server's output goes to a log file under `paths.cache_dir`; if it dies
   or is not healthy within `server.startup_timeout_s`, EnvironmentUnavailable carries the log's tail.
@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,7 +58,7 @@ from pipeline.placement import cuda_visible_devices, gpus_of_environment
 from pipeline.weights import OFFLINE_ENV, model_status
 
 if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig, Params
+    from pipeline.config import EnvironmentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -399,11 +399,6 @@ def _stop_leftovers() -> None:
 def started_server(url: str) -> ServerProcess | None:
     """The server this interpreter started at `url` and has not stopped yet (None if reused or none)."""
     return _STARTED.get(url.rstrip("/"))
-
-
-def environment_server(params: Params, role: str = "environment", quiet: bool = False) -> AbstractContextManager[str]:
-    """`serve_environment` for the environment `params` describe (the entry for stages that hold params)."""
-    return serve_environment(ServerSpec.from_params(params), role=role, quiet=quiet)
 
 
 @contextmanager

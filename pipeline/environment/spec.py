@@ -1,8 +1,8 @@
 """Environment configs derived from params, built in one place: the server to start, and the variants callers need.
 
 - `ServerSpec`: what starting a local OpenAI-compatible server needs (its `EnvironmentConfig`, the project root
-  that model paths are relative to, the cache folder for its log), resolved once from params by the stage
-  and handed to `pipeline.environment.servers` instead of the whole params.
+  that model paths are relative to, the cache folder for its log), built once by the stage's plan or entry
+  from its sections and resolved paths, and handed to `pipeline.environment.servers`.
 - `environment_with(env, **changes)`: the one way to derive a config from another (temperature 0 for the
   warm-up's demonstrations, the URL the stage started for verl's workers, a worker's share of the
   concurrency and budget). A copy is validated again, as a config read from params is: a change that would
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig, Params
+    from pipeline.config import EnvironmentConfig
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,7 @@ class ServerSpec:
     root: Path
     """The project root: relative model paths and the server's working folder."""
     cache_dir: Path
-    """`paths.cache_dir`: the server's log goes there."""
-
-    @classmethod
-    def from_params(cls, params: Params) -> ServerSpec:
-        return cls(
-            environment=params.environment, root=params.root, cache_dir=params.path(params.paths.cache_dir)
-        )
+    """`paths.cache_dir`, resolved: the server's log goes there (and the client's cache and ledger)."""
 
 
 def environment_with(env: EnvironmentConfig, **changes: Any) -> EnvironmentConfig:

@@ -1,7 +1,8 @@
 """The agent during evaluation: in this process (transformers) or behind llama.cpp's server (a GGUF export).
 
-`evaluation_policy(ref, params)` is a context manager yielding a `Policy` for the agent at `ref` (the merged
-agent directory, or `agent.model` for the untrained `base_agent`), chosen by `evaluate.agent_engine`:
+`evaluation_policy(ref, serving, evaluate)` is a context manager yielding a `Policy` for the agent at `ref`
+(the merged agent directory, or `agent.model` for the untrained `base_agent`), chosen by
+`evaluate.agent_engine`; `serving` (pipeline.agent.served.AgentServing) is what the evaluate plan resolved:
 
 - `transformers`: `TransformersPolicy` in this process (any agent; GPU nodes). Every turn re-reads the
   whole conversation: on a 2-core CPU that prefill is most of a multi-turn evaluation.
@@ -38,19 +39,22 @@ from pipeline.hardware import resolve_autocast
 from pipeline.paths import display_path
 
 if TYPE_CHECKING:
-    from pipeline.config import EvaluateConfig, Params
+    from pipeline.agent.served import AgentServing
+    from pipeline.config import EvaluateConfig
 
 logger = logging.getLogger(__name__)
 
 
-def agent_engine(params: Params) -> str:
+def agent_engine(evaluate: EvaluateConfig, serving: AgentServing) -> str:
     """`evaluate.agent_engine`, with `auto` decided by the one rule (pipeline.agent.engine): llama.cpp when
     `agent.model` is a GGUF file."""
     from pipeline.agent.engine import decide_engine
     from pipeline.modelref import resolved_or_none
 
-    engine = params.evaluate.agent_engine
-    return engine if engine != "auto" else decide_engine(engine, resolved_or_none(params.agent.model, params.root))
+    engine = evaluate.agent_engine
+    if engine != "auto":
+        return engine
+    return decide_engine(engine, resolved_or_none(serving.agent.model, serving.root))
 
 
 def rollout_batch_size(engine: str, evaluate: EvaluateConfig) -> int:
@@ -67,27 +71,26 @@ def rollout_batch_size(engine: str, evaluate: EvaluateConfig) -> int:
     return evaluate.batch_size
 
 
-def agent_gguf(ref: str, params: Params) -> Path:
+def agent_gguf(ref: str, serving: AgentServing) -> Path:
     """The GGUF file that serves agent `ref`: the file itself, or the cached export of a merged directory."""
     from pipeline.agent.gguf_export import cached_export
     from pipeline.modelref import ModelRefError, as_resolved
 
     try:
-        resolved = as_resolved(ref, params.root)
+        resolved = as_resolved(ref, serving.root)
         if resolved.gguf_file:
             return Path(resolved.location)
-        template = as_resolved(params.agent.model, params.root)
+        template = as_resolved(serving.agent.model, serving.root)
     except ModelRefError as exc:
         raise UserError(f"evaluate.agent_engine=llama.cpp: {exc}") from exc
     if not template.gguf_file:
         raise UserError(
             f"evaluate.agent_engine=llama.cpp serves GGUF exports of agents whose base model is a GGUF file; "
-            f"agent.model={params.agent.model!r} is not: set evaluate.agent_engine: transformers")
+            f"agent.model={serving.agent.model!r} is not: set evaluate.agent_engine: transformers")
     if not Path(resolved.location).is_dir():
         raise UserError(f"agent {ref!r} is neither a GGUF file nor a local model directory")
-    cache = params.path(params.paths.cache_dir)
-    return cached_export(resolved.location, template.location, cache, params.evaluate.agent_gguf_dtype,
-                         root=params.root)
+    return cached_export(resolved.location, template.location, serving.cache_dir, serving.gguf_dtype,
+                         root=serving.root)
 
 
 def _tokenizer(ref: str, root: Path) -> Any:
@@ -97,28 +100,29 @@ def _tokenizer(ref: str, root: Path) -> Any:
 
 
 @contextmanager
-def evaluation_policy(ref: str, params: Params, tokenizer: Any = None, *, engine: str | None = None) -> Iterator[Any]:
+def evaluation_policy(ref: str, serving: AgentServing, evaluate: EvaluateConfig, tokenizer: Any = None, *,
+                      engine: str | None = None) -> Iterator[Any]:
     """The agent at `ref` as a Policy for the evaluation's rollouts (see module docstring); released after.
 
     `tokenizer` (llama.cpp engine): the agent's tokenizer when the caller has it already (the untrained
     agent's is the merged agent's: merge writes the base model's tokenizer); else loaded from `ref`
     (~10 s from a GGUF file). `engine`: what runs the agent as the stage decided it once
     (`EvaluatePlan.engine`), so what ran is what metrics.json records; None decides it here."""
-    engine = agent_engine(params) if engine is None else engine
-    logger.info("evaluation agent %s: %s", display_path(ref, params.root) if Path(ref).exists() else ref,
+    engine = agent_engine(evaluate, serving) if engine is None else engine
+    logger.info("evaluation agent %s: %s", display_path(ref, serving.root) if Path(ref).exists() else ref,
                 "llama.cpp server" if engine == "llama.cpp" else "transformers, in this process")
     if engine == "transformers":
         from pipeline.agent.policy import TransformersPolicy
 
-        policy = TransformersPolicy.from_ref(ref, params.root, params.agent.dtype,
-                                             max_batch_size=params.evaluate.batch_size)
-        policy.autocast = resolve_autocast(params.evaluate.autocast, policy.device, "evaluate.autocast")
+        policy = TransformersPolicy.from_ref(ref, serving.root, serving.agent.dtype,
+                                             max_batch_size=evaluate.batch_size)
+        policy.autocast = resolve_autocast(evaluate.autocast, policy.device, "evaluate.autocast")
         yield policy  # the caller drops its name for it and calls release_memory()
         return
 
-    gguf_path = agent_gguf(ref, params)
-    tokenizer = tokenizer if tokenizer is not None else _tokenizer(ref, params.root)
-    with served_policy(gguf_path, params, tokenizer, params.evaluate.agent_parallel) as policy:
+    gguf_path = agent_gguf(ref, serving)
+    tokenizer = tokenizer if tokenizer is not None else _tokenizer(ref, serving.root)
+    with served_policy(gguf_path, serving, tokenizer, evaluate.agent_parallel) as policy:
         yield policy
 
 

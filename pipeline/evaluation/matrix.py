@@ -32,11 +32,11 @@ import pandas as pd
 from pipeline.config.matrix import TRAINING_ENVIRONMENT, EnvironmentVariant, resolve_variant
 from pipeline.data.schema import write_text_atomic
 from pipeline.evaluation.scores import SPLITS
-from pipeline.evaluation.systems import BASELINES, evaluation_params
+from pipeline.evaluation.systems import BASELINES
 
 if TYPE_CHECKING:
-    from pipeline.config import Params
     from pipeline.config.environment import EnvironmentConfig
+    from pipeline.config.sections import EvaluateConfig
 
 MATRIX_FILE = "matrix.csv"
 MATRIX_METRIC = "f1"
@@ -49,14 +49,15 @@ def matrix_baselines(baselines: list[str]) -> list[str]:
     return [b for b in BASELINES if b in baselines and b not in ENVIRONMENT_FREE]
 
 
-def variant_params(params: Params, variant: EnvironmentVariant) -> Params:
-    """Evaluation params (the evaluation's sampling) whose `environment` is the entry's whole section."""
-    p = evaluation_params(params)
-    env = resolve_variant(params.environment, variant)
-    env.temperature = params.evaluate.env_temperature
-    env.cache = params.evaluate.env_cache
-    p.environment = env
-    return p
+def variant_environment(
+    environment: EnvironmentConfig, evaluate: EvaluateConfig, variant: EnvironmentVariant
+) -> EnvironmentConfig:
+    """The entry's whole environment section (`variant` over the training `environment`), with the
+    evaluation's sampling (`evaluate.env_temperature`, `evaluate.env_cache`)."""
+    env = resolve_variant(environment, variant)
+    env.temperature = evaluate.env_temperature
+    env.cache = evaluate.env_cache
+    return env
 
 
 def _describe(cfg: EnvironmentConfig) -> dict[str, str]:

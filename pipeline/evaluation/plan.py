@@ -6,10 +6,11 @@ decided: recorded in metrics.json as what ran, not re-decided afterwards), how m
 the environment every system answers under (the evaluation's sampling), and each plug-and-play
 environment's. The runners, the scores, the report and the matrix get this plan or a single section.
 
-Two whole params travel inside the plan, for the APIs outside the stage that take nothing else:
-`eval_params` (the environment's server and client: `environment_server`, `EnvironmentClient.from_params`)
-and `agent_params` (the agent's own llama.cpp server, `pipeline.agent.served`). Open-r1's `grpo.py` is the
-model: the config is parsed once into typed arguments handed to `main`.
+Each environment the systems answer with is a `ServerSpec` (its section with the evaluation's sampling, the
+project root, the resolved cache folder): what `serve_environment` starts and `EnvironmentClient.in_cache_dir`
+talks to; the agent's own llama.cpp server is an `AgentServing` (`pipeline.agent.served`). No whole params
+travel inside the plan. Open-r1's `grpo.py` is the model: the config is parsed once into typed arguments
+handed to `main`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.agent.served import AgentServing
 from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig, Params
+from pipeline.environment.spec import ServerSpec
 from pipeline.evaluation.agent_server import agent_engine, rollout_batch_size
-from pipeline.evaluation.matrix import variant_params
-from pipeline.evaluation.systems import evaluation_params
+from pipeline.evaluation.matrix import variant_environment
+from pipeline.evaluation.systems import evaluation_environment
 from pipeline.stage_files import EVAL_REPORTS_DIR, EVAL_SETS_DIR, GEPA_PROMPT_FILE, STEPS_CSV
 
 
@@ -35,11 +38,11 @@ class TrainedSetup:
 
 @dataclass(frozen=True)
 class EnvironmentRun:
-    """One plug-and-play environment (`evaluate.environments`): its name and the params its systems answer
-    under (`variant_params`: the entry's environment with the evaluation's sampling)."""
+    """One plug-and-play environment (`evaluate.environments`): its name and the server its systems answer
+    with (`variant_environment`: the entry's environment with the evaluation's sampling)."""
 
     name: str
-    eval_params: Params
+    server: ServerSpec
 
 
 @dataclass(frozen=True)
@@ -70,17 +73,26 @@ class EvaluatePlan:
     """What runs the agents: `evaluate.agent_engine` with `auto` decided, once."""
     rollout_batch: int
     """Questions rolled out together (`rollout_batch_size` for `engine`)."""
-    eval_params: Params
-    """The params every system answers under (`evaluation_params`: the evaluation's sampling)."""
-    agent_params: Params
-    """The loaded params, for the agent's llama.cpp server (`evaluation_policy`)."""
+    server: ServerSpec
+    """The environment every system answers with (`evaluation_environment`: the training environment with
+    the evaluation's sampling), its project root and `paths.cache_dir`."""
+    agent_serving: AgentServing
+    """The agent's llama.cpp server and GGUF export (`evaluation_policy`)."""
     variants: tuple[EnvironmentRun, ...]
     """Each plug-and-play environment (`evaluate.environments`), in order."""
 
     @classmethod
     def for_evaluate(cls, params: Params) -> EvaluatePlan:
         reports_dir = params.path(params.paths.reports_dir)
-        engine = agent_engine(params)
+        cache_dir = params.path(params.paths.cache_dir)
+        agent_serving = AgentServing.from_sections(
+            params.agent, params.environment, params.evaluate, root=params.root, cache_dir=cache_dir
+        )
+        engine = agent_engine(params.evaluate, agent_serving)
+
+        def server(environment: EnvironmentConfig) -> ServerSpec:
+            return ServerSpec(environment=environment, root=params.root, cache_dir=cache_dir)
+
         return cls(
             root=params.root,
             seed=params.seed,
@@ -100,9 +112,10 @@ class EvaluatePlan:
             trace_evaluation=params.mlflow.trace_evaluation,
             engine=engine,
             rollout_batch=rollout_batch_size(engine, params.evaluate),
-            eval_params=evaluation_params(params),
-            agent_params=params,
+            server=server(evaluation_environment(params.environment, params.evaluate)),
+            agent_serving=agent_serving,
             variants=tuple(
-                EnvironmentRun(name=v.name, eval_params=variant_params(params, v)) for v in params.evaluate.environments
+                EnvironmentRun(v.name, server(variant_environment(params.environment, params.evaluate, v)))
+                for v in params.evaluate.environments
             ),
         )

@@ -46,7 +46,7 @@ from pipeline.progress import progress
 from pipeline.types import EvalRow, PromptItem, Trajectory, UsageStats
 
 if TYPE_CHECKING:
-    from pipeline.config import AgentConfig, EvaluateConfig, Params
+    from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig
 
 TRAINED = "prompt_r1"
 BASELINES = ("env_only", "agent_only", "base_agent", "gepa")
@@ -230,13 +230,9 @@ def run_env_only(env: Any, rows_by_ds: dict[str, list[EvalRow]], evaluate: Evalu
     return run_system(system, answer_batch, rows_by_ds, 1, in_flight=in_flight)
 
 
-def evaluation_params(params: Params) -> Params:
-    """A copy of params with the evaluation's environment sampling (`evaluate.env_temperature`, `env_cache`):
-    the conditions every evaluated system, and GEPA's task model, answer under."""
+def evaluation_environment(environment: EnvironmentConfig, evaluate: EvaluateConfig) -> EnvironmentConfig:
+    """`environment` with the evaluation's sampling (`evaluate.env_temperature`, `evaluate.env_cache`): the
+    conditions every evaluated system, and GEPA's task model, answer under."""
     from pipeline.environment.spec import environment_with
 
-    env = environment_with(params.environment, temperature=params.evaluate.env_temperature,
-                           cache=params.evaluate.env_cache)
-    p = params.model_copy(update={"environment": env})
-    p.root = params.root
-    return p
+    return environment_with(environment, temperature=evaluate.env_temperature, cache=evaluate.env_cache)

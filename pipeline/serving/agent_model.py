@@ -131,7 +131,7 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
             self.env_cfg.url,
             self.env_cfg.served_name,
         )
-        _log_cache(Path(params.paths.cache_dir), "cache_dir" in config and bool(config["cache_dir"]))
+        _log_cache(params.cache_dir, "cache_dir" in config and bool(config["cache_dir"]))
 
     def predict(
         self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None

@@ -83,6 +83,7 @@ from pipeline.types import EvalRow
 
 if TYPE_CHECKING:
     from pipeline.config import Params
+    from pipeline.environment.spec import ServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -120,17 +121,19 @@ def load_eval_rows(plan: EvaluatePlan) -> dict[str, list[EvalRow]]:
     return out
 
 
-def evaluate_systems(plan: EvaluatePlan, rows_by_ds: dict[str, list[EvalRow]], ep: Params | None = None,
-                     baselines: list[str] | None = None) -> dict[str, dict[str, list[Answer]]]:
+def evaluate_systems(
+    plan: EvaluatePlan, rows_by_ds: dict[str, list[EvalRow]], server: ServerSpec | None = None,
+    baselines: list[str] | None = None,
+) -> dict[str, dict[str, list[Answer]]]:
     """Run the trained agent and each baseline on the same rows (environment started here).
 
-    `ep`: the evaluation params whose `environment` the systems use (default: the training environment's,
-    `plan.eval_params`); `baselines`: default `evaluate.baselines` (the matrix passes those that use one).
+    `server`: the environment the systems use (default: the training environment's, `plan.server`);
+    `baselines`: default `evaluate.baselines` (the matrix passes those that use one).
     """
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.environment.servers import environment_server
+    from pipeline.environment.servers import serve_environment
 
-    ep = plan.eval_params if ep is None else ep
+    server = plan.server if server is None else server
     ev = plan.evaluate
     if not plan.model_dir.exists():
         raise UserError(f"no merged agent at {plan.model_dir}: run `promptr1 merge` (dvc repro merge) first")
@@ -138,12 +141,12 @@ def evaluate_systems(plan: EvaluatePlan, rows_by_ds: dict[str, list[EvalRow]], e
     gepa_instruction = read_gepa_prompt(plan.gepa_prompt)["optimised"]["instruction"] if "gepa" in baselines else None
     answers: dict[str, dict[str, list[Answer]]] = {}
     batch = plan.rollout_batch
-    agent, concurrency = plan.agent, ep.environment.concurrency
-    with environment_server(ep):
-        env = EnvironmentClient.from_params(ep)
+    agent, concurrency = plan.agent, server.environment.concurrency
+    with serve_environment(server):
+        env = EnvironmentClient.in_cache_dir(server.environment, server.cache_dir)
         try:
             # The trained agent's server/model is gone when this block ends, before the base model comes.
-            with evaluation_policy(str(plan.model_dir), plan.agent_params, engine=plan.engine) as policy:
+            with evaluation_policy(str(plan.model_dir), plan.agent_serving, ev, engine=plan.engine) as policy:
                 answers[TRAINED] = run_agent_with_environment(policy, env, rows_by_ds, agent, ev, TRAINED, batch)
                 if "agent_only" in baselines:
                     answers["agent_only"] = run_agent_only(policy, rows_by_ds, ev, batch)
@@ -156,7 +159,8 @@ def evaluate_systems(plan: EvaluatePlan, rows_by_ds: dict[str, list[EvalRow]], e
                 answers["gepa"] = run_env_only(env, rows_by_ds, ev, concurrency, instruction=gepa_instruction,
                                                system="gepa")
             if "base_agent" in baselines:
-                with evaluation_policy(agent.model, plan.agent_params, tokenizer, engine=plan.engine) as base:
+                base_policy = evaluation_policy(agent.model, plan.agent_serving, ev, tokenizer, engine=plan.engine)
+                with base_policy as base:
                     answers["base_agent"] = run_agent_with_environment(base, env, rows_by_ds, agent, ev,
                                                                        "base_agent", batch)
                 del base
@@ -174,15 +178,15 @@ def evaluate_matrix(plan: EvaluatePlan, rows_by_ds: dict[str, list[EvalRow]], su
     Each environment's answers go to the evaluate run as the table `eval/matrix/<name>/predictions.json`."""
     rows = []
     for run in plan.variants:
-        name, ep = run.name, run.eval_params
-        log.info("plug-and-play: evaluating with environment %r (%s, %s)", name, ep.environment.backend,
-                 ep.environment.served_name)
-        answers = evaluate_systems(plan, rows_by_ds, ep, matrix_baselines(plan.evaluate.baselines))
+        name, environment = run.name, run.server.environment
+        log.info("plug-and-play: evaluating with environment %r (%s, %s)", name, environment.backend,
+                 environment.served_name)
+        answers = evaluate_systems(plan, rows_by_ds, run.server, matrix_baselines(plan.evaluate.baselines))
         scores = {s: score_system(a, rows_by_ds, ssim) for s, a in answers.items()}
         aggregated = aggregate(scores, rows_by_ds, plan.evaluate, plan.seed)
         aggregated["env_usage"] = usage_by_system(answers)
-        row = matrix_row(name, ep.environment, aggregated)
-        row["cost"] = inference_costs(answers, ep.environment)  # at this environment's prices
+        row = matrix_row(name, environment, aggregated)
+        row["cost"] = inference_costs(answers, environment)  # at this environment's prices
         rows.append(row)
         log_matrix_predictions(name, predictions_frame(answers, scores, rows_by_ds))
     return build_matrix(plan.environment, summary, rows)

@@ -59,7 +59,7 @@ from pipeline.evaluation.gepa_adapter import (
     ReflectionProposer,
     TaskExample,
 )
-from pipeline.evaluation.systems import evaluation_params
+from pipeline.evaluation.systems import evaluation_environment
 from pipeline.progress import progress
 from pipeline.stage_files import GEPA_PROMPT_FILE, GEPA_REPORTS_DIR, METRICS_FILE, TRAIN_FILE
 from pipeline.stages.figures import gepa_outcome
@@ -68,6 +68,7 @@ from pipeline.types import UsageStats
 if TYPE_CHECKING:
     from pipeline.config import EnvironmentConfig, GepaConfig, Params
     from pipeline.environment.client import EnvironmentClient
+    from pipeline.environment.spec import ServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,9 @@ class GepaPlan:
     out_dir: Path
     seed_instruction: str
     """`evaluate.env_only_instruction`: GEPA's seed candidate."""
-    task_params: Params
-    """The evaluation's sampling (`evaluation_params`): what the environment's server and the task client take."""
+    task: ServerSpec
+    """The environment with the evaluation's sampling (`evaluation_environment`), its project root and
+    `paths.cache_dir`: what the environment's server and the task client take."""
     reflection: EnvironmentConfig
     """The reflection model's endpoint, name and sampling (`reflection_config`)."""
     cache: Path
@@ -105,14 +107,16 @@ class GepaPlan:
     @classmethod
     def for_gepa(cls, params: Params) -> GepaPlan:
         from pipeline.environment.client import CACHE_FILE
+        from pipeline.environment.spec import ServerSpec
 
-        task_params = evaluation_params(params)
+        cache_dir = params.path(params.paths.cache_dir)
+        task = evaluation_environment(params.environment, params.evaluate)
         return cls(gepa=params.gepa, train_file=params.path(params.paths.rl_dir) / TRAIN_FILE,
                    prompt_file=params.path(params.paths.gepa_dir) / GEPA_PROMPT_FILE,
                    out_dir=params.path(params.paths.reports_dir) / GEPA_REPORTS_DIR,
-                   seed_instruction=params.evaluate.env_only_instruction, task_params=task_params,
-                   reflection=reflection_config(task_params.environment, params.gepa),
-                   cache=params.path(params.paths.cache_dir) / CACHE_FILE)
+                   seed_instruction=params.evaluate.env_only_instruction,
+                   task=ServerSpec(environment=task, root=params.root, cache_dir=cache_dir),
+                   reflection=reflection_config(task, params.gepa), cache=cache_dir / CACHE_FILE)
 
 
 def load_slices(path: Path, cfg: GepaConfig) -> Slices:
@@ -226,7 +230,7 @@ def optimise(plan: GepaPlan, slices: Slices, task: EnvironmentClient,
             "task": _usage(task_usage), "reflection": _usage(reflection_usage),
             "holdout": _usage(holdout_usage), "optimise_s": round(optimise_s, 1),
         },
-        "models": {"task": plan.task_params.environment.served_name, "reflection": reflection.cfg.served_name},
+        "models": {"task": plan.task.environment.served_name, "reflection": reflection.cfg.served_name},
         "budget": cfg.model_dump(),
     }
 
@@ -284,20 +288,20 @@ def run_gepa(params: Params) -> dict[str, Any]:
     from pipeline.data.schema import write_json_atomic, write_text_atomic
     from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
     from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
-    from pipeline.environment.servers import environment_server
+    from pipeline.environment.servers import serve_environment
     from pipeline.tracking.runs import describe_stage, stage_run
 
     plan = GepaPlan.for_gepa(params)
     slices = load_slices(plan.train_file, plan.gepa)
-    tp, cache = plan.task_params, plan.cache
+    task_env, cache = plan.task.environment, plan.cache
     # The run is open for the whole search, so its duration in MLflow is the stage's (it used to be opened
     # after the search, and read 65 ms for a 114 s stage).
     with stage_run(tracking_spec(params), "gepa"):
         log_slice_inputs(plan.train_file, slices)
         started = time.perf_counter()
-        with environment_server(tp):
-            task = EnvironmentClient.from_params(tp)
-            reflection = EnvironmentClient(plan.reflection, cache if tp.environment.cache else None,
+        with serve_environment(plan.task):
+            task = EnvironmentClient.in_cache_dir(task_env, plan.task.cache_dir)
+            reflection = EnvironmentClient(plan.reflection, cache if task_env.cache else None,
                                            ledger_path=cache.with_name(LEDGER_FILE))  # one budget with the task's
             try:
                 content = optimise(plan, slices, task, reflection)

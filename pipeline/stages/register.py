@@ -161,7 +161,8 @@ def _agent_model_config(params: Params) -> dict[str, Any]:
     from pipeline.config import evaluated_agent
 
     return {
-        **engine_model_config(params),  # which engine generates when served (base GGUF, engine, slots)
+        # which engine generates when served (base GGUF, engine, slots)
+        **engine_model_config(params.agent, params.register.serve, params.evaluate),
         # the agent as evaluation rolled it out, whole: the pyfunc reads it back with AgentConfig.from_dump
         "agent": evaluated_agent(params.agent, params.evaluate).model_dump(mode="json"),
         "default_dataset": params.data.id_eval_datasets[0] if params.data.id_eval_datasets else "hotpotqa",

@@ -11,12 +11,10 @@ or one of its config sections, instead of the whole `Params`, and none re-derive
   stage tags the run with what ran;
 - the folders (`checkpoint_dir`, `reports_dir`, `cache_dir`, `rl_dir`) as paths, and the files inside them
   that the stage reads and writes (`steps_csv`, `train_file`, `eval_files`);
-- `server`: the environment server to start or reuse (`pipeline.environment.spec.ServerSpec`).
-
-- `tracking`: where the stage's MLflow runs go (`pipeline.tracking.runs.TrackingSpec`).
-
-`source` is the whole `Params` for the one callee that takes it: the served agent's launcher
-(`pipeline.agent.served.served_policy`, which builds the agent server's environment config from params).
+- `server`: the environment server to start or reuse (`pipeline.environment.spec.ServerSpec`);
+- `tracking`: where the stage's MLflow runs go (`pipeline.tracking.runs.TrackingSpec`);
+- `agent_serving`: the served agent's launcher (`pipeline.agent.served.served_policy`) for the llama.cpp
+  rollout engine.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.agent.served import AgentServing, agent_port
 from pipeline.config.specs import tracking_spec
 from pipeline.environment.spec import ServerSpec
 from pipeline.modelref import ModelRefError, ResolvedModel, resolve_model
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
 class TrainPlan:
     """The train stage's params, resolved (see module docstring)."""
 
-    source: Params  # served_policy: part 1
     profile: str
     seed: int
     root: Path
@@ -58,6 +56,8 @@ class TrainPlan:
     """The environment server the stage makes reachable (pipeline.environment.servers.serve_environment)."""
     tracking: TrackingSpec
     """The MLflow store, experiment and parent-run record of the stage's run (pipeline.tracking.runs)."""
+    agent_serving: AgentServing
+    """The llama.cpp server of each step's policy (`train.rollout_engine: llama.cpp`)."""
     agent_model: ResolvedModel | None
     agent_model_error: str | None
 
@@ -68,8 +68,8 @@ class TrainPlan:
             model, error = resolve_model(params.agent.model, params.root), None
         except ModelRefError as exc:
             model, error = None, str(exc)
+        cache_dir = params.path(params.paths.cache_dir)
         return cls(
-            source=params,
             profile=params.profile,
             seed=params.seed,
             root=params.root,
@@ -83,9 +83,17 @@ class TrainPlan:
             rl_dir=params.path(params.paths.rl_dir),
             reports_dir=params.path(params.paths.reports_dir),
             checkpoint_dir=params.path(params.paths.checkpoint_dir),
-            cache_dir=params.path(params.paths.cache_dir),
-            server=ServerSpec.from_params(params),
+            cache_dir=cache_dir,
+            server=ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir),
             tracking=tracking_spec(params),
+            agent_serving=AgentServing(
+                agent=params.agent,
+                environment=params.environment,
+                port=agent_port(params.evaluate, params.environment),
+                gguf_dtype=params.train.rollout_gguf_dtype,
+                root=params.root,
+                cache_dir=cache_dir,
+            ),
             agent_model=model,
             agent_model_error=error,
         )

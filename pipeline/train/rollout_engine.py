@@ -73,7 +73,7 @@ def served_step_policy(model: Any, tokenizer: Any, plan: TrainPlan, step: int, p
         raise UserError(f"train.rollout_engine=llama.cpp: {exc} (set train.rollout_engine: transformers)") from exc
     logger.debug("step %d policy exported to GGUF in %.1f s", step, time.perf_counter() - t0)
     try:
-        with served_policy(path, plan.source, tokenizer, parallel, quiet=True) as policy:
+        with served_policy(path, plan.agent_serving, tokenizer, parallel, quiet=True) as policy:
             policy.seed = (plan.seed * 1_000_003 + step) % (2**31)
             yield policy
     finally:
