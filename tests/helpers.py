@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from pipeline.agent.llama_launcher import AgentServing
 from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
-from pipeline.agent.served import AgentServing
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.spec import ServerSpec
 from pipeline.stages.register import EvalAverages

@@ -140,6 +140,7 @@ def test_verl_loop_reads_the_serialised_agent_config(params, tiny_llama_dir):
 def pyfunc_context(params, agent_dir: Path, tmp_path: Path, **agent_changes: Any):
     """The pyfunc's load context from what the register stage logs (`_agent_model_config`)."""
     from mlflow.pyfunc import PythonModelContext
+
     from pipeline.stages.register import _agent_model_config, environment_json
 
     env_file = tmp_path / "environment.json"

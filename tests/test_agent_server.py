@@ -11,7 +11,7 @@ import pytest
 from demo_project import free_port
 from helpers import agent_serving
 
-from pipeline.agent.served import agent_environment, agent_port
+from pipeline.agent.llama_launcher import agent_environment, agent_port
 from pipeline.evaluation.agent_server import (
     agent_engine,
     evaluation_policy,

@@ -22,8 +22,8 @@ from demo_project import free_port
 from helpers import agent_serving
 
 from pipeline.agent.completions_policy import batched_requests
+from pipeline.agent.llama_launcher import served_policy
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
-from pipeline.agent.served import served_policy
 from pipeline.config import load_params
 from pipeline.modelref import load_tokenizer, resolve_model
 

@@ -81,9 +81,9 @@ def test_environment_with_validates_the_copy(params):
 
 
 def test_the_agent_server_config_is_the_served_agents(params, tmp_path):
-    """What pipeline.agent.served serves is the one constructor's config: its own port and threads when a
+    """What pipeline.agent.llama_launcher serves is the one constructor's config: its own port and threads when a
     caller (ask, the pyfunc, serve) asks for them, the environment section itself never edited."""
-    from pipeline.agent.served import agent_environment, agent_port
+    from pipeline.agent.llama_launcher import agent_environment, agent_port
 
     gguf = tmp_path / "agent-abc.gguf"
     n_ctx = params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64

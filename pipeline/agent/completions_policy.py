@@ -22,7 +22,7 @@ class OpenAICompletionsPolicy(PolicyBackend):
 
     engine = "llama.cpp"
     """What samples the agent (pipeline.agent.engine): the pipeline serves its agent with llama.cpp's server
-    (pipeline.agent.served), so a stage records `policy.engine` as what ran instead of deciding again."""
+    (pipeline.agent.llama_launcher), so a stage records `policy.engine` as what ran instead of deciding again."""
 
     def __init__(
         self,
@@ -52,7 +52,7 @@ class OpenAICompletionsPolicy(PolicyBackend):
         self._client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
         self._lock = threading.Lock()
         self.sampling = dict(sampling or {})
-        """Extra sampler fields sent with every request (llama.cpp: top_k 0, min_p 0: pipeline.agent.served)."""
+        """Extra sampler fields sent with every request (llama.cpp: top_k 0, min_p 0: pipeline.agent.llama_launcher)."""
         self.seed = seed
         """Sampling seed: request r of the k-th `generate` call is sent seed + k * 100003 + r * 1009 (one
         request in the common case; see `batched_requests`), so a run's samples depend on (seed, call, the
@@ -72,7 +72,7 @@ class OpenAICompletionsPolicy(PolicyBackend):
         """llama.cpp's Prometheus endpoint (`/metrics`), read after each request: its reply's `usage` describes
         only the first prompt of a request of several, its `llamacpp:prompt_tokens_total` counts every prompt
         token it evaluated rather than took from a cache. Exact while this policy is the server's only client
-        (`pipeline.agent.served`)."""
+        (`pipeline.agent.llama_launcher`)."""
         self._evaluated: float | None = None
         try:
             from pipeline.agent.protocol import ConversationBuilder

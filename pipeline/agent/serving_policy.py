@@ -2,7 +2,7 @@
 engine generates its turns, and the policy that engine yields.
 
 `agent_policy(ref, serving, requested)` is the one entry point (`serving`: a
-`pipeline.agent.served.AgentServing`). `requested` is `register.serve.agent_engine`
+`pipeline.agent.llama_launcher.AgentServing`). `requested` is `register.serve.agent_engine`
 (`auto | llama.cpp | transformers`, default `auto`; `promptr1 ask --engine` overrides it for one question):
 
 - `auto` applies the rule evaluation and training apply (`pipeline.agent.engine.decide_engine`):
@@ -41,8 +41,8 @@ from pipeline.errors import UserError
 from pipeline.paths import default_cache_dir
 
 if TYPE_CHECKING:
+    from pipeline.agent.llama_launcher import AgentServing
     from pipeline.agent.policy import PolicyBackend
-    from pipeline.agent.served import AgentServing
     from pipeline.config import AgentConfig, EvaluateConfig
     from pipeline.config.serving import ServeConfig
 
@@ -114,7 +114,7 @@ def agent_policy(
         yield AgentEngine(policy, "transformers", ref)
         return
 
-    from pipeline.agent.served import served_policy
+    from pipeline.agent.llama_launcher import served_policy
     from pipeline.modelref import load_tokenizer
 
     host = serving.environment.host if serving.environment.host != "0.0.0.0" else "127.0.0.1"
@@ -148,7 +148,7 @@ def pyfunc_params(agent_ref: str, config: dict[str, Any], environment: dict[str,
 
     A version logged before these keys existed has no `base_model`: the agent is its own base then, which
     `auto` reads as "not a GGUF file", so transformers answers as it did."""
-    from pipeline.agent.served import AgentServing
+    from pipeline.agent.llama_launcher import AgentServing
     from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig
 
     if "agent" not in config:

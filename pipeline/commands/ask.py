@@ -86,8 +86,8 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
     `engine`: auto | llama.cpp | transformers (default `register.serve.agent_engine`)."""
     from contextlib import ExitStack
 
+    from pipeline.agent.llama_launcher import AgentServing
     from pipeline.agent.rollout import rollout
-    from pipeline.agent.served import AgentServing
     from pipeline.agent.serving_policy import agent_policy
     from pipeline.agent.template import render_user_message
     from pipeline.environment.client import CACHE_FILE, EnvironmentClient

@@ -2,7 +2,7 @@
 
 `evaluation_policy(ref, serving, evaluate)` is a context manager yielding a `Policy` for the agent at `ref`
 (the merged agent directory, or `agent.model` for the untrained `base_agent`), chosen by
-`evaluate.agent_engine`; `serving` (pipeline.agent.served.AgentServing) is what the evaluate plan resolved:
+`evaluate.agent_engine`; `serving` (pipeline.agent.llama_launcher.AgentServing) is what the evaluate plan resolved:
 
 - `transformers`: `TransformersPolicy` in this process (any agent; GPU nodes). Every turn re-reads the
   whole conversation: on a 2-core CPU that prefill is most of a multi-turn evaluation.
@@ -33,13 +33,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.agent.served import served_policy
+from pipeline.agent.llama_launcher import served_policy
 from pipeline.errors import UserError
 from pipeline.hardware import resolve_autocast
 from pipeline.paths import display_path
 
 if TYPE_CHECKING:
-    from pipeline.agent.served import AgentServing
+    from pipeline.agent.llama_launcher import AgentServing
     from pipeline.config import EvaluateConfig
 
 logger = logging.getLogger(__name__)

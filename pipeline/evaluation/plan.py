@@ -8,7 +8,7 @@ environment's. The runners, the scores, the report and the matrix get this plan 
 
 Each environment the systems answer with is a `ServerSpec` (its section with the evaluation's sampling, the
 project root, the resolved cache folder): what `serve_environment` starts and `EnvironmentClient.in_cache_dir`
-talks to; the agent's own llama.cpp server is an `AgentServing` (`pipeline.agent.served`). No whole params
+talks to; the agent's own llama.cpp server is an `AgentServing` (`pipeline.agent.llama_launcher`). No whole params
 travel inside the plan. Open-r1's `grpo.py` is the model: the config is parsed once into typed arguments
 handed to `main`.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.agent.served import AgentServing
+from pipeline.agent.llama_launcher import AgentServing
 from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig, Params
 from pipeline.environment.spec import ServerSpec
 from pipeline.evaluation.agent_server import agent_engine, rollout_batch_size

@@ -13,7 +13,7 @@ or one of its config sections, instead of the whole `Params`, and none re-derive
   that the stage reads and writes (`steps_csv`, `train_file`, `eval_files`);
 - `server`: the environment server to start or reuse (`pipeline.environment.spec.ServerSpec`);
 - `tracking`: where the stage's MLflow runs go (`pipeline.tracking.runs.TrackingSpec`);
-- `agent_serving`: the served agent's launcher (`pipeline.agent.served.served_policy`) for the llama.cpp
+- `agent_serving`: the served agent's launcher (`pipeline.agent.llama_launcher.served_policy`) for the llama.cpp
   rollout engine.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.agent.served import AgentServing, agent_port
+from pipeline.agent.llama_launcher import AgentServing, agent_port
 from pipeline.config.specs import tracking_spec
 from pipeline.environment.spec import ServerSpec
 from pipeline.modelref import ModelRefError, ResolvedModel, resolve_model

@@ -6,7 +6,7 @@
   conversation (no KV cache between turns), which on a 2-core CPU is most of a multi-turn rollout.
 - `llama.cpp`: at each step the policy's current weights are written as GGUF from memory
   (pipeline.agent.gguf_export.export_model: the base GGUF's metadata and tokenizer, `train.rollout_gguf_dtype`
-  matrices) and served by llama.cpp's batching server (pipeline.agent.served), one slot per trajectory, for
+  matrices) and served by llama.cpp's batching server (pipeline.agent.llama_launcher), one slot per trajectory, for
   that step's rollout; the server stops and the file is deleted after it. verl does the same on GPU nodes
   with vLLM (weights synced to the inference engine each step). The update recomputes every log-prob with
   the policy itself (old log-probs included), so the sampler's numerics only decide which tokens are
@@ -52,7 +52,7 @@ def rollout_engine(plan: TrainPlan, model: Any = None) -> str:
 def served_step_policy(model: Any, tokenizer: Any, plan: TrainPlan, step: int, parallel: int) -> Iterator[Any]:
     """The policy `model` as it is now, served by llama.cpp for one step's rollout (module docstring)."""
     from pipeline.agent.gguf_export import GGUFExportError, export_model
-    from pipeline.agent.served import served_policy
+    from pipeline.agent.llama_launcher import served_policy
     from pipeline.errors import UserError
     from pipeline.modelref import ModelRefError
 
