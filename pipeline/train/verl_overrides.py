@@ -123,7 +123,7 @@ def build_overrides(plan: TrainPlan, *, val_files: list[Path] | None = None,
         *(_kv(key, value) for key, value in computed.items()),
         *reward_kwargs_overrides(plan.reward),
         *_lora_overrides(plan.train.lora),
-        *agent_loop_overrides(plan, environment_url),
+        *agent_loop_overrides(plan, environment_url, agent_model=computed["actor_rollout_ref.model.path"]),
     ]
     return [*overrides, *plan.train.verl.extra_overrides]
 
@@ -155,10 +155,14 @@ def reward_kwargs_overrides(r: RewardConfig) -> list[str]:
     return out
 
 
-def agent_loop_overrides(plan: TrainPlan, environment_url: str | None = None) -> list[str]:
+def agent_loop_overrides(plan: TrainPlan, environment_url: str | None = None,
+                         agent_model: str | None = None) -> list[str]:
     """The `+prompt_r1.*` block the agent-loop workers read (see verl_worker_client.LoopSettings): the
     environment, the whole agent section (`AgentConfig.model_dump()`, read back with `AgentConfig.from_dump`)
     and the cache folder.
+
+    `agent_model` is the model verl loads (`actor_rollout_ref.model.path`): the agent section carries it as
+    its `model`, so the block names the same local snapshot and never a Hub id an offline worker cannot reach.
 
     `environment_url` is the endpoint the stage started or health-checked; workers get exactly that one as
     `base_url`, so they never guess a host (on several nodes it must not be loopback: `promptr1 check`).
@@ -169,7 +173,8 @@ def agent_loop_overrides(plan: TrainPlan, environment_url: str | None = None) ->
     if environment_url:
         env = environment_with(env, base_url=environment_url)
     out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
-    out += [_kv(f"+prompt_r1.agent.{name}", value) for name, value in plan.agent.model_dump(mode="json").items()]
+    agent = plan.agent if agent_model is None else plan.agent.model_copy(update={"model": agent_model})
+    out += [_kv(f"+prompt_r1.agent.{name}", value) for name, value in agent.model_dump(mode="json").items()]
     out.append(_kv("+prompt_r1.cache_dir", str(plan.cache_dir.resolve())))
     return out
 
