@@ -68,8 +68,9 @@ def test_micro_run_trips_the_gate_keeps_the_healthy_checkpoint_and_is_never_regi
     assert logged == [1] * 4 + [2] * 4 + [3] * 4  # the breaching step's trajectories too, to see why
 
     params = load_params(params_file)
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    client = mlflow.MlflowClient()
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(store)
+    client = mlflow.MlflowClient(tracking_uri=store, registry_uri=store)  # this run's registry, whatever was set before
     parent = json.loads((tmp_path / "reports/mlflow_run.json").read_text())["run_id"]
     (train_run,) = client.search_runs([client.get_run(parent).info.experiment_id],
                                       f"tags.mlflow.parentRunId = '{parent}' and tags.stage = 'train'")
