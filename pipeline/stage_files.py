@@ -7,8 +7,8 @@ here is relative to the folder its docstring gives (`<paths.reports_dir> / VALID
 writes several files into one folder, the folder and the file names are separate constants, as the code joins
 them. Files one stage keeps to itself (caches, temporary files, logs) are not here.
 
-Design decisions: a leaf that imports nothing, so any module (a stage, the stages' key figures in pipeline.stages.figures,
-stage, flows/) can use it without widening its import closure beyond this one file; the values are the paths
+Design decisions: a leaf that imports nothing, so any module (a stage, pipeline.stages.figures, flows/) can
+use it without widening its import closure beyond this one file; the values are the paths
 DVC and earlier runs know, and renaming one is a change to dvc.yaml and to every workspace.
 """
 
