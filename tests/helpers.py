@@ -290,3 +290,25 @@ def save_smollm2_agent(folder: Path) -> Path:
     policy.model.to(dtype=torch.bfloat16).save_pretrained(str(folder))
     policy.tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def verl_agent_loop(config, server_manager, tokenizer):
+    """Our agent loop built exactly as verl's AgentLoopWorker builds one (hydra from agent_loop.yaml)."""
+    import hydra
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from pipeline.train.verl_backend import AGENT_LOOP_CONFIG
+
+    return hydra.utils.instantiate(
+        config=OmegaConf.load(AGENT_LOOP_CONFIG)[0],
+        trainer_config=DictConfigWrap(config=config),
+        server_manager=server_manager,
+        tokenizer=tokenizer,
+        processor=None,
+        hf_model_type="llama",
+        dataset_cls=RLHFDataset,
+        data_config=DictConfigWrap(config.data),
+        tools=None,
+    )

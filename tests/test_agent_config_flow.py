@@ -19,12 +19,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from helpers import REPO_ROOT, tiny_overrides, write_train_parquet
+from helpers import REPO_ROOT, tiny_overrides, verl_agent_loop, write_train_parquet
 from omegaconf import OmegaConf, open_dict
 
 from pipeline.config import load_params
@@ -86,22 +85,7 @@ class RecordingServer:
 
 
 def verl_loop(config, tokenizer, server):
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
-    from verl.utils.dataset.rl_dataset import RLHFDataset
-
-    from pipeline.train.verl_backend import AGENT_LOOP_CONFIG
-
-    return hydra.utils.instantiate(  # as verl's AgentLoopWorker builds a loop
-        config=OmegaConf.load(AGENT_LOOP_CONFIG)[0],
-        trainer_config=DictConfigWrap(config=config),
-        server_manager=server,
-        tokenizer=tokenizer,
-        processor=None,
-        hf_model_type="llama",
-        dataset_cls=RLHFDataset,
-        data_config=DictConfigWrap(config.data),
-        tools=None,
-    )
+    return verl_agent_loop(config, server, tokenizer)
 
 
 def test_verl_loop_reads_the_serialised_agent_config(params, tiny_llama_dir):

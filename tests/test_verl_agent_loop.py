@@ -9,20 +9,17 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 import pytest
 from fault_server import FaultServer
-from omegaconf import OmegaConf
-from verl.experimental.agent_loop.agent_loop import DictConfigWrap
-from verl.utils.dataset.rl_dataset import RLHFDataset
+from helpers import verl_agent_loop
 from verl.workers.rollout.replica import TokenOutput
 from verl_cpu import compose_verl
 
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
 from pipeline.config import load_params
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl_backend import AGENT_LOOP_CONFIG, build_overrides
+from pipeline.train.verl_backend import build_overrides
 from pipeline.train.verl_reward import compute_score
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -75,18 +72,7 @@ def make_config(env_server: FaultServer, *extra: str):
 
 def run_loop(config, server_manager, tokenizer, gold=("Paris",)):
     async def go():
-        entry = OmegaConf.load(AGENT_LOOP_CONFIG)[0]
-        loop = hydra.utils.instantiate(  # exactly how verl's AgentLoopWorker builds a loop
-            config=entry,
-            trainer_config=DictConfigWrap(config=config),
-            server_manager=server_manager,
-            tokenizer=tokenizer,
-            processor=None,
-            hf_model_type="llama",
-            dataset_cls=RLHFDataset,
-            data_config=DictConfigWrap(config.data),
-            tools=None,
-        )
+        loop = verl_agent_loop(config, server_manager, tokenizer)  # as verl's AgentLoopWorker builds it
         return await loop.run(
             {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True},
             raw_prompt=np.array(QUESTION, dtype=object),
