@@ -173,8 +173,10 @@ def agent_loop_overrides(plan: TrainPlan, environment_url: str | None = None,
     if environment_url:
         env = environment_with(env, base_url=environment_url)
     out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
-    agent = plan.agent if agent_model is None else plan.agent.model_copy(update={"model": agent_model})
-    out += [_kv(f"+prompt_r1.agent.{name}", value) for name, value in agent.model_dump(mode="json").items()]
+    agent = plan.agent.model_dump(mode="json")
+    if agent_model is not None:
+        agent["model"] = str(agent_model)
+    out += [_kv(f"+prompt_r1.agent.{name}", value) for name, value in agent.items()]
     out.append(_kv("+prompt_r1.cache_dir", str(plan.cache_dir.resolve())))
     return out
 
