@@ -282,44 +282,59 @@ def log_slice_inputs(source: Path, slices: Slices) -> None:
 
 def run_gepa(params: Params) -> dict[str, Any]:
     """Stage `gepa`: optimise, write prompt.json and reports/gepa/*, log the gepa MLflow run."""
-    import mlflow
-
     from pipeline.config.specs import tracking_spec
-    from pipeline.data.schema import write_json_atomic, write_text_atomic
-    from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
-    from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
-    from pipeline.environment.servers import serve_environment
-    from pipeline.tracking.runs import describe_stage, stage_run
+    from pipeline.tracking.runs import stage_run
 
     plan = GepaPlan.for_gepa(params)
     slices = load_slices(plan.train_file, plan.gepa)
-    task_env, cache = plan.task.environment, plan.cache
-    # The run is open for the whole search, so its duration in MLflow is the stage's (it used to be opened
-    # after the search, and read 65 ms for a 114 s stage).
+    # The run is open for the whole search, so its duration in MLflow is the stage's.
     with stage_run(tracking_spec(params), "gepa"):
         log_slice_inputs(plan.train_file, slices)
-        started = time.perf_counter()
-        with serve_environment(plan.task):
-            task = EnvironmentClient.in_cache_dir(task_env, plan.task.cache_dir)
-            reflection = EnvironmentClient(plan.reflection, cache if task_env.cache else None,
-                                           ledger_path=cache.with_name(LEDGER_FILE))  # one budget with the task's
-            try:
-                content = optimise(plan, slices, task, reflection)
-            finally:
-                asyncio.run(task.aclose())
-                asyncio.run(reflection.aclose())
-        content["cost"]["wall_s"] = round(time.perf_counter() - started, 1)
-        out_dir = plan.out_dir
-        metrics = report_metrics(content)
-        write_json_atomic(content, plan.prompt_file)
-        write_json_atomic(metrics, out_dir / METRICS_FILE)
-        write_text_atomic(history_frame(content).to_csv(index=False), out_dir / "history.csv")
-        describe_stage("gepa", describe_gepa(metrics))
-        mlflow.log_params({f"gepa.{k}": v for k, v in plan.gepa.model_dump().items()})
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
-        # The instruction and the examples are the reflection model's text: untrusted, sanitised.
-        mlflow.log_text(sanitize_text(content["optimised"]["instruction"]), "gepa/optimised_instruction.txt")
-        with tempfile.TemporaryDirectory() as tmp:
-            mlflow.log_artifact(str(sanitized_json_copy(plan.prompt_file, Path(tmp))), artifact_path="gepa")
+        content = search_instruction(plan, slices)
+        metrics = record_search(plan, content)
     log.info("GEPA %s", gepa_outcome(metrics))
     return content
+
+
+def search_instruction(plan: GepaPlan, slices: Slices) -> dict[str, Any]:
+    """Serve the task environment (when the plan says so), run the search against it and the reflection
+    model (one cost ledger for both), and return the report with its wall time."""
+    from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
+    from pipeline.environment.servers import serve_environment
+
+    task_env, cache = plan.task.environment, plan.cache
+    started = time.perf_counter()
+    with serve_environment(plan.task):
+        task = EnvironmentClient.in_cache_dir(task_env, plan.task.cache_dir)
+        reflection = EnvironmentClient(plan.reflection, cache if task_env.cache else None,
+                                       ledger_path=cache.with_name(LEDGER_FILE))
+        try:
+            content = optimise(plan, slices, task, reflection)
+        finally:
+            asyncio.run(task.aclose())
+            asyncio.run(reflection.aclose())
+    content["cost"]["wall_s"] = round(time.perf_counter() - started, 1)
+    return content
+
+
+def record_search(plan: GepaPlan, content: dict[str, Any]) -> dict[str, float]:
+    """Write prompt.json and reports/gepa/{metrics.json,history.csv}; log them to the active run; return
+    the metrics."""
+    import mlflow
+
+    from pipeline.data.schema import write_json_atomic, write_text_atomic
+    from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
+    from pipeline.tracking.runs import describe_stage
+
+    metrics = report_metrics(content)
+    write_json_atomic(content, plan.prompt_file)
+    write_json_atomic(metrics, plan.out_dir / METRICS_FILE)
+    write_text_atomic(history_frame(content).to_csv(index=False), plan.out_dir / "history.csv")
+    describe_stage("gepa", describe_gepa(metrics))
+    mlflow.log_params({f"gepa.{k}": v for k, v in plan.gepa.model_dump().items()})
+    mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+    # The instruction and the examples are the reflection model's text: untrusted, sanitised.
+    mlflow.log_text(sanitize_text(content["optimised"]["instruction"]), "gepa/optimised_instruction.txt")
+    with tempfile.TemporaryDirectory() as tmp:
+        mlflow.log_artifact(str(sanitized_json_copy(plan.prompt_file, Path(tmp))), artifact_path="gepa")
+    return metrics

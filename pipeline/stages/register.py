@@ -277,84 +277,107 @@ def run_register(params: Params) -> dict[str, Any]:
     import mlflow
 
     from pipeline.config.specs import tracking_spec
+    from pipeline.tracking.runs import stage_run
+
+    plan = RegisterPlan.for_register(params)
+    tracking = tracking_spec(params)
+    evaluation, candidate = read_candidate(plan)
+    check_training_health(tracking)
+    check_training_complete(tracking)
+    with (promotion_lock(plan.lock_dir, plan.register.model_name, "registering"),
+          stage_run(tracking, "register") as run, tempfile.TemporaryDirectory() as tmp):
+        result = register_and_promote(plan, tracking, run, evaluation, candidate, Path(tmp))
+        write_json_atomic(result, plan.promotion_file)
+        mlflow.log_artifact(str(plan.promotion_file))
+    # the stage's closing line (pipeline.stages.figures) says it once on the console
+    log.debug("%s v%s: %s (%s → v%s). %s", result["model_name"], result["version"], result["decision"],
+              result["alias"], result["champion_after"], "; ".join(result["reasons"]))
+    return result
+
+
+def read_candidate(plan: RegisterPlan) -> tuple[dict[str, Any], EvalAverages]:
+    """The evaluation (reports/eval/metrics.json) and its averages, after the checks that come before any
+    version is registered: the profile may move this alias, the merged agent exists, the metric is there."""
+    check_production_alias(plan.profile, plan.register)
+    if not plan.model_dir.exists():
+        raise UserError(f"no merged agent at {plan.model_dir}: run `promptr1 merge` (dvc repro merge) first")
+    if not plan.metrics_file.is_file():
+        raise UserError(f"{plan.metrics_file} is missing: run `promptr1 evaluate` first")
+    evaluation = json.loads(plan.metrics_file.read_text())
+    candidate = EvalAverages.from_metrics_json(evaluation)
+    check_metric(candidate, plan.register.metric)
+    return evaluation, candidate
+
+
+def register_and_promote(plan: RegisterPlan, tracking: TrackingSpec, run: Any, evaluation: dict[str, Any],
+                         candidate: EvalAverages, tmp: Path) -> dict[str, Any]:
+    """Inside the open register run, under the registering lock: settle orphans, log and register the
+    model, decide against the champion and move the alias, tag and describe the version, prune; return
+    what reports/promotion.json records."""
+    import mlflow
+
     from pipeline.tracking import lineage
     from pipeline.tracking.runs import (
         describe_stage,
         link_parent_to_model_version,
         log_parent_metrics,
         parent_run_id,
-        stage_run,
     )
 
-    plan = RegisterPlan.for_register(params)
-    tracking = tracking_spec(params)
     cfg = plan.register
-    check_production_alias(plan.profile, cfg)
-    if not plan.model_dir.exists():
-        raise UserError(f"no merged agent at {plan.model_dir}: run `promptr1 merge` (dvc repro merge) first")
-    metrics_file = plan.metrics_file
-    if not metrics_file.is_file():
-        raise UserError(f"{metrics_file} is missing: run `promptr1 evaluate` first")
-    evaluation = json.loads(metrics_file.read_text())
-    candidate = EvalAverages.from_metrics_json(evaluation)
-    check_metric(candidate, cfg.metric)  # before a model version is registered
-    check_training_health(tracking)
-    check_training_complete(tracking)
-
-    with (promotion_lock(plan.lock_dir, cfg.model_name, "registering"), stage_run(tracking, "register") as run,
-          tempfile.TemporaryDirectory() as tmp):
-        client = mlflow.MlflowClient()
-        settle_orphans(client, cfg)
-        info = log_models(plan, Path(tmp))
-        version = str(info.registered_model_version)
-        for key, value in candidate.to_tags().items():
-            client.set_model_version_tag(cfg.model_name, version, key, value)
-        # Decide and move under one lock, on the champion as it is at that moment.
-        with promotion_lock(plan.lock_dir, cfg.model_name):
-            champ_version, champion, decision = judge_against_champion(client, candidate, cfg)
-            if decision.promote:
-                client.set_registered_model_alias(cfg.model_name, cfg.alias, version)
-        current = current_champion(client, cfg.model_name, cfg.alias)
-        after = current.version if current is not None else None
-        verdict = "promoted" if decision.promote else "kept"
-        reason = "; ".join(decision.reasons)
-        client.set_model_version_tag(cfg.model_name, version, "promotion.decision", verdict)
-        client.set_model_version_tag(cfg.model_name, version, "promotion.reason", reason[:4900])
-        client.set_model_version_tag(cfg.model_name, version, "promotion.rule",
-                                     f"{cfg.ci_rule}; metric={cfg.metric}; margin={cfg.margin}; "
-                                     f"ood_tolerance={cfg.ood_tolerance}")
-        client.set_model_version_tag(cfg.model_name, version, "source_run_id", run.info.run_id)
+    client = mlflow.MlflowClient()
+    settle_orphans(client, cfg)
+    info = log_models(plan, tmp)
+    version = str(info.registered_model_version)
+    for key, value in candidate.to_tags().items():
+        client.set_model_version_tag(cfg.model_name, version, key, value)
+    # Decide and move under one lock, on the champion as it is at that moment.
+    with promotion_lock(plan.lock_dir, cfg.model_name):
+        champ_version, champion, decision = judge_against_champion(client, candidate, cfg)
         if decision.promote:
-            client.set_model_version_tag(cfg.model_name, version, lineage.PROMOTION_DATE_TAG, lineage.promotion_date())
-        tags = lineage.lineage_tags(client, plan.model_dir, plan.root, parent_run_id(tracking))
-        for key, value in tags.items():
-            client.set_model_version_tag(cfg.model_name, version, key, value)
-        client.update_model_version(cfg.model_name, version,
-                                    lineage.version_description(tags, candidate.id, verdict, reason, metric=cfg.metric,
-                                                                profile=plan.profile,
-                                                                model_dir=plan.model_dir_param))
-        pruned = lineage.prune_never_champion(client, cfg.model_name, cfg.keep_versions)
-        mlflow.set_tags({"promotion.decision": verdict, "registered_model": cfg.model_name,
-                         "registered_version": version})
-        mlflow.log_metric("promoted", float(decision.promote))
-        log_parent_metrics({"promoted": float(decision.promote)})  # a headline figure of the pipeline run
-        link_parent_to_model_version(cfg.model_name, version, getattr(info, "model_id", None))
-        describe_stage("register", register_sentence(cfg.model_name, version, decision, cfg.alias, after, candidate,
-                                                     cfg.metric, rival_scores(evaluation, cfg.metric)))
+            client.set_registered_model_alias(cfg.model_name, cfg.alias, version)
+    current = current_champion(client, cfg.model_name, cfg.alias)
+    after = current.version if current is not None else None
+    verdict = "promoted" if decision.promote else "kept"
+    reason = "; ".join(decision.reasons)
+    tag_decision(client, cfg, version, decision, run.info.run_id)
+    tags = lineage.lineage_tags(client, plan.model_dir, plan.root, parent_run_id(tracking))
+    for key, value in tags.items():
+        client.set_model_version_tag(cfg.model_name, version, key, value)
+    client.update_model_version(cfg.model_name, version,
+                                lineage.version_description(tags, candidate.id, verdict, reason, metric=cfg.metric,
+                                                            profile=plan.profile, model_dir=plan.model_dir_param))
+    pruned = lineage.prune_never_champion(client, cfg.model_name, cfg.keep_versions)
+    mlflow.set_tags({"promotion.decision": verdict, "registered_model": cfg.model_name,
+                     "registered_version": version})
+    mlflow.log_metric("promoted", float(decision.promote))
+    log_parent_metrics({"promoted": float(decision.promote)})  # a headline figure of the pipeline run
+    link_parent_to_model_version(cfg.model_name, version, getattr(info, "model_id", None))
+    describe_stage("register", register_sentence(cfg.model_name, version, decision, cfg.alias, after, candidate,
+                                                 cfg.metric, rival_scores(evaluation, cfg.metric)))
+    return {
+        "model_name": cfg.model_name, "version": version, "alias": cfg.alias, "promoted": decision.promote,
+        "decision": verdict, "champion_before": str(champ_version.version) if champ_version is not None else None,
+        "champion_after": str(after) if after is not None else None, "model_uri": f"models:/{cfg.model_name}@{cfg.alias}",
+        "rule": {"metric": cfg.metric, "margin": cfg.margin, "ood_tolerance": cfg.ood_tolerance,
+                 "ci_rule": cfg.ci_rule},
+        "reasons": decision.reasons, "checks": decision.checks,
+        "candidate": asdict(candidate), "champion": asdict(champion) if champion is not None else None,
+        "run_id": run.info.run_id, "lineage": tags, "pruned_versions": pruned,
+    }
 
-        result = {
-            "model_name": cfg.model_name, "version": version, "alias": cfg.alias, "promoted": decision.promote,
-            "decision": verdict, "champion_before": str(champ_version.version) if champ_version is not None else None,
-            "champion_after": str(after) if after is not None else None, "model_uri": f"models:/{cfg.model_name}@{cfg.alias}",
-            "rule": {"metric": cfg.metric, "margin": cfg.margin, "ood_tolerance": cfg.ood_tolerance,
-                     "ci_rule": cfg.ci_rule},
-            "reasons": decision.reasons, "checks": decision.checks,
-            "candidate": asdict(candidate), "champion": asdict(champion) if champion is not None else None,
-            "run_id": run.info.run_id, "lineage": tags, "pruned_versions": pruned,
-        }
-        out = plan.promotion_file
-        write_json_atomic(result, out)
-        mlflow.log_artifact(str(out))
-    line = (f"{cfg.model_name} v{version}: {verdict} ({cfg.alias} → v{after}). {reason}")
-    log.debug(line)  # the stage's closing line (pipeline.stages.figures) says it once on the console
-    return result
+
+def tag_decision(client: Any, cfg: RegisterConfig, version: str, decision: PromotionDecision, run_id: str) -> None:
+    """The `promotion.*` tags on the new version: verdict, reasons, the rule as configured, the deciding run
+    (and the promotion date when promoted). A version with `promotion.decision` is never an orphan."""
+    from pipeline.tracking import lineage
+
+    client.set_model_version_tag(cfg.model_name, version, "promotion.decision",
+                                 "promoted" if decision.promote else "kept")
+    client.set_model_version_tag(cfg.model_name, version, "promotion.reason", "; ".join(decision.reasons)[:4900])
+    client.set_model_version_tag(cfg.model_name, version, "promotion.rule",
+                                 f"{cfg.ci_rule}; metric={cfg.metric}; margin={cfg.margin}; "
+                                 f"ood_tolerance={cfg.ood_tolerance}")
+    client.set_model_version_tag(cfg.model_name, version, "source_run_id", run_id)
+    if decision.promote:
+        client.set_model_version_tag(cfg.model_name, version, lineage.PROMOTION_DATE_TAG, lineage.promotion_date())

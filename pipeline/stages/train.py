@@ -48,59 +48,68 @@ def run_train(params: Params) -> None:
     from pipeline.train.resume import training_complete, training_progress
 
     plan = TrainPlan.from_params(params)
-    backend = plan.train.backend
     complete = training_complete(plan)
     if complete and (plan.reports_dir / RUN_FILE).is_file():
         log.info("train: already complete at %s (checkpoints in %s); nothing to do",
                  training_progress(plan).describe(), params.paths.checkpoint_dir)
         return
-    if backend == "verl" and not complete:  # GPUs here and in Ray, disk, verl's validation: before anything starts
+    if plan.train.backend == "verl" and not complete:  # GPUs here and in Ray, disk, verl's validation
         from pipeline.train.resources import assert_resources
 
         assert_resources(plan)
     with tracking.stage_run(plan.tracking, "train", new_parent=True) as run:
         import mlflow
 
-        mlflow.set_tag("train.backend", backend)
+        mlflow.set_tag("train.backend", plan.train.backend)
         if complete:
             _relog_curve(plan.steps_csv)
             log_training_record(plan, training_progress(plan))
             return
         if plan.train_file.is_file():  # recorded incomplete first: a run killed mid-way stays so for register
             mlflow.set_tags(training_progress(plan).tags())
-        if backend == "verl":
-            from pipeline.train.verl_backend import run_verl
+        train = _train_verl if plan.train.backend == "verl" else _train_local
+        train(plan, run)
 
-            if plan.train.warmup.steps > 0:
-                log.warning("train.warmup is a local-backend feature: ignored with backend verl")
 
-            progress = run_verl(plan, tracking.tracking_uri(plan.tracking), run)
-            log_training_record(plan, progress)
-            tracking.describe_stage("train", describe_training(plan, {}))
-            # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.
-            from pipeline.stage_files import TRAJECTORIES_FILE
+def _train_verl(plan: TrainPlan, run) -> None:
+    """Launch verl (pipeline.train.verl_backend) inside the open train run, then record and describe it."""
+    from pipeline.stage_files import TRAJECTORIES_FILE
+    from pipeline.train.verl_backend import run_verl
 
-            empty_log = plan.steps_csv.with_name(TRAJECTORIES_FILE)
-            empty_log.parent.mkdir(parents=True, exist_ok=True)
-            empty_log.touch()
-            return
-        from pipeline.stage_files import TRAJECTORIES_FILE
-        from pipeline.train.local import train_local
+    if plan.train.warmup.steps > 0:
+        log.warning("train.warmup is a local-backend feature: ignored with backend verl")
+    progress = run_verl(plan, tracking.tracking_uri(plan.tracking), run)
+    log_training_record(plan, progress)
+    tracking.describe_stage("train", describe_training(plan, {}))
+    # verl keeps its rollouts in its own logs; the DVC output exists, empty, for every backend.
+    empty_log = plan.steps_csv.with_name(TRAJECTORIES_FILE)
+    empty_log.parent.mkdir(parents=True, exist_ok=True)
+    empty_log.touch()
 
-        final = train_local(plan, run)
-        log_training_record(plan, training_progress(plan))
-        tracking.describe_stage("train", describe_training(plan, final))
-        csv = plan.steps_csv
-        if csv.is_file():
-            mlflow.log_artifact(str(csv), artifact_path="train")
-        if csv.with_name(TRAJECTORIES_FILE).is_file():
-            with tempfile.TemporaryDirectory() as tmp:
-                copy = sanitized_json_copy(csv.with_name(TRAJECTORIES_FILE), Path(tmp))
-                mlflow.log_artifact(str(copy), artifact_path="train")
-        summary = {f"final/{k}": v for k, v in final.items()
-                   if k.startswith(("critic/score", "reward/", "actor/")) and math.isfinite(v)}
-        if summary:
-            mlflow.log_metrics(summary)
+
+def _train_local(plan: TrainPlan, run) -> None:
+    """Train with the local backend (pipeline.train.local) inside the open train run, then record it: the
+    steps.csv curve, a sanitised copy of the trajectory log, the last step's figures as `final/*`."""
+    import mlflow
+
+    from pipeline.stage_files import TRAJECTORIES_FILE
+    from pipeline.train.local import train_local
+    from pipeline.train.resume import training_progress
+
+    final = train_local(plan, run)
+    log_training_record(plan, training_progress(plan))
+    tracking.describe_stage("train", describe_training(plan, final))
+    csv = plan.steps_csv
+    if csv.is_file():
+        mlflow.log_artifact(str(csv), artifact_path="train")
+    if csv.with_name(TRAJECTORIES_FILE).is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = sanitized_json_copy(csv.with_name(TRAJECTORIES_FILE), Path(tmp))
+            mlflow.log_artifact(str(copy), artifact_path="train")
+    summary = {f"final/{k}": v for k, v in final.items()
+               if k.startswith(("critic/score", "reward/", "actor/")) and math.isfinite(v)}
+    if summary:
+        mlflow.log_metrics(summary)
 
 
 def describe_training(plan: TrainPlan, final: dict[str, float]) -> str:
