@@ -111,7 +111,9 @@ def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: 
     print(f"dvc repro: first {first:.1f}s, second (no change) {second:.1f}s")
 
     # The Prefect flow over the same real pipeline: a parameter override reruns only what it touches
-    # (evaluate, register), each stage a task; the environment is started for evaluate and stopped after.
+    # (evaluate, and register, whose input metrics.json records the confidence), each stage a task; the
+    # environment is started for evaluate and stopped after. The override keeps one row per set, so the
+    # rerun costs what the first evaluation did.
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.retrain import run_pipeline_flow
@@ -121,12 +123,12 @@ def test_dvc_repro_end_to_end(tmp_path: Path, repo_root: Path, shared_datasets: 
     try:
         os.chdir(project)
         with prefect_test_harness():
-            summary = run_pipeline_flow(project, overrides=["evaluate.rows_per_dataset=2"])
+            summary = run_pipeline_flow(project, overrides=["evaluate.confidence=0.9"])
     finally:
         os.chdir(cwd)
     results = {s["stage"]: s["result"] for s in summary["stages"]}
     assert results["train"] == "up to date" and results["build"] == "up to date"
     assert results["evaluate"] == "reproduced" and results["register"] == "reproduced"
     assert summary["promotion"] is not None and summary["experiment"]
-    assert yaml.safe_load(params_file.read_text())["evaluate"]["rows_per_dataset"] == 1  # params restored
+    assert yaml.safe_load(params_file.read_text())["evaluate"]["confidence"] == 0.95  # params restored
     assert len(client.search_model_versions(f"name = '{raw['register']['model_name']}'")) == 2
