@@ -5,7 +5,7 @@ is that step here. Every layer below the stage entry (`pipeline.stages.train.run
 or one of its config sections, instead of the whole `Params`, and none re-derives what the plan holds:
 
 - `agent_model`: `agent.model` resolved once (`pipeline.modelref`); an unresolvable reference is kept as
-  its error and raised by `require_agent_model` where a model is needed, as before;
+  its error and raised by `require_agent_model` where a model is needed;
 - the rollout engine's `auto` is decided once, by the one rule (`pipeline.agent.engine`), when the policy is
   loaded (`pipeline.train.rollout_engine`: the plan's resolved model, CUDA, LoRA and the model's type); the
   stage tags the run with what ran;
