@@ -338,17 +338,15 @@ def register_and_promote(plan: RegisterPlan, tracking: TrackingSpec, run: Any, e
             client.set_registered_model_alias(cfg.model_name, cfg.alias, version)
     current = current_champion(client, cfg.model_name, cfg.alias)
     after = current.version if current is not None else None
-    verdict = "promoted" if decision.promote else "kept"
-    reason = "; ".join(decision.reasons)
     tag_decision(client, cfg, version, decision, run.info.run_id)
     tags = lineage.lineage_tags(client, plan.model_dir, plan.root, parent_run_id(tracking))
     for key, value in tags.items():
         client.set_model_version_tag(cfg.model_name, version, key, value)
-    client.update_model_version(cfg.model_name, version,
-                                lineage.version_description(tags, candidate.id, verdict, reason, metric=cfg.metric,
-                                                            profile=plan.profile, model_dir=plan.model_dir_param))
+    description = lineage.version_description(tags, candidate.id, decision.verdict, decision.reason,
+                                              metric=cfg.metric, profile=plan.profile, model_dir=plan.model_dir_param)
+    client.update_model_version(cfg.model_name, version, description)
     pruned = lineage.prune_never_champion(client, cfg.model_name, cfg.keep_versions)
-    mlflow.set_tags({"promotion.decision": verdict, "registered_model": cfg.model_name,
+    mlflow.set_tags({"promotion.decision": decision.verdict, "registered_model": cfg.model_name,
                      "registered_version": version})
     mlflow.log_metric("promoted", float(decision.promote))
     log_parent_metrics({"promoted": float(decision.promote)})  # a headline figure of the pipeline run
@@ -357,7 +355,7 @@ def register_and_promote(plan: RegisterPlan, tracking: TrackingSpec, run: Any, e
                                                  cfg.metric, rival_scores(evaluation, cfg.metric)))
     return {
         "model_name": cfg.model_name, "version": version, "alias": cfg.alias, "promoted": decision.promote,
-        "decision": verdict, "champion_before": str(champ_version.version) if champ_version is not None else None,
+        "decision": decision.verdict, "champion_before": str(champ_version.version) if champ_version is not None else None,
         "champion_after": str(after) if after is not None else None, "model_uri": f"models:/{cfg.model_name}@{cfg.alias}",
         "rule": {"metric": cfg.metric, "margin": cfg.margin, "ood_tolerance": cfg.ood_tolerance,
                  "ci_rule": cfg.ci_rule},
@@ -372,9 +370,8 @@ def tag_decision(client: Any, cfg: RegisterConfig, version: str, decision: Promo
     (and the promotion date when promoted). A version with `promotion.decision` is never an orphan."""
     from pipeline.tracking import lineage
 
-    client.set_model_version_tag(cfg.model_name, version, "promotion.decision",
-                                 "promoted" if decision.promote else "kept")
-    client.set_model_version_tag(cfg.model_name, version, "promotion.reason", "; ".join(decision.reasons)[:4900])
+    client.set_model_version_tag(cfg.model_name, version, "promotion.decision", decision.verdict)
+    client.set_model_version_tag(cfg.model_name, version, "promotion.reason", decision.reason[:4900])
     client.set_model_version_tag(cfg.model_name, version, "promotion.rule",
                                  f"{cfg.ci_rule}; metric={cfg.metric}; margin={cfg.margin}; "
                                  f"ood_tolerance={cfg.ood_tolerance}")

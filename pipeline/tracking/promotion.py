@@ -84,6 +84,16 @@ class PromotionDecision:
     checks: list[dict[str, Any]] = field(default_factory=list)
     """Each comparison made: name, candidate value used, threshold, passed."""
 
+    @property
+    def verdict(self) -> str:
+        """What the tags, promotion.json and the description say: `promoted` or `kept`."""
+        return "promoted" if self.promote else "kept"
+
+    @property
+    def reason(self) -> str:
+        """The reasons as one sentence."""
+        return "; ".join(self.reasons)
+
 
 def check_metric(candidate: EvalAverages, metric: str) -> None:
     """Raise UserError unless `metric` (register.metric) is one of the candidate's ID averages."""
@@ -157,10 +167,9 @@ def register_sentence(model_name: str, version: str, decision: PromotionDecision
     """The register run's description: the decision, the rule's real reason (e.g. "no current champion", not
     the CI rule that was never applied), the candidate's ID figure, and any other system of the same evaluation
     that scored higher on it (`rivals`: system → ID mean), since the rule compares agent versions, not systems."""
-    verdict = "promoted" if decision.promote else "kept"
     ci = candidate.id[metric]
-    line = (f"Registered {model_name} v{version}: {verdict} ({alias} → v{after}) because "
-            f"{'; '.join(decision.reasons)}. Candidate ID {metric} {ci['mean']:.2f} [{ci['low']:.2f}, "
+    line = (f"Registered {model_name} v{version}: {decision.verdict} ({alias} → v{after}) because "
+            f"{decision.reason}. Candidate ID {metric} {ci['mean']:.2f} [{ci['low']:.2f}, "
             f"{ci['high']:.2f}]")
     better = sorted(((s, v) for s, v in rivals.items() if v > ci["mean"]), key=lambda sv: -sv[1])
     if better:

@@ -123,7 +123,7 @@ def build_overrides(plan: TrainPlan, *, val_files: list[Path] | None = None,
         *(_kv(key, value) for key, value in computed.items()),
         *reward_kwargs_overrides(plan.reward),
         *_lora_overrides(plan.train.lora),
-        *agent_loop_overrides(plan, environment_url, agent_model=computed["actor_rollout_ref.model.path"]),
+        *agent_loop_overrides(plan, computed["actor_rollout_ref.model.path"], environment_url),
     ]
     return [*overrides, *plan.train.verl.extra_overrides]
 
@@ -155,8 +155,7 @@ def reward_kwargs_overrides(r: RewardConfig) -> list[str]:
     return out
 
 
-def agent_loop_overrides(plan: TrainPlan, environment_url: str | None = None,
-                         agent_model: str | None = None) -> list[str]:
+def agent_loop_overrides(plan: TrainPlan, agent_model: str, environment_url: str | None = None) -> list[str]:
     """The `+prompt_r1.*` block the agent-loop workers read (see verl_worker_client.LoopSettings): the
     environment, the whole agent section (`AgentConfig.model_dump()`, read back with `AgentConfig.from_dump`)
     and the cache folder.
@@ -173,9 +172,7 @@ def agent_loop_overrides(plan: TrainPlan, environment_url: str | None = None,
     if environment_url:
         env = environment_with(env, base_url=environment_url)
     out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
-    agent = plan.agent.model_dump(mode="json")
-    if agent_model is not None:
-        agent["model"] = str(agent_model)
+    agent = plan.agent.model_dump(mode="json") | {"model": agent_model}
     out += [_kv(f"+prompt_r1.agent.{name}", value) for name, value in agent.items()]
     out.append(_kv("+prompt_r1.cache_dir", str(plan.cache_dir.resolve())))
     return out
