@@ -33,6 +33,13 @@ RUN useradd --create-home --uid 10001 promptr1
 WORKDIR /app
 # The CPU wheel first: from PyPI torch would pull gigabytes of CUDA libraries.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+# llama.cpp's bindings and its server compiled for the build machine's CPU without AMX, as the README's set-up
+# does (scripts/install-llama-cpp.sh says why): the image runs on CPUs with the build machine's vector
+# extensions. Copied apart from the sources so a code change does not recompile them.
+COPY --chown=promptr1:promptr1 pyproject.toml ./
+COPY --chown=promptr1:promptr1 constraints/ constraints/
+COPY --chown=promptr1:promptr1 scripts/install-llama-cpp.sh scripts/
+RUN bash scripts/install-llama-cpp.sh
 COPY --chown=promptr1:promptr1 . .
 RUN pip install -c constraints/cpu.txt -e . \
  && git init -q . \

@@ -411,3 +411,16 @@ def test_readme_install_commands_are_found():
     parsed = readme_installs(text)
     assert parsed.project_extras == [{"dev"}, {"gpu"}]
     assert parsed.index_urls == ["https://download.pytorch.org/whl/cpu"]
+
+
+def test_cpu_image_builds_llama_cpp_for_its_cpu_before_the_project():
+    """The CPU image compiles llama.cpp's bindings and server with the README's script (no AMX), and does it
+    before installing the project, whose install would otherwise take the registry's portable AVX2 server
+    wheel (`xllamacpp`) and compile the bindings with AMX."""
+    cpu = stage("cpu")
+    runs = [(i, " ".join(c.value)) for i, c in enumerate(cpu.commands) if c.cmd == "RUN"]
+    script = [i for i, text in runs if "scripts/install-llama-cpp.sh" in text]
+    project = [i for i, text in runs if re.search(r"pip install .*-e \.", text)]
+    assert script and project and script[0] < project[0]
+    copied = [" ".join(c.value) for c in cpu.commands[: script[0]] if c.cmd == "COPY"]
+    assert any("scripts/install-llama-cpp.sh" in c for c in copied) and any("pyproject.toml" in c for c in copied)
