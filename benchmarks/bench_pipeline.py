@@ -91,8 +91,19 @@ def machine() -> dict[str, object]:
     """What the stage times depend on: cores, and whether bf16 is native (train.autocast: auto follows it)."""
     from pipeline.hardware import cpu_capability, native_bf16
 
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu_capability": cpu_capability(),
-            "native_bf16_cpu": native_bf16("cpu")}
+    return {"platform": platform.platform(), "cpu_model": cpu_model(), "cpus": os.cpu_count(),
+            "cpu_capability": cpu_capability(), "native_bf16_cpu": native_bf16("cpu")}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo): hosts of one cloud differ, and so do their times."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def main() -> None:

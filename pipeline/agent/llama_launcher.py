@@ -69,11 +69,29 @@ class AgentServing:
                    gguf_dtype=evaluate.agent_gguf_dtype, root=root, cache_dir=cache_dir)
 
 
+GROUPED_SLOTS = ["--slot_prompt_similarity", "1.0"]
+"""llama.cpp server settings for rollouts that sample one prompt several times (`n`, a GRPO group): every
+request takes the least recently used slot, and llama.cpp moves that slot's conversation to its host-memory
+prompt cache and loads the longest cached prefix of the new prompt into it (`agent_environment`)."""
+
+
 def agent_environment(gguf_path: Path, serving: AgentServing, parallel: int, *, port: int | None = None,
-                      threads: int | str | None = None) -> EnvironmentConfig:
+                      threads: int | str | None = None, grouped: bool = False) -> EnvironmentConfig:
     """The environment config of the agent's llama.cpp server (pipeline.environment.spec's one constructor):
     `parallel` slots, each holding one whole conversation (prompt and every turn of its response), at `port`
-    (default `serving.port`), with `threads` threads (default: the environment server's)."""
+    (default `serving.port`), with `threads` threads (default: the environment server's).
+
+    `grouped`: the rollout asks for several samples of one prompt (`n`), and the slots are chosen as
+    `GROUPED_SLOTS` says. Why: llama.cpp decodes a prompt's extra samples in slots it clears when they
+    finish (server-context.cpp `release()`: "do not keep context of the child slots"), and by default a
+    request takes the free slot whose tokens share the longest prefix with it, so at the next turn an extra
+    sample's conversation took its group's first sample's slot (the question's prompt is most of it) and
+    re-read all of itself while displacing that conversation. Chosen by least recent use instead, each slot
+    handed over is first saved to the host cache, so every conversation kept in a slot comes back from the
+    cache and an extra sample reads its own first turn and the new tokens, not the question's prompt
+    (benchmarks/results/engines.json `learning`: 2,172 → 662 prompt tokens beyond the new ones at a step's
+    second turn, 8 trajectories). Evaluation asks for one sample of each prompt and keeps the default: there
+    the longest prefix is the conversation's own slot."""
     from pipeline.environment.spec import agent_server_environment, environment_with
 
     env = serving.environment
@@ -81,21 +99,23 @@ def agent_environment(gguf_path: Path, serving: AgentServing, parallel: int, *, 
         env = environment_with(env, server=env.server.model_dump() | {"n_threads": threads})
     return agent_server_environment(
         env, gguf_path, port=port or serving.port, parallel=parallel,
-        n_ctx=serving.agent.max_prompt_tokens + serving.agent.max_response_tokens + 64)
+        n_ctx=serving.agent.max_prompt_tokens + serving.agent.max_response_tokens + 64,
+        extra_args=GROUPED_SLOTS if grouped else None)
 
 
 @contextmanager
 def served_policy(gguf_path: Path, serving: AgentServing, tokenizer: Any, parallel: int,
                   quiet: bool = False, *, port: int | None = None,
-                  threads: int | str | None = None) -> Iterator[OpenAICompletionsPolicy]:
+                  threads: int | str | None = None, grouped: bool = False) -> Iterator[OpenAICompletionsPolicy]:
     """Serve `gguf_path` for the block and yield the policy talking to it; the server stops after (unless
     one serving exactly this file was already answering at the port: then it is reused and left running).
-    `quiet`: its start and cache share are logged at DEBUG (training starts one per step)."""
+    `quiet`: its start and cache share are logged at DEBUG (training starts one per step). `grouped`: the
+    rollout samples prompts several times (`agent_environment`)."""
     from pipeline.agent.completions_policy import OpenAICompletionsPolicy
     from pipeline.environment.servers import serve_environment
     from pipeline.environment.spec import ServerSpec
 
-    env = agent_environment(gguf_path, serving, parallel, port=port, threads=threads)
+    env = agent_environment(gguf_path, serving, parallel, port=port, threads=threads, grouped=grouped)
     spec = ServerSpec(environment=env, root=serving.root, cache_dir=serving.cache_dir)
     with serve_environment(spec, role="agent", quiet=quiet) as url:
         policy = OpenAICompletionsPolicy(url, env.served_name, tokenizer, concurrency=parallel,

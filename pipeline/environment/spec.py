@@ -38,16 +38,18 @@ def environment_with(env: EnvironmentConfig, **changes: Any) -> EnvironmentConfi
 
 
 def agent_server_environment(
-    env: EnvironmentConfig, gguf_path: Path, *, port: int, parallel: int, n_ctx: int
+    env: EnvironmentConfig, gguf_path: Path, *, port: int, parallel: int, n_ctx: int,
+    extra_args: list[str] | None = None,
 ) -> EnvironmentConfig:
     """The environment config of llama.cpp's server for the agent's GGUF file `gguf_path`: served as
-    `agent-<stem>` at `port` on `env.host`, `parallel` slots of `n_ctx` tokens each (one whole conversation)."""
+    `agent-<stem>` at `port` on `env.host`, `parallel` slots of `n_ctx` tokens each (one whole conversation),
+    with llama.cpp server settings `extra_args` (`--name value` pairs; none by default)."""
     name = gguf_path.stem if gguf_path.stem.startswith("agent-") else f"agent-{gguf_path.stem}"
     server = env.server.model_dump() | {
         "engine": "llama.cpp",
         "parallel": parallel,
         "n_ctx": n_ctx,
-        "extra_args": [],
+        "extra_args": list(extra_args or []),
     }
     return environment_with(
         env, backend="llamacpp", model=str(gguf_path), served_name=name, port=port, base_url="", server=server

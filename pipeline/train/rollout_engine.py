@@ -16,6 +16,8 @@
   pipeline.agent.completions_policy.batched_requests), so the server fills its slots at the same decode steps
   on every run and a repeated step samples the same tokens, loaded machine or not (llama.cpp's numerics
   depend on which sequences share a decode batch). `train.rollout_slots: 1` decodes one trajectory at a time.
+  The server chooses slots for grouped samples (pipeline.agent.llama_launcher `agent_environment`), so a
+  trajectory's later turn reads its new tokens and, for a group's extra samples, their own first turn.
 - `auto`: llama.cpp on a machine without CUDA for a full fine-tune (no LoRA) of a Llama agent whose
   `agent.model` is a GGUF file (the export's template); transformers otherwise (the one rule:
   pipeline.agent.engine, fed by the train plan).
@@ -73,7 +75,8 @@ def served_step_policy(model: Any, tokenizer: Any, plan: TrainPlan, step: int, p
         raise UserError(f"train.rollout_engine=llama.cpp: {exc} (set train.rollout_engine: transformers)") from exc
     logger.debug("step %d policy exported to GGUF in %.1f s", step, time.perf_counter() - t0)
     try:
-        with served_policy(path, plan.agent_serving, tokenizer, parallel, quiet=True) as policy:
+        with served_policy(path, plan.agent_serving, tokenizer, parallel, quiet=True,
+                           grouped=plan.train.group_size > 1) as policy:
             policy.seed = (plan.seed * 1_000_003 + step) % (2**31)
             yield policy
     finally:
