@@ -35,7 +35,7 @@ class ServerConfig(_Section):
     )
     engine: Literal["llama.cpp", "llama-cpp-python"] = Field(
         "llama.cpp",
-        description="llamacpp backend: llama.cpp's own batching server (the xllamacpp wheel, "
+        description="llamacpp backend: llama.cpp's own batching server (xllamacpp, "
         "pipeline.environment.llama_server) or llama-cpp-python's one-request-at-a-time server.",
     )
     parallel: int = Field(

@@ -1,4 +1,4 @@
-"""llama.cpp's own HTTP server (continuous batching over parallel slots), run from the `xllamacpp` wheel.
+"""llama.cpp's own HTTP server (continuous batching over parallel slots), run from the `xllamacpp` package.
 
     python -m pipeline.environment.llama_server --model M.gguf --model_alias NAME --host 127.0.0.1 \
         --port 8765 --n_ctx 4096 --n_threads 2 --n_parallel 4
@@ -11,9 +11,11 @@ it. `benchmarks/bench_env_server.py` measures the two side by side; its figures 
 benchmarks/results/env_server.json and benchmarks/README.md.
 
 Design decisions:
-- **xllamacpp** (PyPI, a prebuilt manylinux wheel of llama.cpp with its server; no compiler needed) rather
-  than building `llama-server` from the sources llama-cpp-python compiles: nothing to build, and the server
-  is started and configured from Python like the other backends.
+- **xllamacpp** (PyPI: llama.cpp with its server, started and configured from Python like the other
+  backends) rather than a `llama-server` binary of our own. scripts/install-llama-cpp.sh compiles it from
+  its source archive for the machine's CPU (native vector extensions, no AMX); the registry's wheel is a
+  portable AVX2 build, which on an AVX-512 CPU read the agent's prompts at half the rate
+  (benchmarks/results/engines.json).
 - **`--n_ctx` is each slot's context**, and each slot has a KV cache of its own (`kv_unified` off; the
   server is given `n_ctx x n_parallel` cells, which llama.cpp splits evenly). In llama.cpp's unified
   cache every decode step attends over the cells of all slots (masked), so the cost of a step grows with
