@@ -48,7 +48,8 @@ CONFIGS = [  # (slots, unified KV)
 ]
 
 
-def _export(tmp: Path, dtype: str = "f16") -> Path:
+def export_agent(tmp: Path, dtype: str = "f16") -> Path:
+    """The untrained agent (`agent.model`, dequantised by transformers) as a GGUF of `dtype` matrices in `tmp`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -130,7 +131,7 @@ def _compare_dtypes(args: argparse.Namespace) -> int:
                 gguf = Path(resolve_model(load_params(ROOT / "params.yaml").agent.model, ROOT).location)
             else:
                 start = time.perf_counter()
-                gguf = _export(tmp, dtype)
+                gguf = export_agent(tmp, dtype)
                 print(f"{dtype}: exported in {time.perf_counter() - start:.1f} s", flush=True)
             row = {"dtype": dtype, "file_mb": round(gguf.stat().st_size / 1e6, 1),
                    **_served_rounds(gguf, args, tmp / "server.log")}
@@ -150,7 +151,7 @@ def _compare_flash_attn(args: argparse.Namespace) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        gguf = _export(tmp, "f16")
+        gguf = export_agent(tmp, "f16")
         for setting in args.flash_attn.split(","):
             row = {"flash_attn_type": int(setting),
                    **_served_rounds(gguf, args, tmp / "server.log", ("--flash_attn_type", setting))}
@@ -177,7 +178,7 @@ def _beside_env(args: argparse.Namespace) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        agent = _export(tmp, "f16")
+        agent = export_agent(tmp, "f16")
         for split in args.beside_env.split(","):
             agent_threads, env_threads = (int(x) for x in split.split("+"))
             agent_server = _serve(agent, args.port, 16, False, tmp / "agent.log", agent_threads)
@@ -240,7 +241,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        gguf = _export(tmp)
+        gguf = export_agent(tmp)
         for slots, unified in CONFIGS:
             process = _serve(gguf, args.port, slots, unified, tmp / "server.log")
             try:

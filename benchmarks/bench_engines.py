@@ -128,21 +128,6 @@ def _delta(url: str, before: dict[str, float]) -> dict[str, float]:
 
 
 # -- the files ---------------------------------------------------------------------------------------
-def agent_export(tmp: Path, params: Any) -> Path:
-    """The untrained agent as the F16 GGUF the evaluate stage serves."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pipeline.agent.gguf_export import export_gguf
-    from pipeline.modelref import resolve_model
-
-    resolved = resolve_model(params.agent.model, ROOT)
-    model = AutoModelForCausalLM.from_pretrained(resolved.directory, dtype=torch.float32,
-                                                 **resolved.from_pretrained_kwargs())
-    model.save_pretrained(tmp / "agent")
-    return export_gguf(tmp / "agent", resolved.location, tmp / "agent-f16.gguf", params.evaluate.agent_gguf_dtype)
-
-
 def environment_file(params: Any) -> Path:
     from pipeline.modelref import resolve_model
 
@@ -434,6 +419,7 @@ def main() -> None:
                         help="also measure N of the conversations with the other role's server kept busy")
     args = parser.parse_args()
 
+    from bench_agent_server import export_agent
     from bench_pipeline import machine
 
     from pipeline.config import load_params
@@ -445,7 +431,7 @@ def main() -> None:
                             check=False).stdout.strip()
     threads = server_threads(params.environment.server.n_threads)
     tmp = Path(tempfile.mkdtemp(prefix="promptr1-engines-"))
-    agent_gguf = agent_export(tmp, params)
+    agent_gguf = export_agent(tmp, params.evaluate.agent_gguf_dtype)
     tokenizer = load_tokenizer(params.agent.model, ROOT)
     files = []
     n_ctx = params.agent.max_prompt_tokens + params.agent.max_response_tokens + 64
