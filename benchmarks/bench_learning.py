@@ -125,17 +125,23 @@ def evaluate_agent(model_dir: Path, tokenizer, env, rows_by_ds, params, label: s
     from transformers import AutoModelForCausalLM
 
     from pipeline.agent.policy import TransformersPolicy
-    from pipeline.agent.protocol import parse_turn
-    from pipeline.environment.knowledge_replies import answered
     from pipeline.evaluation.systems import run_agent_with_environment
-    from pipeline.metrics import exact_match, token_f1
-    from pipeline.reward import compute_reward
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     policy = TransformersPolicy(model, tokenizer, seed=params.seed)
     start = time.perf_counter()
     answers = run_agent_with_environment(policy, env, rows_by_ds, params.agent, params.evaluate, label)
-    seconds = time.perf_counter() - start
+    return evaluation_record(answers, rows_by_ds, params, time.perf_counter() - start)
+
+
+def evaluation_record(answers, rows_by_ds, params, seconds: float) -> dict[str, Any]:
+    """One evaluation's file: per question F1, EM, format (the reward preset's gate), whether a request was
+    answered, the prediction, requests, replies and question; their means; three example conversations."""
+    from pipeline.agent.protocol import parse_turn
+    from pipeline.environment.knowledge_replies import answered
+    from pipeline.metrics import exact_match, token_f1
+    from pipeline.reward import compute_reward
+
     out: dict[str, Any] = {"f1": {}, "em": {}, "format": {}, "answered": {}, "predictions": {}, "requests": {},
                            "replies": {}, "questions": {},
                            "env_calls": 0, "seconds": seconds, "examples": []}

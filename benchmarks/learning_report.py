@@ -226,6 +226,13 @@ def _steps(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def hops2_summary(folder: Path) -> dict[str, Any] | None:
+    """learning.json's `hops2` (benchmarks/hops2_report.py), or None before its first seed."""
+    from hops2_report import hops2_summary as summary
+
+    return summary(folder) if folder.is_dir() else None
+
+
 def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str, Any]:
     """learning.json's content: the present keys for `main_mode`'s GRPO (means over seeds), plus `seeds`,
     `controls` (that mode's), `ceilings`, `request_vs_extraction`, `per_seed` and `knowledge` (the question mode)."""
@@ -283,6 +290,7 @@ def build(results: Path, notes: list[str], main_mode: str = "terse") -> dict[str
         "per_seed": main.get("per_seed", {}),
         "knowledge": _knowledge(other),
         "hops": hops_summary(results / "learning" / "hops"),
+        "hops2": hops2_summary(results / "learning" / "hops2"),
         "unfinished_runs": unfinished(results / "learning" / main_mode),
     }
 

@@ -214,3 +214,76 @@ def test_hops_summary_pools_per_hop_and_the_seed_interval_by_hand(tmp_path):
     assert summary["requests"]["final"] == 0.5
     assert summary["controls"]["warmup_continued"] == {"kind": "agent", "1-hop": 50.0, "2-hop": 16.67}
     assert summary["transfer_popqa"]["grpo"] == 40.0 and summary["transfer_popqa"]["informed"] == 90.0
+
+
+def test_hops2_summary_judges_the_goal_and_hypotheses_by_hand(tmp_path):
+    """The hops2 block from three seeds' files: per-hop means over seeds, the per-seed 2-hop differences and
+    their t-intervals, and H1-H3 with the goal, each computable by hand."""
+    from hops2_report import hops2_summary
+
+    from pipeline.environment.hops_world import split_questions, world
+
+    _, heldout = split_questions(world().questions, 128)
+    one, two_a, two_b = heldout[0], heldout[1], heldout[2]
+    questions = [one.text, two_a.text, two_b.text]
+    named = [[two_a.text, f"{two_a.relation} of {two_a.bridge}"], [two_b.text, f"{two_b.relation} of {two_b.bridge}"]]
+    grpo = {1: [1.0, 1.0], 2: [1.0, 0.5], 3: [1.0, 1.0]}     # 2-hop per seed 100, 75, 100 -> 91.67
+    folder = tmp_path / "hops2"
+    for seed in (1, 2, 3):
+        run = folder / f"seed{seed}"
+        write(run / "task_grpo.json", {"steps_done": 10, "evaluated": "grpo_step10", "health_breach": None})
+        write(run / "task_shuffled_advantage.json", {"steps_done": 10, "evaluated": "shuffled_advantage"})
+        write(run / "grpo_step0.json", _hops_eval(questions, [1.0, 0.0, 0.5], [[q] for q in questions]))
+        write(run / "grpo_step10.json", _hops_eval(questions, [0.5, *grpo[seed]], [[one.text], *named]))
+        write(run / "shuffled_advantage.json", _hops_eval(questions, [1.0, 0.0, 0.5], [[q] for q in questions]))
+        if seed < 3:  # a control two seeds have: pooled over those two
+            write(run / "warmup_continued.json", _hops_eval(questions, [1.0, 1.0, 1.0], [[]] * 3))
+        write(run / "trivial_rules.json", _rules({"question": ([1.0], [0.0, 0.0]), "informed": ([1.0], [1.0, 1.0]),
+                                                  "reask": ([1.0], [1.0, 0.5])}))
+    summary = hops2_summary(folder)
+    assert summary["seeds"] == [1, 2, 3] and summary["complete"]
+    assert summary["per_hop"]["2-hop"] == {"grpo": 91.67, "warmup": 25.0, "shuffled_advantage": 25.0,
+                                           "warmup_continued": 100.0, "question": 0.0, "informed": 100.0,
+                                           "reask": 75.0}
+    assert summary["per_hop"]["1-hop"]["grpo"] == 50.0 and summary["seeds_per_system"]["warmup_continued"] == 2
+    assert summary["seed_differences_2hop"]["grpo_minus_warmup"] == [75.0, 50.0, 75.0]
+    assert summary["seed_differences_2hop"]["grpo_minus_warmup_continued"] == [0.0, -25.0]
+    low, _high = summary["seed_interval"]["grpo_minus_warmup"]
+    assert low == pytest.approx(66.67 - 4.303 * 14.434 / 3 ** 0.5, abs=0.05) and low > 0  # mean 66.67, sd 14.43
+    assert summary["goal"]["met"] and summary["hypotheses"]["H1"]["verdict"]
+    assert summary["hypotheses"]["H1"]["seeds_positive"] == 3 and summary["hypotheses"]["H2"]["verdict"]
+    assert summary["hypotheses"]["H3"] == {"verdict": True, "second_requests_final": 1.0,
+                                           "second_requests_step0": 0.0}
+    # the verdicts can be false: the same files with GRPO equal to the warm-up on seed 3
+    write(folder / "seed3" / "grpo_step10.json", _hops_eval(questions, [1.0, 0.0, 0.5], [[q] for q in questions]))
+    worse = hops2_summary(folder)
+    assert worse["seed_differences_2hop"]["grpo_minus_shuffled_advantage"] == [75.0, 50.0, 0.0]
+    assert not worse["hypotheses"]["H2"]["verdict"] and not worse["goal"]["met"]
+
+
+def test_hops2_shuffled_advantages_permute_within_groups_and_keep_flat_groups_flat():
+    """The shuffled-advantage control: each group's scores permuted among its members (the same multiset per
+    group, so the same advantage sizes), flat groups unchanged, the same permutation for the same scores."""
+    import torch
+    from bench_hops2 import permuted_within_groups
+
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.2, 0.9, 0.1])
+    groups = ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    out = permuted_within_groups(scores, groups, seed=1)
+    for k in range(3):
+        assert sorted(out[3 * k: 3 * k + 3].tolist()) == sorted(scores[3 * k: 3 * k + 3].tolist())
+    assert out[3:6].tolist() == [0.5, 0.5, 0.5]
+    assert torch.equal(out, permuted_within_groups(scores, groups, seed=1))
+    moved = [not torch.equal(permuted_within_groups(scores, groups, seed=s), scores) for s in range(1, 9)]
+    assert any(moved)  # it does permute
+
+
+def test_hops2_early_stop_counts_groups_with_answer_variance(tmp_path):
+    from bench_hops2 import answer_variance_groups
+
+    lines = [{"step": 1, "uid": "q1", "reward": {"answer": 0.0}}, {"step": 1, "uid": "q1", "reward": {"answer": 0.0}},
+             {"step": 2, "uid": "q2", "reward": {"answer": 1.0}}, {"step": 2, "uid": "q2", "reward": {"answer": 0.0}},
+             {"step": 4, "uid": "q3", "reward": {"answer": 1.0}}, {"step": 4, "uid": "q3", "reward": {"answer": 0.0}}]
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert answer_variance_groups(path, 3) == {1: 0, 2: 1, 3: 0}

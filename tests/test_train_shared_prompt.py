@@ -215,3 +215,31 @@ def test_warmup_loss_is_the_same_with_shared_prompts(tiny_llama_dir):
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-6)
     for name, grad in out[False][2].items():
         assert float((out[True][2][name] - grad).abs().max()) / (float(grad.abs().max()) + 1e-12) < 1e-5, name
+
+
+def test_entropy_is_the_agent_tokens_mean_entropy_on_both_layouts(tiny_llama_dir):
+    """`actor/entropy`: the mean over agent tokens of the full next-token distribution's entropy at the update's
+    temperature, the same from the padded and the shared-prompt forward, and equal to the entropy computed
+    directly from the model's softmax."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.train.batch import EntropySum
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).eval()
+    batch = collate(TRAJS, pad_id=0)
+    padded, shared = EntropySum(), EntropySum()
+    with torch.no_grad():
+        response_log_probs(model, batch, 0.7, padded)
+        shared_prompt_log_probs(model, batch, 0.7, shared)
+        direct = []
+        for t in TRAJS:
+            ids = torch.tensor([t.prompt_ids + t.response_ids])
+            logits = model(input_ids=ids).logits[0, len(t.prompt_ids) - 1: -1].float() / 0.7
+            probs = torch.softmax(logits, -1)
+            entropy = -(probs * torch.log(probs)).sum(-1)
+            direct += entropy[torch.tensor(t.response_mask).bool()].tolist()
+    assert padded.count == shared.count == len(direct) == sum(sum(t.response_mask) for t in TRAJS)
+    assert padded.mean == pytest.approx(sum(direct) / len(direct), rel=1e-4)
+    assert shared.mean == pytest.approx(padded.mean, rel=1e-4)
+    assert 0 < padded.mean < float(torch.log(torch.tensor(float(model.config.vocab_size))))
+    assert torch.isnan(torch.tensor(EntropySum().mean))  # no token read: NaN, left out like the KL

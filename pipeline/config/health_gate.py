@@ -3,7 +3,7 @@
 GRPO runs are known to collapse while they keep running: groups whose G trajectories all score the same
 (no advantage, no learning signal), the format reward rising while answers get worse (the policy learns the
 tags, not the task), responses shrinking to nothing, the policy running away from the reference (KL). The
-gate checks four figures after every training step, on both backends, and stops the run on a breach.
+gate checks six figures after every training step, on both backends, and stops the run on a breach.
 
 Why a window after a grace period: single steps are noisy at small batches. The `learn` profile (2 questions
 x G=4 per step) has steps where every trajectory scored 0 (steps 2, 15, 17, 20 and 21 of
@@ -64,6 +64,16 @@ class HealthConfig(BaseModel):
         1.0, gt=0, description="Breach when the window's mean KL to the reference (actor/kl_loss, in "
         "train.kl_loss_type's estimator) exceeds this; healthy runs at the paper's lr stay near 0.001-0.05 (the "
         "learn profile's lr 1e-4 reaches 0.3 in healthy runs: its own threshold, profiles/learn.yaml).")
+
+    answer_vanished: bool = Field(
+        True, description="Breach when the answer reward's window mean is 0 after an earlier step whose answer "
+        "reward was above 0: the policy found answers and lost them (the recorded hops seeds 1 and 3 switched "
+        "to a behaviour that never answers, or never answers right, within 2 updates and stayed there).")
+    max_stop_shift: float = Field(
+        0.5, ge=0, le=1, description="Breach when the window mean of one stop reason's share (rollout/stop_*: "
+        "answer, max_turns, no_action, ...) moved by more than this from the window before (the up-to-`window` "
+        "steps before it): the whole behaviour switched, e.g. from answering to always asking until the turn "
+        "limit. Healthy recorded runs move by at most 0.125 (the question mode's seed 1).")
 
     def schedule(self, total_steps: int) -> tuple[int, int] | None:
         """(grace, window) for a run of `total_steps`; None when such a run is never judged (disabled, or

@@ -130,6 +130,12 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(4, gt=0)
     ppo_epochs: int = Field(1, gt=0)
     lr: float = Field(1e-5, gt=0, le=1)
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Local backend: the learning rate rises linearly over the first this many GRPO "
+        "steps (step s of them trains at lr x s / lr_warmup_steps), then stays at `lr`; 0: constant from step 1. "
+        "Adam moves every weight by about +-lr in its first steps whatever the signal's strength, so a short "
+        "warm-up keeps the first updates, taken on a few dozen trajectories, from deciding the run. Derived "
+        "from the step number, so a resumed run trains at the lr the killed one would have.")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     clip_ratio_low: float = Field(0.2, ge=0, le=1)

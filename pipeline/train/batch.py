@@ -94,21 +94,52 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
                         tuple(len(t.response_ids) for t in trajectories))
 
 
-def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> torch.Tensor:
-    """(B, R) log-probs of the response tokens under `model` at `temperature` (verl's convention)."""
+class EntropySum:
+    """Running sum of the policy's token entropy over the agent tokens a forward read (verl's `actor/entropy`:
+    the entropy of the full next-token distribution at each response position, not of the sampled token).
+    Computed from the same logits the log-probs use, without gradient."""
+
+    def __init__(self) -> None:
+        self.total, self.count = 0.0, 0
+
+    def add(self, logits: torch.Tensor, lse: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Add the entropies of `logits` (..., V) with their logsumexp `lse` (...) where `keep` is true."""
+        with torch.no_grad():
+            probs = torch.exp(logits.detach() - lse.detach().unsqueeze(-1))
+            entropy = lse.detach() - (probs * logits.detach()).sum(-1)
+            if keep is not None:
+                entropy = entropy[keep]
+            self.total += float(entropy.sum())
+            self.count += int(entropy.numel())
+
+    @property
+    def mean(self) -> float:
+        """Mean entropy per agent token in nats; NaN when no token was read."""
+        return self.total / self.count if self.count else float("nan")
+
+
+def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float,
+                       entropy: EntropySum | None = None) -> torch.Tensor:
+    """(B, R) log-probs of the response tokens under `model` at `temperature` (verl's convention); with
+    `entropy`, the agent tokens' entropies are added to it."""
     r = batch.responses.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, use_cache=False, logits_to_keep=r + 1)
     logits = _scaled(out.logits[:, :-1, :].float(), temperature)
     picked = logits.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    if entropy is not None:
+        entropy.add(logits, lse, batch.response_mask.bool())
+    return picked - lse
 
 
-def shared_prompt_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+def shared_prompt_log_probs(model: torch.nn.Module, batch: RolloutBatch, temperature: float,
+                            entropy: EntropySum | None = None) -> torch.Tensor:
     """(B, R) log-probs of the agent's response tokens, each distinct prompt read once (module docstring).
 
     Same values as `response_log_probs` on agent tokens (response_mask 1); 0 on environment tokens and padding.
     Differentiable: call it under `torch.no_grad()` for reference / old log-probs, without for the update.
+    With `entropy`, the agent tokens' entropies are added to it.
     """
     from transformers import DynamicCache
 
@@ -141,6 +172,8 @@ def shared_prompt_log_probs(model: torch.nn.Module, batch: RolloutBatch, tempera
                 rows.append(row)
                 cols.append(0)
                 values.append((first_logits[tokens[0]] - first_lse).unsqueeze(0))
+                if entropy is not None:
+                    entropy.add(first_logits, first_lse)
             agent = torch.nonzero(mask[row, 1:r]).flatten() + 1  # response positions 1.. that are agent tokens
             if r == 1 or agent.numel() == 0:
                 continue
@@ -152,7 +185,10 @@ def shared_prompt_log_probs(model: torch.nn.Module, batch: RolloutBatch, tempera
             picked = logits.gather(-1, tokens[agent].unsqueeze(-1)).squeeze(-1)
             rows.extend([row] * agent.numel())
             cols.extend(agent.tolist())
-            values.append(picked - torch.logsumexp(logits, dim=-1))
+            lse = torch.logsumexp(logits, dim=-1)
+            if entropy is not None:
+                entropy.add(logits, lse)
+            values.append(picked - lse)
     result = torch.zeros((b, r_max), dtype=torch.float32, device=device)
     if not values:
         return result

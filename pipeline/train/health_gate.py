@@ -1,6 +1,6 @@
 """The training health gate: judge each GRPO step's figures against `train.health`, stop the run on a breach.
 
-Four figures, each the mean over a window of the last steps after a grace period, both scaled to the run's
+Six figures, each the mean over a window of the last steps after a grace period, both scaled to the run's
 total steps (why: see pipeline/config/health_gate.py):
 - `zero_variance_share`: the share of groups whose G trajectories all scored the same. GRPO's advantage is 0
   for such a group, so a window of them taught nothing (all failed: the policy lost the format; all solved
@@ -9,6 +9,10 @@ total steps (why: see pipeline/config/health_gate.py):
   format reward's window mean rose by at least `min_format_rise`: the policy learns the tags, not the task.
 - `length_ratio`: the window's mean response length over the first window's: responses collapsing.
 - `kl`: the window's mean KL to the reference (`actor/kl_loss`): the policy running away.
+- `answer_vanished`: the answer reward's window mean is 0 after an earlier step earned some: the policy found
+  answers and switched to a behaviour that earns none (a GRPO update with a single loser can do that at once).
+- `stop_shift`: one stop reason's share (`rollout/stop_*`) moved by more than `max_stop_shift` between the
+  window before and the window: the whole behaviour switched (e.g. every rollout asking until the turn limit).
 
 Design decisions:
 - **A pure function over a sequence of per-step metric dicts** (`judge`), with one `MetricNames` per backend:
@@ -54,6 +58,9 @@ class MetricNames:
     format: str
     length: str
     kl: str
+    stop_prefix: str = "rollout/stop_"
+    """Prefix of the per-step stop-reason shares (pipeline/train/step_metrics.py); a backend without them is not
+    judged on `stop_shift`."""
 
 
 LOCAL_METRICS = MetricNames(ZERO_VARIANCE_METRIC, "reward/answer/mean", "reward/format/mean",
@@ -143,6 +150,27 @@ def judge(steps: Sequence[tuple[int, dict[str, float]]], cfg: HealthConfig, name
     kl = _mean(window, names.kl)
     if kl is not None and kl > cfg.max_kl:
         return Breach("kl", kl, cfg.max_kl, step, f"mean {names.kl} over the last {size} steps")
+    return _behaviour_switch(rows, window, before, cfg, names, step, size)
+
+
+def _behaviour_switch(rows: Sequence[dict[str, float]], window: Sequence[dict[str, float]],
+                      before: Sequence[dict[str, float]], cfg: HealthConfig, names: MetricNames, step: int,
+                      size: int) -> Breach | None:
+    """`answer_vanished` and `stop_shift` (module docstring): the policy's behaviour changed as a whole."""
+    answer = _mean(window, names.answer)
+    earlier = [float(r[names.answer]) for r in rows[: len(rows) - size]
+               if isinstance(r.get(names.answer), (int, float)) and math.isfinite(r[names.answer])]
+    if cfg.answer_vanished and answer is not None and answer <= 0.0 and any(v > 0 for v in earlier):
+        return Breach("answer_vanished", answer, 0.0, step,
+                      f"answer reward 0 over the last {size} steps after {max(earlier):.3f} at an earlier step")
+    if not before:
+        return None
+    reasons = sorted({k for r in rows for k in r if k.startswith(names.stop_prefix)})
+    for key in reasons:
+        now, then = _mean(window, key), _mean(before, key)
+        if now is not None and then is not None and abs(now - then) > cfg.max_stop_shift:
+            return Breach("stop_shift", abs(now - then), cfg.max_stop_shift, step,
+                          f"{key} {then:.3f} -> {now:.3f}, the {len(before)} steps before vs the last {size}")
     return None
 
 

@@ -57,7 +57,13 @@ import pandas as pd
 import torch
 
 from pipeline.hardware import resolve_autocast
-from pipeline.train.batch import RolloutBatch, collate, response_log_probs, shared_prompt_log_probs
+from pipeline.train.batch import (
+    EntropySum,
+    RolloutBatch,
+    collate,
+    response_log_probs,
+    shared_prompt_log_probs,
+)
 from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
 from pipeline.train.health_gate import ZERO_VARIANCE_METRIC, flat_groups, zero_variance_share
 from pipeline.train.models import PolicyModels
@@ -185,11 +191,18 @@ class LocalTrainer:
         """Whether the update reads each prompt once (`TrainConfig.shares_prompts`)."""
         return self.cfg.shares_prompts
 
-    def log_probs(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
-        """(B, R) response log-probs of `batch` under `model`: shared-prompt or padded forward."""
+    def log_probs(self, model: torch.nn.Module, batch: RolloutBatch,
+                  entropy: EntropySum | None = None) -> torch.Tensor:
+        """(B, R) response log-probs of `batch` under `model`: shared-prompt or padded forward (with `entropy`,
+        the agent tokens' entropies added to it)."""
         if self.share_prompts:
-            return shared_prompt_log_probs(model, batch, self.temperature)
-        return response_log_probs(model, batch, self.temperature)
+            return shared_prompt_log_probs(model, batch, self.temperature, entropy)
+        return response_log_probs(model, batch, self.temperature, entropy)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of GRPO step `step` (1-based): `train.lr` after a linear `train.lr_warmup_steps`."""
+        warmup = self.cfg.lr_warmup_steps
+        return self.cfg.lr * min(1.0, step / warmup) if warmup > 0 else self.cfg.lr
 
     def micro_batches(self, trajectories: Sequence[Trajectory], indices: Sequence[int]) -> list[list[int]]:
         """Split a mini-batch into micro-batches: a question's trajectories together when prompts are
@@ -227,6 +240,7 @@ class LocalTrainer:
         ref_is_old = self.cfg.use_kl_loss and self.reference_is_policy
         timings = {"timing_s/ref": 0.0, "timing_s/old_log_prob": 0.0}
         diffs: list[float] = []
+        entropy = EntropySum()  # the policy's, over the agent tokens its first epoch's update read
 
         self.models.model.eval()
         for m, micros in enumerate(plan):
@@ -265,7 +279,7 @@ class LocalTrainer:
                 for k, idx in enumerate(micros):
                     batch = batches[(m, k)]
                     with self.autocast():
-                        log_prob = self.log_probs(self.models.model, batch)
+                        log_prob = self.log_probs(self.models.model, batch, entropy if _epoch == 0 else None)
                     old = old_lp[(m, k)] if (m, k) in old_lp else log_prob.detach()
                     if ref_is_old and (m, k) not in ref_lp:
                         # No update since the reference was taken: the pre-update log-probs (old_lp, or this
@@ -307,6 +321,8 @@ class LocalTrainer:
         metrics.setdefault("actor/kl_loss", float("nan") if self.cfg.use_kl_loss and skipped else 0.0)
         metrics.setdefault("actor/grad_norm", 0.0)
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        # NaN when no mini-batch ran (as the KL): left out of MLflow, blank in steps.csv.
+        metrics["actor/entropy"] = entropy.mean
         metrics["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
         metrics["actor/num_optimizer_steps"] = float(len(agg.get("actor/grad_norm", [])))
         metrics["actor/skipped_no_signal"] = float(skipped)
@@ -320,6 +336,8 @@ class LocalTrainer:
     # -- one step ----------------------------------------------------------------------------------
     def step(self, env, step: int) -> dict[str, float]:
         t_step = time.perf_counter()
+        for group in self.optimizer.param_groups:  # set every step: a resume restores the saved group's lr
+            group["lr"] = self.lr_at(step)
         items = self.draw_items()
         t0 = time.perf_counter()
         trajectories = self.rollout(env, items, step)
