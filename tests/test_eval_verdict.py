@@ -125,3 +125,28 @@ def test_verdict_when_prompt_r1_wins_on_the_papers_setup(recorded):
             "Δ +1.20 [-0.50, +2.90] points (`prompt_r1` − `env_only`, paired bootstrap); the CI includes 0: "
             "within noise") in verdict
     assert "not the paper's setup" not in verdict.lower()
+
+
+def test_the_summary_says_the_headline_in_words_embeds_the_picture_and_links_its_runs(recorded, tmp_path):
+    """summary.md's headline: each `dvc metrics show` figure with what it is, the gains against the system
+    they are measured on with their CI; the quality-against-cost PNG by a link relative to reports/eval/; and,
+    written inside the evaluate run, links to that run and its parent in the MLflow UI."""
+    import mlflow
+
+    summary, params = recorded
+    md = summary_markdown(summary, EvaluatePlan.for_evaluate(params))
+    head = _section(md, "Headline (`dvc metrics show`)")
+    assert "| `f1_id` | 1.1 | prompt_r1's F1, in-distribution sets |" in head
+    assert "| `f1_gain_id` | -4.5 | prompt_r1's F1 minus env_only's (the best other system), ID; " \
+           "95% CI [-7.66, -2.01] |" in head
+    assert "| `env_tokens` | 453 |" in head
+    assert "![F1 against environment tokens per question, per system and split](plots/quality_vs_cost.png)" in head
+    assert "## MLflow" not in md  # no active run: nothing to link
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = mlflow.set_experiment("summary-links").experiment_id
+    with mlflow.start_run() as parent, mlflow.start_run(nested=True) as child:
+        linked = summary_markdown(summary, EvaluatePlan.for_evaluate(params))
+    links = _section(linked, "MLflow")
+    assert f"[pipeline run](http://127.0.0.1:5000/#/experiments/{experiment}/runs/{parent.info.run_id})" in links
+    assert f"[evaluate run](http://127.0.0.1:5000/#/experiments/{experiment}/runs/{child.info.run_id})" in links
+    assert "mlflow ui --backend-store-uri sqlite:///" in links

@@ -234,7 +234,7 @@ class AsksThenAnswers:
 
 def test_traces_time_each_trajectory_and_separate_queueing_from_latency(store, tiny_llama_dir):
     """Two trajectories ask a 0.3 s environment at once through one connection: one waits for the other.
-    Each keeps its own wall time (A finishes a round before B), and the waiting one's turn shows 0.3 s of
+    Each trace lasts its own turns' time (A finishes a round before B), and the waiting one's turn shows 0.3 s of
     queue before the environment's own 0.3 s."""
     import mlflow
     from fault_server import Behaviour
@@ -268,7 +268,11 @@ def test_traces_time_each_trajectory_and_separate_queueing_from_latency(store, t
     for traj, trace_id in zip((a, b), ids, strict=True):
         spans = mlflow.get_trace(trace_id).data.spans
         root = spans[0]
-        assert (root.end_time_ns - root.start_time_ns) / 1e9 == pytest.approx(traj.wall_s, abs=0.01)
+        turns = trajectory_record(traj)  # its own time: the first turn's start to the last turn's end
+        last = turns[-1]
+        own_s = last["started_s"] + last["generation_s"] + max(last.get("env_wait_s", 0.0), 0.0) - turns[0]["started_s"]
+        assert (root.end_time_ns - root.start_time_ns) / 1e9 == pytest.approx(own_s, abs=0.01)
+        assert own_s <= traj.wall_s + 0.01
         turn1 = next(s for s in spans if s.name == "turn 1")
         queue, call = (next(s for s in spans if s.parent_id == turn1.span_id and s.name == n)
                        for n in ("environment queue", "environment"))
@@ -406,3 +410,41 @@ def test_parent_runs_differ_at_a_glance_and_list_the_datasets_and_the_registered
     assert parent.data.tags["registered_model_page"] == "#/models/prompt-r1-agent/versions/3"
     experiment = client.get_experiment(parent.info.experiment_id)
     assert experiment.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND == "custom_model_development"
+
+
+def test_scores_are_assessments_tokens_are_token_usage_and_a_batch_does_not_set_the_duration(
+        store, two_turn_trajectories):
+    """The Traces tab sorts and filters by assessments and sums token usage: each trace carries F1, EM and
+    format as feedback of source CODE, the environment calls' tokens as MLflow's token-usage attribute, and
+    lasts its own turns' time even when the system's wall time (`seconds`) is its whole batch's."""
+    import mlflow
+
+    from pipeline.tracking.traces import TOKEN_USAGE, flush_traces, log_trajectory_trace
+
+    mlflow.set_tracking_uri(store)
+    mlflow.set_experiment("trace-assessments")
+    traj = two_turn_trajectories[0]
+    record = trajectory_record(traj)
+    last = record[-1]  # the final turn asks nothing: it ends when its generation does
+    own_s = last["started_s"] + last["generation_s"] - record[0]["started_s"]
+    with mlflow.start_run():
+        trace_id = log_trajectory_trace(
+            name="base_agent · hotpotqa #0", tags={"system": "base_agent"}, question=traj.item.question,
+            gold_answers=traj.item.gold_answers, turns=record, prediction=traj.answer, scores={"f1": 1.0},
+            stop_reason=traj.stop_reason, seconds=111.99, assessments={"f1": 1.0, "em": 0.0, "format": 1.0})
+        flush_traces()
+    trace = mlflow.get_trace(trace_id)
+    feedback = {a.name: a for a in trace.info.assessments}
+    assert {n: a.value for n, a in feedback.items()} == {"f1": 1.0, "em": 0.0, "format": 1.0}
+    assert {a.source.source_type for a in feedback.values()} == {"CODE"}
+    env_spans = [s for s in trace.data.spans if s.name == "environment"]
+    prompt = sum(t.env_reply.prompt_tokens for t in traj.turns if t.env_reply)
+    completion = sum(t.env_reply.completion_tokens for t in traj.turns if t.env_reply)
+    assert len(env_spans) == 2 and all(TOKEN_USAGE in s.attributes for s in env_spans)
+    usage = trace.info.token_usage
+    assert (usage["input_tokens"], usage["output_tokens"]) == (prompt, completion) and prompt > 0
+    root = trace.data.spans[0]
+    assert (root.end_time_ns - root.start_time_ns) / 1e9 == pytest.approx(own_s, abs=0.05) and own_s < 10
+    found = mlflow.search_traces(locations=[trace.info.experiment_id], filter_string="feedback.f1 = '1.0'",
+                                 return_type="list")
+    assert [t.info.trace_id for t in found] == [trace_id]

@@ -146,6 +146,7 @@ def test_register_rule_both_ways_in_a_real_sqlite_registry(tmp_path, repo_root, 
 
     v4_model = logged_model_id(client.get_model_version(name, "4"))
     assert v4_model
+    assert client.get_logged_model(v4_model).params["train.lr"] == str(params.train.lr)  # what it was trained with
     assert v4_model in {o.model_id for o in parent.outputs.model_outputs}
     assert run.data.tags["mlflow.note.content"] == parent.data.tags["summary.register"]
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@champion"))

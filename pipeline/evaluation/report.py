@@ -55,6 +55,8 @@ from pipeline.evaluation.traces import TraceIds, evaluation_table
 from pipeline.evaluation.verdict import gepa_kept_seed, metric_label, system_label, verdict_markdown
 from pipeline.stage_files import EVAL_SUMMARY_FILE, FIGURES_FILE, HEADLINE_FILE, METRICS_FILE
 from pipeline.tracking.headline import (
+    SPLIT_NAMES,
+    best_other,
     figures,
     headline,
     last_step_reward,
@@ -220,6 +222,70 @@ def _gepa_record(summary: dict[str, Any], path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+HEADLINE_WHAT = {"f1_id": "prompt_r1's F1, in-distribution sets", "f1_ood": "prompt_r1's F1, out-of-distribution sets",
+                 "env_tokens": "prompt_r1's environment tokens per question"}
+QUALITY_COST_PNG = "plots/quality_vs_cost.png"
+"""The picture summary.md embeds, relative to reports/eval/ (a Markdown viewer shows it beside the file)."""
+DEFAULT_UI = "http://127.0.0.1:5000"
+"""Where `mlflow ui` serves a local store."""
+
+
+def headline_markdown(summary: dict[str, Any]) -> list[str]:
+    """summary.md's headline: what `dvc metrics show` prints, each figure said in words, the gains with the
+    system they are measured against and their paired-bootstrap CI; the quality-against-cost picture."""
+    values = headline(summary)
+    lines = ["## Headline (`dvc metrics show`)", "", "| figure | value | what |", "|---|---|---|"]
+    for key, value in values.items():
+        what = HEADLINE_WHAT.get(key)
+        if what is None:  # a gain: prompt_r1 minus the best other system on that split
+            split = next(s for s, name in SPLIT_NAMES.items() if key == f"f1_gain_{name}")
+            rival = best_other(summary, split)
+            ci = summary["deltas"][f"vs_{rival}"][split]["f1"]
+            what = (f"prompt_r1's F1 minus {rival}'s (the best other system), {split.upper()}; "
+                    f"95% CI [{ci['low']:+.2f}, {ci['high']:+.2f}]")
+        lines.append(f"| `{key}` | {value:g} | {what} |")
+    if "cost" in summary:
+        lines += ["", f"![F1 against environment tokens per question, per system and split]({QUALITY_COST_PNG})"]
+    return lines
+
+
+def mlflow_links_markdown() -> list[str]:
+    """Links to the active MLflow run (evaluate) and its parent, and to the registered model's page: the
+    tracking server's pages, or `mlflow ui`'s local address for a SQLite store; [] without an active run."""
+    import mlflow
+
+    run = mlflow.active_run()
+    if run is None:
+        return []
+    uri = mlflow.get_tracking_uri()
+    ui = uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_UI
+    experiment = run.info.experiment_id
+    parent = mlflow.MlflowClient().get_run(run.info.run_id).data.tags.get("mlflow.parentRunId")
+    lines = ["## MLflow", ""]
+    if not uri.startswith(("http://", "https://")):
+        lines += [("Local store: open it with `MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri "
+                  f"{_store_shown(uri)}`, then:"), ""]
+    if parent:
+        lines.append(f"- [pipeline run]({ui}/#/experiments/{experiment}/runs/{parent}) (`{parent}`)")
+    lines.append(f"- [evaluate run]({ui}/#/experiments/{experiment}/runs/{run.info.run_id}): traces, predictions "
+                 "table, these files")
+    lines.append(f"- [registered models]({ui}/#/models): the version this evaluation became is in "
+                 "reports/promotion.json once `register` ran")
+    return lines
+
+
+def _store_shown(uri: str) -> str:
+    """A SQLite store's URI with the project's own folder left out when it lives there."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix):
+        path = Path(uri[len(prefix):])
+        try:
+            return prefix + str(path.resolve().relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return uri
+    return uri
+
+
 def summary_markdown(summary: dict[str, Any], plan: EvaluatePlan) -> str:
     """A short human-readable report of metrics.json: the verdict first (`verdict`), then the tables."""
     mode = summary["mode"]
@@ -230,6 +296,8 @@ def summary_markdown(summary: dict[str, Any], plan: EvaluatePlan) -> str:
         "# Evaluation summary",
         "",
         *verdict_markdown(summary, plan, gepa_record),
+        "",
+        *headline_markdown(summary),
         "",
         "## Setup",
         "",
@@ -276,6 +344,9 @@ def summary_markdown(summary: dict[str, Any], plan: EvaluatePlan) -> str:
                      f" {u['errors']} | {u['cost_usd']:.4f} |")
     if "paper" in summary:
         lines += ["", *paper_markdown(summary["paper"])]
+    links = mlflow_links_markdown()
+    if links:
+        lines += ["", *links]
     return "\n".join(lines) + "\n"
 
 
@@ -375,3 +446,23 @@ def log_mlflow(summary: dict[str, Any], predictions: pd.DataFrame, rows_by_ds: d
     for path in plots:
         mlflow.log_artifact(str(path), artifact_path="eval/plots")
     mlflow.set_tags({"eval.mode": summary["mode"], "eval.systems": ",".join(summary["systems"])})
+    link_gepa_prompt(summary, plan.gepa_prompt)
+
+
+def link_gepa_prompt(summary: dict[str, Any], prompt_file: Path) -> str | None:
+    """Name, on the active run, the Prompt Registry version of the instruction `gepa` was evaluated with (the
+    one in `prompt_file`, evaluate's DVC dependency): tag `gepa.prompt_uri` and the run's prompt link. None
+    when gepa was not evaluated or no registry version holds that text."""
+    import mlflow
+
+    from pipeline.environment.sanitize import sanitize_text
+    from pipeline.tracking.prompts import PROMPT_URI_TAG, version_uri
+
+    record = _gepa_record(summary, prompt_file)
+    if record is None:
+        return None
+    uri = version_uri(sanitize_text(record["optimised"]["instruction"]))
+    if uri is not None:
+        mlflow.set_tag(PROMPT_URI_TAG, uri)
+        mlflow.MlflowClient().link_prompt_version_to_run(mlflow.active_run().info.run_id, uri)
+    return uri

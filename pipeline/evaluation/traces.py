@@ -1,7 +1,8 @@
 """The evaluate run as MLflow shows it: one trace per evaluated trajectory, and the predictions table.
 
 - `log_traces`: every answer of every system becomes one trace (`pipeline.tracking.traces.log_trajectory_trace`):
-  one span per turn, the prediction and its scores on the root, tagged `stage=evaluate`, `system`,
+  one span per turn, the prediction and its scores on the root (F1, EM and `answer_format` also as
+  assessments, which the Traces tab sorts and filters by), tagged `stage=evaluate`, `system`,
   `dataset`, `split`, `row` and `uid`. Scores are the headline metrics mode's (`evaluate.metrics_mode`),
   only the metrics the dataset reports. The baselines are traced the same way: `env_only`/`gepa` as one
   environment turn, `agent_only` as one agent turn. MLflow writes traces from a bounded queue (1,000 by
@@ -29,6 +30,8 @@ from pipeline.types import EvalRow
 TraceIds = dict[tuple[str, str, int], str]
 """(system, dataset, row index) → trace id."""
 
+ASSESSED = ("f1", "em")
+"""The scores each trace carries as MLflow assessments, beside `format` (`answer_format`)."""
 FLUSH_EVERY = 200
 """Traces queued before waiting for MLflow's background writer (below its queue size)."""
 TABLE_TEXT_CHARS = 2000
@@ -51,12 +54,23 @@ def log_traces(all_answers: dict[str, dict[str, list[Answer]]], all_scores: dict
                     tags={"stage": "evaluate", "system": system, "dataset": name, "split": row.split,
                           "row": row.index, "uid": row.id},
                     question=row.question, gold_answers=row.answers, turns=ans.trajectory,
-                    prediction=ans.prediction, scores=scores, stop_reason=ans.stop_reason, seconds=ans.seconds)
+                    prediction=ans.prediction, scores=scores, stop_reason=ans.stop_reason, seconds=ans.seconds,
+                    assessments={**{m: scores[m] for m in ASSESSED if m in scores}, "format": answer_format(ans)})
                 if trace_id is not None:
                     ids[(system, name, row.index)] = trace_id
                     if len(ids) % FLUSH_EVERY == 0:
                         flush_traces()
     return ids
+
+
+def answer_format(answer: Answer) -> float:
+    """1.0 when the answer ended in a well-formed final turn: an agent's last turn is a complete
+    `<think>…</think><answer>…</answer>` (the protocol parser's `complete_final`, in the turn record); a
+    baseline without agent turns gave a non-empty answer. 0.0 otherwise."""
+    agent_turns = [t for t in answer.trajectory if "complete_final" in t]
+    if agent_turns:
+        return float(bool(agent_turns[-1]["complete_final"]))
+    return float(bool((answer.prediction or "").strip()))
 
 
 def evaluation_table(predictions: pd.DataFrame, trace_ids: TraceIds) -> pd.DataFrame:

@@ -324,6 +324,7 @@ def record_search(plan: GepaPlan, content: dict[str, Any]) -> dict[str, float]:
 
     from pipeline.data.schema import write_json_atomic, write_text_atomic
     from pipeline.environment.sanitize import sanitize_text, sanitized_json_copy
+    from pipeline.tracking.prompts import PRODUCTION_ALIAS, register_instruction
     from pipeline.tracking.runs import describe_stage
 
     metrics = report_metrics(content)
@@ -335,6 +336,9 @@ def record_search(plan: GepaPlan, content: dict[str, Any]) -> dict[str, float]:
     mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
     # The instruction and the examples are the reflection model's text: untrusted, sanitised.
     mlflow.log_text(sanitize_text(content["optimised"]["instruction"]), "gepa/optimised_instruction.txt")
+    uri = register_instruction(sanitize_text(content["optimised"]["instruction"]),
+                               kept_seed=bool(metrics["kept_seed"]))
+    log.info("GEPA's instruction is %s (alias %s) in the Prompt Registry", uri, PRODUCTION_ALIAS)
     with tempfile.TemporaryDirectory() as tmp:
         mlflow.log_artifact(str(sanitized_json_copy(plan.prompt_file, Path(tmp))), artifact_path="gepa")
     return metrics

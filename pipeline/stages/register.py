@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
-from pipeline.stage_files import EVAL_REPORTS_DIR, METRICS_FILE, PROMOTION_FILE
+from pipeline.stage_files import EVAL_REPORTS_DIR, EVAL_SETS_DIR, METRICS_FILE, PROMOTION_FILE
+from pipeline.tracking.model_record import describe_logged_model, model_params
 from pipeline.tracking.promotion import (
     EvalAverages,
     PromotionDecision,
@@ -93,6 +94,10 @@ class RegisterPlan:
     """What the registered pyfunc bundles as its environment (`environment_json`)."""
     model_config: dict[str, Any]
     """The pyfunc's model config (`_agent_model_config`)."""
+    model_params: dict[str, str]
+    """The `agent` and `train` settings the agent was trained with, as its LoggedModel's params."""
+    eval_sets_dir: Path
+    """`<paths.rl_dir>/eval`: the evaluation sets its LoggedModel's metrics were measured on."""
 
     @classmethod
     def for_register(cls, params: Params) -> RegisterPlan:
@@ -101,7 +106,10 @@ class RegisterPlan:
                    model_dir=params.path(params.paths.model_dir), model_dir_param=params.paths.model_dir,
                    metrics_file=reports_dir / EVAL_REPORTS_DIR / METRICS_FILE, promotion_file=reports_dir / PROMOTION_FILE,
                    lock_dir=params.path(params.paths.cache_dir), environment_json=environment_json(params),
-                   model_config=_agent_model_config(params))
+                   model_config=_agent_model_config(params),
+                   model_params=model_params({"agent": params.agent.model_dump(mode="json"),
+                                              "train": params.train.model_dump(mode="json")}),
+                   eval_sets_dir=params.path(params.paths.rl_dir) / EVAL_SETS_DIR)
 
 
 def check_production_alias(profile: str, cfg: RegisterConfig) -> None:
@@ -351,6 +359,8 @@ def register_and_promote(plan: RegisterPlan, tracking: TrackingSpec, run: Any, e
     mlflow.log_metric("promoted", float(decision.promote))
     log_parent_metrics({"promoted": float(decision.promote)})  # a headline figure of the pipeline run
     link_parent_to_model_version(cfg.model_name, version, getattr(info, "model_id", None))
+    describe_logged_model(getattr(info, "model_id", None), plan.model_params, evaluation,
+                          {name: plan.eval_sets_dir / f"{name}.parquet" for name in evaluation.get("per_dataset", {})})
     describe_stage("register", register_sentence(cfg.model_name, version, decision, cfg.alias, after, candidate,
                                                  cfg.metric, rival_scores(evaluation, cfg.metric)))
     return {

@@ -5,12 +5,12 @@ bounds, costs and the paper's table); comparing two runs needs a handful. This m
 the two places people compare runs:
 
 - **`reports/eval/headline.json`**, the only DVC metric (`dvc metrics show`, `dvc exp show`, `dvc metrics
-  diff`): eleven values under keys of at most five characters, rounded to 0.1 point, so `dvc metrics show`
-  prints one row within 120 columns (DVC pads every column to its key or value and 4 spaces; a 28-value row
-  was 686 characters wide). F1 (the one metric every dataset reports) per split, `id_` (ID) and `od_`
-  (OOD): prompt_r1's (`id_r1`), the best other system's (`id_bo`; its name is in summary.md), prompt_r1
-  minus that system with the paired-bootstrap CI (`id_d`, `id_lo`, `id_hi`); and the cost, prompt_r1's
-  environment tokens per question (`tok`). `HEADLINE_KEYS` lists them.
+  diff`): five values named so they read without a legend (`id` in-distribution, `ood` out-of-distribution), rounded to 0.1 point, so `dvc metrics show` prints
+  one row within 120 columns (DVC pads every column to its key or value and 4 spaces; a 28-value row was 686
+  characters wide). F1 (the one metric every dataset reports) of prompt_r1 per split (`f1_id`,
+  `f1_ood`), prompt_r1's F1 minus the best other system's (`f1_gain_id`, `f1_gain_ood`; the system
+  and the paired-bootstrap CI are in summary.md and metrics.json `deltas`), and the cost: prompt_r1's
+  environment tokens per question (`env_tokens`). `HEADLINE_KEYS` lists them.
 - **`reports/eval/figures.json`** (`figures`): the wider set, read on demand with `dvc metrics show
   reports/eval/figures.json` (not a declared metric, so it stays out of `dvc exp show` and `dvc metrics
   diff`): every system's ID and OOD F1, prompt_r1's EM and SSim, prompt_r1's F1 difference to each baseline
@@ -35,8 +35,10 @@ from typing import Any
 
 from pipeline.stage_files import FIGURES_FILE, HEADLINE_FILE
 
-HEADLINE_KEYS = ("id_r1", "id_bo", "id_d", "id_lo", "id_hi", "od_r1", "od_bo", "od_d", "od_lo", "od_hi", "tok")
+HEADLINE_KEYS = ("f1_id", "f1_gain_id", "f1_ood", "f1_gain_ood", "env_tokens")
 """headline.json's keys, in order: what `dvc metrics show` prints in one row of at most 120 columns."""
+SPLIT_NAMES = {"id": "id", "ood": "ood"}
+"""How a split reads in a headline key."""
 MAX_FIGURES_VALUES = 30
 """Most values figures.json may hold: one `dvc metrics show reports/eval/figures.json` row."""
 HEADLINE_METRICS = ("em", "f1", "ssim")
@@ -70,8 +72,9 @@ def _mean(entry: dict[str, Any] | None) -> float | None:
     return None if not entry else entry.get("mean")
 
 
-def _best_other(summary: dict[str, Any], split: str) -> str | None:
-    """The system other than prompt_r1 with the highest average F1 on `split`, None without one."""
+def best_other(summary: dict[str, Any], split: str) -> str | None:
+    """The system `f1_gain_<split>` is measured against: the one other than prompt_r1 with the highest average
+    F1 on `split`; None without one."""
     scored = {s: _mean((summary["averages"][s].get(split) or {}).get("f1")) for s in summary["systems"] if s != TRAINED}
     scored = {s: v for s, v in scored.items() if v is not None}
     return max(scored, key=lambda s: scored[s]) if scored else None
@@ -81,20 +84,18 @@ def headline(summary: dict[str, Any]) -> dict[str, float]:
     """headline.json's content (module docstring): `HEADLINE_KEYS`, those the run has, in that order."""
     out: dict[str, float] = {}
     averages = summary["averages"]
-    for split, short in (("id", "id"), ("ood", "od")):
+    for split, name in SPLIT_NAMES.items():
         mine = _mean((averages.get(TRAINED, {}).get(split) or {}).get("f1"))
         if mine is not None:
-            out[f"{short}_r1"] = mine
-        best = _best_other(summary, split)
-        if best is not None:
-            out[f"{short}_bo"] = _mean(averages[best][split]["f1"])
-            delta = (summary.get("deltas", {}).get(f"vs_{best}", {}).get(split) or {}).get("f1")
-            if delta is not None:
-                out.update({f"{short}_d": delta["delta"], f"{short}_lo": delta["low"], f"{short}_hi": delta["high"]})
+            out[f"f1_{name}"] = mine
+        best = best_other(summary, split)
+        delta = (summary.get("deltas", {}).get(f"vs_{best}", {}).get(split) or {}).get("f1") if best else None
+        if delta is not None:
+            out[f"f1_gain_{name}"] = delta["delta"]
     tokens = summary.get("cost", {}).get("inference", {}).get(TRAINED, {}).get("env_tokens_per_question")
     out = {k: round(float(out[k]), 1) for k in HEADLINE_KEYS if k in out}
     if tokens is not None:
-        out["tok"] = round(float(tokens))
+        out["env_tokens"] = round(float(tokens))
     check_headline(out, HEADLINE_FILE, len(HEADLINE_KEYS))
     return out
 

@@ -10,9 +10,12 @@ Design decisions:
   `environment`), not from spans opened around the live calls: a rollout runs many trajectories at once in
   worker threads and several event loops, where an ambient span context would file a call under the wrong
   trajectory; a trace made once the answer is scored can also carry the scores. The spans get a timeline
-  rebuilt from the recorded times, ending now: the root lasts the trajectory's own wall time (`seconds`:
-  the rollout's start to its last turn, not the batch's), each turn starts when it started (`started_s`,
-  when recorded; else right after the previous one).
+  rebuilt from the recorded times, ending now: the root lasts the conversation's own time (its first turn's
+  start to its last turn's end; a batched system's wall time `seconds` only when the turns carry no
+  timing), each turn starts when it started (`started_s`, when recorded; else right after the previous one).
+- **Scores as assessments**: the final answer's scores (`f1`, `em`, `format`) are MLflow feedback of source
+  CODE on the trace, so the Traces tab sorts and filters by them; the environment call's tokens carry MLflow's
+  token-usage attribute (`TOKEN_USAGE`), so the trace's token usage is what the environment read and wrote.
 - **Queueing apart from latency**: a turn that asked the environment has two child spans, `environment
   queue` (waiting for a free connection: `env_wait_s` minus the request's `latency_s`) and `environment`
   (the request itself, `latency_s`), so a slow turn shows whether the environment or the client's
@@ -45,6 +48,11 @@ from pipeline.environment.sanitize import sanitize_text
 
 MAX_TEXT_CHARS = 4000
 """Longest text kept in a span; longer texts are cut and marked."""
+TOKEN_USAGE = "mlflow.chat.tokenUsage"
+"""MLflow's span attribute for a model call's tokens (`SpanAttributeKey.CHAT_USAGE`): MLflow sums it into the
+trace's token usage, which the Traces tab shows and sorts by."""
+ASSESSMENT_SOURCE = "pipeline.metrics"
+"""The source id of the scores logged as assessments (source type CODE: computed, not judged)."""
 
 
 def clean_text(text: object, limit: int = MAX_TEXT_CHARS) -> str:
@@ -69,10 +77,13 @@ def _environment_spans(turn_span: Any, env: Mapping[str, Any], start_ns: int, wa
     queue = mlflow.start_span_no_context("environment queue", span_type=SpanType.UNKNOWN, parent_span=turn_span,
                                          attributes={"queue_s": round(queue_ns / 1e9, 4)}, start_time_ns=start_ns)
     queue.end(end_time_ns=start_ns + queue_ns)
+    prompt_tokens, completion_tokens = int(env.get("prompt_tokens") or 0), int(env.get("completion_tokens") or 0)
     call = mlflow.start_span_no_context(
         "environment", span_type=SpanType.CHAT_MODEL, parent_span=turn_span, start_time_ns=start_ns + queue_ns,
         attributes={"latency_s": round(latency_s, 4), "cached": bool(env.get("cached")),
-                    "retries": int(env.get("retries") or 0)})
+                    "retries": int(env.get("retries") or 0),
+                    TOKEN_USAGE: {"input_tokens": prompt_tokens, "output_tokens": completion_tokens,
+                                  "total_tokens": prompt_tokens + completion_tokens}})
     call.end(status="ERROR" if env.get("error") else "OK", end_time_ns=start_ns + queue_ns + int(latency_s * 1e9))
 
 
@@ -132,12 +143,15 @@ def cache_status(turns: Sequence[Mapping[str, Any]]) -> str:
 
 def log_trajectory_trace(*, name: str, tags: Mapping[str, object], question: str, gold_answers: Sequence[str],
                          turns: Sequence[Mapping[str, Any]], prediction: str, scores: Mapping[str, float],
-                         stop_reason: str = "", seconds: float = 0.0) -> str | None:
+                         stop_reason: str = "", seconds: float = 0.0,
+                         assessments: Mapping[str, float] | None = None) -> str | None:
     """Log one trajectory as one MLflow trace (in the active run's experiment, linked to the active run).
 
-    `turns` are the trajectory's turn records; `scores` the final answer's scores; `seconds` its own wall
-    time (the root span lasts at least until its last turn ends). Returns the trace id, or None when MLflow
-    handed back a no-op span (tracing disabled or failed).
+    `turns` are the trajectory's turn records; `scores` the final answer's scores; `assessments` the scores the
+    Traces tab sorts and filters by, logged as feedback of source CODE. The root lasts the conversation's own
+    time, from its first turn's start to its last turn's end; `seconds` (its wall time, which for a batched
+    system can be the batch's) is used only when the turns carry no timing. Returns the trace id, or None when
+    MLflow handed back a no-op span (tracing disabled or failed).
     """
     import mlflow
     from mlflow.entities import SpanType
@@ -146,11 +160,13 @@ def log_trajectory_trace(*, name: str, tags: Mapping[str, object], question: str
     cached = cache_status(turns)
     if cached == "all":
         name = f"{name} (cached)"
-    turn_end_ns = 0
+    first_ns = min((_offset_ns(turn) for turn in turns), default=0)
+    turn_end_ns = first_ns
     for turn in turns:  # each turn's offset from the start: recorded, or right after the previous turn
         turn_end_ns = max(turn_end_ns, _offset_ns(turn)) + int(sum(_turn_seconds(turn)) * 1e9)
+    own_ns = turn_end_ns - first_ns
     end_ns = time.time_ns()
-    start_ns = end_ns - max(turn_end_ns, int(seconds * 1e9))
+    start_ns = end_ns - (own_ns if own_ns > 0 else int(seconds * 1e9))
     root = mlflow.start_span_no_context(
         name, span_type=SpanType.AGENT, start_time_ns=start_ns,
         inputs={"question": clean_text(question), "gold_answers": [clean_text(g, 500) for g in gold_answers]},
@@ -160,11 +176,28 @@ def log_trajectory_trace(*, name: str, tags: Mapping[str, object], question: str
         return None
     at = start_ns
     for index, turn in enumerate(turns, start=1):
-        at = _turn_span(root, index, turn, max(at, start_ns + _offset_ns(turn)))
+        at = _turn_span(root, index, turn, max(at, start_ns + _offset_ns(turn) - first_ns))
+    _attach_assessments(root.trace_id, assessments or {})
     root.end(outputs={"prediction": clean_text(prediction), "stop_reason": stop_reason,
                       "scores": {k: round(float(v), 4) for k, v in scores.items()}},
-             end_time_ns=end_ns)
+             end_time_ns=max(end_ns, at))
     return root.trace_id
+
+
+def _attach_assessments(trace_id: str, assessments: Mapping[str, float]) -> None:
+    """Put the scores on the still-open trace as feedback (source CODE), so they are written with it: one
+    write per trace, where `mlflow.log_feedback` on a finished trace is one store write per score."""
+    from mlflow.entities import AssessmentSource, AssessmentSourceType, Feedback
+    from mlflow.tracing.trace_manager import InMemoryTraceManager
+
+    if not assessments:
+        return
+    source = AssessmentSource(source_type=AssessmentSourceType.CODE, source_id=ASSESSMENT_SOURCE)
+    with InMemoryTraceManager.get_instance().get_trace(trace_id) as trace:
+        if trace is None:
+            return
+        for key, value in assessments.items():
+            trace.info.assessments.append(Feedback(name=key, value=float(value), source=source, trace_id=trace_id))
 
 
 def flush_traces() -> None:
