@@ -41,6 +41,8 @@ def training_curve(project: Path, out: Path) -> Path:
 
 
 def per_dataset_f1(project: Path, out: Path) -> Path:
+    from pipeline.evaluation.systems import system_colour
+
     metrics = json.loads((project / "reports/eval/metrics.json").read_text())
     datasets = list(metrics["per_dataset"])
     systems = metrics["systems"]
@@ -52,7 +54,7 @@ def per_dataset_f1(project: Path, out: Path) -> Path:
         means = [c["mean"] for c in cells]
         errors = [[m - c["low"] for m, c in zip(means, cells, strict=True)],
                   [c["high"] - m for m, c in zip(means, cells, strict=True)]]
-        ax.bar(xs, means, width, yerr=errors, capsize=2, label=system)
+        ax.bar(xs, means, width, yerr=errors, capsize=2, label=system, color=system_colour(system))
     ax.set_xticks(range(len(datasets)), datasets, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("F1 (points), 95% CI")
     ax.set_title(f"F1 per evaluation set ({metrics['rows_per_dataset']} rows each)")

@@ -150,3 +150,49 @@ def test_the_summary_says_the_headline_in_words_embeds_the_picture_and_links_its
     assert f"[pipeline run](http://127.0.0.1:5000/#/experiments/{experiment}/runs/{parent.info.run_id})" in links
     assert f"[evaluate run](http://127.0.0.1:5000/#/experiments/{experiment}/runs/{child.info.run_id})" in links
     assert "mlflow ui --backend-store-uri sqlite:///" in links
+
+
+def test_gepa_s_cost_row_does_not_call_a_kept_seed_a_success():
+    """The cost table's GEPA row: when GEPA kept the seed, its proposals are said to have not beaten it (they
+    may still have been accepted into the search's pool); otherwise how many were accepted."""
+    from pipeline.evaluation.costs import gepa_one_off
+
+    record = json.loads((FIXTURES / "gepa" / "prompt.json").read_text())
+    assert record["optimised"]["candidate"] == 0
+    kept = gepa_one_off(record)["what"]
+    assert "none beat the seed on the val slice" in kept and f"({record['cost']['accepted']} accepted)" not in kept
+    record["optimised"]["candidate"] = 1
+    assert gepa_one_off(record)["what"].endswith(f"proposals ({record['cost']['accepted']} accepted)")
+
+
+def test_one_colour_per_system_in_the_vega_template_and_every_png(recorded, tmp_path):
+    """`SYSTEM_COLOURS` is the one mapping: the DVC Vega template's colour scale lists it, and the report's PNGs
+    (per-set bars, quality against cost) draw each system in its colour (its exact RGB is in the image)."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    from pipeline.evaluation.costs import quality_cost_rows
+    from pipeline.evaluation.report import PLOT_METRIC, write_plots, write_quality_cost_plot
+    from pipeline.evaluation.systems import SYSTEM_COLOURS
+
+    template = json.loads((ROOT / ".dvc" / "plots" / "grouped_bars.json").read_text())
+    scale = template["spec"]["encoding"]["color"]["scale"]
+    assert dict(zip(scale["domain"], scale["range"], strict=True)) == SYSTEM_COLOURS
+    summary, _ = recorded
+
+    def has(path, colour: str) -> bool:
+        rgb = np.round(mpimg.imread(path)[..., :3] * 255).astype(int)
+        want = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+        return bool((np.abs(rgb - want).sum(-1) <= 3).any())
+
+    bars = write_plots(summary, tmp_path / "plots")[0]
+    points = quality_cost_rows(summary, PLOT_METRIC)
+    cost = write_quality_cost_plot(points, tmp_path / "cost.png")
+    assert all(has(bars, SYSTEM_COLOURS[s]) for s in summary["systems"])
+    # in the scatter a system drawn later on exactly the same points hides one (gepa kept the seed: env_only's)
+    at = {s: sorted(map(tuple, points[points["system"] == s][["env_tokens_per_question", PLOT_METRIC]].values))
+          for s in summary["systems"]}
+    shown = [s for i, s in enumerate(summary["systems"]) if all(at[s] != at[t] for t in summary["systems"][i + 1:])]
+    assert "env_only" not in shown and len(shown) == 4
+    assert all(has(cost, SYSTEM_COLOURS[s]) for s in shown)
+    assert not has(bars, "#8c564b")  # the check can fail: a colour no system has is not found

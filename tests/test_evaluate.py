@@ -350,7 +350,9 @@ def test_paper_numbers_beside_ours_only_compared_on_the_papers_setup(tmp_path, p
     hot = next(r for r in cmp_["rows"] if (r["system"], r["scope"], r["metric"]) == (TRAINED, "hotpotqa", "em"))
     assert (hot["paper"], hot["ours"]) == (44.53, 50.0)  # ours: EM [1, 0] in reference mode
     md = "\n".join(paper_markdown(cmp_))
-    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | – | 50.00 | not comparable (agent, environment, rows) |" in md
+    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | – | 50.00 | – |" in md
+    assert md.count("not comparable") + md.count("Not comparable") == 1  # said once, above the table
+    assert "differs: agent, environment, rows): no difference is given (–)." in md
     assert "Not comparable (agent is smollm2-135m-instruct.q4_1, not Qwen3-4B; environment is" in md
     assert "| prompt_r1 | gsm8k | EM | 97.66 | – | – | – | no score of ours |" in md
 
@@ -392,8 +394,8 @@ def test_paper_table_shows_the_authors_scoring_the_empty_answers_and_ours(params
     md = "\n".join(paper_markdown(cmp_))
     assert ("| system | dataset / split | metric | paper | ours (authors' scoring) | empty | ours (our scoring) "
             "| ours − paper |") in md
-    assert "| prompt_r1 | writingprompts | SSim | 38.54 | 100.00 | 1/2 | 50.00 | not comparable (" in md
-    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | 1/2 | 50.00 | not comparable (" in md
+    assert "| prompt_r1 | writingprompts | SSim | 38.54 | 100.00 | 1/2 | 50.00 | – |" in md
+    assert "| prompt_r1 | hotpotqa | EM | 44.53 | 50.00 | 1/2 | 50.00 | – |" in md
     # the ID average over the datasets that report the metric: SSim only writingprompts, EM only hotpotqa
     assert by_key[(TRAINED, "id", "ssim")]["empty"] == 1 and by_key[(TRAINED, "id", "ssim")]["rows"] == 2
     (which,) = [line for line in md.splitlines() if line.startswith("Which is which:")]

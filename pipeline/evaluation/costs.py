@@ -76,9 +76,11 @@ def gepa_one_off(content: dict[str, Any]) -> dict[str, Any]:
     """GEPA's optimisation cost from prompt.json's `cost` (task rollouts + reflection calls)."""
     cost = content["cost"]
     parts = (cost["task"], cost["reflection"])
+    kept_seed = content.get("optimised", {}).get("candidate") == 0
+    outcome = (f"none beat the seed on the val slice ({cost['accepted']} accepted into the search)" if kept_seed
+               else f"{cost['accepted']} accepted")
     return {
-        "what": f"GEPA: {cost['metric_calls']} metric calls, {cost['proposals']} proposals "
-                f"({cost['accepted']} accepted)",
+        "what": f"GEPA: {cost['metric_calls']} metric calls, {cost['proposals']} proposals ({outcome})",
         "env_requests": sum(p["calls"] + p["cache_hits"] for p in parts),
         "prompt_tokens": sum(p["prompt_tokens"] for p in parts),
         "completion_tokens": sum(p["completion_tokens"] for p in parts),

@@ -117,7 +117,8 @@ def paper_markdown(comparison: dict[str, Any]) -> list[str]:
     lines = ["## The paper's numbers beside ours", "",
              f"{comparison['source']}. "
              + ("Comparable run: the last column is ours (authors' scoring) minus the paper's." if comparison["comparable"]
-                else f"Not comparable ({why}): no difference is given."),
+                else f"Not comparable ({why}; differs: {', '.join(comparison['differs'])}): no difference is "
+                     "given (–)."),
              "",
              (f"Which is which: **ours (authors' scoring)** is `{comparison['metrics_mode']}` mode, the authors' "
               "script the paper's figures were computed with (like with like; it scores an empty answer SSim 100 "
@@ -132,7 +133,7 @@ def paper_markdown(comparison: dict[str, Any]) -> list[str]:
         if r["delta"] is not None:
             delta = f"{r['delta']:+.2f}"
         else:
-            delta = "no score of ours" if r["ours"] is None else f"not comparable ({', '.join(comparison['differs'])})"
+            delta = "no score of ours" if r["ours"] is None else "–"  # the table's header sentence says why
         lines.append(f"| {r['system']} | {r['scope']} | {metric_label(r['metric'])} | {r['paper']:.2f} | {ours} | "
                      f"{empty} | {own_cell} | {delta} |")
     return lines

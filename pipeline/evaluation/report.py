@@ -50,7 +50,7 @@ from pipeline.evaluation.costs import quality_cost_rows
 from pipeline.evaluation.matrix import MATRIX_FILE, matrix_markdown, matrix_metrics
 from pipeline.evaluation.paper import paper_markdown
 from pipeline.evaluation.scores import SPLITS, Scores, other_mode
-from pipeline.evaluation.systems import SYSTEM_LABELS, Answer
+from pipeline.evaluation.systems import SYSTEM_LABELS, Answer, system_colour
 from pipeline.evaluation.traces import TraceIds, evaluation_table
 from pipeline.evaluation.verdict import gepa_kept_seed, metric_label, system_label, verdict_markdown
 from pipeline.stage_files import EVAL_SUMMARY_FILE, FIGURES_FILE, HEADLINE_FILE, METRICS_FILE
@@ -130,7 +130,8 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
             cis = [per_system[system][m] for m in metrics_]
             means = np.array([c["mean"] for c in cis])
             err = np.array([[c["mean"] - c["low"] for c in cis], [c["high"] - c["mean"] for c in cis]])
-            ax.bar(x + (k - (len(systems) - 1) / 2) * width, means, width, yerr=err, capsize=3, label=system)
+            ax.bar(x + (k - (len(systems) - 1) / 2) * width, means, width, yerr=err, capsize=3, label=system,
+                   color=system_colour(system))
         ax.set_xticks(x, [metric_label(m) for m in metrics_])
         ax.set_ylim(0, 105)
         ax.set_ylabel("score (points)")
@@ -153,9 +154,10 @@ def write_quality_cost_plot(points: pd.DataFrame, path: Path) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for split, marker in (("id", "o"), ("ood", "s")):
+    for split, marker in (("id", "o"), ("ood", "s")):  # the split as the marker, the system as its colour
         sel = points[points["split"] == split]
-        ax.scatter(sel["env_tokens_per_question"], sel[PLOT_METRIC], marker=marker, label=split.upper())
+        ax.scatter(sel["env_tokens_per_question"], sel[PLOT_METRIC], marker=marker, label=split.upper(),
+                   c=[system_colour(s) for s in sel["system"]])
         for _, r in sel.iterrows():
             ax.annotate(r["system"], (r["env_tokens_per_question"], r[PLOT_METRIC]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")

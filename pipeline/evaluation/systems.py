@@ -59,6 +59,17 @@ SYSTEM_LABELS = {
     "gepa": "environment alone with the GEPA-optimised instruction",
 }
 
+SYSTEM_COLOURS = {TRAINED: "#1f77b4", "env_only": "#ff7f0e", "agent_only": "#2ca02c", "base_agent": "#d62728",
+                  "gepa": "#9467bd"}
+"""One colour per system, everywhere a system is drawn: the PNGs of reports/eval/plots/ and the DVC Vega
+template .dvc/plots/grouped_bars.json (its colour scale lists these; tests/test_eval_verdict.py checks both)."""
+OTHER_COLOUR = "#7f7f7f"
+"""A system without its own colour (a matrix variant)."""
+
+
+def system_colour(system: str) -> str:
+    return SYSTEM_COLOURS.get(system, OTHER_COLOUR)
+
 
 @dataclass
 class Answer:
