@@ -28,10 +28,17 @@ from typing import Any
 
 from pipeline.config import Params
 from pipeline.config.specs import tracking_spec
+from pipeline.paths import display_path
 from pipeline.stage_files import EVAL_REPORTS_DIR, EVAL_SUMMARY_FILE, PROMOTION_FILE
 from pipeline.stages.figures import promotion_line
 from pipeline.tracking.lineage import champion_status
-from pipeline.tracking.links import MlflowRunInfo, mlflow_line, mlflow_run_info, strip_credentials
+from pipeline.tracking.links import (
+    MlflowRunInfo,
+    mlflow_line,
+    mlflow_run_info,
+    strip_credentials,
+    where_to_open,
+)
 from pipeline.tracking.runs import DESCRIBED_STAGES
 
 __all__ = ["MlflowRunInfo", "RunReport", "flow_run_line", "mlflow_line", "mlflow_run_info", "promotion_line",
@@ -78,7 +85,7 @@ class RunReport:
         """Fill the evaluation table, promotion decision and MLflow run: this run's (module docstring)."""
         reports_dir = params.path(params.paths.reports_dir)
         self.eval_summary = read_eval_summary(reports_dir)
-        self.eval_summary_path = str(reports_dir / EVAL_SUMMARY)
+        self.eval_summary_path = display_path(reports_dir / EVAL_SUMMARY, params.root)
         tracking = tracking_spec(params)
         self.promotion = (read_promotion(reports_dir) if self.reproduced("register")
                           else champion_status(params.register, tracking))
@@ -109,7 +116,7 @@ def up_to_date(info: MlflowRunInfo) -> str:
     """What an up-to-date run or stage says of MLflow: it logged nothing; the last run and where to open it."""
     if not info.run_id:
         return f"up to date (no last run: {mlflow_line(info)})"
-    where = info.link or info.open_hint or info.tracking_uri or ""
+    where = where_to_open(info)
     return f"up to date (last run {info.run_id}: {where})" if where else f"up to date (last run {info.run_id})"
 
 
@@ -149,9 +156,10 @@ def to_markdown(report: RunReport) -> str:
         lines.append(f"| {stage['stage']} | {_cell(stage['result'])} | {stage['seconds']:.1f} | {figure} |")
     if report.mlflow_current or report.eval_summary is None:
         evaluation = report.eval_summary or "_reports/eval/summary.md not found_"
-    else:  # a run that logged nothing: the summary is the last run's, linked, not shown as this run's
-        where = Path(report.eval_summary_path or EVAL_SUMMARY).resolve()
-        evaluation = f"{up_to_date(report.mlflow)}: its summary is [{where.name}]({where.as_uri()})"
+    else:  # a run that logged nothing: the summary is the last run's, shown as such, one heading level down
+        shown = "\n".join(f"#{line}" if line.startswith("#") else line for line in report.eval_summary.splitlines())
+        evaluation = (f"_This run evaluated nothing: {up_to_date(report.mlflow)}. Its summary "
+                      f"({report.eval_summary_path or EVAL_SUMMARY}) follows._\n\n{shown}")
     lines += ["", "## Evaluation", "", evaluation, ""]
     if report.promotion is not None:
         lines += ["## Promotion decision", "", "```json", json.dumps(report.promotion, indent=2, sort_keys=True),

@@ -195,24 +195,26 @@ def test_report_of_a_run_that_registered_nothing_names_the_champion_not_an_old_d
     # the old pipeline run is not this run's: the report and each stage's artifact say so in the same words
     last = parent_run_id(tracking_spec(params))
     assert not idle.mlflow_current and idle.mlflow.run_id == last
-    said = f"up to date (last run {last}: {idle.mlflow.open_hint})"
-    assert idle.mlflow.open_hint.startswith("MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri ")
+    experiment = mlflow.MlflowClient().get_run(last).info.experiment_id
+    said = (f"up to date (last run {last}: [run {last}](http://127.0.0.1:5000/#/experiments/{experiment}/runs/{last}) "
+            f"(served by `{idle.mlflow.ui_command} --port 5000`))")
+    assert idle.mlflow.ui_command.startswith("MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri ")
     idle.flow_run_id = "0c5b7e3a-1111-2222-3333-444455556666"
     markdown = to_markdown(idle)
     assert f"- **Promotion:** {line}" in markdown and "promoted to @champion" not in markdown
     assert f"- **MLflow:** {said}" in markdown
     assert markdown.startswith("# Prompt-R1 retraining — quiet-run (0c5b7e3a-1111-2222-3333-444455556666)\n")
-    # the evaluation summary is the last run's: linked, not embedded as this run's
+    # the evaluation summary is the last run's: shown under a line saying so, its headings one level down
     summary_md = params.path(params.paths.reports_dir) / "eval" / "summary.md"
     summary_md.write_text("# Evaluation summary\n\nold verdict\n")
     idle = report("up to date")
     markdown = to_markdown(idle)
-    assert "old verdict" not in markdown
-    assert f"{said}: its summary is [summary.md]({summary_md.resolve().as_uri()})" in markdown
+    assert f"_This run evaluated nothing: {said}. Its summary (reports/eval/summary.md) follows._" in markdown
+    assert "\n## Evaluation summary\n\nold verdict" in markdown and "file://" not in markdown
     stage = stage_markdown("register", "up to date", 0.0, "kept", stage_mlflow_run(tracking_spec(params), "register"),
                            flow_run="quiet-run (0c5b7e3a)")
     assert "- **Flow run:** quiet-run (0c5b7e3a)" in stage
-    assert "- **MLflow:** up to date (last run " in stage and "[run " not in stage
+    assert "- **MLflow:** up to date (last run " in stage and "(http://127.0.0.1:5000/#/experiments/" in stage
     assert "old verdict" in to_markdown(report("reproduced"))  # a run that logged to MLflow shows the summary
 
     busy = report("reproduced")  # a run that did register: its own decision and its pipeline run

@@ -189,6 +189,8 @@ def test_real_sample_command_ends_with_its_line(project: Path, shared_datasets: 
 
 
 def test_stage_mlflow_run_is_the_stage_child_of_the_recorded_parent(project: Path, monkeypatch):
+    import mlflow
+
     from pipeline.tracking import runs as tracking
     from pipeline.tracking.links import mlflow_line, mlflow_run_info, stage_mlflow_run
 
@@ -210,7 +212,12 @@ def test_stage_mlflow_run_is_the_stage_child_of_the_recorded_parent(project: Pat
     evaluate = stage_mlflow_run(tracking_spec(params), "evaluate")
     assert evaluate.run_id == retried.info.run_id != first.info.run_id
     assert stage_mlflow_run(tracking_spec(params), "train").run_id == train.info.run_id
-    assert evaluate.link is None  # SQLite: no UI to link to, the command that opens one
+    experiment = mlflow.MlflowClient().get_run(evaluate.run_id).info.experiment_id
+    # SQLite: the page `mlflow ui` serves, the command that serves it, and the hint as before
+    assert evaluate.link == f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{evaluate.run_id}"
+    assert evaluate.ui_command == "MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri sqlite:///mlflow.db"
+    assert mlflow_line(evaluate) == (f"[run {evaluate.run_id}]({evaluate.link}) (served by "
+                                     f"`{evaluate.ui_command} --port 5000`)")
     assert evaluate.open_hint == (f"MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri sqlite:///mlflow.db, then experiment "
                                   f"{params.mlflow.experiment}, run {evaluate.run_id}")
     build = stage_mlflow_run(tracking_spec(params), "build")

@@ -6,9 +6,9 @@ it always had). Design decisions:
 - **Found from the files the stages write**, like every report: the parent run is the one named in
   `reports/mlflow_run.json` (pipeline.tracking.runs), a stage's run is the newest child of that parent tagged
   `stage=<name>` (`tracking.stage_run`). A stage that logs no run (the data stages, `merge`) says so.
-- **A link only where there is a UI to link to**: an http(s) tracking server gives
-  `<server>/#/experiments/<id>/runs/<run>`; for the default SQLite store the hint is the `mlflow ui` command
-  that opens it, with the store shown relative to the project when it lives there.
+- **A link a browser opens**: an http(s) tracking server gives `<server>/#/experiments/<id>/runs/<run>`; for the
+  default SQLite store the same page under `mlflow ui`'s address (`LOCAL_UI`) with the command that serves it,
+  the store shown relative to the project when it lives there.
 - **Credentials never shown**: `user:password@` is stripped from every URI before it is kept or printed.
 - **Never fails its caller**: an unreadable store is a logged warning and a hint saying what is missing.
 """
@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 SQLITE = "sqlite:///"
 UI_COMMAND = "MLFLOW_DISABLE_TELEMETRY=true mlflow ui"
 """How the docs and hints open the store: MLflow's usage telemetry (the UI's too) off."""
+LOCAL_UI = "http://127.0.0.1:5000"
+"""Where `mlflow ui` serves a local store by default."""
 
 
 @dataclass
@@ -43,7 +45,10 @@ class MlflowRunInfo:
     tracking_uri: str | None = None
     """Credentials stripped."""
     link: str | None = None
-    """UI link (http(s) tracking servers only)."""
+    """The run's UI page: the tracking server's, or for a SQLite store the page `mlflow ui` serves at
+    `LOCAL_UI` (`ui_command` starts it)."""
+    ui_command: str | None = None
+    """For a SQLite store: the command that serves `link`."""
     open_hint: str | None = None
     """How to open the run when there is no link (SQLite store), or why there is no run."""
 
@@ -128,12 +133,20 @@ def stage_mlflow_run(tracking: TrackingSpec, stage: str) -> MlflowRunInfo:
     return info
 
 
+def where_to_open(info: MlflowRunInfo) -> str:
+    """A Markdown link a browser opens (with the command that serves it, for a SQLite store), else the hint."""
+    if info.link:
+        served = f" (served by `{info.ui_command} --port 5000`)" if info.ui_command else ""
+        return f"[run {info.run_id}]({info.link}){served}"
+    return info.open_hint or info.tracking_uri or ""
+
+
 def mlflow_line(info: MlflowRunInfo) -> str:
     """One line: the run and where to open it (or why there is none)."""
     if not info.run_id:
         return info.open_hint or f"no MLflow run recorded (reports/{RUN_FILE} missing)"
-    where = info.link or info.open_hint or info.tracking_uri or ""
-    return f"run {info.run_id} — {where}"
+    where = where_to_open(info)
+    return where if info.link else f"run {info.run_id} — {where}"
 
 
 def _parent(store: MlflowStore) -> tuple[MlflowRunInfo, str]:
@@ -157,6 +170,9 @@ def _point_at(info: MlflowRunInfo, store: MlflowStore) -> None:
     if info.link is None:
         info.open_hint = (f"{UI_COMMAND} --backend-store-uri {_shown_store(store)}, then experiment "
                           f"{info.experiment or info.experiment_id!s}, run {info.run_id}")
+        if uri.startswith(SQLITE) and info.experiment_id and info.run_id:
+            info.link = f"{LOCAL_UI}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
+            info.ui_command = f"{UI_COMMAND} --backend-store-uri {_shown_store(store)}"
 
 
 def _shown_store(store: MlflowStore) -> str:
