@@ -13,6 +13,10 @@ Design decisions:
   manager), so callers do not branch. Nested, short-lived bars (`quiet=True`, e.g. the rollout bar inside a
   training step) are drawn on a terminal and are silent otherwise: their parent reports progress.
 - `PROMPTR1_PROGRESS=bar|log|off` forces a mode (tests, notebooks that are not a tty).
+- **No quiet minute** (`heartbeat`): a stage runs inside a heartbeat that logs `<stage>: still running, N s`
+  whenever no progress line was logged for `interval_s` (a model loading, a server starting, one long
+  training step), so a pipe sees a line at least every minute without doubling the lines of phases that
+  already report.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Self
 
 log = logging.getLogger("pipeline.progress")
@@ -30,6 +36,41 @@ DEFAULT_INTERVAL_S = 60.0
 """Seconds between two log lines of one bar in a pipe. 30 s put a default `dvc repro` at 147-151 console lines
 against the budget of 150 on this 2-core machine, depending on its speed that hour (the count grows with the
 run time); 60 s: 141 in a fresh-clone run of the same slow hour (benchmarks/results/pipeline_reply.json)."""
+
+
+_last_line = time.monotonic()
+"""When the last progress line (of any bar or heartbeat) was logged."""
+
+
+def _noted() -> None:
+    global _last_line
+    _last_line = time.monotonic()
+
+
+@contextmanager
+def heartbeat(desc: str, interval_s: float = DEFAULT_INTERVAL_S, poll_s: float = 1.0) -> Iterator[None]:
+    """Log `<desc>: still running, N s` whenever no progress line was logged for `interval_s` while the block
+    runs (a daemon thread polling every `poll_s`); nothing when every phase reports on its own. Silent on a
+    terminal (its bars redraw) and with `PROMPTR1_PROGRESS=off`."""
+    if _mode() != "log":
+        yield
+        return
+    start, done = time.monotonic(), threading.Event()
+    _noted()
+
+    def beat() -> None:
+        while not done.wait(poll_s):
+            if time.monotonic() - _last_line >= interval_s:
+                _noted()
+                log.info("%s: still running, %.0f s", desc, time.monotonic() - start)
+
+    thread = threading.Thread(target=beat, name=f"heartbeat {desc}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=poll_s + 1)
 
 
 def _mode() -> str:
@@ -90,6 +131,7 @@ class LogProgress:
         if self.silent or self.n == self._emitted_n:  # nothing new since the last line (e.g. at close)
             return
         self._emitted_n = self.n
+        _noted()
         done = f"{self.n}/{self.total}" if self.total else str(self.n)
         share = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
         extra = f", {self.postfix}" if self.postfix else ""

@@ -50,3 +50,42 @@ def test_quiet_bars_are_silent_in_a_pipe_and_the_mode_can_be_forced(monkeypatch:
     bar = progress(total=3, desc="evaluate")
     assert isinstance(bar, tqdm)
     bar.close()
+
+
+def test_a_quiet_phase_gets_a_heartbeat_line_every_interval_and_a_reporting_one_none(monkeypatch, caplog):
+    """A slow stand-in phase that logs nothing (a model loading) gets `<stage>: still running, N s` lines at the
+    interval; a phase whose bar already logs within the interval gets none added."""
+    import logging
+    import time
+
+    from pipeline.progress import heartbeat, progress
+
+    monkeypatch.setenv("PROMPTR1_PROGRESS", "log")
+    caplog.set_level(logging.INFO, logger="pipeline.progress")
+    with heartbeat("evaluate", interval_s=0.4, poll_s=0.05):
+        time.sleep(1.5)  # silent for 1.5 s
+    beats = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert 3 <= len(beats) <= 4 and beats[0].startswith("evaluate: still running, 0 s")
+    caplog.clear()
+    with heartbeat("train", interval_s=0.4, poll_s=0.05), progress(total=30, desc="GRPO", unit="step",
+                                                                     interval_s=0.1) as bar:
+        for _ in range(15):
+            time.sleep(0.1)
+            bar.update(1)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("GRPO: ") for m in messages)
+    assert not [m for m in messages if "still running" in m]  # the bar reported: no heartbeat needed
+
+
+def test_no_heartbeat_on_a_terminal_or_when_progress_is_off(monkeypatch, caplog):
+    import logging
+    import time
+
+    from pipeline.progress import heartbeat
+
+    caplog.set_level(logging.INFO, logger="pipeline.progress")
+    for mode in ("bar", "off"):
+        monkeypatch.setenv("PROMPTR1_PROGRESS", mode)
+        with heartbeat("evaluate", interval_s=0.1, poll_s=0.02):
+            time.sleep(0.4)
+    assert not [r for r in caplog.records if "still running" in r.getMessage()]
