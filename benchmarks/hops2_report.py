@@ -133,3 +133,39 @@ def _settings() -> dict[str, Any]:
 
     return {**SETTINGS, "seeds": list(SEEDS), "early_stop_steps": EARLY_STEPS,
             "grpo_questions": "2-hop training questions only", "evaluation": "greedy, llama.cpp F16 export"}
+
+
+def plot_hops2(folder: Path, block: dict[str, Any], path: Path) -> Path:
+    """learning_hops2.png: each seed's held-out 2-hop F1 per system (bars) and the training answer reward per
+    step of GRPO against the shuffled-advantage run (lines), from the committed files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    systems = [s for s in SYSTEMS if s in block["per_hop"]["2-hop"]]
+    seeds = [str(s) for s in block["seeds"]]
+    width = 0.8 / max(1, len(systems))
+    for k, system in enumerate(systems):
+        values = [block["per_seed"][s]["per_hop"].get(system, {}).get("2-hop", float("nan")) for s in seeds]
+        left.bar([i + (k - (len(systems) - 1) / 2) * width for i in range(len(seeds))], values, width, label=system)
+    left.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds])
+    left.set_ylabel("held-out 2-hop F1 (points)")
+    left.legend(fontsize=7)
+    for k, seed in enumerate(seeds):
+        for prefix, style in (("", "-"), ("shuffled_advantage_", "--")):
+            csv = folder / f"seed{seed}" / f"{prefix}steps.csv"
+            if csv.is_file():
+                steps = pd.read_csv(csv)
+                right.plot(steps["step"], steps["reward/answer/mean"], style, color=f"C{k}", marker=".",
+                           label=f"seed {seed} {'shuffled' if prefix else 'GRPO'}")
+    right.set_xlabel("GRPO step")
+    right.set_ylabel("training answer reward (mean F1)")
+    right.legend(fontsize=6, ncol=2)
+    fig.suptitle("hops2 (pre-registered): GRPO against the warm-up and its controls")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -523,6 +523,10 @@ def write_report(results: Path, notes: list[str], main_mode: str = "terse") -> d
     plt.close(fig)
     if result.get("hops"):
         plot_hops(result["hops"], results / "learning_hops.png")
+    if result.get("hops2"):
+        from hops2_report import plot_hops2
+
+        plot_hops2(results / "learning" / "hops2", result["hops2"], results / "learning_hops2.png")
     return result
 
 
