@@ -8,7 +8,9 @@ Process setup (telemetry off, logging to stderr) is `pipeline.runtime`'s, shared
 Every stage command goes through `_run_stage`, which ends it with one INFO line
 `<stage> done in <s> s: <key figure>` (pipeline.stages.figures, read back from the files the stage wrote).
 Errors the user can fix (bad params, bad data, missing key variable) print one clear line and exit 1,
-without a traceback.
+without a traceback; so does a stage that meets a full disk, however deep the error (pipeline/disk_space.py).
+A stage refusing the params a workspace `dvc exp run -S` wrote puts back what DVC changed for it first, and
+says so in that line (pipeline/refused_experiment.py).
 """
 
 from __future__ import annotations
@@ -75,15 +77,46 @@ def _run(call: Callable[[], object]) -> None:
 
 def _run_stage(stage: str, params_file: str | None, sets: list[str] | None,
                call: Callable[[Params], object]) -> None:
-    """`_run` a stage on the runnable params, then log `<stage> done in <s> s: <key figure>`."""
+    """`_run` a stage on the runnable params, then log `<stage> done in <s> s: <key figure>`; a full disk ends it
+    in one line (pipeline/disk_space.py)."""
+    from pipeline.disk_space import disk_full, quiet_full_store_tracebacks
+    from pipeline.progress import heartbeat
 
     def stage_then_figure() -> None:
-        params = _load_runnable(params_file, sets)
+        try:
+            params = _load_runnable(params_file, sets)
+        except (ConfigError, UserError) as exc:
+            raise _put_back_refused(exc, params_file) from None
         start = time.perf_counter()
-        call(params)
+        quiet_full_store_tracebacks()
+        try:
+            with heartbeat(stage):  # a line at least every minute, also in phases that report nothing
+                call(params)
+        except Exception as exc:
+            full = disk_full(exc, params.root)
+            if full is None:
+                raise
+            raise full from None
         log.info("%s done in %.1f s: %s", stage, time.perf_counter() - start, key_figure(stage_folders(params), stage))
 
     _run(stage_then_figure)
+
+
+def _put_back_refused(exc: ConfigError | UserError, params_file: str | None) -> ConfigError | UserError:
+    """`exc`, saying what was put back when a workspace `dvc exp run` edited the params files and removed this
+    stage's outputs for params the stage refuses (pipeline/refused_experiment.py); `exc` itself otherwise."""
+    from pipeline.refused_experiment import put_back_refused_experiment
+
+    try:
+        root = Path(params_file).resolve().parent if params_file else find_root()
+        done = put_back_refused_experiment(root, getattr(exc, "keys", ()))
+        said = done.sentence() if done is not None else ""
+    except Exception as failed:  # noqa: BLE001 - the refusal is the news; a failed put-back is told beside it
+        said = f"the workspace was not put back ({type(failed).__name__}: {failed})"
+    if not said:
+        return exc
+    message = f"{exc}; {said}"
+    return ConfigError(message) if isinstance(exc, ConfigError) else UserError(message)
 
 
 @app.callback()

@@ -9,6 +9,11 @@ class DataError(UserError):
     """A source or data file is unreadable, has wrong columns, or fails validation (names file/row/field)."""
 
 
+class DiskFull(UserError):
+    """A write does not fit, or did not fit, on its file system: the message names the path, the free space there
+    and, where the stage checked first, what it needed (pipeline/disk_space.py)."""
+
+
 class EnvironmentUnavailable(UserError):
     """The environment (large LLM) endpoint cannot be started, reached, or paid for."""
 

@@ -137,12 +137,14 @@ def stages() -> list[tuple[str, str, list[str]]]:
     return out
 
 
-CLI_STAGE_PATH = ("main", "_load", "_load_runnable", "_run", "_run_stage")
+CLI_STAGE_PATH = ("main", "_load", "_load_runnable", "_run", "_run_stage", "_put_back_refused")
 """The functions of pipeline/cli.py every stage command runs through before and after its own module."""
 
-REFUSAL_GUARDS = ("pipeline.checks.layout", "flows.override_guard")
-"""Modules the CLI runs before a stage only to refuse it (the layout check, a killed flow's overrides): they
-change no output, so they are not deps (editing the GPU layout rules must not rerun sampling)."""
+REFUSAL_GUARDS = ("pipeline.checks.layout", "flows.override_guard", "pipeline.refused_experiment",
+                  "pipeline.disk_space")
+"""Modules the CLI runs before a stage only to refuse it (the layout check, a killed flow's overrides) or once
+it failed (putting back what a refused `dvc exp run` changed, wording a full disk): they change no output, so
+they are not deps of every stage (editing the GPU layout rules must not rerun sampling)."""
 
 
 def cli_modules() -> set[str]:

@@ -52,3 +52,24 @@ def test_promptr1_ask_reports_unreachable_environment(repo_root, tmp_path):
     ])
     assert result.exit_code == 1
     assert "PROMPTR1_SURELY_UNSET_KEY" in result.output
+
+
+@pytest.mark.parametrize("question", ["", "   \n"], ids=["empty", "blank"])
+def test_promptr1_ask_refuses_an_empty_question_without_calling_the_environment(repo_root, tiny_llama_dir,
+                                                                                tmp_path, question):
+    """An empty question got an invented answer after three turns; now one line, exit 1, and not one request
+    reaches the environment (a real stand-in server on 127.0.0.1 records every request)."""
+    from fault_server import FaultServer
+
+    with FaultServer() as env:
+        result = CliRunner().invoke(app, [
+            "ask", question, "--model", str(tiny_llama_dir), "--engine", "transformers",
+            "--params", str(repo_root / "params.yaml"),
+            "--set", f"environment.base_url={env.url}", "--set", "environment.served_name=fault-model",
+            "--set", f"paths.cache_dir={tmp_path / 'cache'}",
+            "--set", "agent.max_turns=1", "--set", "agent.max_turn_tokens=4",
+        ])
+        requests = list(env.requests)
+    assert result.exit_code == 1, result.output
+    assert "error: promptr1 ask: the question is empty" in result.output, result.output
+    assert requests == []

@@ -302,3 +302,101 @@ def test_serve_without_a_champion_names_the_registry(tmp_path, repo_root, monkey
         UserError, match=r"models:/prompt-r1-agent@champion does not exist .*m\.db.*dvc repro"
     ):
         champion_version(params)
+
+
+def test_serve_refuses_a_busy_or_impossible_port_at_once_naming_it(tmp_path, repo_root):
+    """`promptr1 serve --port <busy>` or `--port 70000` loaded the model for ~20 s, then printed MLflow's
+    traceback: now the port is checked before the registry or the model is touched (the registry here is empty,
+    so anything later would fail differently), one line naming it, in seconds. A real listening socket is busy."""
+    import socket
+    import subprocess
+    import sys
+
+    store = f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        for port, said in ((taken, f"port {taken} on 127.0.0.1 is in use by another process"),
+                           (70000, "port 70000 is not a TCP port (1-65535)")):
+            start = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "pipeline.cli", "serve", "--params",
+                                   str(repo_root / "params.yaml"), "-S", store, "--port", str(port)],
+                                  cwd=tmp_path, check=False, capture_output=True, text=True, timeout=120)
+            seconds = time.monotonic() - start
+            output = done.stdout + done.stderr
+            assert done.returncode == 1, output
+            line = f"error: promptr1 serve: {said}: choose another with --port (default: register.serve.port)"
+            assert output.strip().splitlines() == [line], output
+            assert seconds < 30, seconds  # the CLI's start-up only: no model, no registry
+    assert not (tmp_path / "mlflow.db").exists()  # the registry was never opened
+
+
+@pytest.mark.slow
+def test_the_served_model_answers_400_to_an_empty_or_non_text_question_without_calling_the_environment(
+    tiny_llama_dir, tmp_path
+):
+    """MLflow's scoring server (`mlflow models serve`, what `promptr1 serve` runs) on the pyfunc saved as the
+    register stage logs it (models from code, the tiny agent, transformers engine): an empty question got 200
+    and an invented answer after ~12 s, `{"question": 42}` a 200 too. Now each is HTTP 400 whose message names
+    the row and why, and the environment (a real stand-in server on 127.0.0.1, recording every request) is never
+    called, not even probed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    import mlflow.pyfunc
+    from fault_server import FaultServer
+
+    import pipeline
+    from pipeline.serving.agent_model import AGENT_ARTIFACT, ENVIRONMENT_ARTIFACT, MODEL_CODE, signature
+
+    with FaultServer() as env:
+        context = _agent_context(tiny_llama_dir, tmp_path, env.url)
+        config = {**context.model_config, "agent_engine": "transformers",
+                  "environment": {"base_url": env.url, "served_name": env.model}}
+        model = tmp_path / "model"
+        mlflow.pyfunc.save_model(
+            str(model), python_model=str(MODEL_CODE), model_config=config, signature=signature(),
+            artifacts={AGENT_ARTIFACT: context.artifacts["agent"],
+                       ENVIRONMENT_ARTIFACT: context.artifacts["environment"]},
+            code_paths=[str(Path(pipeline.__file__).parent)],
+        )
+        port = free_port()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(model), "--env-manager", "local",
+             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        answers = {}
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and server.poll() is None:
+                try:
+                    if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+            for name, question in (("empty", ""), ("blank", "  "), ("number", 42), ("null", None)):
+                answers[name] = httpx.post(f"{url}/invocations", timeout=120,
+                                           json={"dataframe_records": [{"question": question}]})
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=10)
+        requests = list(env.requests)
+    expected = {"empty": "row 0: the question is empty ('')", "blank": "row 0: the question is empty ('  ')",
+                "number": "row 0: a question must be text, got int 42",
+                "null": "row 0: a question must be text, got NoneType None"}
+    for name, response in answers.items():
+        assert response.status_code == 400, (name, response.text)
+        assert response.json()["error_code"] == "INVALID_PARAMETER_VALUE", (name, response.text)
+        assert expected[name] in response.json()["message"], (name, response.text)
+    assert requests == []

@@ -6,6 +6,7 @@ agent generating through the engine `register.serve.agent_engine` (or `--engine`
 (pipeline/agent/engine.py: llama.cpp's server on a GGUF export, as in evaluation, when the base model is a
 GGUF file; else transformers in this process), the authors' user message rendered by the template (the generic
 multi-hop QA wording: dataset "hotpotqa"), and one call of `rollout` with group size 1 and temperature 0.
+An empty or blank question is refused first (pipeline/agent/question.py), before any server or model starts.
 
 Which agent: `--model` if given; else the merged model in `paths.model_dir` (`models/agent`) when the
 pipeline has produced one; else `agent.model` from params (the untrained base model).
@@ -26,7 +27,9 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from pipeline.agent.question import question_problem
 from pipeline.config import Params
+from pipeline.errors import UserError
 from pipeline.types import PromptItem, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -94,6 +97,9 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
     from pipeline.environment.servers import serve_environment
     from pipeline.environment.spec import ServerSpec, environment_with
 
+    problem = question_problem(question)
+    if problem is not None:  # before any server or model: an empty question would get an invented answer
+        raise UserError(f"promptr1 ask: {problem}")
     console = console or Console()
     wall = time.perf_counter()
     ref = agent_model_ref(params, model_ref)

@@ -9,6 +9,8 @@ then runs MLflow's own server for it (`mlflow models serve --env-manager local`,
   one question is a multi-turn rollout (~100-130 s on 2 CPU cores), so the served model timed out on every
   question. `register.serve.request_timeout_s` is passed as `mlflow models serve --timeout`, which MLflow
   hands to the server process as that variable (set here too, for readers of the environment).
+- **The port is checked before anything loads**: out of range, in use or not an address here is one line
+  naming it at once, not MLflow's traceback after the model has loaded for ~20 s.
 - **The registry is read before the server starts**: no champion, or a store that cannot be read, is one
   clear line (UserError), not a server that starts and fails on its first request.
 - **The environment is not started here.** The model carries the environment URL it was registered with
@@ -25,10 +27,12 @@ then runs MLflow's own server for it (`mlflow models serve --env-manager local`,
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -142,15 +146,39 @@ def _warn_if_environment_down(version: Any, uri: str) -> None:
         log.warning("serve: could not check the champion's environment: %s", exc)
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the scoring server could not listen on `host:port` (not a TCP port, in use, not an address of this
+    machine), or None. Bound the way uvicorn binds (SO_REUSEADDR: a port left in TIME_WAIT is free to it)."""
+    if not 1 <= port <= 65535:
+        return f"port {port} is not a TCP port (1-65535)"
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        return f"host {host!r} cannot be resolved ({exc.strerror})"
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use by another process"
+            return f"cannot listen on {host}:{port} ({exc.strerror})"
+    return None
+
+
 def run_serve(params: Params, host: str | None = None, port: int | None = None) -> int:
     """Serve the champion until interrupted (SIGINT or SIGTERM: the server and all it started are stopped);
-    returns the server's exit code."""
+    returns the server's exit code. The port is checked first, before the registry or the model is loaded."""
     from pipeline.runtime import terminate_as_interrupt
 
+    where_host, where_port = host or params.register.serve.host, port or params.register.serve.port
+    problem = port_problem(where_host, where_port)
+    if problem is not None:
+        raise UserError(f"promptr1 serve: {problem}: choose another with --port (default: register.serve.port)")
     version = champion_version(params)
     cmd, env = serve_command(params, host, port)
     _warn_if_environment_down(version, env["MLFLOW_TRACKING_URI"])
-    where = f"http://{host or params.register.serve.host}:{port or params.register.serve.port}/invocations"
+    where = f"http://{where_host}:{where_port}/invocations"
     log.info(
         "serving %s (v%s) on %s; %s s per request",
         champion_uri(params),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,24 @@ PROFILES_DIR = "profiles"
 
 
 class ConfigError(ValueError):
-    """params.yaml or a profile is missing, malformed, or fails validation."""
+    """params.yaml or a profile is missing, malformed, or fails validation.
+
+    `keys` are the dotted params keys refused (`train.lr`, `evaluate.environments`), when the refusal is about
+    values rather than a file: what a caller that edited the params can put back (pipeline/refused_experiment.py).
+    """
+
+    def __init__(self, message: str, keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+_LEADING_KEY = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+
+def _problem_keys(problems: list[str]) -> tuple[str, ...]:
+    """The dotted key each problem starts with (every problem names its key first), once each, in order."""
+    keys = (m.group(0) for p in problems if (m := _LEADING_KEY.match(p)))
+    return tuple(dict.fromkeys(keys))
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +72,7 @@ def profile_values(params_file: Path, profile: str, seen: tuple[str, ...] = ()) 
     variant repeats only what it changes and follows its base when the base changes."""
     profile_file = params_file.parent / PROFILES_DIR / f"{profile}.yaml"
     if not profile_file.is_file():
-        raise ConfigError(f"{params_file}: profile {profile!r} has no file {profile_file}")
+        raise ConfigError(f"{params_file}: profile {profile!r} has no file {profile_file}", keys=("profile",))
     if profile in seen:
         raise ConfigError(f"{profile_file}: `extends` loops ({' -> '.join([*seen, profile])})")
     values = _read_yaml(profile_file)
@@ -94,12 +112,13 @@ def load_params(
     try:
         params = Params.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"{path} (profile {profile!r}): {problems}") from exc
+        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError(f"{path} (profile {profile!r}): {'; '.join(problems)}",
+                          keys=_problem_keys(problems)) from exc
     params.root = path.parent
     problems = output_path_problems(params) + matrix_problems(params)
     if problems:
-        raise ConfigError(f"{path} (profile {profile!r}): " + "; ".join(problems))
+        raise ConfigError(f"{path} (profile {profile!r}): " + "; ".join(problems), keys=_problem_keys(problems))
     return params
 
 

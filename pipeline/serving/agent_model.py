@@ -21,6 +21,10 @@ Design decisions:
   both the project's `EnvironmentUnavailable` and an `MlflowException` with error code
   `TEMPORARILY_UNAVAILABLE`, which MLflow's scoring server answers with HTTP 503 and the line as the JSON
   `message` (any other exception becomes MLflow's generic 400 blaming the input).
+- **A question is text with something in it** (pipeline/agent/question.py): a row whose question is empty,
+  blank, a number or null is refused before the environment is probed, as `QuestionRefused`, an
+  `MlflowException` with `INVALID_PARAMETER_VALUE`: HTTP 400 naming the row and why. MLflow's JSON parsing
+  hands `dataframe_records` values through as they are (42 stays an int), so the type is checked here.
 - **Input.** A DataFrame with `question` and optionally `dataset` (picks the dataset's own instruction,
   e.g. the math wrapper; default `model_config["default_dataset"]`). Output: one row per question with
   `answer`, `turns`, `stop_reason`, environment usage and the trajectory as JSON.
@@ -54,9 +58,10 @@ from typing import Any
 import mlflow.pyfunc
 import pandas as pd
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, TEMPORARILY_UNAVAILABLE
 
-from pipeline.errors import EnvironmentUnavailable
+from pipeline.agent.question import question_problem
+from pipeline.errors import EnvironmentUnavailable, UserError
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +87,14 @@ class EnvironmentDown(MlflowException, EnvironmentUnavailable):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, error_code=TEMPORARILY_UNAVAILABLE)
+
+
+class QuestionRefused(MlflowException, UserError):
+    """A row's question is empty or not text: the request's fault, served as HTTP 400 (`INVALID_PARAMETER_VALUE`)
+    with the rows and reasons as its message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +158,10 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if "question" not in frame.columns:
             raise ValueError("input needs a 'question' column")
+        refused = [f"row {i}: {p}" for i, q in enumerate(frame["question"]) if (p := question_problem(q))]
+        if refused:  # before the environment is probed or called: nothing to answer
+            log.warning("request refused: %s", "; ".join(refused))
+            raise QuestionRefused("; ".join(refused))
         datasets = (
             frame["dataset"].fillna(self.default_dataset)
             if "dataset" in frame.columns

@@ -175,6 +175,17 @@ def restore_optimizer_and_rng(optimizer: torch.optim.Optimizer, folder: Path) ->
     restore_rng_state(load_safely(folder / "rng.pt"))
 
 
+def remove_partial_saves(root: Path) -> None:
+    """Remove the temporary folders of saves that did not finish (killed, or the disk filled)."""
+    for stray in root.glob(".tmp-step_*"):
+        shutil.rmtree(stray, ignore_errors=True)
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (a checkpoint's size on disk)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 def save_checkpoint(
     root: Path,
     state: TrainerState,
@@ -187,8 +198,7 @@ def save_checkpoint(
     `write_weights(folder)` saves the model (`folder/model`) or adapter (`folder/adapter`) and tokenizer.
     """
     root.mkdir(parents=True, exist_ok=True)
-    for stray in root.glob(".tmp-step_*"):
-        shutil.rmtree(stray, ignore_errors=True)
+    remove_partial_saves(root)
     final = step_dir(root, state.step)
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

@@ -9,7 +9,9 @@
 4. GRPO steps (`pipeline.train.trainer.LocalTrainer.step`), each logged to `reports/train/steps.csv` and
    MLflow (`pipeline.train.step_metrics`), its trajectories to `reports/train/trajectories.jsonl` and a
    sample of them as MLflow traces (`pipeline.train.trajectory_log`), checkpointed every `save_every`
-   (`pipeline.train.checkpoint`); each step is first judged by the health gate (`pipeline.train.health_gate`):
+   (`pipeline.train.checkpoint`) once its size fits in the folder's free space (`pipeline.disk_space`: else one
+   line naming the folder, the free space and the size, and the last checkpoint stays); each step is first
+   judged by the health gate (`pipeline.train.health_gate`):
    a breach logs the step, tags the run and raises `TrainingUnhealthy` before the step is checkpointed.
 
 Design decisions:
@@ -39,7 +41,9 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pipeline import disk_space
 from pipeline.errors import BudgetExceeded, EnvironmentUnhealthy, UserError
+from pipeline.paths import display_path
 from pipeline.stage_files import TRAJECTORIES_FILE
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import health_gate, warmup
@@ -103,7 +107,7 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
     device = pick_device()
     frame = load_training_set(plan.train_file)
     log.info("loading the policy %s (%s)%s", plan.agent.model, "LoRA" if cfg.lora.enabled else "full",
-             f", resuming from {folder}" if folder else "")
+             f", resuming from {display_path(folder, plan.root)}" if folder else "")
     models = load_policy_models(plan.require_agent_model(), plan.agent, cfg, folder, device)
     sampler = QuestionSampler(len(frame), plan.seed, state.epoch if state else 0, state.position if state else 0)
     trainer = LocalTrainer(plan, models, frame, device, sampler)
@@ -114,7 +118,7 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
              cfg.autocast)
     set_run_tag("train.autocast_used", trainer.autocast_dtype or "float32")
     if warmed and models.reference is not None:
-        _load_warmed_reference(models, root, plan.agent.model)
+        _load_warmed_reference(models, root, plan.agent.model, plan.root)
     if folder is not None:
         ckpt.restore_optimizer_and_rng(trainer.optimizer, folder)
         log.info("resumed at step %d (epoch %d, position %d)", start, sampler.epoch, sampler.position)
@@ -123,7 +127,7 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
         st = ckpt.TrainerState(step=step, epoch=sampler.epoch, position=sampler.position, seed=plan.seed,
                                base_model=plan.agent.model, lora=cfg.lora.enabled, steps_target=cfg.steps,
                                metrics=metrics, config=training_config(plan), warmup_done=warmed)
-        ckpt.save_checkpoint(root, st, partial(write_weights, models), trainer.optimizer, keep=cfg.keep_checkpoints)
+        _save_if_it_fits(plan, models, trainer.optimizer, st)
 
     last: dict[str, float] = dict(state.metrics) if state else {}
     gate = health_gate.HealthGate(cfg.health, health_gate.LOCAL_METRICS, cfg.steps,
@@ -178,6 +182,37 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
     return last
 
 
+def _save_if_it_fits(plan: TrainPlan, models: PolicyModels, optimizer: torch.optim.Optimizer,
+                     state: ckpt.TrainerState) -> None:
+    """`save_checkpoint` once the checkpoint's size fits in its folder's free space, else DiskFull naming the
+    folder, the free space and the size; a save the disk cut short is removed and said the same way."""
+    root = plan.checkpoint_dir
+    with disk_space.writing(root, plan.root, _checkpoint_bytes(models, optimizer, root),
+                            f"step {state.step}'s checkpoint", _disk_advice(root),
+                            cleanup=partial(ckpt.remove_partial_saves, root)):
+        ckpt.save_checkpoint(root, state, partial(write_weights, models), optimizer,
+                             keep=plan.train.keep_checkpoints)
+
+
+def _checkpoint_bytes(models: PolicyModels, optimizer: torch.optim.Optimizer, root: Path) -> int:
+    """Bytes the next checkpoint takes, the larger of: the newest one on disk, and what `write_weights` saves (the
+    adapter with LoRA, else the whole model) plus the optimizer's state as it is now (AdamW holds none before its
+    first step), the tokenizer's few MB aside."""
+    params = list(models.model.parameters())
+    saved = sum(p.numel() * p.element_size() for p in params if p.requires_grad or not models.lora)
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    estimate = saved + sum(t.numel() * t.element_size() for t in state)
+    last = ckpt.latest_checkpoint(root)
+    return max(estimate, ckpt.folder_bytes(last)) if last is not None else estimate
+
+
+def _disk_advice(root: Path) -> str:
+    folder = ckpt.latest_checkpoint(root)
+    kept = f"{folder.name} is kept and a rerun resumes from it" if folder else "no checkpoint was written"
+    return ("free space there, lower train.keep_checkpoints, or point paths.checkpoint_dir at a larger disk "
+            f"({kept})")
+
+
 def _kept(root: Path) -> str:
     folder = ckpt.latest_checkpoint(root)
     if folder is None:
@@ -192,13 +227,14 @@ def _refuse_warmup_with_lora(train: TrainConfig) -> None:
                         "train.lora.enabled: false")
 
 
-def _load_warmed_reference(models: PolicyModels, root: Path, base_ref: str) -> None:
+def _load_warmed_reference(models: PolicyModels, root: Path, base_ref: str, project: Path) -> None:
     """A resumed run after the warm-up: the frozen KL reference is the warmed weights kept on disk."""
+    shown = display_path(root / WARMUP_DIR, project)
     if (root / WARMUP_DIR / "model").is_dir():
         load_full_weights(models.reference, root / WARMUP_DIR / "model", base_ref)  # type: ignore[arg-type]
-        log.info("KL reference: the warmed-up weights in %s", root / WARMUP_DIR)
+        log.info("KL reference: the warmed-up weights in %s", shown)
     else:
-        log.warning("%s missing: the KL reference falls back to the base weights", root / WARMUP_DIR)
+        log.warning("%s missing: the KL reference falls back to the base weights", shown)
 
 
 def _run_warmup(plan: TrainPlan, models: PolicyModels, frame: pd.DataFrame, device: torch.device,
