@@ -667,7 +667,8 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
     report = {
         "device": device,
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-        "versions": {name: __import__(name).__version__ for name in ("torch", "transformers", "verl")},
+        "versions": {name: __import__(name).__version__
+                     for name in ("torch", "transformers", "tokenizers", "verl", "ray")},  # ray: or its stand-in
         "model": {
             "config": str(args.config),
             "tiny": args.tiny,

@@ -41,12 +41,16 @@ HEALTH_GATE_MARK = "training health gate"
 """Start of the line a stage prints when the training health gate stopped it (pipeline/train/health_gate.py)."""
 RESUME_CHECK_MARK = "training resume check"
 """Start of the line when verl did not train the steps it should have (pipeline/train/verl_progress.py)."""
+STEPS_RECORD_MARK = "training steps record"
+"""Start of the line when steps.csv lacks steps the training went through (pipeline/train/verl_steps.py)."""
 STALL_MARK = "training stalled"
 """Start of the line when the progress watchdog stopped verl (pipeline/train/verl_progress.py): retried."""
 
 NOT_RETRIED = {
     HEALTH_GATE_MARK: "a resumed run would train from the same last healthy checkpoint into the same breach",
     RESUME_CHECK_MARK: "a rerun resumes from the same checkpoint with the same verl: the same restart or skip",
+    STEPS_RECORD_MARK: "the training is complete, so a rerun finds nothing to do and would pass with the same "
+                       "incomplete steps.csv",
 }
 """Failures a retry cannot fix, by the mark their line starts with, and why. Anything else is retried,
 including a stall (`STALL_MARK`): a hang in weight sync or a collective is transient, and the retry resumes
@@ -55,7 +59,7 @@ from the last checkpoint."""
 
 def retry_unless_unhealthy(task: Any, task_run: Any, state: Any) -> bool:
     """Prefect's retry condition: retry a failed stage unless its failure is one a retry cannot fix
-    (`NOT_RETRIED`: the training health gate, the resume check), hours of GPU later."""
+    (`NOT_RETRIED`: the training health gate, the resume check, the steps record), hours of GPU later."""
     try:
         state.result()
     except Exception as exc:  # noqa: BLE001 - the stage's failure, whatever it is, is what we judge

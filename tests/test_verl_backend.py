@@ -223,7 +223,8 @@ def test_export_steps_csv_from_a_real_mlflow_run(tmp_path, monkeypatch):
     with mlflow.start_run(experiment_id=experiment) as run:
         for step, score in [(1, -0.5), (2, 0.25)]:
             mlflow.log_metrics({"critic/score/mean": score, "actor/kl_loss": 0.01 * step}, step=step)
-    rows = verl_backend.export_steps_csv(run.info.run_id, tmp_path / "steps.csv")
+    launches = [verl_backend.Launch(run_id=run.info.run_id, resumed_from=0)]
+    rows = verl_backend.export_steps_csv(launches, tmp_path / "steps.csv", last_step=2, seen=[1, 2])
     assert rows == 2
     lines = (tmp_path / "steps.csv").read_text().splitlines()
     # verl's critic/score/mean is GRPO's reward: steps.csv and the run also name it reward/mean

@@ -56,21 +56,25 @@ def verl_checkpoints(root: Path, *steps: int, marker: bool = True) -> Path:
     return root
 
 
-def replay(check: ResumeCheck, log: str, until_step: int | None = None) -> None:
+def replay(check: ResumeCheck, log: str, until_step: int | None = None, without: str | None = None) -> None:
+    """Feed `check` the log's lines, up to step `until_step`'s, leaving out those that contain `without`."""
     for line in (LOGS / log).read_text(encoding="utf-8").splitlines():
         if until_step is not None and f"step:{until_step + 1} - " in line:
             return
-        check.observe(line)
+        if without is None or without not in line:
+            check.observe(line)
 
 
 # ------------------------------------------------------------------------------------------- resume check
 def test_resume_to_step_zero_is_stopped_at_its_first_step(tmp_path):
+    """The defence behind the fit-start line (tests/test_verl_first_hour.py): without `Training from scratch`
+    in the output, the restart is stopped at its first step line."""
     # the marker is gone: verl restarts from scratch although global_step_20 exists
     ckpt = verl_checkpoints(tmp_path / "ckpt", 10, 20, marker=False)
     assert resumed_step(ckpt) == 20
     check = ResumeCheck(SCHEDULE, resumed_step(ckpt), ckpt)
     with pytest.raises(TrainingIncomplete) as stopped:
-        replay(check, "resume_restart_at_zero.log")
+        replay(check, "resume_restart_at_zero.log", without="Training from scratch")
     message = str(stopped.value)
     assert message.startswith(f"{RESUME_CHECK_MARK}: verl restarted at step 0")
     assert "first training step was 1" in message and "global_step_20" in message and "step 21" in message
@@ -85,8 +89,9 @@ def test_resume_to_step_zero_is_stopped_at_its_first_step(tmp_path):
 
 
 def test_resume_to_step_zero_stops_the_real_process_and_is_not_retried(tmp_path):
-    """Through the launcher's stream: the child replaying the restart is stopped at its first step line; the
-    flow's retry policy does not retry it (the rerun would meet the same missing marker)."""
+    """Through the launcher's stream: the child replaying the restart is stopped at its fit-start line
+    (`Training from scratch`), before its validation and first step; the flow's retry policy does not retry it
+    (the rerun would meet the same missing marker)."""
     from prefect.states import Failed
 
     from flows.dvc_steps import StageFailed
@@ -101,7 +106,7 @@ def test_resume_to_step_zero_stops_the_real_process_and_is_not_retried(tmp_path)
                 env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path, log_file=tmp_path / "verl.log", on_line=progress)
     assert time.monotonic() - t0 < 20
     log_text = (tmp_path / "verl.log").read_text()
-    assert "step:1 -" in log_text and "step:2 -" not in log_text
+    assert "Training from scratch" in log_text and "step:0 -" not in log_text and "step:1 -" not in log_text
     assert retry_unless_unhealthy(None, None, Failed(data=StageFailed("train", 1, f"error: {stopped.value}"))) is False
 
 
@@ -228,7 +233,8 @@ def smoke_plan(tmp_path):
 def test_step_bounds_of_the_smoke_profile_by_hand(smoke_plan):
     """smoke-1gpu: 4 questions x G=4 = 16 conversations of at most 3 turns, 16 calls in flight, each at most
     60 s x (1 + 1/4) = 75 s: (ceil(16 x 3 / 16) + 3) x 75 = 450 s of rollout; the profile saves at step 3 and
-    never validates; `trainer.total_training_steps=3` although 18 rows // 4 = 4 steps per epoch."""
+    never validates; `trainer.total_training_steps=3` although 18 rows // 4 = 4 steps per epoch. The start-up
+    is bounded alone, until verl's fit-start line; a resumed launch's first step also loads the checkpoint."""
     from pipeline.train.verl_progress import verl_schedule
 
     schedule = verl_schedule(smoke_plan)
@@ -236,7 +242,11 @@ def test_step_bounds_of_the_smoke_profile_by_hand(smoke_plan):
     assert schedule.derivation == "trainer.total_training_steps=3"
     bounds = StepBounds.of(schedule, smoke_plan.train.verl.watchdog, smoke_plan.environment, smoke_plan.agent)
     assert bounds.rollout_s == 450.0 and bounds.validation_rollout_s == 0.0
-    assert bounds.seconds(1, first=True) == 450 + 900 + 1800
+    assert bounds.startup_parts() == {"start-up until verl's fit-start line": 1800}  # alone, before step 1's
+    assert bounds.seconds(1, first=True) == 450 + 900  # from the fit-start line: no load, no validation before
+    resumed = StepBounds.of(schedule, smoke_plan.train.verl.watchdog, smoke_plan.environment, smoke_plan.agent,
+                            resumed_from=1)
+    assert resumed.seconds(2, first=True) == 450 + 900 + 900  # the checkpoint load
     assert bounds.seconds(2, first=False) == 450 + 900
     assert bounds.seconds(3, first=False) == 450 + 900 + 900
     measured = smoke_plan.train.verl.watchdog.model_copy(update={"rollout_s": 100.0})

@@ -17,7 +17,10 @@ trajectories (GPU nodes only).
   `trainer.rollout_data_dir` (verl dumps the step's decoded rollouts as `<step>.jsonl`), its log and
   overrides under `reports/doctor/train/`, and its MLflow run in the experiment `<experiment>-doctor`, so
   the doctor never adds a run to the project's own experiment or a checkpoint to `paths.checkpoint_dir`.
-  Its line gives the step's wall time.
+  Its line gives the step's wall time and the watchdog setting its rollout suggests for the profile
+  (`watchdog_suggestion`: verl's `timing_s/gen` of the step, scaled from the doctor's batch to the profile's
+  as the environment's worst case scales, doubled), as `-S train.verl.watchdog.rollout_s=<s>` to pass to the
+  run: the doctor writes no params file, which would change the train stage's params and rerun it.
 - `merge`: `pipeline.stages.merge.run_merge` of that checkpoint into `reports/doctor/model` (verl's merger,
   then the load-and-generate check); the checkpoint folder is removed afterwards.
 - `trajectories`: two trajectories of the dump, each split into its agent turns (mask 1) and the
@@ -187,6 +190,8 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     with mlflow.start_run(run_name=f"doctor-{p.profile}") as run:
         run_verl(TrainPlan.from_params(p), tracking.tracking_uri(store), run)
     seconds = time.perf_counter() - started
+    suggestion = watchdog_suggestion(doc.params, p.train.batch_size * p.train.group_size,
+                                     p.path(p.paths.reports_dir) / "train" / "verl.log")
     actor = ckpt.latest_verl_step(p.path(p.paths.checkpoint_dir))
     dumps = sorted(rollout_dir(doc.reports_dir).glob("*.jsonl"))
     batch, group = p.train.batch_size, p.train.group_size
@@ -197,6 +202,7 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
         "batch_size": batch,
         "trajectories": batch * group,
         "step_s": round(seconds, 1),
+        **(suggestion or {}),
     }
     if actor is None:
         return failed(
@@ -209,11 +215,35 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
             "(trainer.rollout_data_dir)",
             **figures,
         )
+    watchdog = (f"; its rollout ({suggestion['rollout_measured_s']:g} s) suggests `-S "
+                f"train.verl.watchdog.rollout_s={suggestion['suggested_rollout_s']:g}` for the profile's "
+                f"{suggestion['profile_conversations']} conversations a step" if suggestion else "")
     return passed(
         f"1 step of {batch} questions x {group} = {batch * group} trajectories (one mini-batch) in "
-        f"{seconds:.0f} s saved {actor.parent.name}/actor; rollouts dumped to {dumps[-1].name}",
+        f"{seconds:.0f} s saved {actor.parent.name}/actor; rollouts dumped to {dumps[-1].name}{watchdog}",
         **figures,
     )
+
+
+def watchdog_suggestion(params: Params, conversations: int, verl_log: Path) -> dict[str, Any] | None:
+    """The `train.verl.watchdog.rollout_s` the doctor's step suggests for the profile's steps: verl's
+    `timing_s/gen` on the step's line in `verl_log` (`conversations` trajectories), scaled to the profile's
+    batch (`verl_progress.suggested_rollout_s`); None when the log holds no such line."""
+    from pipeline.train.verl_health_gate import TRAINING_KEY, parse_step_line
+    from pipeline.train.verl_progress import suggested_rollout_s
+
+    measured = None
+    if verl_log.is_file():
+        for line in verl_log.read_text(encoding="utf-8", errors="replace").splitlines():
+            parsed = parse_step_line(line)
+            if parsed is not None and TRAINING_KEY in parsed[1] and "timing_s/gen" in parsed[1]:
+                measured = parsed[1]["timing_s/gen"]
+    if measured is None:
+        return None
+    profile = params.train.batch_size * params.train.group_size
+    suggested = suggested_rollout_s(measured, conversations, profile, params.environment, params.agent.max_turns)
+    return {"rollout_measured_s": round(measured, 1), "profile_conversations": profile,
+            "suggested_rollout_s": suggested}
 
 
 def step_merge(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:

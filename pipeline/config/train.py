@@ -38,8 +38,9 @@ class WatchdogConfig(_Section):
 
     enabled: bool = Field(True, description="Stop a verl run whose next step line is overdue; false: wait forever.")
     startup_s: float = Field(
-        1800.0, gt=0, description="The first step after a launch: Ray, loading the weights, starting the rollout "
-        "engines, resuming a checkpoint.")
+        1800.0, gt=0, description="From the launch to verl's fit-start line (`Training from scratch` / `Setting "
+        "global step to N`): Ray, loading the weights, starting the rollout engines. Alone: a hang there is stopped "
+        "after this, not after the first step's whole bound.")
     update_s: float = Field(
         900.0, gt=0, description="Every step besides waiting on the environment: the agent's generation, the "
         "log-prob passes, the actor update, syncing weights to the rollout.")
@@ -50,8 +51,8 @@ class WatchdogConfig(_Section):
         None, gt=0, description="One training step's rollout, when measured; null: the environment's worst case "
         "derived from its timeout, concurrency and the turns (a validation pass scales it by its conversations).")
     checkpoint_s: float = Field(
-        900.0, gt=0, description="One checkpoint save (every save_freq steps and at the last step); verl saves "
-        "before it prints the step's line.")
+        900.0, gt=0, description="One checkpoint save (every save_freq steps and at the last step; verl saves "
+        "before it prints the step's line), and a resumed launch's checkpoint load in its first step's bound.")
 
 
 class VerlConfig(_Section):

@@ -24,8 +24,12 @@ with layouts that would fail; the functions that read the host (`host_gpu_count`
   this host they must not include a device of the environment server that the layout does not also give
   training (`paper-1node`: a Ray started on devices 0-7 would put verl's rollout on 6-7, where vLLM holds 0.9
   of the memory). `smoke-1gpu` shares its one GPU on purpose (fractions 0.3 + 0.4), so a device in both
-  `environment.server.gpus` and `train.verl.gpus` is not refused here. `promptr1 doctor` probes the private
-  Ray too (`probe_private_ray`: started as verl's launch starts it, then stopped).
+  `environment.server.gpus` and `train.verl.gpus` is not refused here.
+- **A private Ray** (`train.verl.ray_address: ""`) is probed too, on a host with GPUs (`probe_private_ray`):
+  started as verl's launch starts it, `ray.init(address="local")` with CUDA_VISIBLE_DEVICES =
+  `train.verl.gpus`, then stopped. `local` always starts a new instance; with no address Ray would join the
+  cluster named in the `ray_current_cluster` file of its temp folder (the last `ray start` here, running or
+  crashed: ray/_private/services.py `get_ray_address_from_environment`), and the probe would judge that one.
 - **Disk**: the checkpoints verl retains (`pipeline.train.memory`: size of one save × how many it keeps at
   once) must fit in the free space of `trainer.default_local_dir` (`paths.checkpoint_dir`).
 - **verl's validation** (`validate_config` and `ActorConfig.validate`) on the composed config, which
@@ -48,6 +52,7 @@ from pipeline.errors import UserError
 from pipeline.placement import gpus_of_environment, gpus_of_training, private_ray_devices
 from pipeline.train import memory
 from pipeline.train.verl_config import VerlRun, compose_plan, verl_validation_error
+from pipeline.train.verl_overrides import PRIVATE_RAY_ADDRESS
 
 if TYPE_CHECKING:
     from pipeline.config import TrainConfig
@@ -171,7 +176,8 @@ def _private_probe(num_gpus: int | None) -> None:
     """The child of `probe_private_ray`: start a private Ray here, print its probe as JSON, stop it."""
     import ray
 
-    ray.init(num_gpus=num_gpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    ray.init(address=PRIVATE_RAY_ADDRESS, num_gpus=num_gpus, include_dashboard=False,
+             logging_level=logging.ERROR, log_to_driver=False)
     try:
         print(json.dumps(asdict(probe_connected_ray("private"))))
     finally:
@@ -179,8 +185,8 @@ def _private_probe(num_gpus: int | None) -> None:
 
 
 def probe_private_ray(train: TrainConfig, num_gpus: int | None = None) -> RayProbe:
-    """Start a private Ray as verl's launch starts one (`train.verl.ray_address: ""`: no RAY_ADDRESS,
-    CUDA_VISIBLE_DEVICES from `private_ray_devices`), probe it and stop it, in a child process so that this
+    """Start a private Ray as verl's launch starts one (`train.verl.ray_address: ""`: address `local`, no
+    RAY_ADDRESS, CUDA_VISIBLE_DEVICES from `private_ray_devices`), probe it and stop it, in a child process so that this
     process's environment and Ray state stay as they were. `num_gpus` None: Ray counts the visible devices,
     as under verl."""
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
@@ -220,10 +226,13 @@ def gpu_problems(plan: TrainPlan, run: VerlRun, host_gpus: int, cluster_gpus: fl
         problems.append(
             f"train.verl.n_gpus_per_node, train.verl.nnodes, train.verl.ray_address: verl needs "
             f"trainer.n_gpus_per_node x trainer.nnodes = {run.value('trainer.n_gpus_per_node')} x "
-            f"{run.value('trainer.nnodes')} = {world} GPUs, but the Ray cluster at "
-            f"{plan.train.verl.ray_address!r} has {cluster_gpus:g} (start every node with "
-            f"`ray start --num-gpus=...`, see docs/gpu.md)")
+            f"{run.value('trainer.nnodes')} = {world} GPUs, but {_ray_named(plan.train.verl.ray_address)} has "
+            f"{cluster_gpus:g} (start every node with `ray start --num-gpus=...`, see docs/gpu.md)")
     return problems
+
+
+def _ray_named(address: str) -> str:
+    return f"the Ray cluster at {address!r}" if address else "the private Ray (train.verl.gpus)"
 
 
 def checkpoint_estimate(plan: TrainPlan, run: VerlRun) -> tuple[int, int | None, tuple[int, str]] | None:
@@ -297,9 +306,14 @@ def resource_problems(plan: TrainPlan, run: VerlRun, probe: RayProbe | None) -> 
 
 
 def assert_resources(plan: TrainPlan) -> None:
-    """Raise UserError, with every problem found, when this machine cannot run the verl layout. A joined Ray
-    cluster (`train.verl.ray_address` set) is probed; a private one starts only with verl."""
+    """Raise UserError, with every problem found, when this machine cannot run the verl layout. The Ray verl
+    will use is probed: a joined cluster (`train.verl.ray_address` set), or a private one started and stopped
+    as verl starts it. A host without GPUs is refused by the device check alone, without a Ray started."""
     address = plan.train.verl.ray_address
-    problems = resource_problems(plan, compose_plan(plan), probe_ray_cluster(address) if address else None)
+    if address:
+        probe: RayProbe | None = probe_ray_cluster(address)
+    else:
+        probe = probe_private_ray(plan.train) if host_gpu_count() else None
+    problems = resource_problems(plan, compose_plan(plan), probe)
     if problems:
         raise UserError("this machine cannot run the verl layout:\n" + "\n".join(problems))

@@ -2,9 +2,9 @@
 
 `build_overrides(plan)` turns the train plan (`pipeline.train.plan`) into the Hydra overrides of verl's own
 `ppo_trainer.yaml`; `run_verl(plan, tracking_uri, run)` launches
-`python -m verl.trainer.main_ppo <overrides>` on a running Ray cluster,
-streams its log, attaches verl's MLflow logger to our run and exports the step metrics to
-`reports/train/steps.csv`.
+`python -m verl.trainer.main_ppo <overrides>` on a joined Ray cluster or a private one,
+streams its log, attaches verl's MLflow logger to our run and exports the step metrics of every launch of the
+training to `reports/train/steps.csv` (pipeline/train/verl_steps.py).
 
 Our code enters verl only at its documented extension points:
 - the agent loop `pipeline.train.verl_agent_loop.PromptR1AgentLoop`, registered as `prompt_r1` by
@@ -43,9 +43,10 @@ Decisions:
   `runtime_env` too, since Ray workers inherit the raylet's environment, not the driver's. On several nodes
   the snapshot folder must exist at the same path on each (the shared filesystem, or `promptr1 weights` with
   the same `HF_HOME` on every node). `verl_launch` builds the command line and environment.
-- **Resume verified, progress watched** (pipeline/train/verl_progress.py): the same lines go to a check that the
-  first training step follows the checkpoint verl resumed from and that the last one reaches the total verl
-  computes, and to a watchdog that stops verl's process group when the next step line is overdue.
+- **Resume verified, progress watched** (pipeline/train/verl_progress.py): the same lines go to a check that
+  verl resumes (its fit-start line) from the checkpoint the launch must resume from and that the last step
+  reaches the total verl computes, and to a watchdog that stops verl's process group when its start-up or the
+  next step line is overdue.
 - **Secrets** (the environment API key) never go into overrides (verl prints its whole config): the
   variable named by `environment.api_key_env` must be set where `ray start` ran on every node, because
   Ray workers inherit the raylet's environment.
@@ -62,7 +63,8 @@ the same path to the data and checkpoint folders (a shared filesystem), and the 
 
 `ray_address: auto` joins the cluster started on this machine (`ray status` must list all nodes; the stage
 start probes which devices it owns, pipeline/train/resources.py); `ray_address: ""` lets verl start a private
-single-node Ray instance instead, pinned to `train.verl.gpus` (`smoke-1gpu`, `paper-1node`). With more than one node use
+single-node Ray instance instead, pinned to `train.verl.gpus` (`smoke-1gpu`, `paper-1node`), with
+`ray.init(address="local")` (`verl_overrides.ray_overrides`), so a cluster a `ray start` left here is not joined. With more than one node use
 an MLflow tracking server (`MLFLOW_TRACKING_URI=http://…`) rather than the default SQLite file, since
 verl's logger may run on any node. Checkpoints land in `paths.checkpoint_dir/global_step_N/actor/`
 (`trainer.resume_mode=auto` resumes from the latest one); `promptr1 merge` converts them with verl's
@@ -73,7 +75,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import csv
 import importlib.util
 import logging
 import os
@@ -92,9 +93,11 @@ from pipeline.stage_files import EVAL_SETS_DIR
 from pipeline.train import health_gate
 from pipeline.train.verl_health_gate import BreachSeen, VerlHealthWatch
 from pipeline.train.verl_progress import VerlProgress
+from pipeline.train.verl_steps import Launch, export_steps_csv, record_launch
 from pipeline.weights import OFFLINE_ENV, cached_location
 
 if TYPE_CHECKING:
+    from pipeline.config import TrainConfig
     from pipeline.train.completion import TrainingProgress
     from pipeline.train.plan import TrainPlan
 from pipeline.train.verl_overrides import (
@@ -115,7 +118,7 @@ from pipeline.train.verl_overrides import (
     train_file,
 )
 
-__all__ = [  # the override mapping lives in verl_overrides; re-exported for callers of this module
+__all__ = [  # the override mapping (verl_overrides) and the steps export (verl_steps), re-exported for callers
     "AGENT_LOOP_CONFIG", "AGENT_NAME", "OVERRIDE_TABLE", "REWARD_FUNCTION_FILE", "REWARD_FUNCTION_NAME",
     "agent_loop_overrides", "build_overrides", "eval_files", "export_steps_csv", "hydra_value", "model_location",
     "param_value", "reward_kwargs_overrides", "rollout_dump_dir", "run_verl", "train_file", "verl_launch",
@@ -124,6 +127,8 @@ __all__ = [  # the override mapping lives in verl_overrides; re-exported for cal
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 60
+MLFLOW_FAILED_LINE = "Proceeding without MLflow tracking"
+"""verl's warning when its MLflow logger could not start (verl/utils/tracking.py): the run trains on, unrecorded."""
 
 
 RUNTIME_ENV_PREFIX = "+ray_kwargs.ray_init.runtime_env.env_vars"
@@ -225,27 +230,23 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
     (reports / "verl_overrides.txt").write_text("\n".join(overrides) + "\n", encoding="utf-8")
     plan.checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
-    verl = plan.train.verl
-    if verl.ray_address:
-        env["RAY_ADDRESS"] = verl.ray_address
-    else:  # a private Ray started by verl here: it sees only the training GPUs the layout assigns
-        env.pop("RAY_ADDRESS", None)
-        devices = private_ray_devices(plan.train)
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices
-
+    _point_at_ray(plan.train, env)
     # Under the owner guard: verl and its process group stop even if this process is SIGKILLed.
     command = guarded(command)
     log.info("launching verl (%d overrides, listed in %s) on Ray %r", len(overrides),
-             reports / "verl_overrides.txt", verl.ray_address or "local")
+             reports / "verl_overrides.txt", plan.train.verl.ray_address or "local")
     health_cfg = plan.train.health
     progress = VerlProgress.for_launch(plan, val_files)
     # The gate scales its grace and window with the same total the resume check holds verl to, until verl
     # prints its own count.
     watch = VerlHealthWatch(health_cfg, rollout_dump_dir(plan) if health_cfg.enabled else None,
                             progress.check.schedule.total_steps)
+    launches = record_launch(plan.checkpoint_dir, Launch(run_id=run_id, resumed_from=progress.check.resumed_from))
 
     def on_line(line: str) -> None:
+        if MLFLOW_FAILED_LINE in line:
+            log.error("verl's MLflow logger did not start (%s): this launch's steps will be missing from %s",
+                      line.strip(), plan.steps_csv)
         progress(line)
         watch(line)
 
@@ -264,22 +265,38 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
     if stalled is not None:
         raise stalled
     if rc != 0:
-        hint = ""
-        if "Could not find any running Ray instance" in tail:
-            hint = " (no Ray cluster: run `ray start --head` first, or set train.verl.ray_address='')"
-        elif "EnvironmentUnhealthy" in tail:
-            hint = (" (the environment failed too often: see environment.max_failure_rate; the last checkpoint"
-                    f" in {plan.checkpoint_dir} is kept and `promptr1 train` resumes from it)")
-        raise UserError(f"verl training failed with exit code {rc}{hint}; see {reports / 'verl.log'}. "
-                        f"Last lines:\n{tail}")
+        raise _failed_launch(rc, tail, plan.checkpoint_dir, reports / "verl.log")
     verified = progress.verify()
-    rows = export_steps_csv(run_id, plan.steps_csv)
-    log.info("verl finished: %d logged steps written to %s", rows, plan.steps_csv)
+    rows = export_steps_csv(launches, plan.steps_csv, last_step=verified.last_step, seen=progress.check.seen)
+    log.info("verl finished: %d logged steps of %d launch(es) written to %s", rows, len(launches), plan.steps_csv)
     import mlflow
 
     mlflow.log_artifact(str(plan.steps_csv), artifact_path="train")
     mlflow.log_artifact(str(reports / "verl_overrides.txt"), artifact_path="train")
     return verified
+
+
+def _point_at_ray(train: TrainConfig, env: dict[str, str]) -> None:
+    """The launch's environment for its Ray: `RAY_ADDRESS` for a joined cluster; for the private Ray verl
+    starts here (address `local`, verl_overrides.ray_overrides) only the training GPUs the layout assigns."""
+    if train.verl.ray_address:
+        env["RAY_ADDRESS"] = train.verl.ray_address
+        return
+    env.pop("RAY_ADDRESS", None)
+    devices = private_ray_devices(train)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+
+
+def _failed_launch(rc: int, tail: str, checkpoint_dir: Path, log_file: Path) -> UserError:
+    """The error for a verl that exited `rc` != 0, with a hint for the causes its last lines name."""
+    hint = ""
+    if "Could not find any running Ray instance" in tail:
+        hint = " (no Ray cluster: run `ray start --head` first, or set train.verl.ray_address='')"
+    elif "EnvironmentUnhealthy" in tail:
+        hint = (" (the environment failed too often: see environment.max_failure_rate; the last checkpoint"
+                f" in {checkpoint_dir} is kept and `promptr1 train` resumes from it)")
+    return UserError(f"verl training failed with exit code {rc}{hint}; see {log_file}. Last lines:\n{tail}")
 
 
 def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Path,
@@ -317,37 +334,3 @@ def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Pat
                 os.killpg(process.pid, signal.SIGKILL)
             raise
     return rc, "\n".join(tail)
-
-
-VERL_REWARD_ALIASES = {"critic/score/mean": "reward/mean", "critic/score/max": "reward/max",
-                       "critic/score/min": "reward/min"}
-"""verl names GRPO's reward `critic/score/*`; the run and steps.csv also get it as `reward/*` (step_metrics)."""
-
-
-def export_steps_csv(run_id: str, path: Path) -> int:
-    """Write the run's per-step metrics (verl's names, plus `reward/*` for verl's `critic/score/*`, also logged
-    to the run) as `step,<metric>,…`; returns the number of steps."""
-    import mlflow
-    from mlflow.entities import Metric
-
-    client = mlflow.MlflowClient()
-    logged = client.get_run(run_id).data.metrics
-    by_step: dict[int, dict[str, float]] = collections.defaultdict(dict)
-    aliases: list[Metric] = []
-    for key in sorted(logged):
-        for m in client.get_metric_history(run_id, key):
-            by_step[m.step][key] = m.value
-            alias = VERL_REWARD_ALIASES.get(key)
-            if alias is not None and alias not in logged:
-                by_step[m.step][alias] = m.value
-                aliases.append(Metric(alias, m.value, m.timestamp, m.step))
-    for i in range(0, len(aliases), 500):
-        client.log_batch(run_id, metrics=aliases[i : i + 500])
-    keys = sorted({k for row in by_step.values() for k in row})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", *keys])
-        writer.writeheader()
-        for step in sorted(by_step):
-            writer.writerow({"step": step, **by_step[step]})
-    return len(by_step)

@@ -7,7 +7,8 @@ dvc.yaml. `verl_backend` re-exports every public name here.
 
 - `pipeline/train/verl_overrides.yaml` maps verl keys to our params (`"$a.b"`) or fixed values;
 - values computed here: file paths, the model location, reward kwargs, LoRA, the `prompt_r1` block that
-  the agent-loop workers read (`verl_worker_client.LoopSettings`), then `train.verl.extra_overrides` last.
+  the agent-loop workers read (`verl_worker_client.LoopSettings`), which Ray verl starts (`ray_overrides`),
+  then `train.verl.extra_overrides` last.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pipeline.config import EnvironmentConfig
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:
-    from pipeline.config import LoraConfig, RewardConfig
+    from pipeline.config import LoraConfig, RewardConfig, VerlConfig
     from pipeline.train.plan import TrainPlan
 
 ROLLOUT_DIR = "verl_rollouts"
@@ -34,6 +35,11 @@ AGENT_LOOP_CONFIG = Path(__file__).with_name("agent_loop.yaml")
 OVERRIDE_TABLE = Path(__file__).with_name("verl_overrides.yaml")
 REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
 REWARD_FUNCTION_NAME = "compute_score"
+RAY_INIT_ADDRESS = "ray_kwargs.ray_init.address"
+PRIVATE_RAY_ADDRESS = "local"
+"""`ray.init(address="local")` always starts a new Ray instance (ray/_private/services.py
+`canonicalize_bootstrap_address`); with no address Ray joins the cluster named in `ray_current_cluster` of its
+temp folder, which the last `ray start` on the machine wrote, whether that cluster still runs or not."""
 
 _ENVIRONMENT_FIELDS_FOR_WORKERS = tuple(name for name in EnvironmentConfig.model_fields
                                         if name not in ("server", "knowledge"))
@@ -124,8 +130,17 @@ def build_overrides(plan: TrainPlan, *, val_files: list[Path] | None = None,
         *reward_kwargs_overrides(plan.reward),
         *_lora_overrides(plan.train.lora),
         *agent_loop_overrides(plan, computed["actor_rollout_ref.model.path"], environment_url),
+        *ray_overrides(plan.train.verl),
     ]
     return [*overrides, *plan.train.verl.extra_overrides]
+
+
+def ray_overrides(verl: VerlConfig) -> list[str]:
+    """Which Ray verl's `ray.init(**ray_kwargs.ray_init)` (verl/trainer/main_ppo.py `run_ppo`) reaches: for a
+    private Ray (`train.verl.ray_address: ""`) the address `local`, so a cluster a `ray start` left on this
+    machine, or its stale address file, is never joined; a joined cluster is found through `RAY_ADDRESS`,
+    which the launch sets to `train.verl.ray_address`."""
+    return [] if verl.ray_address else [_kv(f"+{RAY_INIT_ADDRESS}", PRIVATE_RAY_ADDRESS)]
 
 
 def _override_table() -> dict[str, Any]:

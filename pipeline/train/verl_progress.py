@@ -17,18 +17,27 @@ What this module checks, from the same output stream the health gate reads:
   When verl prints its own total (`Total training steps: N`, e.g. after `data.filter_overlong_prompts` dropped
   rows) that figure is the one a launch is held to.
 - **The resume** (`ResumeCheck`): the checkpoint a launch must resume from is the newest `global_step_N`
-  before the launch (verl's marker first, `checkpoint.latest_verl_step`). The first training step logged must
-  be N+1; anything else stops verl's process group at once (before a restart overwrites more checkpoints) with
-  `TrainingIncomplete`, after setting aside what the restart saved and pointing verl's marker back at N. When verl exits 0, its last training step must be the total: a resume at an epoch
-  boundary that logged at least a whole epoch fewer steps than it should is named a skipped epoch, any other
-  shortfall a short run. Every message
-  names both figures: the step logged and the step expected, the last step and the total.
-- **Progress** (`ProgressWatchdog`): the next step line must arrive within that step's bound (`StepBounds`),
+  before the launch (verl's marker first, `checkpoint.latest_verl_step`). verl says where it resumes at the
+  start of `fit`, before the checkpoint load and the validation before training (ray_trainer.py
+  `_load_checkpoint`, `trainer.resume_mode=auto`): `Setting global step to N`, or `Training from scratch`
+  (`fit_start`). A different step there, or else a first training step other than N+1, stops verl's process
+  group at once (before a restart overwrites more checkpoints) with `TrainingIncomplete`, after setting aside
+  what a restart saved and pointing verl's marker back at N. When verl exits 0, its last training step must be
+  the total: a resume at an epoch boundary that logged at least a whole epoch fewer steps than it should is
+  named a skipped epoch, any other shortfall a short run, unless verl's marker names the total
+  (`latest_checkpointed_iteration.txt`, written after the last step's save, ray_trainer.py `_save_checkpoint`):
+  the driver exits as soon as `fit` returns and Ray does not promise to forward a worker's last lines first.
+  Every message names both figures: the step logged and the step expected, the last step and the total.
+- **Progress** (`ProgressWatchdog`): until verl's fit-start line (or its first step line) the launch is
+  bounded by `startup_s` alone: Ray, the workers, the rollout engines and the weights, a hang in any of which
+  is stopped there. From then on the next step line must arrive within that step's bound (`StepBounds`),
   else verl's process group is stopped (SIGTERM, then SIGKILL after a grace) and the stage raises
   `TrainingStalled`. A step's bound is the environment's worst case for its rollout plus `train.verl.watchdog`'s
-  allowances: `update_s` always; `startup_s` (and a validation pass with `val_before_train`) for the first step
-  of a launch; a validation pass at a step that validates (every `test_freq` steps and the last); `checkpoint_s`
-  at a step that saves (every `save_freq` steps and the last). The environment's worst case for a rollout of C
+  allowances: `update_s` always; for the launch's first step, timed from the fit-start line, the checkpoint
+  load (`checkpoint_s`, a resumed launch) and a validation pass with `val_before_train`; a validation pass at
+  a step that validates (every `test_freq` steps and the last); `checkpoint_s` at a step that saves (every
+  `save_freq` steps and the last). A validation-only line (the validation before training) is progress too.
+  The environment's worst case for a rollout of C
   conversations of at most T turns, at most `environment.concurrency` calls in flight, each call at most
   `environment.timeout_s` × (1 + 1/`length_retry_factor`) (a request and its length retry, whose request is
   the one the timeout is sized for, pipeline/environment/budget.py), is list scheduling's bound:
@@ -43,6 +52,7 @@ check, which would meet the same checkpoint and the same verl (flows/policies.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -73,6 +83,11 @@ STALL_MARK = "training stalled"
 """Start of the watchdog's message (the flow retries it)."""
 _TOTAL_LINE = re.compile(r"Total training steps: (\d+)")
 _STEP_FOLDER = re.compile(r"global_step_\d+")
+_FROM_SCRATCH = re.compile(r"(?:^|\s)Training from scratch$")
+_GLOBAL_STEP = re.compile(r"(?:^|\s)Setting global step to (\d+)$")
+FIT_START_LINES = "'Training from scratch' or 'Setting global step to N'"
+MARKER = "latest_checkpointed_iteration.txt"
+"""verl's record of its newest checkpoint, written after each save (ray_trainer.py `_save_checkpoint`)."""
 STOP_GRACE_S = 30.0
 """SIGTERM to SIGKILL: longer than the owner guard's own grace (pipeline/environment/guard.py)."""
 
@@ -153,6 +168,26 @@ def verl_schedule(plan: TrainPlan, val_files: list[Path] | None = None) -> VerlS
     return schedule
 
 
+def fit_start(line: str) -> int | None:
+    """The step verl says it resumes from at the start of `fit` (`Setting global step to N`; 0 for `Training
+    from scratch`), or None for any other line."""
+    text = line.rstrip()
+    if _FROM_SCRATCH.search(text):
+        return 0
+    match = _GLOBAL_STEP.search(text)
+    return int(match.group(1)) if match else None
+
+
+def marker_step(checkpoint_dir: Path) -> int | None:
+    """The step verl's marker names when that step's actor checkpoint exists, else None."""
+    marker = checkpoint_dir / MARKER
+    try:
+        step = int(marker.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return step if (checkpoint_dir / f"global_step_{step}" / "actor").is_dir() else None
+
+
 def resumed_step(checkpoint_dir: Path) -> int:
     """The step of the checkpoint verl must resume from (`latest_verl_step`), 0 when there is none."""
     from pipeline.train.checkpoint import latest_verl_step
@@ -181,6 +216,10 @@ class ResumeCheck:
         self.logged = 0
         self.verl_total: int | None = None
         """verl's own `Total training steps: N`, when printed."""
+        self.started_at: int | None = None
+        """The step verl's fit-start line named (`fit_start`), when printed."""
+        self.seen: list[int] = []
+        """The training steps whose lines this launch's output carried, in order."""
 
     @property
     def total(self) -> int:
@@ -196,13 +235,20 @@ class ResumeCheck:
         return f"checkpoint global_step_{self.resumed_from} in {self.checkpoint_dir}"
 
     def observe(self, line: str) -> None:
-        """Raises TrainingIncomplete when the first training step is not the one after the checkpoint."""
+        """Raises TrainingIncomplete when verl's fit-start line, or else its first training step, does not
+        follow the checkpoint."""
         total = _TOTAL_LINE.search(line)
         if total:
             self.verl_total = int(total.group(1))
             if self.verl_total != self.schedule.total_steps:
                 log.warning("verl computes %d training steps, the stage derived %d (%s): holding the run to verl's",
                             self.verl_total, self.schedule.total_steps, self.schedule.derivation)
+            return
+        started = fit_start(line)
+        if started is not None and self.started_at is None:
+            self.started_at = started
+            if started != self.resumed_from:
+                raise TrainingIncomplete(self._fit_start_message(started))
             return
         parsed = parse_step_line(line)
         if parsed is None or TRAINING_KEY not in parsed[1]:
@@ -214,6 +260,7 @@ class ResumeCheck:
                 raise TrainingIncomplete(self._restart_message(step))
         self.last = step if self.last is None else max(self.last, step)
         self.logged += 1
+        self.seen.append(step)
 
     def _restart_message(self, step: int) -> str:
         expected = self.resumed_from + 1
@@ -226,6 +273,19 @@ class ResumeCheck:
             what = f"verl's first training step was {step}, but the launch resumed from {start}: expected step {expected}"
         return (f"{RESUME_CHECK_MARK}: {what}; verl was stopped so it cannot overwrite the checkpoints "
                 "(see verl issue 7952)")
+
+    def _fit_start_message(self, started: int) -> str:
+        said = "Training from scratch" if started == 0 else f"Setting global step to {started}"
+        if self.resumed_from > 0 and started == 0:
+            what = (f"verl restarted at step 0: it printed '{said}' at the start of training, but the "
+                    f"{self._checkpoint()} existed before the launch (verl's marker {MARKER}), so it should have "
+                    f"resumed from step {self.resumed_from}")
+        else:
+            start = self._checkpoint() if self.resumed_from else "no checkpoint (a fresh start)"
+            what = (f"verl printed '{said}' at the start of training, but the launch resumed from {start}: "
+                    f"expected step {self.resumed_from}")
+        return (f"{RESUME_CHECK_MARK}: {what}; verl was stopped before its checkpoint load and first step, so "
+                "it cannot overwrite the checkpoints (see verl issue 7952)")
 
     def undo_restart(self) -> str:
         """After a restart was stopped: set the checkpoints it wrote aside (`restarted-global_step_K`, kept for
@@ -255,6 +315,13 @@ class ResumeCheck:
                                     total_steps=total, total_from=self.total_from)
         if progress.complete:
             return progress
+        saved = marker_step(self.checkpoint_dir)
+        if saved is not None and saved == total > self.resumed_from:
+            log.warning("verl's last step line(s) did not reach this process (last seen: %s), but its marker %s "
+                        "names global_step_%d, saved after the last step: the run is complete", self.last,
+                        MARKER, saved)
+            return TrainingProgress(backend="verl", resumed_from=self.resumed_from, last_step=saved,
+                                    total_steps=total, total_from=self.total_from)
         logged = (f"logged {self.logged} training step(s) ({self.first}..{self.last})" if self.logged
                   else "logged no training step")
         start = self._checkpoint() if self.resumed_from else "no checkpoint (a fresh start)"
@@ -282,7 +349,7 @@ def environment_worst_s(env: EnvironmentConfig, max_turns: int, conversations: i
 
 @dataclass(frozen=True)
 class StepBounds:
-    """How long each step's line may take to appear (module docstring)."""
+    """How long verl's start-up and each step's line may take to appear (module docstring)."""
 
     schedule: VerlSchedule
     cfg: WatchdogConfig
@@ -290,25 +357,36 @@ class StepBounds:
     """The environment's worst case for one training step's rollout."""
     validation_rollout_s: float
     """The environment's worst case for one validation pass."""
+    resumed: bool = False
+    """The launch resumes a checkpoint: its first step also waits for the load."""
 
     @classmethod
-    def of(cls, schedule: VerlSchedule, cfg: WatchdogConfig, env: EnvironmentConfig, agent: AgentConfig) -> StepBounds:
+    def of(cls, schedule: VerlSchedule, cfg: WatchdogConfig, env: EnvironmentConfig, agent: AgentConfig,
+           resumed_from: int = 0) -> StepBounds:
         """The bounds for a profile: `cfg.rollout_s` when measured, else the environment's worst case."""
         if cfg.rollout_s is not None:
             share = schedule.validation_conversations / max(schedule.step_conversations, 1)
-            return cls(schedule=schedule, cfg=cfg, rollout_s=cfg.rollout_s, validation_rollout_s=cfg.rollout_s * share)
+            return cls(schedule=schedule, cfg=cfg, rollout_s=cfg.rollout_s, validation_rollout_s=cfg.rollout_s * share,
+                       resumed=resumed_from > 0)
         return cls(schedule=schedule, cfg=cfg,
                    rollout_s=environment_worst_s(env, agent.max_turns, schedule.step_conversations),
-                   validation_rollout_s=environment_worst_s(env, agent.max_turns, schedule.validation_conversations))
+                   validation_rollout_s=environment_worst_s(env, agent.max_turns, schedule.validation_conversations),
+                   resumed=resumed_from > 0)
+
+    def startup_parts(self) -> dict[str, float]:
+        """The start-up's allowance, from the launch to verl's fit-start line."""
+        return {"start-up until verl's fit-start line": self.cfg.startup_s}
 
     def parts(self, step: int, first: bool) -> dict[str, float]:
-        """The allowances that make up step `step`'s bound, by name."""
+        """The allowances that make up step `step`'s bound, by name, timed from the line before it; `first`:
+        the launch's first step, timed from verl's fit-start line, with the checkpoint load (a resumed
+        launch) and the validation before training still ahead of it."""
         validation = self.validation_rollout_s + self.cfg.validation_s
         parts = {"rollout": self.rollout_s, "update": self.cfg.update_s}
-        if first:
-            parts["start-up"] = self.cfg.startup_s
-            if self.schedule.val_before_train:
-                parts["validation before training"] = validation
+        if first and self.resumed:
+            parts["checkpoint load"] = self.cfg.checkpoint_s
+        if first and self.schedule.val_before_train:
+            parts["validation before training"] = validation
         if self.schedule.validates_at(step):
             parts["validation"] = validation
         if self.schedule.saves_at(step):
@@ -319,7 +397,22 @@ class StepBounds:
         return sum(self.parts(step, first).values())
 
     def explain(self, step: int, first: bool) -> str:
-        return " + ".join(f"{name} {s:.0f} s" for name, s in self.parts(step, first).items())
+        return _explain(self.parts(step, first))
+
+
+def _explain(parts: dict[str, float]) -> str:
+    return " + ".join(f"{name} {s:.0f} s" for name, s in parts.items())
+
+
+def suggested_rollout_s(measured_s: float, measured_conversations: int, conversations: int,
+                        env: EnvironmentConfig, max_turns: int, margin: float = 2.0) -> float:
+    """A `train.verl.watchdog.rollout_s` for steps of `conversations` conversations from one measured
+    rollout (`measured_s` for `measured_conversations`, e.g. verl's `timing_s/gen` of the doctor's step):
+    scaled as the environment's worst case scales between the two sizes (list scheduling over
+    `environment.concurrency` calls in flight), times `margin`, rounded up to a minute."""
+    scale = environment_worst_s(env, max_turns, conversations) / environment_worst_s(
+        env, max_turns, max(measured_conversations, 1))
+    return float(math.ceil(measured_s * scale * margin / 60.0) * 60)
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
@@ -335,7 +428,8 @@ def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S)
 
 
 class ProgressWatchdog:
-    """Fed verl's lines (`observe`); while `watching` a process, stops its group when the next step is overdue."""
+    """Fed verl's lines (`observe`); while `watching` a process, stops its group when verl's start-up or its
+    next step is overdue."""
 
     def __init__(self, bounds: StepBounds, resumed_from: int, *, grace_s: float = STOP_GRACE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -344,13 +438,26 @@ class ProgressWatchdog:
         self._clock = clock
         self._lock = threading.Lock()
         self.next_step = resumed_from + 1
+        self.started = False
+        """verl's fit-start line (or a step line) seen: start-up is over."""
         self.first = True
-        """No training step seen yet since the launch: the bound includes the start-up."""
+        """No line since the fit-start line: the next step's bound holds the load and the validation before it."""
         self.since = clock()
         self.stall: str | None = None
         """What the watchdog saw when it stopped the run (None: it did not)."""
 
     def observe(self, line: str) -> None:
+        total = _TOTAL_LINE.search(line)
+        if total:
+            with self._lock:  # verl's own count decides which step is the last (it validates and saves)
+                schedule = dataclasses.replace(self.bounds.schedule, total_steps=int(total.group(1)))
+                self.bounds = dataclasses.replace(self.bounds, schedule=schedule)
+            return
+        if fit_start(line) is not None:
+            with self._lock:
+                if not self.started:
+                    self.started, self.since = True, self._clock()
+            return
         parsed = parse_step_line(line)
         if parsed is None:
             return
@@ -358,14 +465,22 @@ class ProgressWatchdog:
         with self._lock:
             if TRAINING_KEY in metrics:
                 self.next_step = step + 1
-                self.first = False
+            self.started, self.first = True, False
             self.since = self._clock()  # a validation-only line (before training) is progress too
 
+    def bound(self) -> tuple[float, str, int | None]:
+        """(seconds, what they are made of, the step awaited: None for the fit-start line) now."""
+        with self._lock:
+            if not self.started:
+                return self.bounds.cfg.startup_s, _explain(self.bounds.startup_parts()), None
+            step, first = self.next_step, self.first
+        return self.bounds.seconds(step, first), self.bounds.explain(step, first), step
+
     def overdue(self) -> tuple[float, float] | None:
-        """(seconds waited, the bound) when the next step's line is overdue, else None."""
+        """(seconds waited, the bound) when the awaited line is overdue, else None."""
+        bound = self.bound()[0]
         with self._lock:
             waited = self._clock() - self.since
-            bound = self.bounds.seconds(self.next_step, self.first)
         return (waited, bound) if waited > bound else None
 
     @contextlib.contextmanager
@@ -383,18 +498,21 @@ class ProgressWatchdog:
             thread.join(timeout=self.grace_s + 5)
 
     def _watch(self, process: subprocess.Popen, done: threading.Event) -> None:
-        poll_s = min(5.0, max(0.05, self.bounds.seconds(self.next_step, False) / 20))
+        poll_s = min(5.0, max(0.05, min(self.bounds.cfg.startup_s, self.bounds.seconds(self.next_step, False)) / 20))
         while not done.wait(poll_s):
             if process.poll() is not None:
                 return
             late = self.overdue()
             if late is None:
                 continue
-            waited, bound = late
-            with self._lock:
-                step, first = self.next_step, self.first
-            self.stall = (f"no verl step line for {waited:.0f} s, beyond step {step}'s bound of {bound:.0f} s "
-                          f"({self.bounds.explain(step, first)}; train.verl.watchdog)")
+            waited, _ = late
+            bound, parts, step = self.bound()
+            if step is None:
+                self.stall = (f"no fit-start line from verl ({FIT_START_LINES}) for {waited:.0f} s, beyond the "
+                              f"start-up bound of {bound:.0f} s ({parts}; train.verl.watchdog.startup_s)")
+            else:
+                self.stall = (f"no verl step line for {waited:.0f} s, beyond step {step}'s bound of {bound:.0f} s "
+                              f"({parts}; train.verl.watchdog)")
             log.error("%s: %s; stopping verl's process group", STALL_MARK, self.stall)
             stop_process_group(process, self.grace_s)
             return
@@ -414,8 +532,8 @@ class VerlProgress:
         schedule = verl_schedule(plan, val_files)
         resumed_from = resumed_step(plan.checkpoint_dir)
         cfg = plan.train.verl.watchdog
-        watchdog = (ProgressWatchdog(StepBounds.of(schedule, cfg, plan.environment, plan.agent), resumed_from)
-                    if cfg.enabled else None)
+        bounds = StepBounds.of(schedule, cfg, plan.environment, plan.agent, resumed_from=resumed_from)
+        watchdog = ProgressWatchdog(bounds, resumed_from) if cfg.enabled else None
         log.info("verl resumes from step %d and must end at step %d (%s)", resumed_from, schedule.total_steps,
                  schedule.derivation)
         return cls(ResumeCheck(schedule, resumed_from, plan.checkpoint_dir), watchdog)

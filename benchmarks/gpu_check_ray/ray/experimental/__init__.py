@@ -1,0 +1,1 @@
+"""`ray.experimental` of the stand-in (see the package docstring)."""

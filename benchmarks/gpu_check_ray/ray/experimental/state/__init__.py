@@ -1,0 +1,1 @@
+"""`ray.experimental.state` of the stand-in (see the package docstring)."""

@@ -1,0 +1,1 @@
+"""`ray.util` of the stand-in (see the package docstring)."""
