@@ -68,6 +68,9 @@ def hops2_summary(folder: Path) -> dict[str, Any] | None:
         tasks = {p.stem.removeprefix("task_"): _load(p) for p in run_dir.glob("task_*.json")}
         early = _load(run_dir / "early_stop.json") if (run_dir / "early_stop.json").is_file() else None
         per_seed[seed] = {"per_hop": figures, "second_requests": requests[seed], "early_stop": early,
+                          "training": {arm: training_figures(run_dir / f"{prefix}steps.csv")
+                                       for arm, prefix in (("grpo", ""), ("shuffled_advantage", "shuffled_advantage_"))},
+                          "answering": {name: answering(e) for name, e in systems.items()},
                           "grpo_steps": tasks.get("grpo", {}).get("steps_done"),
                           "shuffled_steps": tasks.get("shuffled_advantage", {}).get("steps_done"),
                           "health_breach": {k: v.get("health_breach") for k, v in tasks.items() if "health_breach" in v},
@@ -126,6 +129,52 @@ def hops2_summary(folder: Path) -> dict[str, Any] | None:
         "recorded": RECORDED,
         "per_seed": per_seed,
     }
+
+
+def training_figures(steps_csv: Path) -> dict[str, Any] | None:
+    """From an arm's steps.csv: training answer reward over the first and last 3 steps, the KL and entropy at
+    the first and last updates, and the stop-reason shares of the last step (the plan's mechanism checks)."""
+    import pandas as pd
+
+    if not steps_csv.is_file():
+        return None
+    frame = pd.read_csv(steps_csv).sort_values("step")
+    answer = frame["reward/answer/mean"]
+    updated = frame.dropna(subset=["actor/kl_loss"]) if "actor/kl_loss" in frame else frame.iloc[0:0]
+    entropy = frame["actor/entropy"].dropna() if "actor/entropy" in frame else pd.Series(dtype=float)
+    last = frame.iloc[-1]
+    return {"steps": int(last["step"]),
+            "answer_reward_first3": round(float(answer.head(3).mean()), 4),
+            "answer_reward_last3": round(float(answer.tail(3).mean()), 4),
+            "kl_max": round(float(updated["actor/kl_loss"].max()), 5) if len(updated) else None,
+            "entropy_first": round(float(entropy.iloc[0]), 4) if len(entropy) else None,
+            "entropy_last": round(float(entropy.iloc[-1]), 4) if len(entropy) else None,
+            "stop_last_step": {k.removeprefix("rollout/stop_"): round(float(last[k]), 3) for k in frame.columns
+                               if k.startswith("rollout/stop_") and float(last[k]) > 0}}
+
+
+def answering(evaluation: dict[str, Any]) -> dict[str, float | None]:
+    """On the 2-hop held-out questions of one evaluation: the share answered after exactly two requests, and
+    the copy accuracy (EM where a reply stated a gold answer; needs the file's `replies`)."""
+    from pipeline.environment.hops_world import world
+
+    store, two, answered, stated, copied = world(), 0, 0, 0, 0
+    if "predictions" not in evaluation:
+        return {"answered_after_two_requests": None, "copy_accuracy": None, "replies_stating_gold": 0}
+    for name, per_question in evaluation["requests"].items():
+        replies = evaluation.get("replies", {}).get(name)
+        for i, (question, asks) in enumerate(zip(evaluation["questions"][name], per_question, strict=True)):
+            found = store.question(question)
+            if found is None or found.hops != 2:
+                continue
+            two += 1
+            answered += int(len(asks) == 2 and bool(evaluation["predictions"][name][i].strip()))
+            golds = [found.answer.lower()]
+            if replies is not None and golds and any(g in r.lower() for r in replies[i] for g in golds):
+                stated += 1
+                copied += int(evaluation["em"][name][i] > 0)
+    return {"answered_after_two_requests": round(answered / two, 4) if two else None,
+            "copy_accuracy": round(copied / stated, 4) if stated else None, "replies_stating_gold": stated}
 
 
 def _settings() -> dict[str, Any]:

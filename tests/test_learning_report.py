@@ -155,6 +155,7 @@ def test_t_interval_over_seed_differences_by_hand():
 
 def _hops_eval(questions: list[str], f1: list[float], requests: list[list[str]]) -> dict:
     return {"f1": {"hops": f1}, "em": {"hops": f1}, "format": {"hops": [1.0] * len(f1)},
+            "predictions": {"hops": ["an answer" if f else "" for f in f1]},
             "answered": {"hops": [1.0] * len(f1)}, "requests": {"hops": requests}, "questions": {"hops": questions},
             "f1_mean": sum(f1) / len(f1), "em_mean": sum(f1) / len(f1), "format_mean": 1.0,
             "answered_mean": 1.0, "examples": []}
@@ -254,6 +255,9 @@ def test_hops2_summary_judges_the_goal_and_hypotheses_by_hand(tmp_path):
     assert summary["hypotheses"]["H1"]["seeds_positive"] == 3 and summary["hypotheses"]["H2"]["verdict"]
     assert summary["hypotheses"]["H3"] == {"verdict": True, "second_requests_final": 1.0,
                                            "second_requests_step0": 0.0}
+    # the mechanism figures: seed 1's GRPO answered both 2-hop questions after exactly two requests
+    assert summary["per_seed"]["1"]["answering"]["grpo"]["answered_after_two_requests"] == 1.0
+    assert summary["per_seed"]["1"]["answering"]["warmup"]["answered_after_two_requests"] == 0.0
     # the verdicts can be false: the same files with GRPO equal to the warm-up on seed 3
     write(folder / "seed3" / "grpo_step10.json", _hops_eval(questions, [1.0, 0.0, 0.5], [[q] for q in questions]))
     worse = hops2_summary(folder)
