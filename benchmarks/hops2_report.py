@@ -67,7 +67,13 @@ def hops2_summary(folder: Path) -> dict[str, Any] | None:
         requests[seed] = {name: second_requests(e) for name, e in systems.items()}
         tasks = {p.stem.removeprefix("task_"): _load(p) for p in run_dir.glob("task_*.json")}
         early = _load(run_dir / "early_stop.json") if (run_dir / "early_stop.json").is_file() else None
+        transfer = {p.stem.removeprefix("transfer_"): round(100 * _load(p)["f1_mean"], 2)
+                    for p in run_dir.glob("transfer_*.json") if p.stem != "transfer_rules"}
+        if (run_dir / "transfer_rules.json").is_file():
+            rules_t = _load(run_dir / "transfer_rules.json")
+            transfer.update({n: round(hop_means(rules_t["rules"][n])["2-hop"], 2) for n in rules_t["rules"]})
         per_seed[seed] = {"per_hop": figures, "second_requests": requests[seed], "early_stop": early,
+                          "transfer_popqa": transfer,
                           "training": {arm: training_figures(run_dir / f"{prefix}steps.csv")
                                        for arm, prefix in (("grpo", ""), ("shuffled_advantage", "shuffled_advantage_"))},
                           "answering": {name: answering(e) for name, e in systems.items()},
@@ -123,6 +129,10 @@ def hops2_summary(folder: Path) -> dict[str, Any] | None:
                              "the answer's relation (learning_report.second_requests), mean over seeds",
                      **{n: _mean([r[n] for r in requests.values() if r.get(n) is not None]) for n in SYSTEMS},
                      "per_seed": requests},
+        "transfer_popqa": {"what": "F1 on the 2-hop chains composed from PopQA's facts (benchmarks/hops_transfer.py), "
+                                   "each seed's final checkpoints and the rules, mean over seeds",
+                           **{n: _mean([v["transfer_popqa"][n] for v in per_seed.values() if n in v["transfer_popqa"]])
+                              for n in sorted({n for v in per_seed.values() for n in v["transfer_popqa"]})}},
         "goal": {"met": goal_met, "what": "GRPO's 2-hop F1 above the warm-up's and the shuffled-advantage run's, "
                                           "each seed-level 95% t-interval of the differences above 0"},
         "hypotheses": hypotheses,

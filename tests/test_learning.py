@@ -254,8 +254,8 @@ class _LateLogits(torch.nn.Module):
 
 
 def _late_shared_prompt(original):
-    def broken(model, batch, temperature):
-        return original(_LateLogits(model), batch, temperature)
+    def broken(model, batch, temperature, entropy=None):
+        return original(_LateLogits(model), batch, temperature, entropy)
 
     return broken
 
