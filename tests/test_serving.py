@@ -17,6 +17,21 @@ from pipeline.config.specs import tracking_spec
 from pipeline.errors import EnvironmentUnavailable
 
 
+def wait_for_ping(server, url: str, timeout_s: float, poll_s: float) -> None:
+    """Wait until MLflow's scoring server at `url` answers /ping (or its process `server` ended); fail with
+    its output when the process ended first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    assert server.poll() is None, server.stdout.read() if server.stdout else ""
+
 def _agent_context(agent_dir: Path, tmp_path: Path, base_url: str):
     """The pyfunc's real load context: the bundled agent, environment JSON and model config, as MLflow passes them."""
     from mlflow.pyfunc import PythonModelContext
@@ -204,15 +219,7 @@ def test_promptr1_serve_answers_503_while_the_environment_is_down_and_sigterm_st
     question = {"dataframe_records": [{"question": "Who directed The Carter?"}]}
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        assert server.poll() is None, server.stdout.read() if server.stdout else ""
+        wait_for_ping(server, url, 120, 1.0)
         down = httpx.post(f"{url}/invocations", timeout=60, json=question)
         with FaultServer(responder=lambda messages: fact, model="smollm2-135m-instruct", port=env_port):
             start = time.monotonic()
@@ -372,15 +379,7 @@ def test_the_served_model_answers_400_to_an_empty_or_non_text_question_without_c
         answers = {}
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline and server.poll() is None:
-                try:
-                    if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+            wait_for_ping(server, url, 180, 0.5)
             for name, question in (("empty", ""), ("blank", "  "), ("number", 42), ("null", None)):
                 answers[name] = httpx.post(f"{url}/invocations", timeout=120,
                                            json={"dataframe_records": [{"question": question}]})
