@@ -38,7 +38,7 @@ def warm_model(folder: Path, tiny: Path, url: str, autocast: str | None) -> Path
     """The test fixture's format warm-up, with `train.autocast` set as asked."""
     import test_learning as tl
 
-    from pipeline.train.local import WARMUP_DIR, train_local
+    from pipeline.train.local.backend import WARMUP_DIR, train_local
     from pipeline.train.plan import TrainPlan
 
     _ = tl._train_parquet(folder / "data/rl/train.parquet")

@@ -46,7 +46,7 @@ environment reply in the protocol's format (~40 new tokens) and 64 more. The env
   kept its conversation. `evaluate_rollout`: the same for `evaluate.agent_rollout_batch` conversations
   sent in one request each turn, on `evaluate.agent_parallel` slots, with each turn's wall time.
 
-`learning`: the training rollout's pattern (pipeline.train.rollout_engine: one slot per trajectory, a
+`learning`: the training rollout's pattern (pipeline.train.local.rollout_engine: one slot per trajectory, a
 group's G copies as `n` samples, temperature 1 with llama.cpp's truncation off), replayed through
 pipeline.agent.completions_policy.OpenAICompletionsPolicy on the agent's F16 export: 2 questions x G=4
 (`learn-hops` as recorded), 3 turns of the recorded hops rollouts' mean agent tokens per turn, with their
@@ -335,7 +335,7 @@ def recorded_hops() -> dict[str, Any]:
 
 
 def learning_replay(agent_dir: Path, cache_dir: Path, port: int, steps: int = 3) -> dict[str, Any]:
-    """The rollout of `steps` GRPO steps as pipeline.train.trainer runs it through llama.cpp (module doc)."""
+    """The rollout of `steps` GRPO steps as pipeline.train.local.trainer runs it through llama.cpp (module doc)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -137,9 +137,9 @@ def evaluate_served(model_dir: Path, tokenizer, env, rows_by_ds, params, label: 
 def two_hop_questions(params):
     """GRPO draws only the training file's 2-hop questions (the seeded shuffle over them, checkpointed as
     usual); the warm-up still chooses its demonstrations from the whole file, as the profile does."""
-    from pipeline.environment.hops_world import world
-    from pipeline.train import local
-    from pipeline.train.questions import QuestionSampler
+    from pipeline.environment.simulated.hops_world import world
+    from pipeline.train.local import backend as local
+    from pipeline.train.local.questions import QuestionSampler
 
     store = world()
     rows = [i for i, q in enumerate(training_questions(params))
@@ -179,7 +179,7 @@ def permuted_within_groups(scores, group_ids: list[str], seed: int):
 @contextlib.contextmanager
 def shuffled_advantages(seed: int):
     """The trainer's advantages computed from scores permuted within each group (`permuted_within_groups`)."""
-    from pipeline.train import trainer
+    from pipeline.train.local import trainer
 
     original = trainer.step_advantages
     trainer.step_advantages = lambda scores, mask, group_ids: original(
@@ -213,7 +213,7 @@ class Task:
     """One task of the plan for one seed: its params, environment server and evaluation helpers."""
 
     def __init__(self, name: str, seed: int) -> None:
-        from pipeline.train.models import load_tokenizer
+        from pipeline.train.local.models import load_tokenizer
 
         self.name, self.seed = name, seed
         self.port = free_port()
@@ -242,7 +242,7 @@ class Task:
 
 
 def train(params, **kw):
-    from pipeline.train.local import train_local
+    from pipeline.train.local.backend import train_local
     from pipeline.train.plan import TrainPlan
 
     return train_local(TrainPlan.from_params(params), **kw)
@@ -261,8 +261,8 @@ def latest_step(params) -> int:
 
 def run_warmup(task: Task, env, rows_by_ds) -> None:
     """The seed's data, rules, warm-up and its evaluation; the warm-up checkpoint copied for the shuffled arm."""
-    from pipeline.environment.hops_world import world
-    from pipeline.train.local import WARMUP_DIR
+    from pipeline.environment.simulated.hops_world import world
+    from pipeline.train.local.backend import WARMUP_DIR
 
     p = task.params
     if not (task.out / "trivial_rules.json").is_file():
@@ -294,7 +294,7 @@ def run_arm(task: Task, env, rows_by_ds) -> None:
     final checkpoint's evaluation, steps.csv and rollouts."""
     from pipeline.errors import TrainingUnhealthy
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.step_metrics import steps_csv_path
+    from pipeline.train.local.step_metrics import steps_csv_path
 
     p, seed, arm = task.params, task.seed, task.name
     prefix = "" if arm == "grpo" else f"{arm}_"
@@ -330,7 +330,7 @@ def run_arm(task: Task, env, rows_by_ds) -> None:
 
 def run_continued(task: Task, env, rows_by_ds) -> None:
     """The warm-up on as many more demonstrations as GRPO sampled, on as many more questions as it saw."""
-    from pipeline.train.local import WARMUP_DIR
+    from pipeline.train.local.backend import WARMUP_DIR
 
     grpo = json.loads((task.out / "task_grpo.json").read_text(encoding="utf-8"))
     p, w, t = task.params, task.params.train.warmup, task.params.train
@@ -346,7 +346,7 @@ def run_continued(task: Task, env, rows_by_ds) -> None:
 def run_transfer(task: Task) -> None:
     """The PopQA chains on every final checkpoint of the seed (warm-up, GRPO, shuffled, warmup_continued)."""
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.local import WARMUP_DIR
+    from pipeline.train.local.backend import WARMUP_DIR
 
     p = task.params
     transfer = transfer_rows(p, TRANSFER_LIMIT)

@@ -6,9 +6,9 @@
     python benchmarks/bench_learning.py --report                     # learning.json/.png/_steps.csv from the files
 
 Two modes of the knowledgeable environment (`environment.knowledge.mode`): `question`
-(pipeline/environment/knowledge.py: the verbatim question is the best request, the answer sits in a fixed
+(pipeline/environment/simulated/knowledge.py: the verbatim question is the best request, the answer sits in a fixed
 template; a two-line rule scores F1 100, so what GRPO can improve there is answer extraction) and `terse`
-(pipeline/environment/terse.py: at most 8 words per request, so most questions must be restated; replies hold
+(pipeline/environment/simulated/terse.py: at most 8 words per request, so most questions must be restated; replies hold
 the answer beside two distractors), where what must improve is the request.
 
 What one seed runs, all through the pipeline's own code (the steps `dvc exp run -S profile=learn` runs):
@@ -22,7 +22,7 @@ What one seed runs, all through the pipeline's own code (the steps `dvc exp run 
    GRPO steps from the same warm-up checkpoint with every advantage zeroed:
    sampling, the KL term and weight decay alone), `warmup_live_replies` (the warm-up with the environment's
    live replies in its demonstrations, no GRPO).
-The `hops` mode (profile learn-hops: pipeline/environment/hops.py, 2-hop questions need a second request naming
+The `hops` mode (profile learn-hops: pipeline/environment/simulated/hops.py, 2-hop questions need a second request naming
 the first reply's entity) runs the same steps with its own controls and checks:
 - after the warm-up (live-reply re-ask demonstrations), the pre-check: the warm-up model sampled
   `PRECHECK_SAMPLES` times on `PRECHECK_QUESTIONS` training 2-hop questions; the seed stops with
@@ -138,7 +138,7 @@ def evaluation_record(answers, rows_by_ds, params, seconds: float) -> dict[str, 
     """One evaluation's file: per question F1, EM, format (the reward preset's gate), whether a request was
     answered, the prediction, requests, replies and question; their means; three example conversations."""
     from pipeline.agent.protocol import parse_turn
-    from pipeline.environment.knowledge_replies import answered
+    from pipeline.environment.simulated.knowledge_replies import answered
     from pipeline.metrics import exact_match, token_f1
     from pipeline.reward import compute_reward
 
@@ -174,8 +174,8 @@ def evaluation_record(answers, rows_by_ds, params, seconds: float) -> dict[str, 
 
 def knowledge_store(params):
     """The knowledge base the seed's environment server answers from (its sources, overlap and mode)."""
-    from pipeline.environment.knowledge import load_facts
-    from pipeline.environment.knowledge_server import knowledge_base
+    from pipeline.environment.simulated.knowledge import load_facts
+    from pipeline.environment.simulated.knowledge_server import knowledge_base
 
     k = params.environment.knowledge
     return knowledge_base(load_facts(k.sources), k.min_overlap, k.mode)
@@ -244,7 +244,7 @@ def hops_rules_file(kb, store, rows, training: list[str], max_tokens: int | None
 
 
 def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int | None = None) -> Any:
-    """The warm-up pre-check (pipeline/train/warmup.py `warmup_precheck`): the model in `model_dir` sampled
+    """The warm-up pre-check (pipeline/train/local/warmup.py `warmup_precheck`): the model in `model_dir` sampled
     `PRECHECK_SAMPLES` times (the training temperature) on the first `PRECHECK_QUESTIONS` training 2-hop
     questions; each sample's answer reward (`released`: answer F1 when the format gate holds). Written to
     `out` with the verdict; the caller stops the seed when it is not ok."""
@@ -256,11 +256,11 @@ def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int 
 
     from pipeline.agent.policy import TransformersPolicy
     from pipeline.agent.rollout import rollout
-    from pipeline.environment.hops_world import world
+    from pipeline.environment.simulated.hops_world import world
     from pipeline.progress import progress
     from pipeline.reward import reward_for_trajectory
-    from pipeline.train.questions import prompt_item_from_row
-    from pipeline.train.warmup import PRECHECK_QUESTIONS, PRECHECK_SAMPLES, question_of, warmup_precheck
+    from pipeline.train.local.questions import prompt_item_from_row
+    from pipeline.train.local.warmup import PRECHECK_QUESTIONS, PRECHECK_SAMPLES, question_of, warmup_precheck
 
     frame = pd.read_parquet(params.path(params.paths.rl_dir) / "train.parquet")
     items = [prompt_item_from_row(row, i) for i, row in enumerate(frame.to_dict("records"))]
@@ -313,7 +313,7 @@ def transfer_rows(params, limit: int | None = None):
     from hops_transfer import CHAINS, popqa_chains, read_popqa
 
     from pipeline.agent.template import render_user_message
-    from pipeline.environment.hops import HopsKnowledgeBase
+    from pipeline.environment.simulated.hops import HopsKnowledgeBase
     from pipeline.types import EvalRow
 
     store, golds = popqa_chains(read_popqa(params.mirror), seed=0, limit=limit or CHAINS)
@@ -331,7 +331,7 @@ def zeroed_advantages():
     """GRPO's advantages replaced by zeros in the trainer (the zero_advantage control)."""
     import torch
 
-    from pipeline.train import trainer
+    from pipeline.train.local import trainer
 
     original = trainer.grpo_advantages
     trainer.grpo_advantages = lambda scores, mask, group_ids, *a, **kw: torch.zeros_like(
@@ -387,10 +387,10 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.errors import TrainingUnhealthy
     from pipeline.tracking import runs as tracking
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.local import WARMUP_DIR, train_local
-    from pipeline.train.models import load_tokenizer
+    from pipeline.train.local.backend import WARMUP_DIR, train_local
+    from pipeline.train.local.models import load_tokenizer
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.step_metrics import steps_csv_path
+    from pipeline.train.local.step_metrics import steps_csv_path
 
     t_all = time.perf_counter()
     work = ROOT / ".cache" / f"bench_learning_{args.mode}_{'rules' if args.rules_only else f'seed{args.seed}'}"
@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> None:
     hops = args.mode == "hops"
     if "trivial_rule" in args.controls or args.rules_only:  # against this seed's store (its training sample)
         if hops:
-            from pipeline.environment.hops_world import world
+            from pipeline.environment.simulated.hops_world import world
 
             hops_rules_file(knowledge_store(params), world(), [r for rs in rows_by_ds.values() for r in rs],
                             training_questions(params), params.environment.max_tokens, out / "trivial_rules.json")

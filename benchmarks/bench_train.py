@@ -79,7 +79,7 @@ def loss_agreement(trials: int = 50) -> dict[str, float]:
     import torch
     from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla, kl_penalty
 
-    from pipeline.train.grpo import GRPOObjective, PolicyLossConfig, grpo_advantages, grpo_loss
+    from pipeline.train.local.grpo import GRPOObjective, PolicyLossConfig, grpo_advantages, grpo_loss
 
     max_loss, max_grad, max_formula = 0.0, 0.0, 0.0
     rng = np.random.default_rng(0)

@@ -96,7 +96,7 @@ def hf_copy(scratch: Path) -> Path:
     its reference model is re-read from the same path."""
     import torch
 
-    from pipeline.train.models import load_causal_lm, load_tokenizer
+    from pipeline.train.local.models import load_causal_lm, load_tokenizer
 
     folder = scratch / "smollm2_hf"
     load_causal_lm(MODEL_REF, ROOT, torch.float32).save_pretrained(str(folder))
@@ -134,14 +134,14 @@ def rss_mb() -> dict[str, float]:
 
 
 def run_ours(cfg: dict[str, Any], engine: str) -> dict[str, Any]:
-    """Our `LocalTrainer.step` (pipeline.train.trainer) on the benchmark's prompts, single-turn."""
+    """Our `LocalTrainer.step` (pipeline.train.local.trainer) on the benchmark's prompts, single-turn."""
     import pandas as pd
     import torch
 
-    from pipeline.train.models import load_policy_models
+    from pipeline.train.local.models import load_policy_models
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.questions import QuestionSampler
-    from pipeline.train.trainer import LocalTrainer
+    from pipeline.train.local.questions import QuestionSampler
+    from pipeline.train.local.trainer import LocalTrainer
 
     params = scratch_params(Path(cfg["scratch"]), cfg, engine)
     torch.manual_seed(params.seed)
@@ -242,11 +242,11 @@ def run_parity(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     from trl_parity import LossSettings, advantage_formulas, compare
 
-    from pipeline.train.batch import collate
-    from pipeline.train.models import load_policy_models
+    from pipeline.train.local.batch import collate
+    from pipeline.train.local.models import load_policy_models
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.questions import QuestionSampler
-    from pipeline.train.trainer import LocalTrainer
+    from pipeline.train.local.questions import QuestionSampler
+    from pipeline.train.local.trainer import LocalTrainer
 
     params = scratch_params(Path(cfg["scratch"]), cfg)
     frame = pd.read_parquet(cfg["prompts"])

@@ -8,8 +8,8 @@ What it runs, in order, as verl's trainer runs one GRPO step's actor side (`RayP
 2. a Qwen3 model with random weights from `--config` (default: Qwen3-0.6B's config.json, the smoke-1gpu
    profile's agent, shipped in benchmarks/fixtures/qwen3-0.6b/) and a small word-level tokenizer, written as a
    Hugging Face directory (no Hub, no download);
-3. verl's config for the smoke-1gpu profile as our train stage composes it (`pipeline.train.verl_config.
-   compose_plan` of the train plan: params.yaml + profiles/smoke-1gpu.yaml through pipeline/train/verl_overrides.yaml into verl's
+3. verl's config for the smoke-1gpu profile as our train stage composes it (`pipeline.train.verl.config.
+   compose_plan` of the train plan: params.yaml + profiles/smoke-1gpu.yaml through pipeline/train/verl/overrides.yaml into verl's
    ppo_trainer.yaml), with the model path pointed at the random model and the attention switches of the
    command line; then verl's own workers from it: `ActorRolloutRefWorker(role="actor")` (the FSDP2 engine
    `FSDPEngineWithLMHead`, AdamW, gradient checkpointing, bf16 mixed precision over the `model_dtype` master
@@ -22,7 +22,7 @@ What it runs, in order, as verl's trainer runs one GRPO step's actor side (`RayP
 5. GPU memory: the peak over the update (`torch.cuda.max_memory_allocated`), and what stays allocated at the
    point where verl hands the GPU to the rollout (after the update: gradients freed on leaving train mode,
    Adam states kept; after the weight sync's generator of full tensors, `get_per_tensor_param`, has been
-   drained) against our memory rule (`pipeline/train/memory.py`, called in `memory_rule` below only);
+   drained) against our memory rule (`pipeline/train/verl/memory.py`, called in `memory_rule` below only);
 6. verl's `FSDPCheckpointManager` (through the engine's `save_checkpoint`), then `python -m verl.model_merger
    merge --backend fsdp ...` (the command our merge stage runs, run in this process by `runpy`), and the merged
    weights against the trained ones: every key present, each merged tensor equal to the trained fp32 weight
@@ -31,7 +31,7 @@ What it runs, in order, as verl's trainer runs one GRPO step's actor side (`RayP
 
 Attention: `sdpa` and verl's `use_remove_padding` off by default, because flash-attn is not assumed on the
 GPU machine; our GPU profiles run `flash_attention_2` with remove-padding on (verl's defaults, and
-pipeline/train/verl_overrides.yaml): `--attn-implementation flash_attention_2 --remove-padding` checks that
+pipeline/train/verl/overrides.yaml): `--attn-implementation flash_attention_2 --remove-padding` checks that
 path where flash-attn is installed.
 
 With `--device cpu` (what `tests/test_gpu_actor_check.py` runs, with `--tiny`: the same config at 2 layers,
@@ -289,7 +289,7 @@ def actor_config(
 
     from pipeline.config import load_params
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.verl_config import compose_plan
+    from pipeline.train.verl.config import compose_plan
 
     params = load_params(ROOT / "params.yaml", {"profile": PROFILE})
     cfg = OmegaConf.create(OmegaConf.to_container(compose_plan(TrainPlan.from_params(params)).cfg, resolve=False))
@@ -450,11 +450,11 @@ def drain_weight_sync(worker: Any) -> int:
 
 
 def memory_rule(cfg: Any, parameters: int) -> Any:
-    """Our memory rule's estimate for this actor: the one call into pipeline/train/memory.py."""
+    """Our memory rule's estimate for this actor: the one call into pipeline/train/verl/memory.py."""
     from omegaconf import OmegaConf
 
     from pipeline.checks.layout import WEIGHT_SYNC_BUCKET
-    from pipeline.train import memory
+    from pipeline.train.verl import memory
 
     actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
     return memory.actor_memory(

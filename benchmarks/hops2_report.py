@@ -166,7 +166,7 @@ def training_figures(steps_csv: Path) -> dict[str, Any] | None:
 def answering(evaluation: dict[str, Any]) -> dict[str, float | None]:
     """On the 2-hop held-out questions of one evaluation: the share answered after exactly two requests, and
     the copy accuracy (EM where a reply stated a gold answer; needs the file's `replies`)."""
-    from pipeline.environment.hops_world import world
+    from pipeline.environment.simulated.hops_world import world
 
     store, two, answered, stated, copied = world(), 0, 0, 0, 0
     if "predictions" not in evaluation:

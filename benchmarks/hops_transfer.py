@@ -21,8 +21,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from pipeline.environment.hops import HopsStore
-from pipeline.environment.hops_world import (
+from pipeline.environment.simulated.hops import HopsStore
+from pipeline.environment.simulated.hops_world import (
     Fact,
     Question,
     World,

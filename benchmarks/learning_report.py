@@ -13,7 +13,7 @@ say nothing about how another seed would do.
 Training rollouts (`rollouts.jsonl.gz`, `rollout_requests`): per seed, what the requests sampled during GRPO
 got from the environment, so a flat request side can be traced to whether any group held a short request.
 Request side: the share of questions whose interaction request got an answer from the environment (not a
-refusal, not "unknown": `pipeline.environment.knowledge_replies.answered`); extraction side: the mean F1
+refusal, not "unknown": `pipeline.environment.simulated.knowledge_replies.answered`); extraction side: the mean F1
 over those questions only.
 The `hops` mode (`hops_summary`, learning.json's `hops`) is reported per hop ("1-hop", "2-hop"): every figure
 is the mean over seeds of a seed's mean F1 over its questions of that hop; `seed_interval` is a t-interval
@@ -72,7 +72,7 @@ def picks(evaluation: dict[str, Any]) -> dict[str, int] | None:
     `gold` (F1 1), `distractor` (another entry of a `terse` reply, word for word after SQuAD normalisation),
     `other` (neither: made up, or a partial answer), `unanswered` (no reply answered the request). It tells a
     reading that picks the right entry from one that copies any entry, which F1 alone does not."""
-    from pipeline.environment.knowledge_replies import answered
+    from pipeline.environment.simulated.knowledge_replies import answered
     from pipeline.evaluation.trivial_rules import terse_entries
     from pipeline.metrics import normalize_answer
 
@@ -107,8 +107,8 @@ def rollout_requests(path: Path) -> dict[str, Any] | None:
     share answered per GRPO step. It shows whether the groups ever held a reward difference on the request."""
     import gzip
 
-    from pipeline.environment.knowledge_replies import answered
-    from pipeline.environment.terse import MAX_REQUEST_WORDS
+    from pipeline.environment.simulated.knowledge_replies import answered
+    from pipeline.environment.simulated.terse import MAX_REQUEST_WORDS
 
     if not path.is_file():
         return None
@@ -313,7 +313,7 @@ def t_interval(values: list[float], confidence: float = CONFIDENCE) -> list[floa
 def by_hop(evaluation: dict[str, Any], key: str = "f1") -> dict[str, list[float]]:
     """An agent evaluation's per-question `key` scores grouped "1-hop" / "2-hop" by its `questions` (the hops
     world's questions); a rules file is already grouped so."""
-    from pipeline.environment.hops_world import world
+    from pipeline.environment.simulated.hops_world import world
 
     if set(evaluation[key]) <= {"1-hop", "2-hop"}:
         return evaluation[key]
@@ -335,7 +335,7 @@ def hop_means(evaluation: dict[str, Any]) -> dict[str, float]:
 def second_requests(evaluation: dict[str, Any]) -> float | None:
     """Share of the 2-hop questions whose second request names both the bridge entity (its words in order)
     and the relation the answer is (a word of `hops_world.RELATION_WORDS`): what the second request must do."""
-    from pipeline.environment.hops_world import RELATION_WORDS, tokens, world
+    from pipeline.environment.simulated.hops_world import RELATION_WORDS, tokens, world
 
     store, hits, total = world(), 0, 0
     for name, per_question in evaluation["requests"].items():

@@ -55,6 +55,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from pipeline.runtime import stop_process_group
 from pipeline.errors import UserError
 from pipeline.runtime import TELEMETRY_OFF
 
@@ -197,24 +198,9 @@ def run_dvc(
                     on_line(line)
             returncode = proc.wait()
         except BaseException:
-            stop_process_group(proc)
+            stop_process_group(proc, STOP_GRACE_S, kill_wait_s=10.0)
             raise
     return returncode, "\n".join(tail)
-
-
-def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM the process group of `proc`, SIGKILL it after `grace_s` seconds."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-    log.warning("stage process group %d did not exit", proc.pid)
 
 
 def repro_stage(root: Path, stage: str, *, force: bool, on_line: Callable[[str], None] | None = None) -> bool:

@@ -40,11 +40,11 @@ DEFAULT_POLICY = StagePolicy()
 HEALTH_GATE_MARK = "training health gate"
 """Start of the line a stage prints when the training health gate stopped it (pipeline/train/health_gate.py)."""
 RESUME_CHECK_MARK = "training resume check"
-"""Start of the line when verl did not train the steps it should have (pipeline/train/verl_progress.py)."""
+"""Start of the line when verl did not train the steps it should have (pipeline/train/verl/progress.py)."""
 STEPS_RECORD_MARK = "training steps record"
-"""Start of the line when steps.csv lacks steps the training went through (pipeline/train/verl_steps.py)."""
+"""Start of the line when steps.csv lacks steps the training went through (pipeline/train/verl/steps.py)."""
 STALL_MARK = "training stalled"
-"""Start of the line when the progress watchdog stopped verl (pipeline/train/verl_progress.py): retried."""
+"""Start of the line when the progress watchdog stopped verl (pipeline/train/verl/progress.py): retried."""
 
 NOT_RETRIED = {
     HEALTH_GATE_MARK: "a resumed run would train from the same last healthy checkpoint into the same breach",

@@ -3,7 +3,7 @@
 A stage meets a full disk in one of two ways:
 - **It checks first.** The local trainer checks before each checkpoint (`writing`: the free space of the
   checkpoint folder against what the checkpoint takes), as the verl stage checks the checkpoints verl retains
-  before it starts (pipeline/train/resources.py, whose `free_bytes` both read), and refuses with `DiskFull`
+  before it starts (pipeline/train/verl/resources.py; both read `free_bytes` here), and refuses with `DiskFull`
   before it writes anything.
 - **A write fails.** Python says OSError ENOSPC, SQLite "database or disk is full" (MLflow's tracking store:
   raised through SQLAlchemy while the failed stage's MLflow run was being closed, it hid the first error under
@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,7 +61,7 @@ def writing(folder: Path, root: Path, needed: int, what: str, advice: str,
     DiskFull; `cleanup` removes what the failed block left half-written (before the free space is measured).
     `advice` says what the person can do; `root` is the project, for the path shown."""
     shown = display_path(folder, root)
-    problem = space_problem(shown, _free(folder), needed, what)
+    problem = space_problem(shown, free_bytes(folder), needed, what)
     if problem is not None:
         raise DiskFull(f"{problem}; {advice}")
     try:
@@ -69,11 +70,11 @@ def writing(folder: Path, root: Path, needed: int, what: str, advice: str,
         raise
     except Exception as exc:
         # torch.save words ENOSPC as "file write failed": a disk left (nearly) full by the failed write says it.
-        if _free(folder) >= NEARLY_FULL_BYTES and not any(_full_error(link) for link in _chain(exc)):
+        if free_bytes(folder) >= NEARLY_FULL_BYTES and not any(_full_error(link) for link in _chain(exc)):
             raise
         if cleanup is not None:
             cleanup()
-        free = format_size(_free(folder))
+        free = format_size(free_bytes(folder))
         raise DiskFull(f"{shown}: the disk filled while writing {what} (~{format_size(needed)} needed, {free} "
                        f"free now that the partial write is removed); {advice}") from exc
 
@@ -129,7 +130,7 @@ def disk_full(exc: BaseException, root: Path) -> DiskFull | None:
     if full is None:
         return None
     path = _written_path(full, root)
-    return DiskFull(f"{display_path(path, root)}: the disk is full ({format_size(_free(path))} free there; "
+    return DiskFull(f"{display_path(path, root)}: the disk is full ({format_size(free_bytes(path))} free there; "
                     f"{_said(full)}): free space there and rerun")
 
 
@@ -148,7 +149,9 @@ def quiet_full_store_tracebacks() -> None:
     logging.getLogger(MLFLOW_DB_LOGGER).addFilter(FullStoreFilter())
 
 
-def _free(path: Path) -> int:
-    from pipeline.train.resources import free_bytes  # the verl stage's reading of free space, shared
-
-    return free_bytes(path)
+def free_bytes(folder: Path) -> int:
+    """Free bytes of the file system that holds `folder` (its nearest existing parent)."""
+    folder = folder.resolve()
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free

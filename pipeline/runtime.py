@@ -12,6 +12,11 @@ imports another for it. Design decisions:
 - **SIGTERM unwinds like Ctrl-C** (`terminate_as_interrupt`): a process manager, `timeout` or `kill` then
   runs the `finally` blocks that stop servers and child process groups instead of orphaning them. Only the
   main thread can own signal handlers; elsewhere the context manager does nothing.
+- **One way to stop a child process group** (`stop_process_group`): every process the pipeline starts that
+  starts processes of its own (DVC, verl, llama.cpp, vLLM, the MLflow scoring server) runs in a group of its
+  own (`start_new_session=True`); stopping it is SIGTERM to the group, a grace period in which every
+  member may finish (an exited leader whose workers still run is not "stopped"), then SIGKILL to what is
+  left. "Running" is read from /proc and excludes zombies, which a container's PID 1 may never reap.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
+import time
 import warnings
+from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -105,3 +113,82 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _members(pgid: int, sid: int | None) -> list[int]:
+    """Live (not zombie) processes of group `pgid`, and of session `sid` when given, this process excluded."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] != "Z" and (int(fields[2]) == pgid or (sid is not None and int(fields[3]) == sid)):
+            found.append(int(entry.name))
+    return found
+
+
+def _signal(pgid: int, sid: int | None, signum: int) -> None:
+    for pid in _members(pgid, sid) if sid is not None else []:  # session members that moved to groups of their own
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            continue
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def stop_process_group(proc: subprocess.Popen | int, grace_s: float, *, whole_session: bool = False,
+                       kill_wait_s: float = 5.0) -> bool:
+    """Stop the process group of `proc` (a child we started, or a pid): SIGTERM, up to `grace_s` for every
+    member to exit, then SIGKILL to what is left and up to `kill_wait_s` more. True when none is left.
+
+    `whole_session` also signals every process of `proc`'s session, whichever group it moved to (Ray's
+    workers each take a group of their own): only when that session is not this process's own, or this
+    process leads it (the owner guard). A `Popen` is polled meanwhile, so an exited child is reaped.
+    """
+    pid = proc if isinstance(proc, int) else proc.pid
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        pgid = pid  # the leader is gone; its group, if any member is left, still has its id
+    sid = None
+    if whole_session:
+        try:
+            sid = os.getsid(pid)
+        except ProcessLookupError:
+            sid = pid
+        if sid == os.getsid(0) and sid != os.getpid():
+            sid = None  # never sweep the caller's own session
+
+    def gone(deadline: float) -> bool:
+        while True:
+            if not isinstance(proc, int):
+                proc.poll()
+            else:
+                _reap(pid)
+            if not _members(pgid, sid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    for signum, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        _signal(pgid, sid, signum)
+        if gone(time.monotonic() + wait_s):
+            return True
+        logging.getLogger(__name__).warning("process group %d ignored %s", pgid, signal.Signals(signum).name)
+    return False
+
+
+def _reap(pid: int) -> None:
+    """Collect `pid`'s exit status when it is an exited child of ours (else its zombie would count as gone
+    only through /proc's state)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass

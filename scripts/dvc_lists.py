@@ -56,7 +56,7 @@ class Item:
 
 RUN_BY_NAME = {
     "pipeline.environment.servers": ("pipeline.environment.llama_server",),
-    "pipeline.train.verl_overrides": ("pipeline.train.verl_agent_loop", "pipeline.train.verl_reward"),
+    "pipeline.train.verl.overrides": ("pipeline.train.verl.agent_loop", "pipeline.train.verl.reward"),
     "pipeline.serving.agent_model": ("pipeline.serving.model_code",),
 }
 """Modules a stage's code runs without importing them (launcher → launched): llama.cpp's server started with
@@ -114,7 +114,7 @@ def new_deps(items: list[Item], verb: str, indent: str) -> list[Item]:
     """Non-code deps where they are; the code block (closure files and pipeline/ data files) sorted in place.
 
     A package folder listed whole becomes its closure files plus the data files below it, so a table such as
-    pipeline/train/verl_overrides.yaml stays a dep."""
+    pipeline/train/verl/overrides.yaml stays a dep."""
     block = [Item(path, [_line(indent, path)]) for path in code_deps(verb)]
     block += [item for item in items if _is_code_package(item.value) and not _is_code(item.value)]
     listed = {item.value for item in block}

@@ -299,7 +299,7 @@ def verl_agent_loop(config, server_manager, tokenizer):
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from pipeline.train.verl_backend import AGENT_LOOP_CONFIG
+    from pipeline.train.verl.backend import AGENT_LOOP_CONFIG
 
     return hydra.utils.instantiate(
         config=OmegaConf.load(AGENT_LOOP_CONFIG)[0],

@@ -106,7 +106,9 @@ def open_paths(pid: int) -> list[str]:
 
 def registered_versions(project: Path) -> list[tuple[str, str, dict[str, str]]]:
     """(model, version, tags) of every registered model version in the project's MLflow SQLite store
-    (deleted versions, which MLflow keeps as `Deleted_Internal` rows, left out)."""
+    (deleted versions, which MLflow keeps as `Deleted_Internal` rows, left out, and so are the Prompt
+    Registry's versions: MLflow keeps a prompt as a registered model tagged `mlflow.prompt.is_prompt`, and the
+    gepa stage's instruction is one, which no `register` run decides on)."""
     db = project / "mlflow.db"
     if not db.is_file():
         return []
@@ -115,9 +117,11 @@ def registered_versions(project: Path) -> list[tuple[str, str, dict[str, str]]]:
             rows = conn.execute("SELECT name, version FROM model_versions "
                                 "WHERE current_stage IS NULL OR current_stage != 'Deleted_Internal'").fetchall()
             tags = conn.execute("SELECT name, version, key, value FROM model_version_tags").fetchall()
+            prompts = {name for (name,) in conn.execute(
+                "SELECT name FROM registered_model_tags WHERE key = 'mlflow.prompt.is_prompt' AND value = 'true'")}
         except sqlite3.OperationalError:  # the store is being created
             return []
-    by_version: dict[tuple[str, str], dict[str, str]] = {(n, str(v)): {} for n, v in rows}
+    by_version: dict[tuple[str, str], dict[str, str]] = {(n, str(v)): {} for n, v in rows if n not in prompts}
     for name, version, key, value in tags:
         if (name, str(version)) in by_version:
             by_version[(name, str(version))][key] = value

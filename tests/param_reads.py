@@ -19,7 +19,7 @@ and no key it does not (else editing `mlflow.trace_evaluation` reruns training).
 - **Whole reads.** A section read as a whole (`model_dump`, `getattr` with a computed name, passed to a
   library function or to a repo function whose parameter is not annotated as a section, returned unannotated,
   put in a container) reads every key below it. `getattr` over a literal tuple of names reads those names;
-  `param_value` reads the `$a.b` keys of pipeline/train/verl_overrides.yaml (DATA_READERS). `flatten`
+  `param_value` reads the `$a.b` keys of pipeline/train/verl/overrides.yaml (DATA_READERS). `flatten`
   (pipeline.config) and `training_params` (pipeline.train.mlflow_record) are MLflow's params view of a run: they
   show keys and change no output, so they are
   not counted (DISPLAY_ONLY).
@@ -59,10 +59,10 @@ PASS_THROUGH = frozenset({"isinstance", "id", "type", "repr", "bool"})
 
 
 def _verl_override_keys() -> set[Key]:
-    """The `$a.b` params pipeline/train/verl_overrides.yaml names (read through `param_value`)."""
+    """The `$a.b` params pipeline/train/verl/overrides.yaml names (read through `param_value`)."""
     import yaml
 
-    table = yaml.safe_load((ROOT / "pipeline" / "train" / "verl_overrides.yaml").read_text(encoding="utf-8"))
+    table = yaml.safe_load((ROOT / "pipeline" / "train" / "verl" / "overrides.yaml").read_text(encoding="utf-8"))
     return {parse_key(v[1:]) for v in table.values() if isinstance(v, str) and v.startswith("$")}
 
 

@@ -306,7 +306,7 @@ def test_the_verl_step_runs_one_mini_batch_saved_to_a_temporary_folder(repo_root
 
     from pipeline.checks.doctor_train import one_step_params
     from pipeline.config import load_params
-    from pipeline.train.verl_backend import build_overrides
+    from pipeline.train.verl.backend import build_overrides
 
     params = load_params(repo_root / "params.yaml", {"profile": "smoke-1gpu"})
     one = one_step_params(params, tmp_path / "doctor-ckpt")

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.environment.hops import NO_SUBJECT_REPLY, HopsKnowledgeBase, HopsStore, refused
-from pipeline.environment.hops_world import RELATION_WORDS, World, split_questions, world
-from pipeline.environment.knowledge_replies import answered, reask_request, reply_entity
-from pipeline.environment.knowledge_server import knowledge_base
+from pipeline.environment.simulated.hops import NO_SUBJECT_REPLY, HopsKnowledgeBase, HopsStore, refused
+from pipeline.environment.simulated.hops_world import RELATION_WORDS, World, split_questions, world
+from pipeline.environment.simulated.knowledge_replies import answered, reask_request, reply_entity
+from pipeline.environment.simulated.knowledge_server import knowledge_base
 from pipeline.evaluation.hops_rules import REFERENCES, TRIVIAL, evaluate_hops_rules
 
 

@@ -14,7 +14,7 @@ from demo_project import free_port, pid_alive
 from helpers import server_spec
 
 from pipeline.environment.client import EnvironmentClient
-from pipeline.environment.knowledge import (
+from pipeline.environment.simulated.knowledge import (
     REPLY_TEMPLATES,
     UNKNOWN_REPLY,
     KnowledgeBase,
@@ -131,7 +131,7 @@ def test_real_server_through_the_launcher_and_the_environment_client(params, tmp
     env.knowledge.sources = [str(source)]
     env.server.startup_timeout_s = 30
     command = server_command(server_spec(params))
-    assert command[:3] == [sys.executable, "-m", "pipeline.environment.knowledge_server"]
+    assert command[:3] == [sys.executable, "-m", "pipeline.environment.simulated.knowledge_server"]
     with serve_environment(server_spec(params)) as url:
         server = started_server(url)
         assert server is not None and pid_alive(server.pid)

@@ -1,4 +1,4 @@
-"""The knowledgeable environment's `terse` mode (pipeline/environment/terse.py) and the trivial rules
+"""The knowledgeable environment's `terse` mode (pipeline/environment/simulated/terse.py) and the trivial rules
 (pipeline/evaluation/trivial_rules.py): the length limit, the key-word match, the distractor replies, worked
 by hand on a small store; the real server process in that mode asked through the real EnvironmentClient."""
 
@@ -14,11 +14,11 @@ from demo_project import free_port
 from helpers import server_spec
 
 from pipeline.environment.client import EnvironmentClient
-from pipeline.environment.knowledge import REPLY_TEMPLATES, UNKNOWN_REPLY, KnowledgeBase
-from pipeline.environment.knowledge_replies import answered
-from pipeline.environment.knowledge_server import knowledge_base
+from pipeline.environment.simulated.knowledge import REPLY_TEMPLATES, UNKNOWN_REPLY, KnowledgeBase
+from pipeline.environment.simulated.knowledge_replies import answered
+from pipeline.environment.simulated.knowledge_server import knowledge_base
 from pipeline.environment.servers import serve_environment, server_command
-from pipeline.environment.terse import MAX_REQUEST_WORDS, TOO_LONG_REPLY, TerseKnowledgeBase
+from pipeline.environment.simulated.terse import MAX_REQUEST_WORDS, TOO_LONG_REPLY, TerseKnowledgeBase
 from pipeline.evaluation.trivial_rules import (
     INFORMED_RULES,
     RULES,
@@ -150,7 +150,7 @@ def test_real_terse_server_through_the_environment_client(params, tmp_path):
     env.backend, env.served_name, env.port, env.cache = "knowledge", "knowledge-base", free_port(), False
     env.knowledge.sources, env.knowledge.mode = [str(source)], "terse"
     env.server.startup_timeout_s = 30
-    assert server_command(server_spec(params))[:3] == [sys.executable, "-m", "pipeline.environment.knowledge_server"]
+    assert server_command(server_spec(params))[:3] == [sys.executable, "-m", "pipeline.environment.simulated.knowledge_server"]
     with serve_environment(server_spec(params)):
         client = EnvironmentClient(env)
 

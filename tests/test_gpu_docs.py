@@ -119,7 +119,7 @@ def test_the_documented_ray_starts_give_ray_the_training_devices_only():
     """Each `ray start` of section 3 whose comment names a profile, judged as the stage start judges a joined
     Ray that owns exactly the devices of that command's CUDA_VISIBLE_DEVICES."""
     from pipeline.placement import gpus_of_environment, gpus_of_training
-    from pipeline.train.resources import RayNode, RayProbe, ray_gpu_problems
+    from pipeline.train.verl.resources import RayNode, RayProbe, ray_gpu_problems
 
     text = DOC.read_text(encoding="utf-8")
     section = text[text.index("## 3. Ray") : text.index("## 4.")]

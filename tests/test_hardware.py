@@ -67,9 +67,9 @@ def test_defaults_are_auto(tmp_path):
 
 def test_the_trainer_resolves_train_autocast(tiny_llama_dir, params, no_native_bf16):
     """The resolved dtype is what the update runs under: auto on a CPU without native bf16 is float32."""
-    from pipeline.train.models import load_policy_models
-    from pipeline.train.questions import QuestionSampler
-    from pipeline.train.trainer import LocalTrainer
+    from pipeline.train.local.models import load_policy_models
+    from pipeline.train.local.questions import QuestionSampler
+    from pipeline.train.local.trainer import LocalTrainer
 
     params.agent.model = str(tiny_llama_dir)
     params.train.rollout_engine = "transformers"

@@ -56,17 +56,17 @@ def test_a_library_importing_a_stage_climbs(tmp_path: Path) -> None:
         "pipeline/__init__.py": "",
         "pipeline/cli.py": "def train():\n    from pipeline.stages import train\n",
         "pipeline/stages/__init__.py": "",
-        "pipeline/stages/train.py": "from pipeline.train import local\n\ndef f():\n    import pipeline.cli\n",
+        "pipeline/stages/train.py": "from pipeline.train.local import backend as local\n\ndef f():\n    import pipeline.cli\n",
         "pipeline/checks/__init__.py": "",
         "pipeline/checks/doctor.py": "from pipeline.stages.train import f\n",
         "pipeline/train/__init__.py": "",
-        "pipeline/train/local.py": "def g():\n    from pipeline.stages.train import f\n",
+        "pipeline/train/local/backend.py": "def g():\n    from pipeline.stages.train import f\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert climbing(import_graph(tmp_path)) == ["pipeline.stages.train -> pipeline.cli",
-                                                "pipeline.train.local -> pipeline.stages.train"]
+                                                "pipeline.train.local.backend -> pipeline.stages.train"]
 
 
 def test_a_cycle_through_lazy_typing_and_relative_imports_is_found(tmp_path: Path) -> None:
@@ -91,3 +91,90 @@ def test_a_cycle_through_lazy_typing_and_relative_imports_is_found(tmp_path: Pat
     }
     assert cycles(graph) == [["pipeline.a", "pipeline.b", "pipeline.a"]]
     assert _shown(cycles(graph)) == "pipeline.a -> pipeline.b -> pipeline.a"
+
+
+TRAIN = "pipeline.train"
+BACKENDS = (f"{TRAIN}.local", f"{TRAIN}.verl")
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def backend_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every import from one training backend into the other, and from the shared part of
+    pipeline/train/ (its own modules, outside both backends' folders) into either backend."""
+    def backend(module: str) -> str | None:
+        return next((b for b in BACKENDS if _under(module, b)), None)
+
+    found = []
+    for a, targets in graph.items():
+        if not _under(a, TRAIN):
+            continue
+        for b in targets:
+            if backend(b) is not None and backend(a) != backend(b):
+                found.append(f"{a} -> {b}")
+    return sorted(found)
+
+
+# Libraries that must not reach a sibling: (importer's package, the package it must not import).
+SIDEWAYS = (
+    ("pipeline.agent", "pipeline.evaluation"),
+    ("pipeline.tracking", "pipeline.evaluation"),
+    ("pipeline.environment", "pipeline.weights"),
+)
+
+
+def sideways(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every import SIDEWAYS forbids."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  for low, banned in SIDEWAYS if _under(a, low) and _under(b, banned))
+
+
+def test_the_training_backends_import_neither_each_other_nor_from_the_shared_part_upward() -> None:
+    found = backend_crossings(import_graph(ROOT))
+    assert not found, "imports across the training backends (move the shared piece to pipeline/train/):\n" + \
+        "\n".join(found)
+
+
+def test_agent_tracking_and_environment_import_no_sibling_they_must_not() -> None:
+    found = sideways(import_graph(ROOT))
+    assert not found, "sideways imports between libraries:\n" + "\n".join(found)
+
+
+def test_each_crossing_rule_can_fail(tmp_path: Path) -> None:
+    """The rules themselves, on a synthetic tree: local -> verl, verl -> local and shared -> a backend cross;
+    a backend -> shared, a backend -> its own modules and a stage -> both do not. agent -> evaluation,
+    tracking -> evaluation and environment -> weights are sideways; evaluation -> agent is not."""
+    files = {
+        "pipeline/__init__.py": "",
+        "pipeline/weights.py": "",
+        "pipeline/train/__init__.py": "",
+        "pipeline/train/plan.py": "from pipeline.train.local import trainer\n",
+        "pipeline/train/checkpoint.py": "",
+        "pipeline/train/local/__init__.py": "",
+        "pipeline/train/local/trainer.py": "from pipeline.train import checkpoint\nfrom pipeline.train.local import grpo\n",
+        "pipeline/train/local/grpo.py": "def f():\n    from pipeline.train.verl import backend\n",
+        "pipeline/train/verl/__init__.py": "",
+        "pipeline/train/verl/backend.py": "from pipeline.train.local.grpo import f\nfrom pipeline.train import plan\n",
+        "pipeline/stages/__init__.py": "",
+        "pipeline/stages/train.py": "from pipeline.train.local import trainer\nfrom pipeline.train.verl import backend\n",
+        "pipeline/agent/__init__.py": "",
+        "pipeline/agent/policy.py": "from pipeline.evaluation import systems\n",
+        "pipeline/tracking/__init__.py": "",
+        "pipeline/tracking/promotion.py": "import pipeline.evaluation.systems\n",
+        "pipeline/environment/__init__.py": "",
+        "pipeline/environment/servers.py": "from pipeline import weights\n",
+        "pipeline/evaluation/__init__.py": "",
+        "pipeline/evaluation/systems.py": "from pipeline.agent import policy\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    graph = import_graph(tmp_path)
+    assert backend_crossings(graph) == ["pipeline.train.local.grpo -> pipeline.train.verl.backend",
+                                        "pipeline.train.plan -> pipeline.train.local.trainer",
+                                        "pipeline.train.verl.backend -> pipeline.train.local.grpo"]
+    assert sideways(graph) == ["pipeline.agent.policy -> pipeline.evaluation.systems",
+                               "pipeline.environment.servers -> pipeline.weights",
+                               "pipeline.tracking.promotion -> pipeline.evaluation.systems"]

@@ -235,7 +235,7 @@ def _verl_accepts(batch: int, n: int, mini: int, micro: int, gpus: int, nnodes: 
 @pytest.mark.parametrize("profile", ["paper", "paper-1node", "smoke-1gpu"])
 def test_gpu_profiles_compose_into_a_config_verl_validates(profile):
     """What `train` hands verl for each GPU profile passes verl's own validation, with the profile's sizes."""
-    from pipeline.train.verl_backend import build_overrides
+    from pipeline.train.verl.backend import build_overrides
 
     params = merged(f"profile={profile}")
     cfg = _compose_verl(build_overrides(TrainPlan.from_params(params)))

@@ -16,10 +16,10 @@ import pytest
 
 from pipeline.checks.layout import Placement, actor_estimate, layout_problems
 from pipeline.config import deep_merge, load_params, parse_override
-from pipeline.train import memory
+from pipeline.train.verl import memory
 from pipeline.train.plan import TrainPlan
-from pipeline.train.resources import checkpoint_disk_problem, gpu_problems
-from pipeline.train.verl_config import compose_plan, override_key
+from pipeline.train.verl.resources import checkpoint_disk_problem, gpu_problems
+from pipeline.train.verl.config import compose_plan, override_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = memory.GIB
@@ -208,7 +208,7 @@ def test_parameter_count_from_a_local_config_matches_the_model(tiny_llama_dir):
 
 
 def test_published_counts_are_found_by_hub_id():
-    assert memory.parameter_count("Qwen/Qwen3-4B") == (4_000_000_000, "published count, pipeline/train/memory.py")
+    assert memory.parameter_count("Qwen/Qwen3-4B") == (4_000_000_000, "published count, pipeline/train/verl/memory.py")
     assert memory.parameter_count("Qwen/Qwen2.5-7B-Instruct")[0] == 7_610_000_000
     assert memory.parameter_count("example-org/unlisted-7b") is None
 
@@ -305,7 +305,7 @@ def test_verl_asserts_where_the_new_rules_refuse():
 
 @pytest.mark.slow  # imports verl: ~1 min cold on 2 cores
 def test_verl_validation_runs_on_the_composed_config():
-    from pipeline.train.verl_config import verl_validation_error
+    from pipeline.train.verl.config import verl_validation_error
 
     assert verl_validation_error(compose_run(merged("profile=paper"))) is None
     refused = verl_validation_error(compose_run(merged("profile=paper", "train.mini_batch_size=256")))
@@ -313,7 +313,7 @@ def test_verl_validation_runs_on_the_composed_config():
 
 
 def test_free_bytes_reads_the_nearest_existing_folder(tmp_path):
-    from pipeline.train.resources import free_bytes
+    from pipeline.disk_space import free_bytes
 
     free = free_bytes(tmp_path / "not" / "yet" / "created")
     assert 0 < free <= shutil.disk_usage(tmp_path).total
@@ -326,7 +326,7 @@ def test_stage_start_refuses_a_machine_without_the_layouts_gpus(tmp_path):
     import torch
 
     from pipeline.errors import UserError
-    from pipeline.train.resources import assert_resources
+    from pipeline.train.verl.resources import assert_resources
 
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs: the refusal needs one without")

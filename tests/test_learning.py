@@ -119,7 +119,7 @@ def knowledge_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def format_aware_model(tiny_llama_dir, knowledge_url, tmp_path_factory):
     """The tiny model after the pipeline's (short) format warm-up: a HF directory to start GRPO from."""
-    from pipeline.train.local import WARMUP_DIR, train_local
+    from pipeline.train.local.backend import WARMUP_DIR, train_local
 
     folder = tmp_path_factory.mktemp("warm")
     _train_parquet(folder / "data/rl/train.parquet")
@@ -150,12 +150,12 @@ def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, fl
 
     import numpy as np
 
-    from pipeline.train import trainer as trainer_module
-    from pipeline.train.batch import collate, response_log_probs
-    from pipeline.train.grpo import grpo_advantages as intact_advantages
-    from pipeline.train.local import load_training_set
-    from pipeline.train.models import load_policy_models
-    from pipeline.train.questions import QuestionSampler
+    from pipeline.train.local import trainer as trainer_module
+    from pipeline.train.local.batch import collate, response_log_probs
+    from pipeline.train.local.grpo import grpo_advantages as intact_advantages
+    from pipeline.train.local.backend import load_training_set
+    from pipeline.train.local.models import load_policy_models
+    from pipeline.train.local.questions import QuestionSampler
 
     _train_parquet(folder / "data/rl/train.parquet")
     params = _params(folder, model_dir, url, lora={"enabled": lora, "r": 8, "alpha": 16,
@@ -170,7 +170,7 @@ def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, fl
     models = load_policy_models(plan.require_agent_model(), plan.agent, plan.train, None, device)
     frame = load_training_set(plan.train_file)
     trainer = trainer_module.LocalTrainer(plan, models, frame, device, QuestionSampler(len(frame), seed))
-    trainer.reference_is_policy = True  # a fresh run, as pipeline.train.local sets it
+    trainer.reference_is_policy = True  # a fresh run, as pipeline.train.local.backend sets it
     before_model = copy.deepcopy(models.model).eval()
     env = environment_client(params)
     handed: list[list[str]] = []  # the group ids verl's advantage function got from step()
@@ -273,7 +273,7 @@ BROKEN = [
 
 @pytest.mark.parametrize("variant", BROKEN)
 def test_broken_update_fails_the_direction_check(format_aware_model, knowledge_url, tmp_path, monkeypatch, variant):
-    from pipeline.train import trainer
+    from pipeline.train.local import trainer
 
     if variant == "advantage_sign":
         monkeypatch.setattr(trainer, "grpo_advantages", _negated_advantages(trainer.grpo_advantages))

@@ -13,7 +13,7 @@ from pipeline.config import load_params
 from pipeline.errors import UserError
 from pipeline.stages.register import PRODUCTION_ALIAS, check_production_alias, run_register
 from pipeline.train.plan import TrainPlan
-from pipeline.train.warmup import WITHHELD_REPLY, build_demonstrations
+from pipeline.train.local.warmup import WITHHELD_REPLY, build_demonstrations
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_warmup_demonstrations_with_withheld_replies_never_show_the_answer(learn
     }])
     learn.train.warmup.replies = replies
     env = _CountingEnvironment()
-    from pipeline.train.questions import prompt_item_from_row
+    from pipeline.train.local.questions import prompt_item_from_row
 
     demos = build_demonstrations(TrainPlan.from_params(learn), frame, tokenizer, env, 1, prompt_item_from_row)
     (demo,) = demos

@@ -82,7 +82,7 @@ def test_learning_json_from_the_files(results):
 def test_training_requests_count_short_and_answered_requests_by_hand(tmp_path):
     import gzip
 
-    from pipeline.environment.terse import TOO_LONG_REPLY
+    from pipeline.environment.simulated.terse import TOO_LONG_REPLY
 
     refused = TOO_LONG_REPLY.format(words=12, limit=8)
 
@@ -133,7 +133,7 @@ def test_trivial_rules_are_pooled_over_the_seeds_own_environments(results):
 
 
 def test_picks_tell_the_right_entry_from_a_distractor_by_hand():
-    from pipeline.environment.terse import TOO_LONG_REPLY
+    from pipeline.environment.simulated.terse import TOO_LONG_REPLY
 
     reply = "On dune wrote my notes give Frank Herbert. Isaac Asimov is listed under foundation wrote."
     ev = {"f1": {"a": [1.0, 0.0, 0.0, 0.5]}, "predictions": {"a": ["Frank Herbert", "isaac asimov.", "Tolkien",
@@ -170,7 +170,7 @@ def _rules(per_hop: dict[str, tuple[list[float], list[float]]]) -> dict:
 def test_hops_summary_pools_per_hop_and_the_seed_interval_by_hand(tmp_path):
     from learning_report import hops_summary
 
-    from pipeline.environment.hops_world import split_questions, world
+    from pipeline.environment.simulated.hops_world import split_questions, world
 
     _, heldout = split_questions(world().questions, 128)
     one, two_a, two_b = heldout[0], heldout[1], heldout[2]
@@ -222,7 +222,7 @@ def test_hops2_summary_judges_the_goal_and_hypotheses_by_hand(tmp_path):
     their t-intervals, and H1-H3 with the goal, each computable by hand."""
     from hops2_report import hops2_summary
 
-    from pipeline.environment.hops_world import split_questions, world
+    from pipeline.environment.simulated.hops_world import split_questions, world
 
     _, heldout = split_questions(world().questions, 128)
     one, two_a, two_b = heldout[0], heldout[1], heldout[2]

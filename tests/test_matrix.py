@@ -2,7 +2,7 @@
 
 The fast tests check the config entries (merge over the training environment, refusals naming the entry) and
 the matrix's outputs on hand-made aggregates; the slow one runs evaluate with the llama.cpp environment (the
-training one) and the knowledgeable server (pipeline/environment/knowledge.py) as the second environment,
+training one) and the knowledgeable server (pipeline/environment/simulated/knowledge.py) as the second environment,
 and reads the matrix back from summary.md, matrix.csv and MLflow.
 """
 

@@ -289,7 +289,7 @@ def test_traces_time_each_trajectory_and_separate_queueing_from_latency(store, t
 def test_a_sample_of_each_training_step_becomes_traces_of_the_train_run(store, two_turn_trajectories):
     import mlflow
 
-    from pipeline.train.trajectory_log import log_step_traces
+    from pipeline.train.local.trajectory_log import log_step_traces
 
     mlflow.set_tracking_uri(store)
     experiment = mlflow.set_experiment("train-traces").experiment_id

@@ -41,10 +41,10 @@ from pipeline.agent.protocol import ConversationBuilder
 from pipeline.agent.rollout import run_rollout
 from pipeline.config import EnvironmentConfig, RewardConfig
 from pipeline.environment.client import EnvironmentClient
-from pipeline.environment.knowledge import KnowledgeBase, make_server
+from pipeline.environment.simulated.knowledge import KnowledgeBase, make_server
 from pipeline.reward import reward_for_trajectory
-from pipeline.train.batch import collate, response_log_probs
-from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss, outcome_token_rewards
+from pipeline.train.local.batch import collate, response_log_probs
+from pipeline.train.local.grpo import GRPOObjective, grpo_advantages, grpo_loss, outcome_token_rewards
 from pipeline.types import PromptItem
 
 QUESTION, GOLD = "Who wrote the play Hamlet?", "William Shakespeare"

@@ -76,7 +76,7 @@ def test_a_hub_id_resolves_to_its_snapshot_folder_offline(hub, tmp_path):
 def test_verl_launch_loads_the_agent_offline_from_its_snapshot(hub, tmp_path):
     """The launch command and environment as `verl_launch` builds them: verl's model path is the snapshot
     folder, not the Hub id; the launcher and (through the Ray job's runtime_env) every worker run offline."""
-    from pipeline.train.verl_backend import verl_launch
+    from pipeline.train.verl.backend import verl_launch
 
     snapshot = cached_model(hub, "Qwen/Qwen3-4B")
     plan = TrainPlan.from_params(paper(tmp_path))
@@ -104,7 +104,7 @@ def test_verl_is_not_started_without_the_agent_weights(hub, tmp_path):
     """The train stage checks the agent's weights before it starts the environment or verl."""
     from types import SimpleNamespace
 
-    from pipeline.train import verl_backend
+    from pipeline.train.verl import backend as verl_backend
 
     (tmp_path / "data/rl/eval").mkdir(parents=True)
     (tmp_path / "data/rl/train.parquet").write_bytes(b"")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, compute_grpo_outcome_advantage, kl_penalty
 
-from pipeline.train.grpo import GRPOObjective, PolicyLossConfig, grpo_advantages, grpo_loss
+from pipeline.train.local.grpo import GRPOObjective, PolicyLossConfig, grpo_advantages, grpo_loss
 
 
 def reference_loss(log_prob, old, adv, mask, ref, obj: GRPOObjective) -> torch.Tensor:
@@ -130,7 +130,7 @@ BROKEN_OBJECTIVES = {
 @pytest.mark.parametrize("variant", list(BROKEN_OBJECTIVES))
 def test_worked_example_catches_a_broken_objective(monkeypatch, variant):
     """Each bug, injected into the functions grpo_loss calls, changes a figure the worked example pins."""
-    from pipeline.train import grpo
+    from pipeline.train.local import grpo
 
     name, breaker = BROKEN_OBJECTIVES[variant]
     monkeypatch.setattr(grpo, name, breaker(getattr(grpo, name)))

@@ -29,7 +29,7 @@ from pipeline.train.health_gate import (
     zero_variance_share,
 )
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl_health_gate import BreachSeen, VerlHealthWatch, parse_step_line, rollout_figures
+from pipeline.train.verl.health_gate import BreachSeen, VerlHealthWatch, parse_step_line, rollout_figures
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -354,8 +354,8 @@ def test_verl_total_is_counted_as_verl_counts_it(tmp_path):
     from helpers import QUESTIONS, write_train_parquet
 
     from pipeline.errors import DataError
-    from pipeline.train.verl_config import compose_plan
-    from pipeline.train.verl_progress import schedule_from_config, verl_schedule
+    from pipeline.train.verl.config import compose_plan
+    from pipeline.train.verl.progress import schedule_from_config, verl_schedule
 
     def planned_total_steps(plan):  # the total the launch gives the gate and the resume check
         return verl_schedule(plan).total_steps
@@ -397,7 +397,7 @@ def test_verl_watch_judges_a_step_without_its_dump_when_the_next_step_arrives(tm
 
 def test_stream_stops_the_process_group_on_a_breach(tmp_path):
     """A real child printing verl's step lines: the watch raises inside the stream loop, the child is killed."""
-    from pipeline.train.verl_backend import _stream
+    from pipeline.train.verl.backend import _stream
 
     script = tmp_path / "fake_verl.py"
     script.write_text("import sys, time\nline = sys.argv[1]\n"
@@ -430,7 +430,7 @@ def test_verl_checkpoints_of_the_breaching_step_are_set_aside(tmp_path):
 
 
 def test_verl_overrides_dump_rollouts_only_with_the_gate(tmp_path):
-    from pipeline.train.verl_backend import build_overrides
+    from pipeline.train.verl.backend import build_overrides
 
     shutil.copy(REPO_ROOT / "params.yaml", tmp_path / "params.yaml")
     (tmp_path / "models").mkdir()

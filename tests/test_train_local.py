@@ -24,10 +24,10 @@ from helpers import REPO_ROOT, tiny_overrides, write_train_parquet
 
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.batch import collate, response_log_probs
+from pipeline.train.local.batch import collate, response_log_probs
 from pipeline.train.plan import TrainPlan
-from pipeline.train.questions import QuestionSampler
-from pipeline.train.step_metrics import StepsLog
+from pipeline.train.local.questions import QuestionSampler
+from pipeline.train.local.step_metrics import StepsLog
 from pipeline.types import PromptItem, Trajectory
 
 
@@ -186,9 +186,9 @@ def test_update_moves_the_policy_towards_the_better_trajectory(tiny_llama_dir, p
     (mask 0) between them do not enter the loss. Also under `train.autocast: bfloat16` (weights stay float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.train.grpo import grpo_advantages
-    from pipeline.train.models import PolicyModels
-    from pipeline.train.trainer import LocalTrainer
+    from pipeline.train.local.grpo import grpo_advantages
+    from pipeline.train.local.models import PolicyModels
+    from pipeline.train.local.trainer import LocalTrainer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
@@ -224,9 +224,9 @@ def test_a_mini_batch_without_signal_leaves_weights_and_optimizer_bit_identical(
     batch with signal still moves them, and in a mixed step only the mini-batch with signal steps."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.train.grpo import grpo_advantages
-    from pipeline.train.models import PolicyModels
-    from pipeline.train.trainer import LocalTrainer
+    from pipeline.train.local.grpo import grpo_advantages
+    from pipeline.train.local.models import PolicyModels
+    from pipeline.train.local.trainer import LocalTrainer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
@@ -282,8 +282,8 @@ def test_flat_groups_get_exactly_zero_advantage():
     """At G = 5 (the paper's) verl's float32 group mean of five equal scores 0.4 + 0.25/3 (a partial answer F1) is
     an ulp off while their std is 0, so verl's advantage is +-0.029 of pure noise; the step zeroes such groups,
     so the update sees no signal there, and leaves every other group's advantages as verl computes them."""
-    from pipeline.train.grpo import grpo_advantages
-    from pipeline.train.trainer import step_advantages
+    from pipeline.train.local.grpo import grpo_advantages
+    from pipeline.train.local.trainer import step_advantages
 
     flat = 0.4 + 0.25 / 3
     scores = torch.tensor([flat] * 5 + [1.0, 0.0, flat, flat, 0.65])
@@ -306,9 +306,9 @@ def test_fresh_runs_first_update_takes_the_reference_from_the_policy_exactly(tin
     itself. The second update runs the reference forward again (the policy has moved)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.train.grpo import grpo_advantages
-    from pipeline.train.models import PolicyModels
-    from pipeline.train.trainer import LocalTrainer
+    from pipeline.train.local.grpo import grpo_advantages
+    from pipeline.train.local.models import PolicyModels
+    from pipeline.train.local.trainer import LocalTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
@@ -347,7 +347,7 @@ def test_fresh_runs_first_update_takes_the_reference_from_the_policy_exactly(tin
 
 
 def test_lora_training_keeps_base_frozen(tmp_path, tiny_llama_dir, env_server):
-    from pipeline.train.local import train_local
+    from pipeline.train.local.backend import train_local
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(
@@ -364,8 +364,9 @@ def test_changed_training_params_start_afresh_instead_of_reusing_the_old_model(t
                                                                                env_server):
     # DVC reruns train when e.g. train.lr or reward.preset change; the persisted checkpoint of the old
     # params must not count as "already complete" nor be resumed.
-    from pipeline.train.local import train_local
-    from pipeline.train.resume import stale_folders, training_complete
+    from pipeline.train.local.backend import train_local
+    from pipeline.stages.train import training_complete
+    from pipeline.train.local.resume import stale_folders
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = load_params(REPO_ROOT / "params.yaml", tiny_overrides(tmp_path, tiny_llama_dir, env_server, steps=1))
@@ -507,7 +508,8 @@ def test_stage_dispatches_verl_backend_inside_the_train_run(tmp_path, monkeypatc
     import mlflow
 
     from pipeline.stages.train import run_train
-    from pipeline.train import resources, verl_backend
+    from pipeline.train.verl import backend as verl_backend
+    from pipeline.train.verl import resources
 
     calls = []
 
@@ -534,7 +536,7 @@ def test_failing_environment_stops_training_with_the_keys_named(tmp_path, tiny_l
     from fault_server import Behaviour, FaultServer
 
     from pipeline.errors import EnvironmentUnhealthy
-    from pipeline.train.local import train_local
+    from pipeline.train.local.backend import train_local
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     with FaultServer(Behaviour("status", status=400)) as server:

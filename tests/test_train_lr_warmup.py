@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.config import TrainConfig
-from pipeline.train.trainer import LocalTrainer
+from pipeline.train.local.trainer import LocalTrainer
 
 
 def lr_at(step: int, **train) -> float:

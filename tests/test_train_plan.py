@@ -46,7 +46,7 @@ def test_training_and_evaluation_decide_auto_alike(params, tmp_path):
     import torch
 
     from pipeline.evaluation.agent_server import agent_engine
-    from pipeline.train.rollout_engine import rollout_engine
+    from pipeline.train.local.rollout_engine import rollout_engine
 
     if torch.cuda.is_available():
         pytest.skip("training prefers the in-process policy on CUDA, evaluation does not")

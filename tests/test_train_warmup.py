@@ -1,4 +1,4 @@
-"""Format warm-up (pipeline.train.warmup): demonstrations in the exact protocol, the supervised loss, and
+"""Format warm-up (pipeline.train.local.warmup): demonstrations in the exact protocol, the supervised loss, and
 its place in the local trainer (once, checkpointed, the KL reference).
 
 Fast tests: tiny random Llama (conftest `tiny_llama_dir`) and the fault-injecting test server as a real
@@ -29,9 +29,9 @@ def warm_params(tmp_path: Path, model_dir: Path, env_url: str, **warmup):
 
 def build(params, count: int):
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.train.models import load_tokenizer
-    from pipeline.train.questions import prompt_item_from_row
-    from pipeline.train.warmup import build_demonstrations
+    from pipeline.train.local.models import load_tokenizer
+    from pipeline.train.local.questions import prompt_item_from_row
+    from pipeline.train.local.warmup import build_demonstrations
 
     frame = pd.read_parquet(params.path(params.paths.rl_dir) / "train.parquet")
     tokenizer = load_tokenizer(params.agent.model, params.root)
@@ -100,7 +100,7 @@ def test_demonstrations_vary_their_wording_and_respect_budgets(tmp_path, tiny_ll
 def test_verbatim_request_sends_the_question_alone_and_keeps_the_other_wordings():
     import random
 
-    from pipeline.train.warmup import FIRST_PROMPT, demo_texts
+    from pipeline.train.local.warmup import FIRST_PROMPT, demo_texts
 
     question = "Who wrote Dune?"
     framed = [demo_texts(question, "Frank Herbert", 2, random.Random(s)) for s in range(12)]
@@ -117,9 +117,9 @@ def test_warmup_loss_decreases_on_the_tiny_model(tmp_path, tiny_llama_dir, env_s
     from transformers import AutoModelForCausalLM
 
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.train.models import load_tokenizer
-    from pipeline.train.questions import prompt_item_from_row
-    from pipeline.train.warmup import run_warmup
+    from pipeline.train.local.models import load_tokenizer
+    from pipeline.train.local.questions import prompt_item_from_row
+    from pipeline.train.local.warmup import run_warmup
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = warm_params(tmp_path, tiny_llama_dir, env_server, steps=6, demonstrations=2, lr=3e-3)
@@ -141,8 +141,8 @@ def test_trainer_warms_up_once_and_uses_the_warmed_model_as_reference(tmp_path, 
                                                                         monkeypatch, caplog):
     from safetensors.torch import load_file
 
-    from pipeline.train import warmup as warmup_module
-    from pipeline.train.local import train_local
+    from pipeline.train.local import warmup as warmup_module
+    from pipeline.train.local.backend import train_local
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = warm_params(tmp_path, tiny_llama_dir, env_server)
@@ -165,7 +165,7 @@ def test_trainer_warms_up_once_and_uses_the_warmed_model_as_reference(tmp_path, 
         raise AssertionError("warm-up repeated")
 
     monkeypatch.setattr(warmup_module, "run_warmup", no_second_warmup)
-    caplog.set_level("INFO", logger="pipeline.train.local")
+    caplog.set_level("INFO", logger="pipeline.train.local.backend")
     metrics = train_local(TrainPlan.from_params(params))
     assert "KL reference: the warmed-up weights" in caplog.text
     assert metrics["actor/num_optimizer_steps"] + metrics["actor/skipped_no_signal"] >= 1  # a GRPO update ran
@@ -177,7 +177,7 @@ def test_trainer_warms_up_once_and_uses_the_warmed_model_as_reference(tmp_path, 
 
 def test_warmup_with_lora_is_refused(tmp_path, tiny_llama_dir, env_server):
     from pipeline.errors import UserError
-    from pipeline.train.local import train_local
+    from pipeline.train.local.backend import train_local
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")
     params = warm_params(tmp_path, tiny_llama_dir, env_server)
@@ -210,20 +210,20 @@ def _words(text: str) -> int:
     (["", "   \n "], ["x"], ""),                                            # nothing to answer with
 ])
 def test_reply_answer_takes_a_stated_gold_else_the_last_replys_answer(replies, golds, expected):
-    from pipeline.train.warmup import reply_answer
+    from pipeline.train.local.warmup import reply_answer
 
     assert reply_answer(replies, golds, _words, max_tokens=4) == expected
 
 
 def test_a_stated_gold_longer_than_the_budget_falls_back_to_the_reply():
-    from pipeline.train.warmup import reply_answer
+    from pipeline.train.local.warmup import reply_answer
 
     assert reply_answer(["It was William Shakespeare, the playwright"], ["William Shakespeare"], _words,
                         max_tokens=1) == "It"
 
 
 def test_answer_source_auto_follows_the_replies():
-    from pipeline.train.warmup import answer_source
+    from pipeline.train.local.warmup import answer_source
 
     params = load_params(REPO_ROOT / "params.yaml")
     assert params.train.warmup.answer == "auto" and answer_source(params.train.warmup) == "reply"
@@ -274,7 +274,7 @@ class _HopsEnvironment:
     """The `hops` knowledge base asked in-process with the server's own reply code (the real rules)."""
 
     def __init__(self) -> None:
-        from pipeline.environment.knowledge_server import knowledge_base
+        from pipeline.environment.simulated.knowledge_server import knowledge_base
 
         self.kb = knowledge_base([], 0.6, "hops")
         self.calls = 0
@@ -289,12 +289,12 @@ class _HopsEnvironment:
 
 def test_reask_demonstrations_ask_twice_with_live_replies_on_two_hop_questions(tmp_path, tiny_llama_dir):
     from pipeline.data.sources.synthetic import hops_rows
-    from pipeline.environment.hops_world import world
+    from pipeline.environment.simulated.hops_world import world
     from pipeline.metrics import normalize_answer
     from pipeline.stages.build import rl_row
-    from pipeline.train.models import load_tokenizer
-    from pipeline.train.questions import prompt_item_from_row
-    from pipeline.train.warmup import build_demonstrations, needed_followup
+    from pipeline.train.local.models import load_tokenizer
+    from pipeline.train.local.questions import prompt_item_from_row
+    from pipeline.train.local.warmup import build_demonstrations, needed_followup
 
     records, _ = hops_rows()
     frame = pd.DataFrame([rl_row(dataset="hops", content=f"Question: {r['question']}", task_type="multi_hop_qa",
@@ -330,7 +330,7 @@ def test_reask_demonstrations_ask_twice_with_live_replies_on_two_hop_questions(t
     (60, False, "lower train.warmup.demonstrations"),   # 62.5%: the warm-up already does the skill
 ])
 def test_warmup_precheck_decides_from_recorded_answer_rewards(earned, ok, setting):
-    from pipeline.train.warmup import PRECHECK_QUESTIONS, PRECHECK_SAMPLES, warmup_precheck
+    from pipeline.train.local.warmup import PRECHECK_QUESTIONS, PRECHECK_SAMPLES, warmup_precheck
 
     samples = PRECHECK_QUESTIONS * PRECHECK_SAMPLES
     assert samples == 96
@@ -346,7 +346,7 @@ def test_warmup_precheck_decides_from_recorded_answer_rewards(earned, ok, settin
 
 
 def test_warmup_precheck_bounds_are_inclusive_and_empty_input_is_refused():
-    from pipeline.train.warmup import warmup_precheck
+    from pipeline.train.local.warmup import warmup_precheck
 
     assert warmup_precheck([1.0] + [0.0] * 9).ok  # exactly 10%
     assert warmup_precheck([1.0] * 6 + [0.0] * 4).ok  # exactly 60%

@@ -22,7 +22,7 @@ pytest.importorskip("trl")
 from helpers import item
 from trl_parity import LossSettings, advantage_formulas, compare
 
-from pipeline.train.batch import collate
+from pipeline.train.local.batch import collate
 from pipeline.types import Trajectory
 
 G = 4

@@ -19,8 +19,8 @@ from verl_cpu import compose_verl
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
 from pipeline.config import load_params
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl_backend import build_overrides
-from pipeline.train.verl_reward import compute_score
+from pipeline.train.verl.backend import build_overrides
+from pipeline.train.verl.reward import compute_score
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "Question: What is the capital of France?\nAnswer with Prompt-R1 tags."}]

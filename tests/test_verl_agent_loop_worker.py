@@ -34,7 +34,7 @@ from pipeline.agent.protocol import ConversationBuilder
 from pipeline.config import load_params
 from pipeline.stages.build import RL_SCHEMA, rl_row
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl_backend import build_overrides
+from pipeline.train.verl.backend import build_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GROUP_SIZE = 2
@@ -140,7 +140,7 @@ def local_rollout(params, protocol_model_dir, env_server):
     from pipeline.agent.rollout import run_rollout
     from pipeline.environment.client import EnvironmentClient
     from pipeline.reward import reward_for_trajectory
-    from pipeline.train.questions import prompt_item_from_row
+    from pipeline.train.local.questions import prompt_item_from_row
 
     frame = pq.read_table(params.path(params.paths.rl_dir) / "train.parquet").to_pylist()
     items = [prompt_item_from_row(row, i) for i, row in enumerate(frame)]

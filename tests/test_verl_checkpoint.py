@@ -1,6 +1,6 @@
 """verl's FSDP2 checkpoint path, run for real on CPU at 2 ranks: the path the GPU profiles take after training.
 
-The profiles pin `strategy: fsdp2` for the actor and the reference (pipeline/train/verl_overrides.yaml);
+The profiles pin `strategy: fsdp2` for the actor and the reference (pipeline/train/verl/overrides.yaml);
 this is that strategy, at a world size above one so each rank holds only a shard. Two processes
 (`torch.multiprocessing.spawn`, torch.distributed over gloo, a device mesh named as verl names it) build a
 tiny Llama as verl's FSDP engine builds the fsdp2 actor, train two AdamW steps on their own batches and
@@ -70,8 +70,8 @@ def test_verl_fsdp2_checkpoint_of_2_ranks_resumes_and_merges_on_cpu(tmp_path, ti
     local = [shard[name].to_local() for shard in shards]
     assert [t.shape[0] for t in local] == [trained[name].shape[0] // WORLD_SIZE] * WORLD_SIZE
     assert torch.equal(torch.cat(local), trained[name])
-    # The stage's disk check (pipeline/train/memory.py) estimates what verl's checkpoint manager just wrote.
-    from pipeline.train import memory
+    # The stage's disk check (pipeline/train/verl/memory.py) estimates what verl's checkpoint manager just wrote.
+    from pipeline.train.verl import memory
 
     written = sum((actor / f"{part}_world_size_{WORLD_SIZE}_rank_{r}.pt").stat().st_size
                   for part in ("model", "optim", "extra_state") for r in range(WORLD_SIZE))

@@ -35,7 +35,7 @@ import pytest
 from pipeline.config import WatchdogConfig, deep_merge, load_params, parse_override
 from pipeline.errors import DataError, TrainingIncomplete, TrainingStalled
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl_progress import (
+from pipeline.train.verl.progress import (
     RESUME_CHECK_MARK,
     STALL_MARK,
     ProgressWatchdog,
@@ -81,7 +81,7 @@ def replay_lines(check, log: str, until_step: int | None = None) -> None:
 
 def stream(command: list[str], tmp_path: Path, progress) -> tuple[int, float]:
     """The launcher's own stream loop over `command`; (exit code, seconds)."""
-    from pipeline.train.verl_backend import _stream
+    from pipeline.train.verl.backend import _stream
 
     t0 = time.monotonic()
     rc, _ = _stream(command, env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path, log_file=tmp_path / "verl.log",
@@ -109,7 +109,7 @@ def stale_ray_file(monkeypatch):
 
 @pytest.mark.slow  # a Ray start: ~10-20 s on 2 busy cores
 def test_the_private_probe_starts_its_own_ray_beside_a_stale_cluster_file(stale_ray_file):
-    from pipeline.train.resources import probe_private_ray
+    from pipeline.train.verl.resources import probe_private_ray
 
     result = probe_private_ray(merged("profile=paper-1node").train, num_gpus=6)
     assert result.address == "private" and result.gpus == 6
@@ -139,8 +139,8 @@ def test_verls_own_ray_init_with_the_launch_config_starts_a_new_ray(stale_ray_fi
     the launch reaches for a dead GCS."""
     from omegaconf import OmegaConf
 
-    from pipeline.train.verl_backend import verl_launch
-    from pipeline.train.verl_config import compose_verl
+    from pipeline.train.verl.backend import verl_launch
+    from pipeline.train.verl.config import compose_verl
 
     plan = TrainPlan.from_params(merged("profile=paper-1node"))
     command, _ = verl_launch(plan, uri="sqlite:///x.db", run_id="0" * 32, val_files=[], environment_url=None,
@@ -163,8 +163,8 @@ def test_the_train_stage_start_probes_the_private_ray_on_a_host_with_gpus(tmp_pa
     will start it (the probe itself runs above, on a real Ray): a Ray that would own GPT-OSS's devices 6-7 is
     refused before the environment server loads. On a host without GPUs nothing is started."""
     from pipeline.errors import UserError
-    from pipeline.train import resources
-    from pipeline.train.resources import RayNode, RayProbe
+    from pipeline.train.verl import resources
+    from pipeline.train.verl.resources import RayNode, RayProbe
 
     probed = []
 
@@ -188,7 +188,7 @@ def test_the_train_stage_start_probes_the_private_ray_on_a_host_with_gpus(tmp_pa
 
 
 def test_only_a_private_ray_gets_the_local_address():
-    from pipeline.train.verl_overrides import ray_overrides
+    from pipeline.train.verl.overrides import ray_overrides
 
     assert ray_overrides(merged("profile=paper-1node").train.verl) == ["+ray_kwargs.ray_init.address='local'"]
     assert ray_overrides(merged("profile=paper").train.verl) == []  # joined through RAY_ADDRESS
@@ -233,7 +233,7 @@ def test_after_the_fit_start_line_the_first_step_has_its_own_bound(tmp_path):
 def profile_bounds(profile: str) -> list[str]:
     """One docs/gpu.md row for `profile`, computed: start-up, first step from scratch, first step after a
     resume, a plain step, a step that validates and saves."""
-    from pipeline.train.verl_config import compose_plan
+    from pipeline.train.verl.config import compose_plan
 
     params = merged(f"profile={profile}")
     plan = TrainPlan.from_params(params)
@@ -274,7 +274,7 @@ def test_the_doctor_suggests_the_watchdog_rollout_bound_from_its_step(tmp_path, 
     as long: 95.43 x 43/15 x 2 = 547.1 s, rounded up to 600 s."""
     from pipeline.checks.doctor_state import Doctor
     from pipeline.checks.doctor_train import rollout_dir, step_verl
-    from pipeline.train import verl_backend
+    from pipeline.train.verl import backend as verl_backend
 
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     shutil.copytree(REPO / "profiles", tmp_path / "profiles")
@@ -441,7 +441,7 @@ def replayed_launch(plan, uri: str, experiment: str, log: Path, monkeypatch, *re
     command replaced by the replay of `log`; returns the launch's MLflow run id."""
     import mlflow
 
-    from pipeline.train import verl_backend
+    from pipeline.train.verl import backend as verl_backend
 
     real = verl_backend.verl_launch
 
@@ -468,7 +468,7 @@ def test_steps_csv_holds_every_launch_of_a_training(six_step_plan, tmp_path, mon
 
     from flows.dvc_steps import StageFailed
     from flows.policies import retry_unless_unhealthy
-    from pipeline.train.verl_steps import LEDGER, STEPS_RECORD_MARK, read_launches
+    from pipeline.train.verl.steps import LEDGER, STEPS_RECORD_MARK, read_launches
 
     plan, uri, experiment = six_step_plan
     first = launch_log(tmp_path / "launch1.log", 0, {1: -1.0, 2: -0.5, 3: 0.0, 4: 0.25})
@@ -502,7 +502,7 @@ def test_steps_csv_holds_every_launch_of_a_training(six_step_plan, tmp_path, mon
 
 
 def test_a_fresh_start_begins_a_new_ledger(tmp_path):
-    from pipeline.train.verl_steps import Launch, record_launch
+    from pipeline.train.verl.steps import Launch, record_launch
 
     assert [e.run_id for e in record_launch(tmp_path, Launch("a", 0))] == ["a"]
     assert [e.run_id for e in record_launch(tmp_path, Launch("b", 3))] == ["a", "b"]
@@ -510,7 +510,7 @@ def test_a_fresh_start_begins_a_new_ledger(tmp_path):
 
 
 def test_steps_record_names_missing_and_extra_steps():
-    from pipeline.train.verl_steps import Launch, steps_record_problem
+    from pipeline.train.verl.steps import Launch, steps_record_problem
 
     launches = [Launch("run-a", 0), Launch("run-b", 3)]
     rows = {s: {"critic/score/mean": 0.0} for s in (1, 2, 3, 4, 6, 7)} | {0: {"val-core/x": 0.1}}

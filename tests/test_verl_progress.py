@@ -29,7 +29,7 @@ from pipeline.config import WatchdogConfig, load_params
 from pipeline.config.specs import tracking_spec
 from pipeline.errors import TrainingIncomplete, TrainingStalled
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl_progress import (
+from pipeline.train.verl.progress import (
     RESUME_CHECK_MARK,
     STALL_MARK,
     ProgressWatchdog,
@@ -96,7 +96,7 @@ def test_resume_to_step_zero_stops_the_real_process_and_is_not_retried(tmp_path)
 
     from flows.dvc_steps import StageFailed
     from flows.policies import retry_unless_unhealthy
-    from pipeline.train.verl_backend import _stream
+    from pipeline.train.verl.backend import _stream
 
     ckpt = verl_checkpoints(tmp_path / "ckpt", 20, marker=False)
     progress = VerlProgress(ResumeCheck(SCHEDULE, resumed_step(ckpt), ckpt), None)
@@ -154,7 +154,7 @@ def tiny_bounds(**allowances: float) -> StepBounds:
 
 
 def run_replay(tmp_path: Path, bounds: StepBounds, *args: str) -> tuple[int, VerlProgress, list, float]:
-    from pipeline.train.verl_backend import _stream
+    from pipeline.train.verl.backend import _stream
 
     ckpt = verl_checkpoints(tmp_path / "ckpt", 20)
     progress = VerlProgress(ResumeCheck(SCHEDULE, 20, ckpt), ProgressWatchdog(bounds, 20, grace_s=5.0))
@@ -235,7 +235,7 @@ def test_step_bounds_of_the_smoke_profile_by_hand(smoke_plan):
     60 s x (1 + 1/4) = 75 s: (ceil(16 x 3 / 16) + 3) x 75 = 450 s of rollout; the profile saves at step 3 and
     never validates; `trainer.total_training_steps=3` although 18 rows // 4 = 4 steps per epoch. The start-up
     is bounded alone, until verl's fit-start line; a resumed launch's first step also loads the checkpoint."""
-    from pipeline.train.verl_progress import verl_schedule
+    from pipeline.train.verl.progress import verl_schedule
 
     schedule = verl_schedule(smoke_plan)
     assert (schedule.total_steps, schedule.steps_per_epoch) == (3, 4)
@@ -255,7 +255,7 @@ def test_step_bounds_of_the_smoke_profile_by_hand(smoke_plan):
 
 def test_a_training_set_verl_cannot_train_on_is_named(smoke_plan):
     from pipeline.errors import DataError
-    from pipeline.train.verl_progress import verl_schedule
+    from pipeline.train.verl.progress import verl_schedule
 
     pd.DataFrame({"x": range(3)}).to_parquet(smoke_plan.train_file)  # fewer rows than one batch of 4
     with pytest.raises(DataError, match=r"train.parquet gives verl no training step \(3 rows"):
@@ -268,7 +268,7 @@ def test_a_training_set_verl_cannot_train_on_is_named(smoke_plan):
 def test_train_stage_calls_verl_training_complete_on_verl_s_total(smoke_plan, tmp_path):
     """The stage's "nothing to do" decision for backend verl: verl's checkpoint against the total verl computes.
     Without it the stage relaunched verl past its last step (verl then trains one step beyond the total)."""
-    from pipeline.train.resume import training_complete, training_progress
+    from pipeline.stages.train import training_complete, training_progress
 
     plan = smoke_plan
     plan.steps_csv.parent.mkdir(parents=True)

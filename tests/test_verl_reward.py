@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.train.verl_reward import as_answer_list, compute_score, split_trajectory_text
+from pipeline.train.verl.reward import as_answer_list, compute_score, split_trajectory_text
 
 T1 = "<think>\nNeed the capital.</think>\n<interaction_prompt>What is the capital of France?</interaction_prompt>"
 T2 = "<think>\nCheck it.</think>\n<interaction_prompt>Is it Paris?</interaction_prompt>"

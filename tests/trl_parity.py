@@ -1,4 +1,4 @@
-"""Our GRPO loss (verl's `core_algos` through `pipeline.train.grpo`) and TRL 1.16's `GRPOTrainer._compute_loss` on
+"""Our GRPO loss (verl's `core_algos` through `pipeline.train.local.grpo`) and TRL 1.16's `GRPOTrainer._compute_loss` on
 one batch: the same model weights, tokens, old and reference log-probs, advantages and masks.
 
 Shared by tests/test_trl_parity.py (tiny random Llama) and benchmarks/bench_vs_trl.py (SmolLM2-135M on sampled
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from pipeline.train.batch import RolloutBatch, response_log_probs
-from pipeline.train.grpo import GRPOObjective, grpo_loss
+from pipeline.train.local.batch import RolloutBatch, response_log_probs
+from pipeline.train.local.grpo import GRPOObjective, grpo_loss
 
 TOKEN_MEAN_TRL_LOSS_TYPE = "bnpo"
 """The TRL `loss_type` that computes our `loss_agg_mode: token-mean` over one batch (see module doc)."""
@@ -159,11 +159,11 @@ def compare(model: torch.nn.Module, tokenizer: Any, batch: RolloutBatch, advanta
 
 
 def advantage_formulas(scores: torch.Tensor, group_size: int) -> dict[str, Any]:
-    """verl's GRPO advantage (ours, through `pipeline.train.grpo.grpo_advantages`) against TRL's formula
+    """verl's GRPO advantage (ours, through `pipeline.train.local.grpo.grpo_advantages`) against TRL's formula
     (`(r - mean) / (std + 1e-4)`, unbiased std per group: TRL computes it inline in
     `_generate_and_score_completions`, so it is written out here). Returns both and their largest relative gap;
     for a group with std s, ours / TRL's is exactly (s + 1e-4) / (s + 1e-6) (`predicted_ratio`)."""
-    from pipeline.train.grpo import grpo_advantages
+    from pipeline.train.local.grpo import grpo_advantages
 
     b = scores.shape[0]
     mask = torch.ones(b, 1)

@@ -2,7 +2,7 @@
 
 `run_episode` is the one conversation loop of the project. The local rollout (`pipeline.agent.rollout`:
 training on CPU, evaluation, `promptr1 ask`, the served pyfunc) runs one episode per trajectory of a batch,
-and verl's agent loop (`pipeline.train.verl_agent_loop`: GPU training) runs one per trajectory it is given:
+and verl's agent loop (`pipeline.train.verl.agent_loop`: GPU training) runs one per trajectory it is given:
 
     repeat up to max_turns:
         limit      = TurnRules.token_limit(response so far)

@@ -8,7 +8,7 @@ enough for a whole conversation, so a conversation's next turn finds its earlier
 
 Two users:
 - evaluation (pipeline.evaluation.agent_server): the merged agent, greedy;
-- the local GRPO trainer (pipeline.train.rollout_engine): the policy of the current step, exported from memory,
+- the local GRPO trainer (pipeline.train.local.rollout_engine): the policy of the current step, exported from memory,
   sampled at `agent.temperature`. llama.cpp's server truncates the distribution by default (top-k 40,
   min-p 0.05); `served_policy` turns those off so that the sampled distribution is the policy's, as the
   in-process sampler's is (temperature and top-p only).

@@ -19,7 +19,7 @@ log-probs if asked, text, why it stopped) out. Two backends, chosen by who runs 
   is put back (the protocol parser needs the closing tag), and a natural end is marked with the end-of-turn
   token so the conversation builder does not close the turn twice. Returned ids are the agent tokenizer's
   encoding of the returned text (evaluation), or, when log-probs are asked for (training rollouts through
-  llama.cpp, pipeline.train.rollout_engine), the ids the server lists as sampled (`logprobs.content`)
+  llama.cpp, pipeline.train.local.rollout_engine), the ids the server lists as sampled (`logprobs.content`)
   followed by the stop string's encoding, whenever they decode to exactly the returned text.
 
 Both keep the stop string *in* the output (ids and text), and an end-of-sequence token in the ids when the

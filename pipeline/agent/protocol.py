@@ -208,7 +208,7 @@ class TurnRules:
     """The per-turn rules of a Prompt-R1 conversation, shared by every loop that rolls one out.
 
     The local rollout (`pipeline.agent.rollout`: training on CPU, evaluation, `promptr1 ask`) and verl's
-    agent loop (`pipeline.train.verl_agent_loop`: GPU training) both ask these three questions and nothing
+    agent loop (`pipeline.train.verl.agent_loop`: GPU training) both ask these three questions and nothing
     else decides a trajectory's shape, so the two backends cannot drift apart (tests/test_protocol_parity.py
     drives the same scripted conversations through both):
 

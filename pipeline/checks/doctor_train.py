@@ -1,14 +1,14 @@
 """`promptr1 doctor` steps 5 and 8-10: the train stage's start checks, one verl step, its merge, and two of its
 trajectories (GPU nodes only).
 
-- `resources`: what the train stage checks before it starts anything (`pipeline.train.resources`), on the
+- `resources`: what the train stage checks before it starts anything (`pipeline.train.verl.resources`), on the
   one-step params below: this host's GPUs, the Ray the profile says and which GPUs it owns, free disk for the
   step's checkpoint (estimated from the parameter count), verl's own validation. The Ray is found
   (`train.verl.ray_address` set: the cluster there is probed) or started (`""`: a private Ray started as
   verl's launch starts it, pinned to `train.verl.gpus`, probed and stopped again), so a node whose Ray would
   put verl on the environment's GPUs, or that has no Ray to join, fails here, before the environment server
   loads and the rows are sent.
-- `verl step`: one GRPO step through `pipeline.train.verl_backend.run_verl`, the path `promptr1 train`
+- `verl step`: one GRPO step through `pipeline.train.verl.backend.run_verl`, the path `promptr1 train`
   runs (same overrides, same environment reuse, same Ray handling), with params changed only where a
   check differs from a run: the smallest batch verl accepts for the profile as one mini-batch
   (`pipeline.checks.layout.smallest_batch`: `paper` 16 questions x 5, not 128 x 5), checkpoints in a temporary
@@ -27,7 +27,7 @@ trajectories (GPU nodes only).
   environment's replies (mask 0). verl's dump holds decoded text, not the token mask, so the split is at
   the protocol's `<interaction_response>` blocks with the template text around them (the role words and
   the next `<think>` opener), which is exactly what the agent loop masks with 0 (`ConversationBuilder.
-  env_text`, pipeline/train/verl_agent_loop.py): a reply that leaked into a mask-1 segment, or an agent turn
+  env_text`, pipeline/train/verl/agent_loop.py): a reply that leaked into a mask-1 segment, or an agent turn
   inside a reply block, shows here as a wrong segment.
 """
 
@@ -68,7 +68,7 @@ def one_step_params(params: Params, checkpoint_dir: Path) -> Params:
     reports/doctor/ (module docstring)."""
     from pipeline.checks.layout import smallest_batch
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.verl_config import compose_plan
+    from pipeline.train.verl.config import compose_plan
 
     p = params.model_copy(deep=True)
     p.root = params.root
@@ -103,16 +103,16 @@ def checkpoint_folder(doc: Doctor) -> Path:
 
 
 def step_resources(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
+    from pipeline.disk_space import free_bytes
     from pipeline.placement import gpus_of_environment, gpus_of_training
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.resources import (
+    from pipeline.train.verl.resources import (
         checkpoint_estimate,
-        free_bytes,
         probe_private_ray,
         probe_ray_cluster,
         resource_problems,
     )
-    from pipeline.train.verl_config import compose_plan
+    from pipeline.train.verl.config import compose_plan
 
     params = doc.params
     if params.train.backend != "verl":
@@ -174,7 +174,7 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     from pipeline.tracking import runs as tracking
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.verl_backend import run_verl
+    from pipeline.train.verl.backend import run_verl
 
     reason = _verl_skip_reason(doc)
     if reason:
@@ -229,8 +229,8 @@ def watchdog_suggestion(params: Params, conversations: int, verl_log: Path) -> d
     """The `train.verl.watchdog.rollout_s` the doctor's step suggests for the profile's steps: verl's
     `timing_s/gen` on the step's line in `verl_log` (`conversations` trajectories), scaled to the profile's
     batch (`verl_progress.suggested_rollout_s`); None when the log holds no such line."""
-    from pipeline.train.verl_health_gate import TRAINING_KEY, parse_step_line
-    from pipeline.train.verl_progress import suggested_rollout_s
+    from pipeline.train.verl.health_gate import TRAINING_KEY, parse_step_line
+    from pipeline.train.verl.progress import suggested_rollout_s
 
     measured = None
     if verl_log.is_file():

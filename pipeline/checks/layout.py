@@ -15,12 +15,12 @@ Design decisions:
   `tensor_parallel_size` — so two empty lists overlap, as they do on a real node. An environment at a
   `base_url` other than its own host/port runs elsewhere and shares no GPU with training (the helpers live
   in `pipeline.placement`, re-exported here).
-- **The composed config is judged, not the params**: with backend verl, `pipeline.train.verl_config`
-  composes what `train` hands verl (params, `pipeline/train/verl_overrides.yaml`, `train.verl.extra_overrides`)
+- **The composed config is judged, not the params**: with backend verl, `pipeline.train.verl.config`
+  composes what `train` hands verl (params, `pipeline/train/verl/overrides.yaml`, `train.verl.extra_overrides`)
   with verl's own `ppo_trainer.yaml`, and the rules below read verl's keys from it; each problem names verl's
   key and ours (`train.verl.extra_overrides` when that list set the key).
 - **verl's own arithmetic, copied with its source cited**, for FSDP without dynamic batch size or
-  sequence parallelism (what `pipeline.train.verl_backend.build_overrides` sets; with
+  sequence parallelism (what `pipeline.train.verl.backend.build_overrides` sets; with
   `use_dynamic_bsz` the micro-batch rules are skipped). `n` = `rollout.n` (`train.group_size`),
   world = `trainer.n_gpus_per_node × trainer.nnodes` (the actor, reference and rollout are colocated):
   1. `verl/utils/config.py::validate_config`: `train_batch_size × n` divisible by world ("minimal
@@ -54,10 +54,10 @@ Design decisions:
   must not exceed 1 (vLLM refuses to start, or the second one runs out of memory). What the fractions leave
   of `train.verl.gpu_memory_gb` must hold what verl's FSDP actor keeps on the GPU while the rollout runs: its
   weights and Adam states, a CUDA context and the weight-sync bucket (no gradients, the reference in CPU
-  memory; `pipeline.train.memory`, an estimate whose assumptions it lists); a model whose parameter count is
+  memory; `pipeline.train.verl.memory`, an estimate whose assumptions it lists); a model whose parameter count is
   unknown offline is not judged (`describe` says so).
 - **What only the machine knows** (its GPUs, a Ray cluster's GPUs, free disk for checkpoints) is checked at
-  the verl stage's start, by `pipeline.train.resources`, not here.
+  the verl stage's start, by `pipeline.train.verl.resources`, not here.
 """
 
 from __future__ import annotations
@@ -79,10 +79,10 @@ from pipeline.placement import (  # re-exported: the layout's vocabulary
     is_loopback,
     started_here,
 )
-from pipeline.train import memory
+from pipeline.train.verl import memory
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl_config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_plan
-from pipeline.train.verl_overrides import RAY_INIT_ADDRESS
+from pipeline.train.verl.config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_plan
+from pipeline.train.verl.overrides import RAY_INIT_ADDRESS
 
 __all__ = ["LayoutError", "LayoutProblem", "actor_estimate", "assert_environment_runnable", "assert_runnable",
            "cuda_visible_devices", "describe", "environment_layout_problems", "gpus_of_environment",

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.runtime import stop_process_group
 from pipeline.errors import EnvironmentUnavailable, UserError
 
 if TYPE_CHECKING:
@@ -192,34 +193,5 @@ def run_serve(params: Params, host: str | None = None, port: int | None = None) 
             return server.wait()
     except KeyboardInterrupt:
         log.info("serve: stopping the scoring server (process group %d) and the agent server it started", server.pid)
-        _stop_group(server)
+        stop_process_group(server, STOP_GRACE_S)
         return 0
-
-
-def _group_alive(pgid: int) -> bool:
-    """True while a process of group `pgid` runs (zombies, which a container's PID 1 may never reap, excluded)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def _stop_group(server: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM the scoring server's process group (the MLflow CLI and uvicorn), SIGKILL what is left after
-    `grace_s`; returns once no process of the group runs."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(server.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            server.poll()  # reap the MLflow CLI, our child
-            if not _group_alive(server.pid):
-                return
-            time.sleep(0.1)
-        log.warning("serve: the scoring server's processes ignored %s", sig.name)

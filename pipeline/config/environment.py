@@ -88,7 +88,7 @@ class ServerConfig(_Section):
 
 
 class KnowledgeConfig(_Section):
-    """The knowledgeable environment (backend `knowledge`, `pipeline.environment.knowledge`)."""
+    """The knowledgeable environment (backend `knowledge`, `pipeline.environment.simulated.knowledge`)."""
 
     sources: list[str] = Field(
         default_factory=lambda: ["data/rl/train.parquet", "data/rl/eval"],
@@ -100,9 +100,9 @@ class KnowledgeConfig(_Section):
     mode: Literal["question", "terse", "hops"] = Field(
         "question",
         description="question: the verbatim question is the best request (pipeline/environment/"
-        "knowledge.py); terse: a request length limit and replies with distractors (pipeline/environment/terse.py); "
+        "knowledge.py); terse: a request length limit and replies with distractors (pipeline/environment/simulated/terse.py); "
         "hops: one subject per request over single-hop facts, so a 2-hop question needs a second request naming "
-        "the first reply's entity (pipeline/environment/hops.py).",
+        "the first reply's entity (pipeline/environment/simulated/hops.py).",
     )
 
 

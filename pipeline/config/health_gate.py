@@ -14,7 +14,7 @@ the last `window` steps, and nothing is judged before `grace` + `window` steps h
 Why grace and window scale with the run's length: a fixed grace of 10 and window of 8 first judge step 18, so
 a 12-step run is never judged (the terse mode's seed 2 ran away from its reference, KL 0.02 -> 1.14, and
 collapsed to F1 0 within its 12 steps). For a run of T total steps (`train.steps` locally; on verl the total its
-composed config gives, pipeline/train/verl_health_gate.py) the grace is `grace_fraction` x T rounded down and the
+composed config gives, pipeline/train/verl/health_gate.py) the grace is `grace_fraction` x T rounded down and the
 window `window_fraction` x T rounded up, each at most `grace_steps` / `window`: a 12-step run gets a grace of 3
 and a window of 4 (first judged at step 7), a 40-step run the full 10 and 8. A run shorter than `min_steps` is
 never judged: its windows would be one or two steps of noise (the default profile's 2-step `dvc repro`

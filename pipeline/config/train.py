@@ -32,7 +32,7 @@ class LoraConfig(_Section):
 
 
 class WatchdogConfig(_Section):
-    """The progress watchdog of the verl backend (pipeline/train/verl_progress.py): verl's process group is stopped
+    """The progress watchdog of the verl backend (pipeline/train/verl/progress.py): verl's process group is stopped
     when no new step line comes within the step's bound, the environment's worst case for one step's rollout
     (derived from `environment.timeout_s`, `environment.concurrency` and `agent.max_turns`) plus these allowances."""
 
@@ -70,7 +70,7 @@ class VerlConfig(_Section):
     use_v1: bool = Field(False, description="verl's V1 trainer; needs TransferQueue (pip install 'verl[verl-core]').")
     gpu_memory_gb: float = Field(80.0, gt=0, le=4096, description="Memory of one training GPU in GiB (80: A100/H100 "
                                  "80GB): what the rollout's memory fraction leaves of it must hold the FSDP actor "
-                                 "(pipeline/train/memory.py; `promptr1 check`).")
+                                 "(pipeline/train/verl/memory.py; `promptr1 check`).")
     extra_overrides: list[str] = Field(default_factory=list)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
 
@@ -82,7 +82,7 @@ class WarmupConfig(_Section):
     A small agent (the CPU profile's 135M model) never writes the protocol's tags on its own, so every
     trajectory scores -k, every GRPO advantage is 0 and RL has no signal; the warm-up fixes that.
     Off (`steps: 0`) in the paper profile, whose Qwen3-4B follows the format from its instructions.
-    See `pipeline.train.warmup`.
+    See `pipeline.train.local.warmup`.
     """
 
     steps: int = Field(12, ge=0, description="Supervised optimizer steps before GRPO; 0 = no warm-up (paper).")
@@ -114,7 +114,7 @@ class WarmupConfig(_Section):
     followup: Literal["verify", "reask"] = Field(
         "verify", description="The wording of every request after the first. verify: one of a few requests "
         "to check the answer; reask: the first reply's entity followed by the question's words the reply did "
-        "not restate (pipeline/environment/hops.py reask_request; needs live replies): the second request a "
+        "not restate (pipeline/environment/simulated/hops.py reask_request; needs live replies): the second request a "
         "2-hop question of the hops mode needs.")
     require_followup: bool = Field(
         False, description="Keep only demonstrations whose gold answer the last reply states and no earlier "
@@ -155,7 +155,7 @@ class TrainConfig(_Section):
     share_prompt_forward: bool = Field(
         True, description="Local backend: the update's forwards (policy, reference, old log-probs) read each "
         "question's prompt once for its G trajectories and each response unpadded over the prompt's KV cache "
-        "(pipeline/train/batch.py shared_prompt_log_probs): same log-probs and gradients to float rounding, "
+        "(pipeline/train/local/batch.py shared_prompt_log_probs): same log-probs and gradients to float rounding, "
         "measured 3.4x faster (float32) and 2.6x (bf16) for 8 trajectories of SmolLM2-135M on 2 cores "
         "(benchmarks/results/shared_prompt.json). Micro-batches then keep a question's trajectories together. "
         "Off (the padded verl layout) with gradient_checkpointing, which cannot keep the prompt's cache.")
@@ -168,7 +168,7 @@ class TrainConfig(_Section):
         "null: float32 throughout. verl sets its own mixed precision (bf16 on GPU).")
     rollout_engine: Literal["auto", "llama.cpp", "transformers"] = Field(
         "auto", description="Local backend: what samples the GRPO rollouts. llama.cpp: each step's policy "
-        "exported to GGUF from memory and served by llama.cpp's server (pipeline/train/rollout_engine.py; each "
+        "exported to GGUF from memory and served by llama.cpp's server (pipeline/train/local/rollout_engine.py; each "
         "conversation keeps its KV cache between turns); transformers: the policy in this process. The update "
         "recomputes every log-prob with the policy either way. auto: llama.cpp on a CPU-only machine for a full "
         "fine-tune of a Llama agent whose agent.model is a GGUF file, else transformers.")

@@ -42,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.runtime import stop_process_group
+
 POLL_S = 0.5
 GRACE_S = 10.0
 
@@ -51,49 +53,12 @@ def guarded(command: list[str]) -> list[str]:
     return [sys.executable, "-m", "pipeline.environment.guard", "--", *command]
 
 
-def _session_members(sid: int) -> list[int]:
-    """Every other live (not zombie) process of session `sid`, whatever its process group (/proc)."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            if fields[0] != "Z" and int(fields[3]) == sid:
-                members.append(int(entry.name))
-    return members
-
-
-def _signal_all(group: int, sid: int | None, signum: int) -> None:
-    for pid in _session_members(sid) if sid is not None else []:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            continue
-    try:
-        os.killpg(group, signum)
-    except ProcessLookupError:
-        pass
-
-
-def _stop_group(child: subprocess.Popen, grace_s: float) -> None:
+def _stop_all(child: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM the group and the session (server, its workers, their own groups), then SIGKILL what is left
-    after `grace_s` (the guard goes down with it)."""
+    after `grace_s` (the guard goes down with it). Only a guard started as a session leader
+    (start_new_session=True) owns its session and sweeps it; otherwise it stops only its group."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group signal reaches the guard too
-    group = os.getpgid(0)
-    # Only a guard started as a session leader (start_new_session=True) owns its session: never the owner's.
-    sid = os.getsid(0) if os.getsid(0) == os.getpid() else None
-    _signal_all(group, sid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    try:
-        child.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    while sid is not None and _session_members(sid) and time.monotonic() < deadline:
-        time.sleep(0.1)  # the server is down; its workers (Ray's, in their own groups) finish their shutdown
-    if child.poll() is None or (sid is not None and _session_members(sid)):
-        _signal_all(group, sid, signal.SIGKILL)
+    stop_process_group(child, grace_s, whole_session=True)
 
 
 def main(argv: list[str]) -> int:
@@ -112,7 +77,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     while child.poll() is None:
         if stopping or os.getppid() != owner:
-            _stop_group(child, GRACE_S)
+            _stop_all(child, GRACE_S)
             break
         time.sleep(POLL_S)
     code = child.wait()

@@ -19,7 +19,7 @@ has spent on the environment and what calls in flight may still cost. Design dec
   Processes are named by pid and start time (Linux `/proc`), so a reused pid is not mistaken for the owner.
 - **The ledger is the project's, not the run's**: it accumulates across runs until the budget is raised or
   the file is deleted, so a rerun, a second stage or a second process never starts again from zero.
-- verl's agent-loop workers spend from the same file (`pipeline.train.verl_worker_client`); on several
+- verl's agent-loop workers spend from the same file (`pipeline.train.verl.worker_client`); on several
   nodes it must sit on a shared filesystem with working `flock`. A client built without a ledger path
   (tests) keeps the same state in memory: the budget then holds within that process only.
 """

@@ -7,7 +7,7 @@ Backends (`environment.backend`):
   `python -m llama_cpp.server` (`llama-cpp-python`). The CPU default; starts in about two seconds.
 - `vllm`: `vllm serve <model>` with the tensor-parallel size, GPU memory fraction and max model length
   from `environment.server` (GPT-OSS-20B in the paper profile). Built here, runs on GPU nodes only.
-- `knowledge`: `python -m pipeline.environment.knowledge_server` on `environment.knowledge.sources`, an environment
+- `knowledge`: `python -m pipeline.environment.simulated.knowledge_server` on `environment.knowledge.sources`, an environment
   that knows the questions' gold answers (the `learn` profile; see that module). Starts in about a second.
 - `api`: a paid endpoint; nothing is started, but the key variable must be set (fails fast otherwise).
 
@@ -45,10 +45,11 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from pipeline.runtime import stop_process_group
 from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
 from pipeline.environment.harmony import encodings_dir, harmony_server_env, needs_harmony, verify_encodings
-from pipeline.environment.knowledge_server import knowledge_command
+from pipeline.environment.simulated.knowledge_server import knowledge_command
 from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.hardware import server_threads
@@ -376,17 +377,7 @@ def process_alive(pid: int) -> bool:
 def stop_server(server: ServerProcess, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM the server's process group, then SIGKILL after `grace_s`; idempotent."""
     _STARTED.pop(server.url, None)
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(server.pgid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait_s
-        while process_alive(server.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not process_alive(server.pid):
-            break
-        logger.warning("server pid %d ignored %s", server.pid, sig.name)
+    stop_process_group(server.pgid, grace_s)
     logger.debug("server pid %d stopped", server.pid)
 
 

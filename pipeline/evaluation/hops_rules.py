@@ -1,6 +1,6 @@
 """Fixed strategies asked the `hops` environment, reported per hop: the controls and references of that mode.
 
-Why: the `hops` mode (pipeline/environment/hops.py) is a test of the agent's *second* request only if no
+Why: the `hops` mode (pipeline/environment/simulated/hops.py) is a test of the agent's *second* request only if no
 fixed rule gets the 2-hop answers. Each strategy here is a few lines, asked exactly as the server answers
 (`trivial_rules.ask`: the same reply and `max_tokens` cut), with no agent and no training, at most two
 requests (the learn-hops profile's `agent.max_turns: 3`: two requests, then the answer). The answer is read
@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.environment.hops_world import World
-from pipeline.environment.knowledge import KnowledgeBase
-from pipeline.environment.knowledge_replies import answered, content_words, reask_request, reply_entity
+from pipeline.environment.simulated.hops_world import World
+from pipeline.environment.simulated.knowledge import KnowledgeBase
+from pipeline.environment.simulated.knowledge_replies import answered, content_words, reask_request, reply_entity
 from pipeline.evaluation.trivial_rules import ask
 from pipeline.metrics import exact_match, token_f1
 

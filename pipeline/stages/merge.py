@@ -167,7 +167,7 @@ def _relative(root: Path, path: Path) -> str:
 def _merge_local(plan: MergePlan, folder: Path, tmp: Path, dtype: torch.dtype) -> MergeReport:
     from transformers import AutoModelForCausalLM
 
-    from pipeline.train.models import load_causal_lm, load_tokenizer
+    from pipeline.train.local.models import load_causal_lm, load_tokenizer
 
     state = ckpt.TrainerState.read(folder)
     tok_dir = folder / "tokenizer"
@@ -210,7 +210,7 @@ def _merge_verl(plan: MergePlan, actor_dir: Path, tmp: Path, dtype: torch.dtype)
     source_tok = hf_dir if hf_dir.is_dir() else None
     tokenizer = AutoTokenizer.from_pretrained(str(source_tok or tmp), clean_up_tokenization_spaces=False)
     if not getattr(tokenizer, "chat_template", None):
-        from pipeline.train.models import load_tokenizer
+        from pipeline.train.local.models import load_tokenizer
 
         tokenizer = load_tokenizer(plan.agent.model, plan.root)
     tokenizer.save_pretrained(str(tmp))
@@ -310,7 +310,7 @@ def model_card(plan: MergePlan, report: MergeReport) -> str:
 
 def run_merge(params: Params) -> MergeReport:
     """Merge the newest checkpoint into `paths.model_dir` (see module docstring); returns the report."""
-    from pipeline.train.models import DTYPES
+    from pipeline.train.local.models import DTYPES
 
     plan = MergePlan.from_params(params)
     dtype = DTYPES[plan.agent.dtype]

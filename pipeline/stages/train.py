@@ -1,7 +1,10 @@
 """Stage `train` (`promptr1 train`): GRPO on the agent with the backend params name, tracked in MLflow.
 
-- backend `local` → `pipeline.train.local.train_local` (transformers on CPU / one GPU);
-- backend `verl`  → `pipeline.train.verl_backend.run_verl` (Ray cluster of GPU nodes).
+- backend `local` → `pipeline.train.local.backend.train_local` (transformers on CPU / one GPU);
+- backend `verl`  → `pipeline.train.verl.backend.run_verl` (Ray cluster of GPU nodes).
+
+The two backends share only `pipeline/train/` itself (plan, checkpoints, completion, health gate, MLflow
+record); neither imports the other, and this stage is the one place that picks between them.
 
 Both run inside `tracking.stage_run(plan.tracking, "train", new_parent=True)`: a trained model starts a new
 pipeline execution (parent run), recorded in `reports/mlflow_run.json` for the later stages.
@@ -12,8 +15,8 @@ The trajectory log reaches MLflow as a sanitised copy (`pipeline.environment.san
 environment's replies, untrusted text.
 
 Rerunning is safe: both backends resume from their last checkpoint. Whether training is complete is decided
-once, at the entry, by `pipeline.train.resume.training_progress`: the newest checkpoint against the total
-(`train.steps` on the local backend; on verl the total verl computes, `pipeline.train.verl_progress`). When
+once, at the entry, by `training_progress` below: the newest checkpoint against the total
+(`train.steps` on the local backend; on verl the total verl computes, `pipeline.train.verl.progress.verl_schedule`). When
 it is complete (and `reports/train/steps.csv` and `reports/mlflow_run.json` are present) the stage does
 nothing, so a forced `dvc repro` neither opens an empty MLflow run nor relaunches verl past its last step; if
 the run file is missing it opens one and logs the recorded curve into it, so the stage's outputs are always
@@ -33,6 +36,7 @@ from pipeline.config import Params
 from pipeline.environment.sanitize import sanitized_json_copy
 from pipeline.stage_files import RUN_FILE
 from pipeline.tracking import runs as tracking
+from pipeline.train.completion import TrainingProgress
 from pipeline.train.mlflow_record import log_training_record
 
 if TYPE_CHECKING:
@@ -45,7 +49,6 @@ def run_train(params: Params) -> None:
     """Train the agent (see module docstring). The one place that reads `Params` for what lies below it:
     the train plan (pipeline.train.plan) is resolved here, and whether training is complete decided once."""
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.resume import training_complete, training_progress
 
     plan = TrainPlan.from_params(params)
     complete = training_complete(plan)
@@ -54,7 +57,7 @@ def run_train(params: Params) -> None:
                  training_progress(plan).describe(), params.paths.checkpoint_dir)
         return
     if plan.train.backend == "verl" and not complete:  # GPUs here and in Ray, disk, verl's validation
-        from pipeline.train.resources import assert_resources
+        from pipeline.train.verl.resources import assert_resources
 
         assert_resources(plan)
     with tracking.stage_run(plan.tracking, "train", new_parent=True) as run:
@@ -67,14 +70,46 @@ def run_train(params: Params) -> None:
             return
         if plan.train_file.is_file():  # recorded incomplete first: a run killed mid-way stays so for register
             mlflow.set_tags(training_progress(plan).tags())
-        train = _train_verl if plan.train.backend == "verl" else _train_local
-        train(plan, run)
+        if plan.train.backend == "verl":
+            _train_verl(plan, run)
+        else:
+            _train_local(plan, run)
+
+
+def training_progress(plan: TrainPlan) -> TrainingProgress:
+    """Where training stands before a run, on the figures register reads back (pipeline/train/completion.py).
+
+    local: the newest checkpoint of the current training config against `train.steps`; verl: the checkpoint verl
+    would resume from against the total verl computes (`pipeline.train.verl.progress.verl_schedule`).
+    """
+    if plan.train.backend == "verl":
+        from pipeline.train.verl.progress import resumed_step, verl_schedule
+
+        schedule = verl_schedule(plan)
+        step = resumed_step(plan.checkpoint_dir)
+        return TrainingProgress(backend="verl", resumed_from=step, last_step=step, total_steps=schedule.total_steps,
+                                total_from=schedule.derivation)
+    from pipeline.train.local.resume import usable_checkpoint
+
+    found = usable_checkpoint(plan)
+    step = found[1].step if found is not None else 0
+    return TrainingProgress(backend="local", resumed_from=step, last_step=step, total_steps=plan.train.steps,
+                            total_from="train.steps")
+
+
+def training_complete(plan: TrainPlan) -> bool:
+    """True when training reached its total (`training_progress`) and steps.csv exists (the stage then has
+    nothing to do; checked once, at its entry). A verl plan without its training set is not complete: the
+    stage's own check names the missing file."""
+    if plan.train.backend == "verl" and not plan.train_file.is_file():
+        return False
+    return training_progress(plan).complete and plan.steps_csv.is_file()
 
 
 def _train_verl(plan: TrainPlan, run) -> None:
-    """Launch verl (pipeline.train.verl_backend) inside the open train run, then record and describe it."""
+    """Launch verl (pipeline.train.verl.backend) inside the open train run, then record and describe it."""
     from pipeline.stage_files import TRAJECTORIES_FILE
-    from pipeline.train.verl_backend import run_verl
+    from pipeline.train.verl.backend import run_verl
 
     if plan.train.warmup.steps > 0:
         log.warning("train.warmup is a local-backend feature: ignored with backend verl")
@@ -88,13 +123,12 @@ def _train_verl(plan: TrainPlan, run) -> None:
 
 
 def _train_local(plan: TrainPlan, run) -> None:
-    """Train with the local backend (pipeline.train.local) inside the open train run, then record it: the
+    """Train with the local backend (pipeline.train.local.backend) inside the open train run, then record it: the
     steps.csv curve, a sanitised copy of the trajectory log, the last step's figures as `final/*`."""
     import mlflow
 
     from pipeline.stage_files import TRAJECTORIES_FILE
-    from pipeline.train.local import train_local
-    from pipeline.train.resume import training_progress
+    from pipeline.train.local.backend import train_local
 
     final = train_local(plan, run)
     log_training_record(plan, training_progress(plan))

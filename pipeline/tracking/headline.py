@@ -23,7 +23,7 @@ the two places people compare runs:
   stage adds `reward/last_step_mean`, register adds `promoted` (`tracking.log_parent_metrics`).
 
 Names say what they are: GRPO has no critic, so the reward is `reward/mean` in steps.csv and MLflow
-(`pipeline.train.step_metrics`); verl's `critic/score/mean` stays beside it as an alias.
+(`pipeline.train.local.step_metrics`); verl's `critic/score/mean` stays beside it as an alias.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Design decisions:
   a `trainer_state.json`) is used instead.
 - Only the newest `keep` checkpoints are kept: a full fine-tune of the 135M agent with AdamW state is
   ~1.6 GB per checkpoint.
-- The format warm-up writes `step_0/` (flag `warmup_done`) and `warmup/model/` (pipeline.train.warmup).
+- The format warm-up writes `step_0/` (flag `warmup_done`) and `warmup/model/` (pipeline.train.local.warmup).
 - **Safe loading**: `optimizer.pt` and `rng.pt` hold only tensors, numbers, strings and containers, and are
   read with `torch.load(weights_only=True)`: a checkpoint folder someone else wrote cannot run code on
   resume (a pickle of arbitrary objects is refused with a message naming the file).

@@ -1,7 +1,7 @@
 """How far training got against where it must end: the one record behind "training is complete".
 
-The train stage decides whether there is anything left to train (`pipeline.train.resume.training_progress`, at
-its entry) and, for the verl backend, what a launch actually trained (`pipeline.train.verl_progress`, verified
+The train stage decides whether there is anything left to train (`pipeline.stages.train.training_progress`, at
+its entry) and, for the verl backend, what a launch actually trained (`pipeline.train.verl.progress`, verified
 from verl's own step lines). Both give a `TrainingProgress`; the stage writes it as tags on its MLflow run, first
 before training (so a run killed mid-way records itself incomplete) and again when it ends. The register stage
 reads those tags back from the newest train run (`TrainingProgress.from_tags`) and refuses a model whose

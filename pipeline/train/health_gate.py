@@ -16,12 +16,12 @@ total steps (why: see pipeline/config/health_gate.py):
 
 Design decisions:
 - **A pure function over a sequence of per-step metric dicts** (`judge`), with one `MetricNames` per backend:
-  the local trainer's dicts (pipeline/train/step_metrics.py) and verl's (its console step lines plus the
-  figures our process computes from verl's rollout dump, pipeline/train/verl_health_gate.py) differ only in the
+  the local trainer's dicts (pipeline/train/local/step_metrics.py) and verl's (its console step lines plus the
+  figures our process computes from verl's rollout dump, pipeline/train/verl/health_gate.py) differ only in the
   response length (agent tokens locally; verl's `response_length/mean` counts the environment's tokens too).
   A figure whose metrics a backend lacks is not judged.
 - **The breaching step is never the kept checkpoint.** The local loop judges a step before it checkpoints it
-  (pipeline/train/local.py); verl checkpoints before it logs, so its folders from the breaching step on are
+  (pipeline/train/local/backend.py); verl checkpoints before it logs, so its folders from the breaching step on are
   set aside (pipeline/train/checkpoint.py `set_aside_verl_steps`). Merge and a resume then use the newest
   checkpoint at or before the last healthy step.
 - **One line** (`Breach.line`): figure, value, threshold, step, and the kept checkpoint; the MLflow train run
@@ -59,7 +59,7 @@ class MetricNames:
     length: str
     kl: str
     stop_prefix: str = "rollout/stop_"
-    """Prefix of the per-step stop-reason shares (pipeline/train/step_metrics.py); a backend without them is not
+    """Prefix of the per-step stop-reason shares (pipeline/train/local/step_metrics.py); a backend without them is not
     judged on `stop_shift`."""
 
 

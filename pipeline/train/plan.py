@@ -7,7 +7,7 @@ or one of its config sections, instead of the whole `Params`, and none re-derive
 - `agent_model`: `agent.model` resolved once (`pipeline.modelref`); an unresolvable reference is kept as
   its error and raised by `require_agent_model` where a model is needed;
 - the rollout engine's `auto` is decided once, by the one rule (`pipeline.agent.engine`), when the policy is
-  loaded (`pipeline.train.rollout_engine`: the plan's resolved model, CUDA, LoRA and the model's type); the
+  loaded (`pipeline.train.local.rollout_engine`: the plan's resolved model, CUDA, LoRA and the model's type); the
   stage tags the run with what ran;
 - the folders (`checkpoint_dir`, `reports_dir`, `cache_dir`, `rl_dir`) as paths, and the files inside them
   that the stage reads and writes (`steps_csv`, `train_file`, `eval_files`);

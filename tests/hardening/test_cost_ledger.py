@@ -173,7 +173,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from pipeline.config import AgentConfig
 from pipeline.errors import BudgetExceeded
-from pipeline.train.verl_worker_client import LoopSettings, environment_client
+from pipeline.train.verl.worker_client import LoopSettings, environment_client
 
 # The trainer config verl hands every agent-loop worker: the `prompt_r1` block verl_backend writes.
 config = OmegaConf.create({"prompt_r1": {"environment": json.loads(sys.argv[1]), "cache_dir": sys.argv[2],

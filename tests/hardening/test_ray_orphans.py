@@ -54,7 +54,7 @@ OWNER = textwrap.dedent("""
     import logging, os, sys
     from pathlib import Path
     from pipeline.environment.guard import guarded
-    from pipeline.train.verl_backend import _stream
+    from pipeline.train.verl.backend import _stream
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")  # _stream mirrors here
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}

@@ -170,7 +170,7 @@ def test_hostile_reply_reaches_trajectories_jsonl_without_secrets(tmp_path, monk
     from pipeline.config import EnvironmentConfig
     from pipeline.environment.client import EnvironmentClient
     from pipeline.stage_files import TRAJECTORIES_FILE
-    from pipeline.train.trajectory_log import TrajectoryLog
+    from pipeline.train.local.trajectory_log import TrajectoryLog
     from pipeline.types import PromptItem, Trajectory, Turn
 
     canary = f"canary{uuid.uuid4().hex}"

@@ -30,7 +30,7 @@ with layouts that would fail; the functions that read the host (`host_gpu_count`
   `train.verl.gpus`, then stopped. `local` always starts a new instance; with no address Ray would join the
   cluster named in the `ray_current_cluster` file of its temp folder (the last `ray start` here, running or
   crashed: ray/_private/services.py `get_ray_address_from_environment`), and the probe would judge that one.
-- **Disk**: the checkpoints verl retains (`pipeline.train.memory`: size of one save × how many it keeps at
+- **Disk**: the checkpoints verl retains (`pipeline.train.verl.memory`: size of one save × how many it keeps at
   once) must fit in the free space of `trainer.default_local_dir` (`paths.checkpoint_dir`).
 - **verl's validation** (`validate_config` and `ActorConfig.validate`) on the composed config, which
   imports verl (seconds), so it is not part of `promptr1 check`.
@@ -41,18 +41,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.disk_space import free_bytes
 from pipeline.errors import UserError
 from pipeline.placement import gpus_of_environment, gpus_of_training, private_ray_devices
-from pipeline.train import memory
-from pipeline.train.verl_config import VerlRun, compose_plan, verl_validation_error
-from pipeline.train.verl_overrides import PRIVATE_RAY_ADDRESS
+from pipeline.train.verl import memory
+from pipeline.train.verl.config import VerlRun, compose_plan, verl_validation_error
+from pipeline.train.verl.overrides import PRIVATE_RAY_ADDRESS
 
 if TYPE_CHECKING:
     from pipeline.config import TrainConfig
@@ -194,7 +194,7 @@ def probe_private_ray(train: TrainConfig, num_gpus: int | None = None) -> RayPro
     devices = private_ray_devices(train)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
-    code = f"from pipeline.train.resources import _private_probe; _private_probe({num_gpus!r})"
+    code = f"from pipeline.train.verl.resources import _private_probe; _private_probe({num_gpus!r})"
     try:
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                               timeout=PRIVATE_PROBE_TIMEOUT_S, check=False)
@@ -281,14 +281,6 @@ def host_gpu_count() -> int:
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
-
-
-def free_bytes(folder: Path) -> int:
-    """Free bytes of the file system that holds `folder` (its nearest existing parent)."""
-    folder = folder.resolve()
-    while not folder.exists():
-        folder = folder.parent
-    return shutil.disk_usage(folder).free
 
 
 def resource_problems(plan: TrainPlan, run: VerlRun, probe: RayProbe | None) -> list[str]:

@@ -117,7 +117,7 @@ def parameter_count(model: str, root: Path | None = None) -> tuple[int, str] | N
             return count, "its config.json"
     published = PUBLISHED_PARAMETERS.get(_table_key(model))
     if published:
-        return int(published), "published count, pipeline/train/memory.py"
+        return int(published), "published count, pipeline/train/verl/memory.py"
     return None
 
 

@@ -233,7 +233,7 @@ def nearest_relation(
 ) -> str | None:
     """The relation (of `known`) whose word in `words` is nearest a subject span (first, last word index);
     ties: the earlier word. None when no word of `words` names a relation in `known`. The environment's rule
-    (pipeline/environment/hops.py); the question wordings are checked against it, so each resolves to its
+    (pipeline/environment/simulated/hops.py); the question wordings are checked against it, so each resolves to its
     first hop."""
     best: tuple[int, int, str] | None = None
     for i, word in enumerate(words):

@@ -25,7 +25,7 @@ from pipeline.stage_files import STEPS_CSV
 from pipeline.types import StopReason, Trajectory
 
 WARMUP_CSV = "train/warmup.csv"
-"""The format warm-up's metrics (pipeline.train.warmup), one row per warm-up step, beside steps.csv."""
+"""The format warm-up's metrics (pipeline.train.local.warmup), one row per warm-up step, beside steps.csv."""
 
 
 def steps_csv_path(reports_dir: Path) -> Path:

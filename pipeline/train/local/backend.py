@@ -2,24 +2,24 @@
 
 `train_local` reads top to bottom:
 1. refuse warm-up + LoRA; drop checkpoints trained with other params and find the one to resume
-   (`pipeline.train.resume`); stop at once when it already reached `train.steps`;
-2. load the training set (`pipeline.train.questions`) and the policy (`pipeline.train.models`), restore the
+   (`pipeline.train.local.resume`); stop at once when it already reached `train.steps`;
+2. load the training set (`pipeline.train.local.questions`) and the policy (`pipeline.train.local.models`), restore the
    optimizer, RNG state and data position from the checkpoint;
-3. with the environment server up: the format warm-up if asked and not yet done (`pipeline.train.warmup`);
-4. GRPO steps (`pipeline.train.trainer.LocalTrainer.step`), each logged to `reports/train/steps.csv` and
-   MLflow (`pipeline.train.step_metrics`), its trajectories to `reports/train/trajectories.jsonl` and a
-   sample of them as MLflow traces (`pipeline.train.trajectory_log`), checkpointed every `save_every`
+3. with the environment server up: the format warm-up if asked and not yet done (`pipeline.train.local.warmup`);
+4. GRPO steps (`pipeline.train.local.trainer.LocalTrainer.step`), each logged to `reports/train/steps.csv` and
+   MLflow (`pipeline.train.local.step_metrics`), its trajectories to `reports/train/trajectories.jsonl` and a
+   sample of them as MLflow traces (`pipeline.train.local.trajectory_log`), checkpointed every `save_every`
    (`pipeline.train.checkpoint`) once its size fits in the folder's free space (`pipeline.disk_space`: else one
    line naming the folder, the free space and the size, and the last checkpoint stays); each step is first
    judged by the health gate (`pipeline.train.health_gate`):
    a breach logs the step, tags the run and raises `TrainingUnhealthy` before the step is checkpointed.
 
 Design decisions:
-- **Reference policy** (`pipeline.train.models`): a frozen base copy for a full fine-tune, overwritten with
+- **Reference policy** (`pipeline.train.local.models`): a frozen base copy for a full fine-tune, overwritten with
   the weights right after the format warm-up when `train.warmup.steps > 0` (kept in
   `<checkpoint_dir>/warmup/model` for resumes); LoRA → adapters disabled (warm-up + LoRA is refused for that
   reason).
-- **Format warm-up** (`pipeline.train.warmup`, off when `train.warmup.steps` is 0): supervised steps on
+- **Format warm-up** (`pipeline.train.local.warmup`, off when `train.warmup.steps` is 0): supervised steps on
   Prompt-R1 demonstrations before GRPO step 1, with its own optimizer; a `step_0` checkpoint with
   `warmup_done` follows it, so a resumed run does not repeat it. Its metrics go to MLflow (`warmup/*`) and
   `reports/train/warmup.csv`; steps.csv's `step` stays the GRPO step.
@@ -46,8 +46,9 @@ from pipeline.errors import BudgetExceeded, EnvironmentUnhealthy, UserError
 from pipeline.paths import display_path
 from pipeline.stage_files import TRAJECTORIES_FILE
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import health_gate, warmup
-from pipeline.train.models import (
+from pipeline.train import health_gate
+from pipeline.train.local import warmup
+from pipeline.train.local.models import (
     PolicyModels,
     load_full_weights,
     load_policy_models,
@@ -55,17 +56,17 @@ from pipeline.train.models import (
     write_weights,
 )
 from pipeline.train.plan import TrainPlan
-from pipeline.train.questions import QuestionSampler, load_training_set, prompt_item_from_row
-from pipeline.train.resume import discard_stale_checkpoints, reached_steps, training_config
-from pipeline.train.step_metrics import (
+from pipeline.train.local.questions import QuestionSampler, load_training_set, prompt_item_from_row
+from pipeline.train.local.resume import discard_stale_checkpoints, reached_steps, training_config
+from pipeline.train.local.step_metrics import (
     WARMUP_CSV,
     StepsLog,
     log_mlflow_metrics,
     set_run_tag,
     write_warmup_csv,
 )
-from pipeline.train.trainer import LocalTrainer
-from pipeline.train.trajectory_log import TrajectoryLog, log_step_traces
+from pipeline.train.local.trainer import LocalTrainer
+from pipeline.train.local.trajectory_log import TrajectoryLog, log_step_traces
 
 if TYPE_CHECKING:
     from pipeline.config import TrainConfig

@@ -1,4 +1,4 @@
-"""Resuming local training: which checkpoint belongs to the current params; when training is complete (both backends).
+"""Resuming local training: which checkpoint belongs to the current params, and setting aside the ones that do not.
 
 Design decisions:
 - **A checkpoint carries the training config it was trained with** (`training_config`: agent, environment
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.completion import TrainingProgress
 
 if TYPE_CHECKING:
     from pipeline.config import TrainConfig
@@ -71,7 +70,7 @@ def _config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
-def _usable_checkpoint(plan: TrainPlan) -> tuple[Path, ckpt.TrainerState] | None:
+def usable_checkpoint(plan: TrainPlan) -> tuple[Path, ckpt.TrainerState] | None:
     """The latest checkpoint if it was trained with the current training config, else None."""
     folder = ckpt.latest_checkpoint(plan.checkpoint_dir)
     if folder is None:
@@ -80,45 +79,12 @@ def _usable_checkpoint(plan: TrainPlan) -> tuple[Path, ckpt.TrainerState] | None
     return (folder, state) if state.config == training_config(plan) else None
 
 
-def reached_steps(step: int, train: TrainConfig) -> bool:
-    """Whether training at `step` reached `train.steps`: the one rule for "no step left to train"."""
-    return step >= train.steps
-
-
-def training_progress(plan: TrainPlan) -> TrainingProgress:
-    """Where training stands before a run, on the figures register reads back (pipeline/train/completion.py).
-
-    local: the newest checkpoint of the current training config against `train.steps`; verl: the checkpoint verl
-    would resume from against the total verl computes (`pipeline.train.verl_progress.verl_schedule`).
-    """
-    if plan.train.backend == "verl":
-        from pipeline.train.verl_progress import resumed_step, verl_schedule
-
-        schedule = verl_schedule(plan)
-        step = resumed_step(plan.checkpoint_dir)
-        return TrainingProgress(backend="verl", resumed_from=step, last_step=step, total_steps=schedule.total_steps,
-                                total_from=schedule.derivation)
-    found = _usable_checkpoint(plan)
-    step = found[1].step if found is not None else 0
-    return TrainingProgress(backend="local", resumed_from=step, last_step=step, total_steps=plan.train.steps,
-                            total_from="train.steps")
-
-
-def training_complete(plan: TrainPlan) -> bool:
-    """True when training reached its total (`training_progress`) and steps.csv exists (the stage then has
-    nothing to do; checked once, at its entry). A verl plan without its training set is not complete: the
-    stage's own check names the missing file."""
-    if plan.train.backend == "verl" and not plan.train_file.is_file():
-        return False
-    return training_progress(plan).complete and plan.steps_csv.is_file()
-
-
 def discard_stale_checkpoints(plan: TrainPlan) -> Path | None:
     """Set checkpoints trained with other params aside so the run starts afresh (see the module docstring);
     return where they went (None: nothing stale, or `train.keep_stale_checkpoints` is 0 and they were removed)."""
     root = plan.checkpoint_dir
     folder = ckpt.latest_checkpoint(root)
-    if folder is None or _usable_checkpoint(plan) is not None:
+    if folder is None or usable_checkpoint(plan) is not None:
         return None
     old_config = ckpt.TrainerState.read(folder).config
     changed = _config_changes(old_config, training_config(plan))

@@ -1,15 +1,15 @@
 """One GRPO step of the local backend (`LocalTrainer.step`): transformers + PyTorch on CPU or one GPU.
 
 A step reads top to bottom:
-1. draw `batch_size` questions (`pipeline.train.questions`: seeded shuffle per epoch, position checkpointed);
+1. draw `batch_size` questions (`pipeline.train.local.questions`: seeded shuffle per epoch, position checkpointed);
 2. roll out G trajectories per question with the core rollout (`pipeline.agent.rollout`, the same code
    evaluation and `promptr1 ask` use) against the environment, scored by `pipeline.reward`; the policy
    samples in this process or through llama.cpp's server (`train.rollout_engine`,
-   `pipeline.train.rollout_engine`);
-3. GRPO update (`pipeline.train.grpo`: verl's advantage, clipped loss, low-var KL, token-mean), over
+   `pipeline.train.local.rollout_engine`);
+3. GRPO update (`pipeline.train.local.grpo`: verl's advantage, clipped loss, low-var KL, token-mean), over
    PPO mini-batches of `mini_batch_size` questions, in micro-batches of `micro_batch_size` trajectories; a
    mini-batch without a non-zero advantage takes no optimizer step (`actor/skipped_no_signal`);
-4. its metrics under verl's names (`pipeline.train.step_metrics`), with the share of groups whose G
+4. its metrics under verl's names (`pipeline.train.local.step_metrics`), with the share of groups whose G
    trajectories all scored the same (`pipeline.train.health_gate`); the caller judges, logs and checkpoints them.
 
 Design decisions:
@@ -21,7 +21,7 @@ Design decisions:
   sampling, so `old_log_prob = log_prob.detach()` is exact. Only later mini-batches/epochs need an extra
   no-grad forward, done before the first optimizer step. The sampler's log-probs are still requested
   and their gap to the recomputed ones is logged (`training/rollout_logprob_diff_*`) as a sanity check.
-- **Layout and log-probs as verl's** (`pipeline.train.batch`): left-padded prompts, right-padded responses,
+- **Layout and log-probs as verl's** (`pipeline.train.local.batch`): left-padded prompts, right-padded responses,
   logits on response positions only, at temperature `agent.temperature`.
 - **The first update of a fresh run skips the reference forward.** Until the first optimizer step the
   policy's weights are the reference's (the base, or the warmed copy), so the reference log-probs are the
@@ -57,19 +57,19 @@ import pandas as pd
 import torch
 
 from pipeline.hardware import resolve_autocast
-from pipeline.train.batch import (
+from pipeline.train.local.batch import (
     EntropySum,
     RolloutBatch,
     collate,
     response_log_probs,
     shared_prompt_log_probs,
 )
-from pipeline.train.grpo import GRPOObjective, grpo_advantages, grpo_loss
+from pipeline.train.local.grpo import GRPOObjective, grpo_advantages, grpo_loss
 from pipeline.train.health_gate import ZERO_VARIANCE_METRIC, flat_groups, zero_variance_share
-from pipeline.train.models import PolicyModels
-from pipeline.train.questions import QuestionSampler, prompt_item_from_row
-from pipeline.train.rollout_engine import rollout_engine
-from pipeline.train.step_metrics import rollout_metrics
+from pipeline.train.local.models import PolicyModels
+from pipeline.train.local.questions import QuestionSampler, prompt_item_from_row
+from pipeline.train.local.rollout_engine import rollout_engine
+from pipeline.train.local.step_metrics import rollout_metrics
 from pipeline.types import PromptItem, Trajectory
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class LocalTrainer:
         self.autocast_dtype = resolve_autocast(self.cfg.autocast, device, "train.autocast")
         """`train.autocast` resolved on this device (`auto`: bfloat16 where bf16 is native): a dtype or None."""
         self.engine = rollout_engine(plan, models.model)
-        """What samples the rollouts: `transformers` or `llama.cpp` (pipeline.train.rollout_engine)."""
+        """What samples the rollouts: `transformers` or `llama.cpp` (pipeline.train.local.rollout_engine)."""
         self.reference_is_policy = False
         """True while the policy's weights are the KL reference's (set by the caller for a fresh run: the
         reference is the base or warmed copy of the policy; cleared by the first optimizer step). Then the
@@ -144,10 +144,10 @@ class LocalTrainer:
 
     @contextmanager
     def rollout_policy(self, step: int, trajectories: int) -> Iterator[Any]:
-        """The policy that samples this step's rollout (`train.rollout_engine`, pipeline.train.rollout_engine).
+        """The policy that samples this step's rollout (`train.rollout_engine`, pipeline.train.local.rollout_engine).
         Sampling depends on (seed, step) only, so a resumed run samples what the killed one would have."""
         if self.engine == "llama.cpp":
-            from pipeline.train.rollout_engine import served_step_policy
+            from pipeline.train.local.rollout_engine import served_step_policy
 
             slots = self.cfg.rollout_slots or trajectories
             with served_step_policy(self.models.model, self.models.tokenizer, self.plan, step,
@@ -341,7 +341,7 @@ class LocalTrainer:
         items = self.draw_items()
         t0 = time.perf_counter()
         trajectories = self.rollout(env, items, step)
-        self.last_trajectories = trajectories  # for the trajectory log (pipeline.train.trajectory_log)
+        self.last_trajectories = trajectories  # for the trajectory log (pipeline.train.local.trajectory_log)
         t_rollout = time.perf_counter() - t0
 
         t0 = time.perf_counter()

@@ -1,11 +1,11 @@
 """The knowledgeable environment's server: the knowledge base `environment.knowledge.mode` names, served.
 
-The three modes (`question`: pipeline/environment/knowledge.py, `terse`: pipeline/environment/terse.py,
-`hops`: pipeline/environment/hops.py) each build on `knowledge.KnowledgeBase`; choosing one needs all three,
+The three modes (`question`: pipeline/environment/simulated/knowledge.py, `terse`: pipeline/environment/simulated/terse.py,
+`hops`: pipeline/environment/simulated/hops.py) each build on `knowledge.KnowledgeBase`; choosing one needs all three,
 so the choice lives here, above them, with the command that serves it. The HTTP side (`/v1/models`,
 `/v1/chat/completions`) is `knowledge.make_server`, the same for every mode. Started and stopped by
 `pipeline.environment.servers` (backend `knowledge`) like llama.cpp:
-    python -m pipeline.environment.knowledge_server --source data/rl/train.parquet --source data/rl/eval \\
+    python -m pipeline.environment.simulated.knowledge_server --source data/rl/train.parquet --source data/rl/eval \\
         --host 127.0.0.1 --port 8765 --served-name knowledge-base --min-overlap 0.6
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.environment.hops import HopsKnowledgeBase
-from pipeline.environment.knowledge import KnowledgeBase, load_facts, make_server
-from pipeline.environment.terse import TerseKnowledgeBase
+from pipeline.environment.simulated.hops import HopsKnowledgeBase
+from pipeline.environment.simulated.knowledge import KnowledgeBase, load_facts, make_server
+from pipeline.environment.simulated.terse import TerseKnowledgeBase
 
 if TYPE_CHECKING:
     from pipeline.config import EnvironmentConfig
@@ -31,9 +31,9 @@ logger = logging.getLogger(__name__)
 def knowledge_base(
     facts: Iterable[tuple[str, Sequence[str]]], min_overlap: float = 0.6, mode: str = "question"
 ) -> KnowledgeBase:
-    """The knowledge base of `environment.knowledge.mode`: `question` (pipeline/environment/knowledge.py),
-    `terse` (pipeline/environment/terse.py: a request length limit, matching on key words, replies with
-    distractors) or `hops` (pipeline/environment/hops.py: one subject per request, single-hop facts of a
+    """The knowledge base of `environment.knowledge.mode`: `question` (pipeline/environment/simulated/knowledge.py),
+    `terse` (pipeline/environment/simulated/terse.py: a request length limit, matching on key words, replies with
+    distractors) or `hops` (pipeline/environment/simulated/hops.py: one subject per request, single-hop facts of a
     made-up world)."""
     if mode == "hops":
         return HopsKnowledgeBase(facts, min_overlap)
@@ -53,7 +53,7 @@ def knowledge_command(cfg: EnvironmentConfig, root: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "pipeline.environment.knowledge_server",
+        "pipeline.environment.simulated.knowledge_server",
         *sources,
         "--min-overlap",
         str(cfg.knowledge.min_overlap),
@@ -78,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--mode",
         choices=["question", "terse", "hops"],
         default="question",
-        help="terse: pipeline/environment/terse.py's request limit and distractors; "
-        "hops: pipeline/environment/hops.py's one-subject look-ups",
+        help="terse: pipeline/environment/simulated/terse.py's request limit and distractors; "
+        "hops: pipeline/environment/simulated/hops.py's one-subject look-ups",
     )
     parser.add_argument("--served-name", default="knowledge-base")
     parser.add_argument("--host", default="127.0.0.1")

@@ -28,7 +28,7 @@ Agent turns are encoded separately and appended (the builder is append-only, lik
 sees the same token layout as sampling: no train/rollout drift.
 Requests after the first (`train.warmup.followup`): `verify` asks the environment to check its answer;
 `reask` builds the request from the previous live reply (its entity and the question's words it did not
-restate: `pipeline.environment.knowledge_replies.reask_request`), the second request a 2-hop question of the
+restate: `pipeline.environment.simulated.knowledge_replies.reask_request`), the second request a 2-hop question of the
 `hops` mode needs. `train.warmup.require_followup` keeps only demos whose gold answer the last reply states and no earlier
 one does, so with `reask` the demos are 2-hop questions the re-ask answers (learn-hops: a few of them, so GRPO
 still has the rest to learn). `warmup_precheck` judges the warmed-up agent on sampled training 2-hop
@@ -89,7 +89,7 @@ from pipeline.agent.protocol import (
 from pipeline.errors import DataError
 from pipeline.hardware import resolve_autocast
 from pipeline.metrics import normalize_answer
-from pipeline.train.batch import collate, response_log_probs, shared_prompt_log_probs
+from pipeline.train.local.batch import collate, response_log_probs, shared_prompt_log_probs
 from pipeline.types import EnvironmentReply, PromptItem, Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -257,7 +257,7 @@ def _ground_final(builder: ConversationBuilder, plan: _Plan, replies: list[str],
 def _reask_turn(builder: ConversationBuilder, plan: _Plan, t: int, reply: str, max_turn_tokens: int) -> bool:
     """Rewrite `plan`'s request `t` as the re-ask of `reply` (`knowledge_replies.reask_request`); False when
     the reply gives no entity to re-ask with or the turn no longer fits `max_turn_tokens`."""
-    from pipeline.environment.knowledge_replies import reask_request
+    from pipeline.environment.simulated.knowledge_replies import reask_request
 
     request = reask_request(question_of(plan.item), reply)
     if not request:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 
-from pipeline.environment.hops import refused
-from pipeline.environment.hops_world import tokens
-from pipeline.environment.knowledge import STOP_WORDS, UNKNOWN_REPLY, content_tokens
-from pipeline.environment.terse import TOO_LONG_REPLY
+from pipeline.environment.simulated.hops import refused
+from pipeline.environment.simulated.hops_world import tokens
+from pipeline.environment.simulated.knowledge import STOP_WORDS, UNKNOWN_REPLY, content_tokens
+from pipeline.environment.simulated.terse import TOO_LONG_REPLY
 
 
 def answered(reply: str) -> bool:

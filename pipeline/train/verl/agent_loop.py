@@ -33,7 +33,7 @@ Design decisions:
   texts travel in `extra_fields["prompt_r1_turns"]` (verl hands `extra_fields` to the reward function as
   `extra_info`), so the reward is computed from the exact turns and not from a re-parse of the decoded
   response.
-- **Configuration and the environment client** come from `pipeline.train.verl_worker_client` (no verl
+- **Configuration and the environment client** come from `pipeline.train.verl.worker_client` (no verl
   there): `LoopSettings` from the trainer config's `prompt_r1` block (the serialised `AgentConfig` gives
   the turn settings), one client per worker process whose
   calls in flight are an even share of `environment.concurrency` and whose spend goes to the project's
@@ -55,8 +55,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 
 from pipeline.agent.episode import GenerateTurn, TurnGeneration, run_episode
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder, TurnRules
-from pipeline.train.verl_reward import TURNS_FIELD, as_answer_list
-from pipeline.train.verl_worker_client import PARAMS_ENV_VAR, LoopSettings, environment_client
+from pipeline.train.verl.reward import TURNS_FIELD, as_answer_list
+from pipeline.train.verl.worker_client import PARAMS_ENV_VAR, LoopSettings, environment_client
 from pipeline.types import PromptItem, Trajectory
 
 __all__ = ["PARAMS_ENV_VAR", "LoopSettings", "PromptR1AgentLoop", "environment_client", "gold_answers_of"]

@@ -1,7 +1,7 @@
 """The config verl will actually run: our overrides composed with verl 0.9.1's own Hydra config.
 
 `compose_plan(plan)` composes, for the train plan (`pipeline.train.plan`), `build_overrides(plan)` (our
-params through `pipeline/train/verl_overrides.yaml`, the computed keys, then `train.verl.extra_overrides`, last
+params through `pipeline/train/verl/overrides.yaml`, the computed keys, then `train.verl.extra_overrides`, last
 and winning) with verl's `trainer/config/ppo_trainer.yaml`, exactly as `python -m verl.trainer.main_ppo <overrides>` does,
 so the layout check (`pipeline.checks.layout`) judges the composed values: a key set through `extra_overrides`
 (`actor_rollout_ref.rollout.agent.num_workers`, `actor_rollout_ref.actor.ppo_mini_batch_size`, an FSDP
@@ -15,7 +15,7 @@ Design decisions:
   (the override table, read backwards), or to `train.verl.extra_overrides` when that list sets it, since then
   the param no longer decides it.
 - **verl's own validation** (`verl.utils.config.validate_config`, which also builds and validates
-  `ActorConfig`) imports verl, so it runs at the verl stage's start (`pipeline.train.resources`), not in
+  `ActorConfig`) imports verl, so it runs at the verl stage's start (`pipeline.train.verl.resources`), not in
   `promptr1 check`.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ConfigError
-from pipeline.train.verl_overrides import OVERRIDE_TABLE, build_overrides
+from pipeline.train.verl.overrides import OVERRIDE_TABLE, build_overrides
 
 if TYPE_CHECKING:
     from pipeline.train.plan import TrainPlan

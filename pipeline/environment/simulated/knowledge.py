@@ -24,11 +24,11 @@ Behaviour (deterministic: the same request always gets the same reply):
 
 Sources: Parquet files in verl's RL schema (`extra_info.question`, `reward_model.ground_truth`, what the
 build stage writes), Parquet or JSON-lines files with `question` and `answers` columns, or folders of such
-Parquet files. `environment.knowledge.mode: terse` swaps in `pipeline.environment.terse`'s rules (a request
-length limit the long questions exceed, replies with distractors); `hops` swaps in `pipeline.environment.hops`
+Parquet files. `environment.knowledge.mode: terse` swaps in `pipeline.environment.simulated.terse`'s rules (a request
+length limit the long questions exceed, replies with distractors); `hops` swaps in `pipeline.environment.simulated.hops`
 (one subject per request, single-hop facts of a made-up world, so a 2-hop question needs two requests). Both
 build on this module's `KnowledgeBase`, so the mode is chosen one level up, in
-`pipeline.environment.knowledge_server`, which serves the chosen knowledge base with this module's
+`pipeline.environment.simulated.knowledge_server`, which serves the chosen knowledge base with this module's
 `make_server` and is started and stopped by `pipeline.environment.servers` (backend `knowledge`) like
 llama.cpp.
 """

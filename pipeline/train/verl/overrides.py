@@ -1,11 +1,11 @@
 """Our params as verl 0.9.1 Hydra overrides of its `ppo_trainer.yaml`: the mapping, nothing that runs verl.
 
 Split from `verl_backend` (which launches verl) so that the layout check (`pipeline.checks.layout` through
-`pipeline.train.verl_config`) composes exactly the overrides the launch uses without importing the launcher,
+`pipeline.train.verl.config`) composes exactly the overrides the launch uses without importing the launcher,
 its health watch or the environment servers: the stages that run the check then do not depend on them in
 dvc.yaml. `verl_backend` re-exports every public name here.
 
-- `pipeline/train/verl_overrides.yaml` maps verl keys to our params (`"$a.b"`) or fixed values;
+- `pipeline/train/verl/overrides.yaml` maps verl keys to our params (`"$a.b"`) or fixed values;
 - values computed here: file paths, the model location, reward kwargs, LoRA, the `prompt_r1` block that
   the agent-loop workers read (`verl_worker_client.LoopSettings`), which Ray verl starts (`ray_overrides`),
   then `train.verl.extra_overrides` last.
@@ -144,7 +144,7 @@ def ray_overrides(verl: VerlConfig) -> list[str]:
 
 
 def _override_table() -> dict[str, Any]:
-    """verl key → "$our.param" or a fixed value (pipeline/train/verl_overrides.yaml)."""
+    """verl key → "$our.param" or a fixed value (pipeline/train/verl/overrides.yaml)."""
     return yaml.safe_load(OVERRIDE_TABLE.read_text(encoding="utf-8"))
 
 

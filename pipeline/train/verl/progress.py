@@ -11,7 +11,7 @@ resume at an epoch boundary whose dataloader state marks the epoch exhausted, so
 What this module checks, from the same output stream the health gate reads:
 
 - **The schedule** (`VerlSchedule`, `verl_schedule`): the total verl computes, derived as verl derives it from
-  the composed config (`pipeline.train.verl_config`, so `train.verl.extra_overrides` count):
+  the composed config (`pipeline.train.verl.config`, so `train.verl.extra_overrides` count):
   `trainer.total_training_steps` when set, else `trainer.total_epochs` × steps per epoch, where steps per
   epoch = training rows // `data.train_batch_size` (verl's train dataloader drops the last partial batch).
   When verl prints its own total (`Total training steps: N`, e.g. after `data.filter_overlong_prompts` dropped
@@ -67,9 +67,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.runtime import stop_process_group
 from pipeline.errors import DataError, TrainingIncomplete, TrainingStalled
 from pipeline.train.completion import TrainingProgress
-from pipeline.train.verl_health_gate import TRAINING_KEY, parse_step_line
+from pipeline.train.verl.health_gate import TRAINING_KEY, parse_step_line
 
 if TYPE_CHECKING:
     from pipeline.config import AgentConfig, EnvironmentConfig, WatchdogConfig
@@ -153,8 +154,8 @@ def parquet_rows(path: Path) -> int:
 
 def verl_schedule(plan: TrainPlan, val_files: list[Path] | None = None) -> VerlSchedule:
     """The schedule the plan's launch runs: our overrides composed with verl's config, the training set's rows."""
-    from pipeline.train.verl_config import compose_plan
-    from pipeline.train.verl_overrides import train_file
+    from pipeline.train.verl.config import compose_plan
+    from pipeline.train.verl.overrides import train_file
 
     path = train_file(plan)
     if not path.is_file():
@@ -413,18 +414,6 @@ def suggested_rollout_s(measured_s: float, measured_conversations: int, conversa
     scale = environment_worst_s(env, max_turns, conversations) / environment_worst_s(
         env, max_turns, max(measured_conversations, 1))
     return float(math.ceil(measured_s * scale * margin / 60.0) * 60)
-
-
-def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM the process group `process` leads, SIGKILL it when still alive after `grace_s`."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=grace_s)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 class ProgressWatchdog:

@@ -1,6 +1,6 @@
 """The knowledgeable environment's `terse` mode: a request length limit and free-form replies with distractors.
 
-Why: in the `question` mode (`pipeline.environment.knowledge`) the verbatim question is the best possible
+Why: in the `question` mode (`pipeline.environment.simulated.knowledge`) the verbatim question is the best possible
 request and every reply quotes it in one of four fixed templates, so a two-line rule (send the question, read
 the answer out of the template) scores F1 100 and an agent that "learns" there learns answer extraction only.
 This mode keeps the same knowledge (the same sources, the same gold answers) but changes two properties that
@@ -36,7 +36,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from pipeline.environment.knowledge import UNKNOWN_REPLY, Fact, KnowledgeBase, Match, content_tokens
+from pipeline.environment.simulated.knowledge import UNKNOWN_REPLY, Fact, KnowledgeBase, Match, content_tokens
 
 MAX_REQUEST_WORDS = 8
 """A longer request (whitespace words of the last user message) is refused."""

@@ -2,7 +2,7 @@
 
 Why: in the `question` and `terse` modes one good request gets the answer, so the only request skill on offer
 is copying or truncating the question. Here the environment knows single-hop facts of a made-up world
-(`pipeline.environment.hops_world`) and the questions are 1-hop or 2-hop compositions of them. The verbatim
+(`pipeline.environment.simulated.hops_world`) and the questions are 1-hop or 2-hop compositions of them. The verbatim
 2-hop question ("Where was the director of Velvet Compass born?") gets the first hop's answer (the
 director, the *bridge*), and the answer is stored only under the bridge, which the question never names: the
 score is decided by the second request (`{relation} of {bridge}`, or anything naming the bridge and the
@@ -29,8 +29,8 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pipeline.environment.hops_world import World, nearest_relation, tokens, world
-from pipeline.environment.knowledge import KnowledgeBase
+from pipeline.environment.simulated.hops_world import World, nearest_relation, tokens, world
+from pipeline.environment.simulated.knowledge import KnowledgeBase
 
 ONE_AT_A_TIME_REPLY = "I can look up one name at a time. Your request names {names}; ask about one of them."
 NO_SUBJECT_REPLY = (

@@ -4,13 +4,13 @@
 `ppo_trainer.yaml`; `run_verl(plan, tracking_uri, run)` launches
 `python -m verl.trainer.main_ppo <overrides>` on a joined Ray cluster or a private one,
 streams its log, attaches verl's MLflow logger to our run and exports the step metrics of every launch of the
-training to `reports/train/steps.csv` (pipeline/train/verl_steps.py).
+training to `reports/train/steps.csv` (pipeline/train/verl/steps.py).
 
 Our code enters verl only at its documented extension points:
-- the agent loop `pipeline.train.verl_agent_loop.PromptR1AgentLoop`, registered as `prompt_r1` by
-  `pipeline/train/agent_loop.yaml` (`actor_rollout_ref.rollout.agent.agent_loop_config_path`) and made the
+- the agent loop `pipeline.train.verl.agent_loop.PromptR1AgentLoop`, registered as `prompt_r1` by
+  `pipeline/train/verl/agent_loop.yaml` (`actor_rollout_ref.rollout.agent.agent_loop_config_path`) and made the
   default loop, so rows without an `agent_name` column use it too;
-- the reward function `pipeline/train/verl_reward.py:compute_score` (`reward.custom_reward_function`),
+- the reward function `pipeline/train/verl/reward.py:compute_score` (`reward.custom_reward_function`),
   with our reward preset and coefficients passed as `reward.custom_reward_function.reward_kwargs`;
 - one extra config block, `prompt_r1` (environment endpoint, turn limits, cache path), that verl carries
   untouched to every agent-loop worker inside the trainer config. It replaces environment variables or
@@ -32,7 +32,7 @@ Decisions:
 - **MLflow**: `trainer.logger=[console,mlflow]`; verl's logger runs inside Ray actors, so
   `MLFLOW_TRACKING_URI` and `MLFLOW_RUN_ID` (our active child run) are set both in the launcher's
   environment and in the Ray job's `runtime_env`, and verl logs into our run instead of opening its own.
-- **Health gate** (`train.health`, pipeline/train/verl_health_gate.py): every output line goes to a watch that
+- **Health gate** (`train.health`, pipeline/train/verl/health_gate.py): every output line goes to a watch that
   judges each step from verl's step line and its rollout dump (`trainer.rollout_data_dir`); a breach stops
   verl's process group, sets the breaching step's checkpoints aside and fails the stage with one line.
 - **Offline, on a local path**: before verl starts, the agent's weights are checked in this machine's
@@ -43,7 +43,7 @@ Decisions:
   `runtime_env` too, since Ray workers inherit the raylet's environment, not the driver's. On several nodes
   the snapshot folder must exist at the same path on each (the shared filesystem, or `promptr1 weights` with
   the same `HF_HOME` on every node). `verl_launch` builds the command line and environment.
-- **Resume verified, progress watched** (pipeline/train/verl_progress.py): the same lines go to a check that
+- **Resume verified, progress watched** (pipeline/train/verl/progress.py): the same lines go to a check that
   verl resumes (its fit-start line) from the checkpoint the launch must resume from and that the last step
   reaches the total verl computes, and to a watchdog that stops verl's process group when its start-up or the
   next step line is overdue.
@@ -62,7 +62,7 @@ the same path to the data and checkpoint folders (a shared filesystem), and the 
     promptr1 train -S profile=paper -S train.verl.nnodes=N -S train.verl.ray_address=auto
 
 `ray_address: auto` joins the cluster started on this machine (`ray status` must list all nodes; the stage
-start probes which devices it owns, pipeline/train/resources.py); `ray_address: ""` lets verl start a private
+start probes which devices it owns, pipeline/train/verl/resources.py); `ray_address: ""` lets verl start a private
 single-node Ray instance instead, pinned to `train.verl.gpus` (`smoke-1gpu`, `paper-1node`), with
 `ray.init(address="local")` (`verl_overrides.ray_overrides`), so a cluster a `ray start` left here is not joined. With more than one node use
 an MLflow tracking server (`MLFLOW_TRACKING_URI=http://…`) rather than the default SQLite file, since
@@ -86,21 +86,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from pipeline.runtime import stop_process_group
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, TrainingIncomplete, UserError
 from pipeline.placement import private_ray_devices
 from pipeline.stage_files import EVAL_SETS_DIR
 from pipeline.train import health_gate
-from pipeline.train.verl_health_gate import BreachSeen, VerlHealthWatch
-from pipeline.train.verl_progress import VerlProgress
-from pipeline.train.verl_steps import Launch, export_steps_csv, record_launch
+from pipeline.train.verl.health_gate import BreachSeen, VerlHealthWatch
+from pipeline.train.verl.progress import VerlProgress
+from pipeline.train.verl.steps import Launch, export_steps_csv, record_launch
 from pipeline.weights import OFFLINE_ENV, cached_location
 
 if TYPE_CHECKING:
     from pipeline.config import TrainConfig
     from pipeline.train.completion import TrainingProgress
     from pipeline.train.plan import TrainPlan
-from pipeline.train.verl_overrides import (
+from pipeline.train.verl.overrides import (
     AGENT_LOOP_CONFIG,
     AGENT_NAME,
     OVERRIDE_TABLE,
@@ -327,10 +328,6 @@ def _stream(command: list[str], *, env: dict[str, str], cwd: Path, log_file: Pat
             rc = process.wait()
         except BaseException:
             # Ctrl-C or a failure here: take the whole verl process group down with us.
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(process.pid, signal.SIGKILL)
+            stop_process_group(process, 30.0)
             raise
     return rc, "\n".join(tail)
