@@ -7,6 +7,11 @@ libraries and the package root's leaves). A module may import its own layer or a
 a library that imported a stage would make the stage's dvc.yaml deps, and its readers, follow it back up.
 Every import counts (module level, inside a function, under `TYPE_CHECKING`, relative): a shared piece moves
 down to a module both import, it is not hidden in a function. tests/import_graph.py builds the graph.
+
+Within the library layer two more rules: the training backends (pipeline/train/local/, pipeline/train/verl/)
+import nothing of each other, and the shared part of pipeline/train/ imports neither, so either backend
+reads, moves and tests on its own; and a few libraries do not reach sideways into a sibling (SIDEWAYS: the
+agent and tracking import nothing from evaluation/, the environment nothing from pipeline.weights).
 """
 
 from __future__ import annotations
