@@ -389,8 +389,8 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.train import checkpoint as ckpt
     from pipeline.train.local.backend import WARMUP_DIR, train_local
     from pipeline.train.local.models import load_tokenizer
-    from pipeline.train.plan import TrainPlan
     from pipeline.train.local.step_metrics import steps_csv_path
+    from pipeline.train.plan import TrainPlan
 
     t_all = time.perf_counter()
     work = ROOT / ".cache" / f"bench_learning_{args.mode}_{'rules' if args.rules_only else f'seed{args.seed}'}"

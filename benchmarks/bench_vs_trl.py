@@ -139,9 +139,9 @@ def run_ours(cfg: dict[str, Any], engine: str) -> dict[str, Any]:
     import torch
 
     from pipeline.train.local.models import load_policy_models
-    from pipeline.train.plan import TrainPlan
     from pipeline.train.local.questions import QuestionSampler
     from pipeline.train.local.trainer import LocalTrainer
+    from pipeline.train.plan import TrainPlan
 
     params = scratch_params(Path(cfg["scratch"]), cfg, engine)
     torch.manual_seed(params.seed)
@@ -244,9 +244,9 @@ def run_parity(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from pipeline.train.local.batch import collate
     from pipeline.train.local.models import load_policy_models
-    from pipeline.train.plan import TrainPlan
     from pipeline.train.local.questions import QuestionSampler
     from pipeline.train.local.trainer import LocalTrainer
+    from pipeline.train.plan import TrainPlan
 
     params = scratch_params(Path(cfg["scratch"]), cfg)
     frame = pd.read_parquet(cfg["prompts"])

@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -55,9 +54,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from pipeline.runtime import stop_process_group
 from pipeline.errors import UserError
-from pipeline.runtime import TELEMETRY_OFF
+from pipeline.runtime import TELEMETRY_OFF, stop_process_group
 
 log = logging.getLogger(__name__)
 

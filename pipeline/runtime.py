@@ -30,9 +30,9 @@ import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 TELEMETRY_OFF: dict[str, str] = {

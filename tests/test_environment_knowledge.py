@@ -14,6 +14,7 @@ from demo_project import free_port, pid_alive
 from helpers import server_spec
 
 from pipeline.environment.client import EnvironmentClient
+from pipeline.environment.servers import serve_environment, server_command, started_server
 from pipeline.environment.simulated.knowledge import (
     REPLY_TEMPLATES,
     UNKNOWN_REPLY,
@@ -22,7 +23,6 @@ from pipeline.environment.simulated.knowledge import (
     content_tokens,
     load_facts,
 )
-from pipeline.environment.servers import serve_environment, server_command, started_server
 
 FACTS = [
     ("Who wrote the play Hamlet?", ["William Shakespeare", "Shakespeare"]),

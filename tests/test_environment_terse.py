@@ -14,10 +14,10 @@ from demo_project import free_port
 from helpers import server_spec
 
 from pipeline.environment.client import EnvironmentClient
+from pipeline.environment.servers import serve_environment, server_command
 from pipeline.environment.simulated.knowledge import REPLY_TEMPLATES, UNKNOWN_REPLY, KnowledgeBase
 from pipeline.environment.simulated.knowledge_replies import answered
 from pipeline.environment.simulated.knowledge_server import knowledge_base
-from pipeline.environment.servers import serve_environment, server_command
 from pipeline.environment.simulated.terse import MAX_REQUEST_WORDS, TOO_LONG_REPLY, TerseKnowledgeBase
 from pipeline.evaluation.trivial_rules import (
     INFORMED_RULES,

@@ -16,10 +16,10 @@ import pytest
 
 from pipeline.checks.layout import Placement, actor_estimate, layout_problems
 from pipeline.config import deep_merge, load_params, parse_override
-from pipeline.train.verl import memory
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl.resources import checkpoint_disk_problem, gpu_problems
+from pipeline.train.verl import memory
 from pipeline.train.verl.config import compose_plan, override_key
+from pipeline.train.verl.resources import checkpoint_disk_problem, gpu_problems
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = memory.GIB

@@ -151,9 +151,9 @@ def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, fl
     import numpy as np
 
     from pipeline.train.local import trainer as trainer_module
+    from pipeline.train.local.backend import load_training_set
     from pipeline.train.local.batch import collate, response_log_probs
     from pipeline.train.local.grpo import grpo_advantages as intact_advantages
-    from pipeline.train.local.backend import load_training_set
     from pipeline.train.local.models import load_policy_models
     from pipeline.train.local.questions import QuestionSampler
 

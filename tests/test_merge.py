@@ -34,7 +34,13 @@ def merge_params(tmp: Path, model_dir: Path, lora: bool):
 
 def trained_checkpoint(params, lora: bool):
     """A checkpoint whose weights differ from the base (so a merge that ignored them would be caught)."""
-    from pipeline.train.local.models import PolicyModels, apply_lora, load_causal_lm, load_tokenizer, write_weights
+    from pipeline.train.local.models import (
+        PolicyModels,
+        apply_lora,
+        load_causal_lm,
+        load_tokenizer,
+        write_weights,
+    )
 
     torch.manual_seed(1)
     model = load_causal_lm(params.agent.model, params.root, torch.float32)

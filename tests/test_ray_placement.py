@@ -20,7 +20,13 @@ import pytest
 
 from pipeline.config import deep_merge, load_params, parse_override
 from pipeline.placement import gpus_of_environment, gpus_of_training, private_ray_devices
-from pipeline.train.verl.resources import RayNode, RayProbe, probe_private_ray, probe_ray_cluster, ray_gpu_problems
+from pipeline.train.verl.resources import (
+    RayNode,
+    RayProbe,
+    probe_private_ray,
+    probe_ray_cluster,
+    ray_gpu_problems,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,9 +25,9 @@ from helpers import REPO_ROOT, tiny_overrides, write_train_parquet
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.local.batch import collate, response_log_probs
-from pipeline.train.plan import TrainPlan
 from pipeline.train.local.questions import QuestionSampler
 from pipeline.train.local.step_metrics import StepsLog
+from pipeline.train.plan import TrainPlan
 from pipeline.types import PromptItem, Trajectory
 
 
@@ -364,8 +364,8 @@ def test_changed_training_params_start_afresh_instead_of_reusing_the_old_model(t
                                                                                env_server):
     # DVC reruns train when e.g. train.lr or reward.preset change; the persisted checkpoint of the old
     # params must not count as "already complete" nor be resumed.
-    from pipeline.train.local.backend import train_local
     from pipeline.stages.train import training_complete
+    from pipeline.train.local.backend import train_local
     from pipeline.train.local.resume import stale_folders
 
     write_train_parquet(tmp_path / "data/rl/train.parquet")

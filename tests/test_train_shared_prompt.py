@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pipeline.train.local.batch import collate, response_log_probs, shared_prompt_log_probs
-from pipeline.train.plan import TrainPlan
 from pipeline.train.local.questions import QuestionSampler
+from pipeline.train.plan import TrainPlan
 from pipeline.types import PromptItem, Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

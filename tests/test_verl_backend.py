@@ -20,8 +20,8 @@ from verl_cpu import compose_verl
 from pipeline.config import load_params
 from pipeline.config.specs import tracking_spec
 from pipeline.errors import DataError, UserError
-from pipeline.train.verl import backend as verl_backend
 from pipeline.train.plan import TrainPlan
+from pipeline.train.verl import backend as verl_backend
 from pipeline.train.verl.backend import AGENT_LOOP_CONFIG, REWARD_FUNCTION_FILE, build_overrides, hydra_value
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

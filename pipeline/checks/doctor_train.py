@@ -106,13 +106,13 @@ def step_resources(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     from pipeline.disk_space import free_bytes
     from pipeline.placement import gpus_of_environment, gpus_of_training
     from pipeline.train.plan import TrainPlan
+    from pipeline.train.verl.config import compose_plan
     from pipeline.train.verl.resources import (
         checkpoint_estimate,
         probe_private_ray,
         probe_ray_cluster,
         resource_problems,
     )
-    from pipeline.train.verl.config import compose_plan
 
     params = doc.params
     if params.train.backend != "verl":

@@ -79,8 +79,8 @@ from pipeline.placement import (  # re-exported: the layout's vocabulary
     is_loopback,
     started_here,
 )
-from pipeline.train.verl import memory
 from pipeline.train.plan import TrainPlan
+from pipeline.train.verl import memory
 from pipeline.train.verl.config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_plan
 from pipeline.train.verl.overrides import RAY_INIT_ADDRESS
 

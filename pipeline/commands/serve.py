@@ -31,16 +31,14 @@ import errno
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.runtime import stop_process_group
 from pipeline.errors import EnvironmentUnavailable, UserError
+from pipeline.runtime import stop_process_group
 
 if TYPE_CHECKING:
     from pipeline.config import Params

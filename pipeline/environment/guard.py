@@ -40,7 +40,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from pipeline.runtime import stop_process_group
 

@@ -33,7 +33,6 @@ import logging
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -45,7 +44,6 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from pipeline.runtime import stop_process_group
 from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
 from pipeline.environment.harmony import encodings_dir, harmony_server_env, needs_harmony, verify_encodings
@@ -56,6 +54,7 @@ from pipeline.hardware import server_threads
 from pipeline.modelref import ModelRefError, as_resolved
 from pipeline.paths import display_path
 from pipeline.placement import cuda_visible_devices, gpus_of_environment
+from pipeline.runtime import stop_process_group
 from pipeline.weights import OFFLINE_ENV, model_status
 
 if TYPE_CHECKING:

@@ -34,7 +34,12 @@ from typing import Any
 
 from pipeline.environment.simulated.hops_world import World
 from pipeline.environment.simulated.knowledge import KnowledgeBase
-from pipeline.environment.simulated.knowledge_replies import answered, content_words, reask_request, reply_entity
+from pipeline.environment.simulated.knowledge_replies import (
+    answered,
+    content_words,
+    reask_request,
+    reply_entity,
+)
 from pipeline.evaluation.trivial_rules import ask
 from pipeline.metrics import exact_match, token_f1
 

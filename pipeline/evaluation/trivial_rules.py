@@ -32,7 +32,12 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipeline.environment.simulated.knowledge import REPLY_TEMPLATES, KnowledgeBase, completion_body, content_tokens
+from pipeline.environment.simulated.knowledge import (
+    REPLY_TEMPLATES,
+    KnowledgeBase,
+    completion_body,
+    content_tokens,
+)
 from pipeline.environment.simulated.knowledge_replies import answered
 from pipeline.environment.simulated.terse import MAX_REQUEST_WORDS, PHRASES
 from pipeline.metrics import exact_match, token_f1

@@ -15,8 +15,8 @@ from helpers import output_paths
 
 from pipeline.config import load_params
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.plan import TrainPlan
 from pipeline.train.local.resume import discard_stale_checkpoints, stale_folders, training_config
+from pipeline.train.plan import TrainPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 

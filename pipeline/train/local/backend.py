@@ -55,7 +55,6 @@ from pipeline.train.local.models import (
     pick_device,
     write_weights,
 )
-from pipeline.train.plan import TrainPlan
 from pipeline.train.local.questions import QuestionSampler, load_training_set, prompt_item_from_row
 from pipeline.train.local.resume import discard_stale_checkpoints, reached_steps, training_config
 from pipeline.train.local.step_metrics import (
@@ -67,6 +66,7 @@ from pipeline.train.local.step_metrics import (
 )
 from pipeline.train.local.trainer import LocalTrainer
 from pipeline.train.local.trajectory_log import TrajectoryLog, log_step_traces
+from pipeline.train.plan import TrainPlan
 
 if TYPE_CHECKING:
     from pipeline.config import TrainConfig

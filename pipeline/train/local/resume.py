@@ -79,6 +79,11 @@ def usable_checkpoint(plan: TrainPlan) -> tuple[Path, ckpt.TrainerState] | None:
     return (folder, state) if state.config == training_config(plan) else None
 
 
+def reached_steps(step: int, train: TrainConfig) -> bool:
+    """Whether training at `step` reached `train.steps`: the one rule for "no step left to train"."""
+    return step >= train.steps
+
+
 def discard_stale_checkpoints(plan: TrainPlan) -> Path | None:
     """Set checkpoints trained with other params aside so the run starts afresh (see the module docstring);
     return where they went (None: nothing stale, or `train.keep_stale_checkpoints` is 0 and they were removed)."""

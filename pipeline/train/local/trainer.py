@@ -57,6 +57,7 @@ import pandas as pd
 import torch
 
 from pipeline.hardware import resolve_autocast
+from pipeline.train.health_gate import ZERO_VARIANCE_METRIC, flat_groups, zero_variance_share
 from pipeline.train.local.batch import (
     EntropySum,
     RolloutBatch,
@@ -65,7 +66,6 @@ from pipeline.train.local.batch import (
     shared_prompt_log_probs,
 )
 from pipeline.train.local.grpo import GRPOObjective, grpo_advantages, grpo_loss
-from pipeline.train.health_gate import ZERO_VARIANCE_METRIC, flat_groups, zero_variance_share
 from pipeline.train.local.models import PolicyModels
 from pipeline.train.local.questions import QuestionSampler, prompt_item_from_row
 from pipeline.train.local.rollout_engine import rollout_engine

@@ -78,7 +78,6 @@ import contextlib
 import importlib.util
 import logging
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -86,10 +85,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from pipeline.runtime import stop_process_group
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, TrainingIncomplete, UserError
 from pipeline.placement import private_ray_devices
+from pipeline.runtime import stop_process_group
 from pipeline.stage_files import EVAL_SETS_DIR
 from pipeline.train import health_gate
 from pipeline.train.verl.health_gate import BreachSeen, VerlHealthWatch

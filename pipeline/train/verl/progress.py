@@ -58,7 +58,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -67,8 +66,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.runtime import stop_process_group
 from pipeline.errors import DataError, TrainingIncomplete, TrainingStalled
+from pipeline.runtime import stop_process_group
 from pipeline.train.completion import TrainingProgress
 from pipeline.train.verl.health_gate import TRAINING_KEY, parse_step_line
 
