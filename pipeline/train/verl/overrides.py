@@ -32,8 +32,8 @@ ROLLOUT_DIR = "verl_rollouts"
 
 AGENT_NAME = "prompt_r1"
 AGENT_LOOP_CONFIG = Path(__file__).with_name("agent_loop.yaml")
-OVERRIDE_TABLE = Path(__file__).with_name("verl_overrides.yaml")
-REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
+OVERRIDE_TABLE = Path(__file__).with_name("overrides.yaml")
+REWARD_FUNCTION_FILE = Path(__file__).with_name("reward.py")
 REWARD_FUNCTION_NAME = "compute_score"
 RAY_INIT_ADDRESS = "ray_kwargs.ray_init.address"
 PRIVATE_RAY_ADDRESS = "local"
