@@ -25,7 +25,7 @@ and no key it does not (else editing `mlflow.trace_evaluation` reruns training).
   not counted (DISPLAY_ONLY).
 
 Limits: code that another process imports by name is not followed (verl's agent-loop workers: the keys
-`verl_worker_client.LoopSettings.from_params_file` reads are among train's anyway, but a new reader there
+`pipeline.train.verl.worker_client.LoopSettings.from_params_file` reads are among train's anyway, but a new reader there
 would be missed); a key overwritten in a copy (`model_copy(update=…)`) and read back counts as read (errs
 towards listing it). tests/test_dvc_params.py checks the result against the running code where that is cheap.
 """

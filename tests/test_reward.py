@@ -3,7 +3,7 @@
 Turns are built with explicit flags so each example states exactly which indicator is on (the `paper`
 preset reads those flags); their texts agree with the flags, because the `released` preset reads the text
 the way the authors' code does. The parser's own rules are tested by the protocol tests, real turn texts
-in test_verl_reward.py, and the released preset's text rules in test_reward_released.py.
+in test_verl_reward.py (pipeline/train/verl/reward.py), and the released preset's text rules in test_reward_released.py.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Design decisions:
   trajectory to `AgentLoopOutput` (tests/test_protocol_parity.py drives both backends through the same
   scripted conversations and compares labels, masks and rewards).
 - **Reward, once.** The loop leaves `reward_score` unset, so verl's reward loop calls our
-  `verl_reward.compute_score` (its parts become verl's reward extra info, in metrics and dumps); the turn
+  `pipeline.train.verl.reward.compute_score` (its parts become verl's reward extra info, in metrics and dumps); the turn
   texts travel in `extra_fields["prompt_r1_turns"]` (verl hands `extra_fields` to the reward function as
   `extra_info`), so the reward is computed from the exact turns and not from a re-parse of the decoded
   response.

@@ -7,7 +7,7 @@ What our process sees of a running verl trainer is its output stream (pipeline/t
   (`actor/kl_loss`, …);
 - with `trainer.rollout_data_dir` set (verl_backend does when `train.health.enabled`), verl dumps each step's
   trajectories to `<dir>/<N>.jsonl` (prompt text, response, `score`, and our reward function's parts, e.g.
-  `answer` and `format`: verl_reward.compute_score returns them as reward extra info) and prints
+  `answer` and `format`: pipeline.train.verl.reward.compute_score returns them as reward extra info) and prints
   `Dumped generations to <dir>/<N>.jsonl` once the file is closed. verl logs no per-group figure, so the
   zero-variance share and the reward parts come from that file (`rollout_figures`; the G trajectories of a
   question share its prompt text).

@@ -7,7 +7,7 @@ dvc.yaml. `verl_backend` re-exports every public name here.
 
 - `pipeline/train/verl/overrides.yaml` maps verl keys to our params (`"$a.b"`) or fixed values;
 - values computed here: file paths, the model location, reward kwargs, LoRA, the `prompt_r1` block that
-  the agent-loop workers read (`verl_worker_client.LoopSettings`), which Ray verl starts (`ray_overrides`),
+  the agent-loop workers read (`pipeline.train.verl.worker_client.LoopSettings`), which Ray verl starts (`ray_overrides`),
   then `train.verl.extra_overrides` last.
 """
 
@@ -171,7 +171,7 @@ def reward_kwargs_overrides(r: RewardConfig) -> list[str]:
 
 
 def agent_loop_overrides(plan: TrainPlan, agent_model: str, environment_url: str | None = None) -> list[str]:
-    """The `+prompt_r1.*` block the agent-loop workers read (see verl_worker_client.LoopSettings): the
+    """The `+prompt_r1.*` block the agent-loop workers read (see pipeline.train.verl.worker_client.LoopSettings): the
     environment, the whole agent section (`AgentConfig.model_dump()`, read back with `AgentConfig.from_dump`)
     and the cache folder.
 

@@ -1,6 +1,6 @@
 """What a verl agent-loop worker needs to reach the environment: its settings and its `EnvironmentClient`.
 
-Split from `verl_agent_loop` so that it imports no verl (nor torch): the client a worker builds can be
+Split from `pipeline.train.verl.agent_loop` so that it imports no verl (nor torch): the client a worker builds can be
 tested, and reasoned about, on its own. Design decisions:
 
 - **Settings from the trainer config.** verl carries the `prompt_r1` block that `verl_backend.build_overrides`
