@@ -71,9 +71,20 @@ log = logging.getLogger("bench_learning")
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port for the environment server whose next port, the agent server's (`evaluate.agent_port`
+    left null: environment.port + 1), is free too: two runs side by side never meet at each other's agent
+    port."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as nxt:
+                try:
+                    nxt.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
 
 
 def learn_params(workdir: Path, args: argparse.Namespace, port: int):
