@@ -10,15 +10,19 @@ stage's deps, where a listed folder covers everything below it. A listed code de
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-from dvc_closure import CODE_PACKAGES, ROOT, import_closure, stage_closure, stages, verb_modules
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from stage_code.closure import CODE_PACKAGES, ROOT, import_closure, stage_closure, stages, verb_modules
 
 
 def covered(path: Path, deps: list[str]) -> bool:
     rel = path.relative_to(ROOT)
     return any(rel == Path(d) or Path(d) in rel.parents for d in deps)
+
 
 STAGES = stages()
 
@@ -26,8 +30,12 @@ STAGES = stages()
 @pytest.mark.parametrize(("stage", "verb", "deps"), STAGES, ids=[s[0] for s in STAGES])
 def test_stage_deps_cover_the_import_closure_of_its_verb(stage: str, verb: str, deps: list[str]) -> None:
     modules = verb_modules()
-    assert verb in modules, f"dvc.yaml stage {stage!r} runs `promptr1 {verb}`, which pipeline/cli.py does not define"
-    assert modules[verb], f"`promptr1 {verb}` imports no pipeline module lazily: cannot tell its implementation"
+    assert verb in modules, (
+        f"dvc.yaml stage {stage!r} runs `promptr1 {verb}`, which pipeline/cli.py does not define"
+    )
+    assert modules[verb], (
+        f"`promptr1 {verb}` imports no pipeline module lazily: cannot tell its implementation"
+    )
     closure = stage_closure(verb)
     missing = sorted(str(p.relative_to(ROOT)) for p in closure if not covered(p, deps))
     assert not missing, f"dvc.yaml stage {stage!r} misses deps its code imports: {missing}"
@@ -45,9 +53,9 @@ def test_closure_follows_lazy_imports_and_parent_packages(tmp_path: Path) -> Non
     closure = {str(p.relative_to(ROOT)) for p in import_closure("pipeline.cli")}
     assert "pipeline/__init__.py" in closure
     assert "pipeline/config/loading.py" in closure  # top-level import of cli (through the package)
-    assert "pipeline/commands/ask.py" in closure        # imported only inside `ask()`
+    assert "pipeline/commands/ask.py" in closure  # imported only inside `ask()`
     assert verb_modules()["sample"] == {"pipeline.stages.sample"}  # a written-out command's lazy import
-    assert verb_modules()["register"] == {"pipeline.stages.register"}   # a `module:function` row
+    assert verb_modules()["register"] == {"pipeline.stages.register"}  # a `module:function` row
 
 
 def test_a_missing_dep_is_reported() -> None:

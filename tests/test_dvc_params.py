@@ -3,10 +3,11 @@
 DVC reruns a stage when a listed param changes. A key the code reads but the stage does not list lets
 `dvc repro` call a changed result "up to date"; a listed key the code does not read (a whole `mlflow` section
 for the sake of one key) reruns training when `mlflow.trace_evaluation`, which only evaluate's MLflow traces
-read, is edited. The keys a stage reads are computed from its code (tests/param_reads.py: attribute chains on
-`Params` and its section models in the functions the stage's command reaches); a section may be listed whole
-only when the stage reads every key of it, and `environment`, `mlflow` and `paths` never whole (they hold keys
-for every stage: listed leaf by leaf, a key added later reruns only the stages that read it).
+read, is edited. The keys a stage reads are computed from its code (scripts/stage_code/param_reads.py:
+attribute chains on `Params` and its section models in the functions the stage's command reaches); a section
+may be listed whole only when the stage reads every key of it, and `environment`, `mlflow` and `paths` never
+whole (they hold keys for every stage: listed leaf by leaf, a key added later reruns only the stages that
+read it).
 """
 
 from __future__ import annotations
@@ -14,18 +15,21 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
-from code_index import NODES, dotted, leaves, parse_key
-from dvc_closure import ROOT, render
-from param_reads import code_reads, overdeclared, stage_reads, uncovered
 from pydantic import BaseModel
 
 from pipeline.config import Params
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from stage_code.closure import ROOT, render
+from stage_code.code_index import NODES, dotted, leaves, parse_key
+from stage_code.param_reads import code_reads, overdeclared, stage_reads, uncovered
 
 LEAF_ONLY_SECTIONS = ("environment", "mlflow", "paths")
 """Sections no stage may list whole."""
@@ -202,7 +206,7 @@ def test_the_analysis_follows_aliases_sections_and_properties(tmp_path: Path) ->
 def _placeholder_project(project: Path) -> None:
     """A git+DVC copy of the project (params, profiles, code, dvc.yaml) whose data deps and outs are
     placeholder files, locked with `dvc commit` as if every stage had run: no data, no model, no training."""
-    for name in ("params.yaml", "dvc.yaml", "profiles", "pipeline"):
+    for name in ("params.yaml", "dvc.yaml", ".dvcignore", "profiles", "pipeline"):
         source = ROOT / name
         (shutil.copytree if source.is_dir() else shutil.copy)(source, project / name)
     params = yaml.safe_load((project / "params.yaml").read_text(encoding="utf-8"))
@@ -248,6 +252,35 @@ def test_dvc_status_after_editing_an_mlflow_display_key(tmp_path: Path) -> None:
     assert _changed_stages(tmp_path) == ["evaluate"]
     _set(tmp_path, "mlflow", "trace_train_samples", "0")
     assert _changed_stages(tmp_path) == ["evaluate", "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("dvc") is None, reason="needs the dvc command")
+def test_dvc_status_after_compiling_or_editing_a_code_folder_dep(tmp_path: Path) -> None:
+    """Real DVC on a locked placeholder copy: a code folder listed whole as a stage's dep keeps its hash when
+    Python compiles the code in it (.dvcignore: `__pycache__/`, `*.pyc`; without them it would change), and
+    changes when a module in it does."""
+    _placeholder_project(tmp_path)
+    stage, folder = next(
+        (name, dep)
+        for name, stage in yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"].items()
+        for dep in stage.get("do", stage)["deps"]
+        if dep.startswith("pipeline/") and (ROOT / dep).is_dir() and not stage.get("always_changed")
+    )
+    compiled = tmp_path / folder / "__pycache__"
+    compiled.mkdir(exist_ok=True)
+    (compiled / "probe.cpython-311.pyc").write_bytes(b"compiled")
+    (tmp_path / folder / "probe.pyc").write_bytes(b"compiled")
+    assert _changed_stages(tmp_path) == []
+    ignore = tmp_path / ".dvcignore"
+    kept = ignore.read_text(encoding="utf-8")
+    ignore.write_text(kept.replace("__pycache__/\n", "").replace("*.pyc\n", ""), encoding="utf-8")
+    assert stage in {name.split("@")[0] for name in _changed_stages(tmp_path)}  # the control: not ignored
+    ignore.write_text(kept, encoding="utf-8")
+    assert _changed_stages(tmp_path) == []
+    module = next((tmp_path / folder).rglob("*.py"))
+    module.write_text(module.read_text(encoding="utf-8") + "\n# edited\n", encoding="utf-8")
+    assert stage in {name.split("@")[0] for name in _changed_stages(tmp_path)}
 
 
 @contextmanager
@@ -317,7 +350,8 @@ def test_what_stage_code_reads_at_run_time_is_in_the_static_reads(
             call()
         missed = sorted(dotted(k) for k in recorded[verb] - READS[verb].keys)
         assert not missed, (
-            f"`promptr1 {verb}` read {missed} at run time, which tests/param_reads.py did not find"
+            f"`promptr1 {verb}` read {missed} at run time, which scripts/stage_code/param_reads.py "
+            "did not find"
         )
     # The comparison can fail: what sample reads at run time is not all in what sources' code reads.
     assert {("data", "sample_size"), ("seed",)} <= recorded["sample"] - READS["sources"].keys

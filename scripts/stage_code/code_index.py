@@ -1,9 +1,8 @@
-"""The code a stage runs, by unit, and the params tree it reads: the index tests/param_reads.py walks.
+"""The code a stage runs, by unit, and the params tree it reads: the index param_reads.py walks.
 
-Test scaffolding, not part of the package (tests import it as `code_index`). A unit is a module-level function,
-class (its body and dunder methods) or constant, or a method; `reachable` follows names from a stage's entry
-function through the stage's import closure, over-approximating (a method by its name, whatever the object)
-so that no call, callback or property is missed.
+A unit is a module-level function, class (its body and dunder methods) or constant, or a method; `reachable`
+follows names from a stage's entry function through the stage's import closure, over-approximating (a method
+by its name, whatever the object) so that no call, callback or property is missed.
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from pipeline.config import Params
+
+from .closure import module_file
 
 Key = tuple[str, ...]
 
@@ -132,8 +133,6 @@ def _registrars(tree: ast.Module) -> dict[str, str]:
 
 def _module_aliases(tree: ast.Module) -> set[str]:
     """Names a file binds to repo modules (`import pipeline.x as y`, `from pipeline.tracking import runs as tracking`)."""
-    from dvc_closure import module_file
-
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

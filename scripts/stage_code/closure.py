@@ -1,20 +1,25 @@
-"""Which repo files each dvc.yaml stage runs: its verb's import closure, plus the CLI's stage path.
+"""Which repo files each dvc.yaml stage runs: its verb's import closure, the CLI's stage path, the modules it
+launches by name, and the package data files that code names.
 
-Test scaffolding, not part of the package (tests/ is on pytest's path; tests import it as `dvc_closure`):
-`tests/test_dvc_deps.py` checks that a stage's deps cover these files, `tests/test_dvc_params.py` reads the
-params that code reads. DVC reruns a stage only when a listed dep or param changes, so both lists must be
-computed from the code, not written by hand.
+DVC reruns a stage only when a listed dep or param changes, so both lists are computed from the code, not
+written by hand: scripts/dvc_lists.py writes them into dvc.yaml, tests/test_dvc_deps.py checks a stage's deps
+cover these files, tests/test_dvc_params.py reads the params that code reads. The analysis reads the CLI's
+stage table (`pipeline.cli.STAGE_COMMANDS`), so it sits above the package's entry points and lives here with
+the script, not in the package.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from .folders import hashed_files
+
+ROOT = Path(__file__).resolve().parents[2]
 CODE_PACKAGES = ("pipeline", "flows")
 
 
@@ -140,8 +145,12 @@ def stages() -> list[tuple[str, str, list[str]]]:
 CLI_STAGE_PATH = ("main", "_load", "_load_runnable", "_run", "_run_stage", "_put_back_refused")
 """The functions of pipeline/cli.py every stage command runs through before and after its own module."""
 
-REFUSAL_GUARDS = ("pipeline.checks.layout", "flows.override_guard", "pipeline.refused_experiment",
-                  "pipeline.disk_space")
+REFUSAL_GUARDS = (
+    "pipeline.checks.layout",
+    "flows.override_guard",
+    "pipeline.refused_experiment",
+    "pipeline.disk_space",
+)
 """Modules the CLI runs before a stage only to refuse it (the layout check, a killed flow's overrides) or once
 it failed (putting back what a refused `dvc exp run` changed, wording a full disk): they change no output, so
 they are not deps of every stage (editing the GPU layout rules must not rerun sampling)."""
@@ -175,3 +184,67 @@ def stage_closure(verb: str) -> set[Path]:
     return set().union(*(import_closure(m) for m in modules))
 
 
+RUN_BY_NAME = {
+    "pipeline.environment.servers": ("pipeline.environment.llama_server",),
+    "pipeline.train.verl.overrides": ("pipeline.train.verl.agent_loop", "pipeline.train.verl.reward"),
+    "pipeline.serving.agent_model": ("pipeline.serving.model_code",),
+}
+"""Modules a stage's code runs without importing them (launcher → launched): llama.cpp's server started with
+`python -m`, verl's agent loop and reward function (agent_loop.yaml's `_target_`, the reward file's path) that
+verl's workers import, the pyfunc's model code MLflow loads from its file. The import closure does not see
+them; a stage whose closure holds the launcher depends on the launched modules' closures too."""
+
+
+def with_launched(files: set[Path]) -> set[Path]:
+    """`files` and the closures of the modules they launch by name (RUN_BY_NAME), transitively."""
+    files = set(files)
+    launched: set[str] = set()
+    while more := {
+        name
+        for launcher, names in RUN_BY_NAME.items()
+        if module_file(launcher) in files
+        for name in names
+        if name not in launched
+    }:
+        launched |= more
+        files |= set().union(*(import_closure(name) for name in more))
+    return files
+
+
+@functools.cache
+def _strings(path: Path) -> frozenset[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return frozenset(
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    )
+
+
+def package_data() -> list[Path]:
+    """The files below the code packages that are not Python (templates, tables) and that DVC hashes."""
+    return sorted(p for package in CODE_PACKAGES for p in hashed_files(ROOT / package) if p.suffix != ".py")
+
+
+def names(module: Path, data: Path) -> bool:
+    """Whether a module names a data file in a string: its file name when they share a folder
+    (`Path(__file__).with_name("prompt_r1_template.txt")`, `files(package).joinpath("paper_results.yaml")`),
+    else its repo path (`"pipeline/train/verl/overrides.yaml"`)."""
+    path = str(data.relative_to(ROOT))
+    return any(
+        (s == data.name and module.parent == data.parent) or s == path or s.endswith(f"/{path}")
+        for s in _strings(module)
+    )
+
+
+def named_data(files: set[Path]) -> set[Path]:
+    """The package data files the modules among `files` name: the code reads them without importing them, so
+    a stage that runs the module depends on them."""
+    modules = [p for p in files if p.suffix == ".py"]
+    return {data for data in package_data() if any(names(m, data) for m in modules)}
+
+
+@functools.cache
+def stage_files(verb: str) -> frozenset[Path]:
+    """Every repo file `promptr1 <verb>` runs or reads as package data: its closure, what it launches by
+    name, and the data files that code names."""
+    files = with_launched(stage_closure(verb))
+    return frozenset(files | named_data(files))

@@ -1,12 +1,12 @@
 """Which params keys a dvc.yaml stage's code reads: a static analysis of its reachable functions.
 
-Test scaffolding, not part of the package (tests import it as `param_reads`). DVC reruns a stage when a
-listed param changes, so a stage must list every key its code reads (else a changed result is "up to date")
-and no key it does not (else editing `mlflow.trace_evaluation` reruns training). The truth is computed:
+DVC reruns a stage when a listed param changes, so a stage must list every key its code reads (else a changed
+result is "up to date") and no key it does not (else editing `mlflow.trace_evaluation` reruns training). The
+truth is computed:
 
 - **Reachable code.** From the function the stage's `promptr1` verb calls (`pipeline.cli.STAGE_COMMANDS`),
   every function, method, class and module-level constant of the stage's import closure
-  (`dvc_closure.stage_closure`) whose name the reachable code mentions, by name (a method by its attribute
+  (`closure.stage_closure`) whose name the reachable code mentions, by name (a method by its attribute
   name, whatever the object: an over-approximation that never misses a call, a callback or a property).
   The CLI's own stage path is not a root: its layout check only refuses to start and its closing key figure
   only prints, neither changes an output.
@@ -38,7 +38,8 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from code_index import (
+from .closure import ROOT, stage_closure
+from .code_index import (
     NODES,
     Index,
     Key,
@@ -50,7 +51,6 @@ from code_index import (
     parse_key,
     reachable,
 )
-from dvc_closure import ROOT, stage_closure
 
 DISPLAY_ONLY = frozenset({"flatten", "training_params"})
 """Repo functions whose reads only feed MLflow's display of a run: not followed, not counted."""
@@ -62,7 +62,9 @@ def _verl_override_keys() -> set[Key]:
     """The `$a.b` params pipeline/train/verl/overrides.yaml names (read through `param_value`)."""
     import yaml
 
-    table = yaml.safe_load((ROOT / "pipeline" / "train" / "verl" / "overrides.yaml").read_text(encoding="utf-8"))
+    table = yaml.safe_load(
+        (ROOT / "pipeline" / "train" / "verl" / "overrides.yaml").read_text(encoding="utf-8")
+    )
     return {parse_key(v[1:]) for v in table.values() if isinstance(v, str) and v.startswith("$")}
 
 
