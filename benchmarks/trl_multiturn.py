@@ -64,9 +64,9 @@ def prompt_r1_rollout_func(params: Any, env: Any, stats: dict[str, Any] | None =
     collects what each call produced, for the benchmark's report. `policy_for(trainer)` picks the sampler
     (default: `TransformersPolicy` over the model TRL trains; a test passes a scripted agent)."""
     from pipeline.agent.policy import TransformersPolicy
-    from pipeline.agent.rollout import run_rollout
+    from pipeline.agent.rollout import RolloutSettings, run_rollout
 
-    a = params.agent
+    settings = RolloutSettings.from_agent(params.agent)
 
     def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list]:
         model = trainer.model
@@ -77,10 +77,7 @@ def prompt_r1_rollout_func(params: Any, env: Any, stats: dict[str, Any] | None =
         try:
             with torch.no_grad():
                 trajectories = run_rollout(
-                    policy, env, _items(prompts), group_size=1, max_turns=a.max_turns,
-                    max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
-                    env_reply_max_chars=a.env_reply_max_chars, temperature=a.temperature, top_p=a.top_p,
-                    return_logprobs=True, reward_fn=None, max_prompt_tokens=a.max_prompt_tokens,
+                    policy, env, _items(prompts), settings, group_size=1, return_logprobs=True, reward_fn=None,
                 )
         finally:
             model.train(was_training)

@@ -22,7 +22,7 @@ from helpers import copy_params
 
 from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import ConversationBuilder
-from pipeline.agent.rollout import run_rollout, trajectory_record
+from pipeline.agent.rollout import RolloutSettings, run_rollout, trajectory_record
 from pipeline.config import EnvironmentConfig, RewardConfig, load_params
 from pipeline.config.specs import tracking_spec
 from pipeline.environment.client import EnvironmentClient
@@ -32,6 +32,9 @@ from pipeline.train.plan import TrainPlan
 from pipeline.types import PromptItem
 
 AUTHORS_FILES = {"hotpotqa": "hotpot.parquet", "triviaqa": "triviaqa_ood.parquet"}
+SETTINGS = RolloutSettings(max_turns=5, max_turn_tokens=64, max_response_tokens=8192, env_reply_max_chars=2048,
+                           temperature=1.0, top_p=1.0)
+"""The scripted agents' rollout settings: room for every turn they play."""
 
 
 def _project(tmp_path: Path, repo_root: Path, shared_datasets: Path) -> Path:
@@ -168,9 +171,7 @@ def two_turn_trajectories(tiny_llama_dir):
             model="fault-model", served_name="fault-model", base_url=server.url, cache=False, max_retries=0,
             system_prompt="You are a helpful assistant.",
             max_tokens=16_000, price_per_million_prompt=1.0, price_per_million_completion=2.0))
-        return run_rollout(TwoAsksThenAnswer(tokenizer), env, items, group_size=2, max_turns=5,
-                           max_turn_tokens=64, max_response_tokens=8192, env_reply_max_chars=2048,
-                           temperature=1.0, top_p=1.0, return_logprobs=False,
+        return run_rollout(TwoAsksThenAnswer(tokenizer), env, items, SETTINGS, group_size=2, return_logprobs=False,
                            reward_fn=lambda t: reward_for_trajectory(t, RewardConfig(preset="released")))
 
 
@@ -249,9 +250,8 @@ def test_traces_time_each_trajectory_and_separate_queueing_from_latency(store, t
         env = EnvironmentClient(EnvironmentConfig(model="fault-model", served_name="fault-model",
                                                   base_url=server.url, cache=False, max_retries=0, concurrency=1,
                                                   system_prompt="You are a helpful assistant."))
-        a, b = run_rollout(AsksThenAnswers(tokenizer), env, items, group_size=1, max_turns=5, max_turn_tokens=64,
-                           max_response_tokens=8192, env_reply_max_chars=2048, temperature=1.0, top_p=1.0,
-                           return_logprobs=False, reward_fn=None)
+        a, b = run_rollout(AsksThenAnswers(tokenizer), env, items, SETTINGS, group_size=1, return_logprobs=False,
+                           reward_fn=None)
     assert (a.num_turns, b.num_turns) == (2, 3)
     assert b.wall_s - a.wall_s >= 0.25  # B's second question: its own time, not the batch's
     first = [a.turns[0], b.turns[0]]

@@ -38,7 +38,7 @@ import torch
 
 from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import ConversationBuilder
-from pipeline.agent.rollout import run_rollout
+from pipeline.agent.rollout import RolloutSettings, run_rollout
 from pipeline.config import EnvironmentConfig, RewardConfig
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.simulated.knowledge import KnowledgeBase, make_server
@@ -91,9 +91,10 @@ def test_two_turn_trajectory_by_hand(tiny_llama_dir, knowledge_url):
     item = PromptItem(uid="hamlet", messages=[{"role": "user", "content": f"Question: {QUESTION}\n"}],
                       gold_answers=[GOLD], data_source="hotpotqa", question=QUESTION)
     reward = RewardConfig(preset="released")
-    trajs = run_rollout(TwoTurnAgent(tokenizer), env, [item], group_size=2, max_turns=5, max_turn_tokens=64,
-                        max_response_tokens=512, env_reply_max_chars=2048, temperature=1.0, top_p=1.0,
-                        return_logprobs=True, reward_fn=lambda t: reward_for_trajectory(t, reward))
+    settings = RolloutSettings(max_turns=5, max_turn_tokens=64, max_response_tokens=512, env_reply_max_chars=2048,
+                               temperature=1.0, top_p=1.0)
+    trajs = run_rollout(TwoTurnAgent(tokenizer), env, [item], settings, group_size=2, return_logprobs=True,
+                        reward_fn=lambda t: reward_for_trajectory(t, reward))
 
     # --- bookkeeping: response = agent turn 1 | environment turn | agent turn 2, masks 1 | 0 | 1 -----------
     reply = trajs[0].turns[0].env_reply.text

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from verl_cpu import compose_verl, verl_worker_rollout
 
 from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
-from pipeline.agent.rollout import rollout
+from pipeline.agent.rollout import RolloutSettings, rollout
 from pipeline.config import load_params
 from pipeline.environment.client import EnvironmentClient
 from pipeline.reward import reward_for_trajectory
@@ -172,16 +173,14 @@ def make_params(markers: list[str], max_response_tokens: int, rl_dir: Path, mode
 def local_side(params, agent: ScriptedAgent):
     frame = pq.read_table(params.path(params.paths.rl_dir) / "train.parquet").to_pylist()
     items = [prompt_item_from_row(row, i) for i, row in enumerate(frame)]
-    a = params.agent
+    settings = replace(RolloutSettings.from_agent(params.agent), temperature=1.0, top_p=1.0)
 
     async def go():
         env = EnvironmentClient(params.environment)
         try:
             return await rollout(
-                ScriptedPolicy(agent), env, items, group_size=GROUP_SIZE, max_turns=a.max_turns,
-                max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
-                env_reply_max_chars=a.env_reply_max_chars, temperature=1.0, top_p=1.0, return_logprobs=True,
-                reward_fn=partial(reward_for_trajectory, cfg=params.reward), max_prompt_tokens=a.max_prompt_tokens)
+                ScriptedPolicy(agent), env, items, settings, group_size=GROUP_SIZE, return_logprobs=True,
+                reward_fn=partial(reward_for_trajectory, cfg=params.reward))
         finally:
             await env.aclose()
 

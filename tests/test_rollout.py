@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import fields
 
 import pytest
 from fault_server import Behaviour, FaultServer
@@ -20,7 +21,7 @@ from helpers import ASK, ScriptedPolicy, item
 
 from pipeline.agent.policy import TransformersPolicy
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
-from pipeline.agent.rollout import rollout, run_rollout
+from pipeline.agent.rollout import RolloutSettings, rollout, run_rollout
 from pipeline.config import EnvironmentConfig, RewardConfig
 from pipeline.environment.client import EnvironmentClient
 from pipeline.reward import reward_for_trajectory
@@ -47,17 +48,21 @@ def env_cfg(server: FaultServer, **overrides) -> EnvironmentConfig:
     return EnvironmentConfig(**values)
 
 
+SETTING_NAMES = {f.name for f in fields(RolloutSettings)}
+
+
 def roll(policy, server, items, **overrides):
-    kwargs = {"group_size": 1, "max_turns": 5, "max_turn_tokens": 64, "max_response_tokens": 1024,
-              "env_reply_max_chars": 2048, "temperature": 1.0, "top_p": 1.0, "return_logprobs": True,
-              "reward_fn": None}
-    kwargs.update(overrides)
-    env_overrides = kwargs.pop("env", {})
+    settings = {"max_turns": 5, "max_turn_tokens": 64, "max_response_tokens": 1024, "env_reply_max_chars": 2048,
+                "temperature": 1.0, "top_p": 1.0}
+    kwargs = {"group_size": 1, "return_logprobs": True, "reward_fn": None}
+    env_overrides = overrides.pop("env", {})
+    for key, value in overrides.items():
+        (settings if key in SETTING_NAMES else kwargs)[key] = value
 
     async def go():
         env = EnvironmentClient(env_cfg(server, **env_overrides))
         try:
-            return await rollout(policy, env, items, **kwargs)
+            return await rollout(policy, env, items, RolloutSettings(**settings), **kwargs)
         finally:
             await env.aclose()
 
@@ -167,9 +172,10 @@ def test_environment_calls_go_out_concurrently(tokenizer, server):
 
 def test_run_rollout_sync_wrapper(tokenizer, server):
     env = EnvironmentClient(env_cfg(server))
-    trajs = run_rollout(ScriptedPolicy(tokenizer), env, [item("QA")], group_size=2, max_turns=5,
-                        max_turn_tokens=64, max_response_tokens=1024, env_reply_max_chars=2048,
-                        temperature=1.0, top_p=1.0, return_logprobs=False, reward_fn=None, progress=True)
+    settings = RolloutSettings(max_turns=5, max_turn_tokens=64, max_response_tokens=1024, env_reply_max_chars=2048,
+                               temperature=1.0, top_p=1.0)
+    trajs = run_rollout(ScriptedPolicy(tokenizer), env, [item("QA")], settings, group_size=2,
+                        return_logprobs=False, reward_fn=None, progress=True)
     assert [t.stop_reason for t in trajs] == ["answer", "answer"]
     assert all(t.response_logprobs is None for t in trajs)
 

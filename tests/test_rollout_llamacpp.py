@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import fields
 
 import pytest
 from helpers import ScriptedPolicy, item
@@ -13,7 +14,7 @@ from helpers import ScriptedPolicy, item
 from pipeline.agent.completions_policy import OpenAICompletionsPolicy
 from pipeline.agent.policy import TransformersPolicy
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
-from pipeline.agent.rollout import rollout
+from pipeline.agent.rollout import RolloutSettings, rollout
 from pipeline.config import load_params
 from pipeline.environment.client import EnvironmentClient
 from pipeline.reward import reward_for_trajectory
@@ -34,15 +35,19 @@ def _env(repo_root, llama_server) -> EnvironmentClient:
     return EnvironmentClient(params.environment)
 
 
+SETTING_NAMES = {f.name for f in fields(RolloutSettings)}
+
+
 def _roll(policy, env, items, **kw):
-    args = {"group_size": 2, "max_turns": 3, "max_turn_tokens": 24, "max_response_tokens": 96,
-            "env_reply_max_chars": 2048, "temperature": 1.0, "top_p": 1.0, "return_logprobs": True,
-            "reward_fn": reward_for_trajectory}
-    args.update(kw)
+    settings = {"max_turns": 3, "max_turn_tokens": 24, "max_response_tokens": 96, "env_reply_max_chars": 2048,
+                "temperature": 1.0, "top_p": 1.0}
+    args = {"group_size": 2, "return_logprobs": True, "reward_fn": reward_for_trajectory}
+    for key, value in kw.items():
+        (settings if key in SETTING_NAMES else args)[key] = value
 
     async def go():
         try:
-            return await rollout(policy, env, items, **args)
+            return await rollout(policy, env, items, RolloutSettings(**settings), **args)
         finally:
             await env.aclose()
 

@@ -137,7 +137,7 @@ def local_rollout(params, protocol_model_dir, env_server):
     from functools import partial
 
     from pipeline.agent.policy import TransformersPolicy
-    from pipeline.agent.rollout import run_rollout
+    from pipeline.agent.rollout import RolloutSettings, run_rollout
     from pipeline.environment.client import EnvironmentClient
     from pipeline.reward import reward_for_trajectory
     from pipeline.train.local.questions import prompt_item_from_row
@@ -145,12 +145,9 @@ def local_rollout(params, protocol_model_dir, env_server):
     frame = pq.read_table(params.path(params.paths.rl_dir) / "train.parquet").to_pylist()
     items = [prompt_item_from_row(row, i) for i, row in enumerate(frame)]
     policy = TransformersPolicy.from_ref(str(protocol_model_dir), device="cpu")
-    a = params.agent
     return run_rollout(
-        policy, EnvironmentClient(params.environment), items, group_size=GROUP_SIZE, max_turns=a.max_turns,
-        max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
-        env_reply_max_chars=a.env_reply_max_chars, temperature=0.0, top_p=1.0, return_logprobs=True,
-        reward_fn=partial(reward_for_trajectory, cfg=params.reward), max_prompt_tokens=a.max_prompt_tokens,
+        policy, EnvironmentClient(params.environment), items, RolloutSettings.from_agent(params.agent, greedy=True),
+        group_size=GROUP_SIZE, return_logprobs=True, reward_fn=partial(reward_for_trajectory, cfg=params.reward),
     )
 
 

@@ -15,6 +15,10 @@ Design decisions:
   limit, the decision after each turn, how much of a reply fits). Only `prompt_too_long` is decided here:
   when `max_prompt_tokens` is given and the prompt alone exceeds it, the trajectory is not rolled out
   (verl's loop truncates instead, verl's own rule).
+- **The agent's settings are one `RolloutSettings`**: `AgentConfig`'s turn limits and sampling, built by
+  `RolloutSettings.from_agent` (greedy, temperature 0 and top_p 1, for evaluation, `promptr1 ask` and the
+  served model; the config's sampling for training). A frozen value rather than the section itself: greedy
+  callers sample differently from the section, and the rollout needs neither its model nor its dtype.
 - **One batch per turn** (`_TurnBatches`): an episode's request waits until every live episode has asked
   for its next turn (or ended); then one `Policy.generate` runs over all of them in trajectory order. Every
   episode starts together and waits for the batch, so the episodes stay in lockstep: the batch of turn t
@@ -40,7 +44,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeline.agent.episode import TurnGeneration, run_episode
@@ -51,6 +55,7 @@ from pipeline.progress import progress as progress_bar
 from pipeline.types import PromptItem, RewardBreakdown, Trajectory
 
 if TYPE_CHECKING:
+    from pipeline.config import AgentConfig
     from pipeline.environment.client import EnvironmentClient
 
 logger = logging.getLogger(__name__)
@@ -130,89 +135,74 @@ class _TurnBatches:
                 )
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The agent's settings one rollout runs with: `AgentConfig`'s turn limits and sampling, as passed."""
+
+    max_turns: int
+    """Agent turns per trajectory at most."""
+    max_turn_tokens: int
+    """Tokens of one agent turn at most."""
+    max_response_tokens: int
+    """Tokens of the whole response (agent and environment turns) at most."""
+    env_reply_max_chars: int
+    """Characters of an environment reply kept in the conversation."""
+    temperature: float
+    """Sampling temperature of the agent turns (0: greedy)."""
+    top_p: float
+    """Nucleus sampling mass of the agent turns."""
+    max_prompt_tokens: int | None = None
+    """A prompt longer than this is not rolled out (`prompt_too_long`); None: no limit."""
+
+    @classmethod
+    def from_agent(cls, agent: AgentConfig, *, greedy: bool = False) -> RolloutSettings:
+        """`agent`'s settings; `greedy` samples at temperature 0 with top_p 1 (evaluation, ask, serving)."""
+        return cls(
+            max_turns=agent.max_turns,
+            max_turn_tokens=agent.max_turn_tokens,
+            max_response_tokens=agent.max_response_tokens,
+            env_reply_max_chars=agent.env_reply_max_chars,
+            temperature=0.0 if greedy else agent.temperature,
+            top_p=1.0 if greedy else agent.top_p,
+            max_prompt_tokens=agent.max_prompt_tokens,
+        )
+
+    @property
+    def turn_rules(self) -> TurnRules:
+        """The episodes' turn rules (generation limit, decision after each turn, replies' fit)."""
+        return TurnRules(
+            max_turns=self.max_turns,
+            max_turn_tokens=self.max_turn_tokens,
+            max_response_tokens=self.max_response_tokens,
+        )
+
+
 async def rollout(
     policy: Policy,
     env: EnvironmentClient,
     items: list[PromptItem],
+    agent: RolloutSettings,
     *,
     group_size: int,
-    max_turns: int,
-    max_turn_tokens: int,
-    max_response_tokens: int,
-    env_reply_max_chars: int,
-    temperature: float,
-    top_p: float,
     return_logprobs: bool,
     reward_fn: Callable[[Trajectory], RewardBreakdown] | None,
     progress: bool | Any = False,
-    max_prompt_tokens: int | None = None,
 ) -> list[Trajectory]:
-    """Roll out `group_size` trajectories per item; returns them grouped in item order (see module doc).
+    """Roll out `group_size` trajectories per item under `agent`'s settings; returns them grouped in item
+    order (see module doc).
 
     `progress`: True draws a nested bar (terminal only); a bar object (`pipeline.progress`) is the caller's
     and gets one count per finished trajectory (the evaluation's one report per system).
     """
-    builder = ConversationBuilder(policy.tokenizer, env_reply_max_chars)
-    rules = TurnRules(
-        max_turns=max_turns, max_turn_tokens=max_turn_tokens, max_response_tokens=max_response_tokens
-    )
+    builder = ConversationBuilder(policy.tokenizer, agent.env_reply_max_chars)
     started = time.perf_counter()
-    trajectories: list[Trajectory] = []
-    for item in items:
-        prompt_ids = builder.start(item.messages)
-        for _ in range(group_size):
-            trajectories.append(
-                Trajectory(
-                    item=item, prompt_ids=list(prompt_ids), response_logprobs=[] if return_logprobs else None
-                )
-            )
-
+    trajectories = _new_trajectories(builder, items, group_size, return_logprobs)
     own_bar = isinstance(progress, bool)
-    if not own_bar:  # the caller's bar (evaluation): one count per finished trajectory, not closed here
-        bar = progress
-    elif progress:
-        bar = progress_bar(total=len(trajectories), desc="rollout", unit="traj", quiet=True)
-    else:
-        bar = LogProgress(total=len(trajectories), silent=True)
+    bar = _rollout_bar(progress, len(trajectories))
     try:
-        going = []
-        for index, traj in enumerate(trajectories):
-            if max_prompt_tokens is not None and len(traj.prompt_ids) > max_prompt_tokens:
-                logger.warning(
-                    "prompt of %s has %d tokens > max_prompt_tokens %d: not rolled out",
-                    traj.item.uid,
-                    len(traj.prompt_ids),
-                    max_prompt_tokens,
-                )
-                traj.stop_reason = "prompt_too_long"
-                traj.wall_s = time.perf_counter() - started
-                bar.update(1)
-            else:
-                going.append(index)
-        batches = _TurnBatches(policy, len(going), temperature, top_p, return_logprobs, bar)
-
-        async def episode(index: int) -> None:
-            try:
-                await run_episode(
-                    trajectories[index],
-                    lambda ids, limit: batches.generate(index, ids, limit),
-                    env,
-                    builder,
-                    rules,
-                    started=started,
-                )
-                bar.update(1)
-            finally:
-                batches.leave()
-
-        tasks = [asyncio.create_task(episode(index)) for index in going]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        going = _skip_long_prompts(trajectories, agent.max_prompt_tokens, started, bar)
+        batches = _TurnBatches(policy, len(going), agent.temperature, agent.top_p, return_logprobs, bar)
+        await _run_episodes(trajectories, going, batches, env, builder, agent.turn_rules, started, bar)
     finally:
         if own_bar:
             bar.close()
@@ -223,9 +213,107 @@ async def rollout(
     return trajectories
 
 
-def run_rollout(*args: Any, **kwargs: Any) -> list[Trajectory]:
+def run_rollout(
+    policy: Policy,
+    env: EnvironmentClient,
+    items: list[PromptItem],
+    agent: RolloutSettings,
+    *,
+    group_size: int,
+    return_logprobs: bool,
+    reward_fn: Callable[[Trajectory], RewardBreakdown] | None,
+    progress: bool | Any = False,
+) -> list[Trajectory]:
     """Synchronous `rollout` (one `asyncio.run`); same arguments."""
-    return asyncio.run(rollout(*args, **kwargs))
+    return asyncio.run(
+        rollout(
+            policy, env, items, agent,
+            group_size=group_size, return_logprobs=return_logprobs, reward_fn=reward_fn, progress=progress,
+        )
+    )
+
+
+def _new_trajectories(
+    builder: ConversationBuilder, items: list[PromptItem], group_size: int, return_logprobs: bool
+) -> list[Trajectory]:
+    """`group_size` empty trajectories per item, item-major, each starting from the item's prompt ids."""
+    trajectories: list[Trajectory] = []
+    for item in items:
+        prompt_ids = builder.start(item.messages)
+        for _ in range(group_size):
+            trajectories.append(
+                Trajectory(
+                    item=item, prompt_ids=list(prompt_ids), response_logprobs=[] if return_logprobs else None
+                )
+            )
+    return trajectories
+
+
+def _rollout_bar(progress: bool | Any, total: int) -> Any:
+    """The caller's bar (evaluation: one count per finished trajectory, not closed here), or an own one."""
+    if not isinstance(progress, bool):
+        return progress
+    if progress:
+        return progress_bar(total=total, desc="rollout", unit="traj", quiet=True)
+    return LogProgress(total=total, silent=True)
+
+
+def _skip_long_prompts(
+    trajectories: list[Trajectory], max_prompt_tokens: int | None, started: float, bar: Any
+) -> list[int]:
+    """Mark the trajectories whose prompt exceeds `max_prompt_tokens` `prompt_too_long` (finished, counted on
+    the bar); returns the indices of the others, the ones to roll out."""
+    going = []
+    for index, traj in enumerate(trajectories):
+        if max_prompt_tokens is not None and len(traj.prompt_ids) > max_prompt_tokens:
+            logger.warning(
+                "prompt of %s has %d tokens > max_prompt_tokens %d: not rolled out",
+                traj.item.uid,
+                len(traj.prompt_ids),
+                max_prompt_tokens,
+            )
+            traj.stop_reason = "prompt_too_long"
+            traj.wall_s = time.perf_counter() - started
+            bar.update(1)
+        else:
+            going.append(index)
+    return going
+
+
+async def _run_episodes(
+    trajectories: list[Trajectory],
+    going: list[int],
+    batches: _TurnBatches,
+    env: EnvironmentClient,
+    builder: ConversationBuilder,
+    rules: TurnRules,
+    started: float,
+    bar: Any,
+) -> None:
+    """One `run_episode` per trajectory in `going`, all together; the first failure cancels the others."""
+
+    async def episode(index: int) -> None:
+        try:
+            await run_episode(
+                trajectories[index],
+                lambda ids, limit: batches.generate(index, ids, limit),
+                env,
+                builder,
+                rules,
+                started=started,
+            )
+            bar.update(1)
+        finally:
+            batches.leave()
+
+    tasks = [asyncio.create_task(episode(index)) for index in going]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def trajectory_record(traj: Trajectory) -> list[dict[str, Any]]:

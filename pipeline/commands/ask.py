@@ -90,7 +90,7 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
     from contextlib import ExitStack
 
     from pipeline.agent.llama_launcher import AgentServing
-    from pipeline.agent.rollout import rollout
+    from pipeline.agent.rollout import RolloutSettings, rollout
     from pipeline.agent.serving_policy import agent_policy
     from pipeline.agent.template import render_user_message
     from pipeline.environment.client import CACHE_FILE, EnvironmentClient
@@ -136,10 +136,8 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
             env = EnvironmentClient(cfg, cache)
             try:
                 (traj,) = await rollout(
-                    policy, env, [item], group_size=1, max_turns=agent.max_turns,
-                    max_turn_tokens=agent.max_turn_tokens, max_response_tokens=agent.max_response_tokens,
-                    env_reply_max_chars=agent.env_reply_max_chars, temperature=0.0, top_p=1.0,
-                    return_logprobs=False, reward_fn=None, max_prompt_tokens=agent.max_prompt_tokens,
+                    policy, env, [item], RolloutSettings.from_agent(agent, greedy=True), group_size=1,
+                    return_logprobs=False, reward_fn=None,
                 )
                 return traj
             finally:

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.agent.protocol import ANSWER_CLOSE, THINK_OPENER, ConversationBuilder, parse_turn
-from pipeline.agent.rollout import rollout, trajectory_record
+from pipeline.agent.rollout import RolloutSettings, rollout, trajectory_record
 from pipeline.config import evaluated_agent
 from pipeline.progress import progress
 from pipeline.types import EvalRow, PromptItem, Trajectory, UsageStats
@@ -159,12 +159,8 @@ def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list
 
     async def answer_batch(chunk: Sequence[EvalRow], bar: Any) -> list[Answer]:
         trajs = await rollout(
-            policy, env, _prompt_items(chunk), group_size=1, max_turns=agent.max_turns,
-            max_turn_tokens=agent.max_turn_tokens,
-            max_response_tokens=agent.max_response_tokens,
-            env_reply_max_chars=agent.env_reply_max_chars, temperature=0.0, top_p=1.0,
+            policy, env, _prompt_items(chunk), RolloutSettings.from_agent(agent, greedy=True), group_size=1,
             return_logprobs=False, reward_fn=None, progress=bar,
-            max_prompt_tokens=agent.max_prompt_tokens,
         )
         return [_answer_from(t) for t in trajs]
 

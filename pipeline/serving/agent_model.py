@@ -149,7 +149,7 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
     def predict(
         self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
     ) -> pd.DataFrame:
-        from pipeline.agent.rollout import run_rollout, trajectory_record
+        from pipeline.agent.rollout import RolloutSettings, run_rollout, trajectory_record
         from pipeline.agent.template import render_user_message
         from pipeline.environment.client import EnvironmentClient
         from pipeline.environment.servers import check_environment_answers
@@ -182,23 +182,16 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
         except EnvironmentUnavailable as exc:
             log.warning("request refused: %s", exc)
             raise EnvironmentDown(str(exc)) from exc
-        a = self.agent_cfg
         env = EnvironmentClient(self.env_cfg, cache_path=None)
         try:
             trajs = run_rollout(
                 self.policy,
                 env,
                 items,
+                RolloutSettings.from_agent(self.agent_cfg, greedy=True),
                 group_size=1,
-                max_turns=a.max_turns,
-                max_turn_tokens=a.max_turn_tokens,
-                max_response_tokens=a.max_response_tokens,
-                env_reply_max_chars=a.env_reply_max_chars,
-                temperature=0.0,
-                top_p=1.0,
                 return_logprobs=False,
                 reward_fn=None,
-                max_prompt_tokens=a.max_prompt_tokens,
             )
         finally:
             asyncio.run(env.aclose())

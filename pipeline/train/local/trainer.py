@@ -164,18 +164,16 @@ class LocalTrainer:
         return [prompt_item_from_row(r, i) for r, i in zip(records, rows, strict=True)]
 
     def rollout(self, env, items: list[PromptItem], step: int) -> list[Trajectory]:
-        from pipeline.agent.rollout import run_rollout
+        from pipeline.agent.rollout import RolloutSettings, run_rollout
         from pipeline.reward import reward_for_trajectory
 
         a = self.plan.agent
         self.models.model.eval()
         with torch.no_grad(), self.rollout_policy(step, len(items) * self.cfg.group_size) as policy:
             trajectories = run_rollout(
-                policy, env, items, group_size=self.cfg.group_size, max_turns=a.max_turns,
-                max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
-                env_reply_max_chars=a.env_reply_max_chars, temperature=a.temperature, top_p=a.top_p,
+                policy, env, items, RolloutSettings.from_agent(a), group_size=self.cfg.group_size,
                 return_logprobs=True, reward_fn=partial(reward_for_trajectory, cfg=self.plan.reward),
-                progress=False, max_prompt_tokens=a.max_prompt_tokens,
+                progress=False,
             )
         if len(trajectories) != len(items) * self.cfg.group_size:
             raise RuntimeError(f"rollout returned {len(trajectories)} trajectories for {len(items)} questions "
