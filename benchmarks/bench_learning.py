@@ -266,7 +266,7 @@ def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int 
     from transformers import AutoModelForCausalLM
 
     from pipeline.agent.policy import TransformersPolicy
-    from pipeline.agent.rollout import rollout
+    from pipeline.agent.rollout import RolloutSettings, rollout
     from pipeline.environment.simulated.hops_world import world
     from pipeline.progress import progress
     from pipeline.reward import reward_for_trajectory
@@ -280,13 +280,10 @@ def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int 
     items = items[:questions or PRECHECK_QUESTIONS]
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     policy = TransformersPolicy(model, tokenizer, seed=params.seed)
-    a = params.agent
     with progress(total=len(items) * PRECHECK_SAMPLES, desc="warm-up pre-check", unit="sample") as bar:
-        trajs = asyncio.run(rollout(policy, env, items, group_size=PRECHECK_SAMPLES, max_turns=a.max_turns,
-                                    max_turn_tokens=a.max_turn_tokens, max_response_tokens=a.max_response_tokens,
-                                    env_reply_max_chars=a.env_reply_max_chars, temperature=a.temperature,
-                                    top_p=a.top_p, return_logprobs=False, reward_fn=None, progress=bar,
-                                    max_prompt_tokens=a.max_prompt_tokens))
+        trajs = asyncio.run(rollout(policy, env, items, RolloutSettings.from_agent(params.agent),
+                                    group_size=PRECHECK_SAMPLES, return_logprobs=False, reward_fn=None,
+                                    progress=bar))
     parts = [reward_for_trajectory(t, params.reward) for t in trajs]
     rewards = [p.answer if p.gated else 0.0 for p in parts]
     verdict = warmup_precheck(rewards)
