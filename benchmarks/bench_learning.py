@@ -71,14 +71,14 @@ log = logging.getLogger("bench_learning")
 
 
 def free_port() -> int:
-    """A free port for the environment server whose next port, the agent server's (`evaluate.agent_port`
-    left null: environment.port + 1), is free too: two runs side by side never meet at each other's agent
-    port."""
+    """A free even port for the environment server whose next port, the agent server's (`evaluate.agent_port`
+    left null: environment.port + 1), is free too. Even ports make the pairs disjoint: a run started while
+    another's agent server is not up yet never takes that port for its environment."""
     while True:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port < 65535:
+        if port % 2 == 0 and port < 65535:
             with socket.socket() as nxt:
                 try:
                     nxt.bind(("127.0.0.1", port + 1))
