@@ -75,16 +75,16 @@ def free_port() -> int:
     left null: environment.port + 1), is free too. Even ports make the pairs disjoint: a run started while
     another's agent server is not up yet never takes that port for its environment."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port % 2 == 0 and port < 65535:
-            with socket.socket() as nxt:
-                try:
-                    nxt.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))  # Linux hands bind() odd ports: the pair starts one below
+            port = probe.getsockname()[1] & ~1
+        with socket.socket() as env, socket.socket() as agent:
+            try:
+                env.bind(("127.0.0.1", port))
+                agent.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def learn_params(workdir: Path, args: argparse.Namespace, port: int):
