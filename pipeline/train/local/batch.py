@@ -141,8 +141,6 @@ def shared_prompt_log_probs(model: torch.nn.Module, batch: RolloutBatch, tempera
     Differentiable: call it under `torch.no_grad()` for reference / old log-probs, without for the update.
     With `entropy`, the agent tokens' entropies are added to it.
     """
-    from transformers import DynamicCache
-
     if not batch.prompt_lists:
         raise ValueError("shared_prompt_log_probs needs a batch from collate() (no prompt_lists)")
     b, r_max = batch.responses.shape
@@ -177,23 +175,34 @@ def shared_prompt_log_probs(model: torch.nn.Module, batch: RolloutBatch, tempera
             agent = torch.nonzero(mask[row, 1:r]).flatten() + 1  # response positions 1.. that are agent tokens
             if r == 1 or agent.numel() == 0:
                 continue
-            # Feed tokens 0..r-2 after the prompt: the logits at input position j-1 predict response token j.
-            out = model(input_ids=tokens[: r - 1].unsqueeze(0), past_key_values=DynamicCache(ddp_cache_data=kv),
-                        position_ids=torch.arange(p, p + r - 1, device=device).unsqueeze(0), use_cache=True,
-                        logits_to_keep=agent - 1)
-            logits = _scaled(out.logits[0].float(), temperature)
-            picked = logits.gather(-1, tokens[agent].unsqueeze(-1)).squeeze(-1)
+            values.append(_log_probs_over_prompt_cache(model, tokens, agent, kv, p, temperature, entropy))
             rows.extend([row] * agent.numel())
             cols.extend(agent.tolist())
-            lse = torch.logsumexp(logits, dim=-1)
-            if entropy is not None:
-                entropy.add(logits, lse)
-            values.append(picked - lse)
     result = torch.zeros((b, r_max), dtype=torch.float32, device=device)
     if not values:
         return result
     index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
     return result.index_put(index, torch.cat(values))
+
+
+def _log_probs_over_prompt_cache(model: torch.nn.Module, tokens: torch.Tensor, agent: torch.Tensor,
+                                 kv: list[tuple[torch.Tensor, torch.Tensor]], prompt_len: int, temperature: float,
+                                 entropy: EntropySum | None) -> torch.Tensor:
+    """Log-probs of one response's agent tokens at positions `agent` (1..), read in one forward over its prompt's
+    KV cache `kv`; with `entropy`, their entropies are added to it."""
+    from transformers import DynamicCache
+
+    r = len(tokens)
+    # Feed tokens 0..r-2 after the prompt: the logits at input position j-1 predict response token j.
+    out = model(input_ids=tokens[: r - 1].unsqueeze(0), past_key_values=DynamicCache(ddp_cache_data=kv),
+                position_ids=torch.arange(prompt_len, prompt_len + r - 1, device=tokens.device).unsqueeze(0),
+                use_cache=True, logits_to_keep=agent - 1)
+    logits = _scaled(out.logits[0].float(), temperature)
+    picked = logits.gather(-1, tokens[agent].unsqueeze(-1)).squeeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    if entropy is not None:
+        entropy.add(logits, lse)
+    return picked - lse
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
