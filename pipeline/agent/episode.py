@@ -85,19 +85,9 @@ async def run_episode(
     for turn_number in range(1, rules.max_turns + 1):
         limit = rules.token_limit(len(traj.response_ids))
         gen = await generate(traj.prompt_ids + traj.response_ids, limit)
-        traj.generation_s += gen.seconds
-        parsed = parse_turn(builder.think_opener + gen.text)
-        turn = Turn(
-            parsed=parsed,
-            agent_token_ids=list(gen.token_ids),
-            agent_logprobs=gen.logprobs,
-            generation_s=gen.seconds,
-            started_s=gen.started - started,
-        )
-        traj.turns.append(turn)
-        _append(traj, gen.token_ids, 1, gen.logprobs)
+        turn = _record_agent_turn(traj, gen, builder, started)
         decision = rules.after_agent_turn(
-            parsed,
+            turn.parsed,
             turn_number=turn_number,
             hit_limit=gen.hit_limit,
             limit=limit,
@@ -106,28 +96,56 @@ async def run_episode(
         if decision.stop is not None:
             stop = decision.stop
             break
-
-        asked = time.perf_counter()
-        reply = await env.reply(list(history), decision.prompt)
-        seconds = time.perf_counter() - asked
-        traj.environment_s += seconds
-        turn.env_wait_s = seconds
-        traj.usage.add(reply)
-        history += [
-            {"role": "user", "content": decision.prompt},
-            {"role": "assistant", "content": reply.text},
-        ]
-        env_ids, stop = rules.fit_reply(
-            builder.env_turn_ids(reply.text, turn.agent_token_ids), len(traj.response_ids)
-        )
-        turn.env_reply = reply
-        turn.env_token_ids = env_ids
-        _append(traj, env_ids, 0, None)
+        stop = await _environment_turn(traj, turn, decision.prompt, history, env, builder, rules)
         if stop is not None:
             break
     traj.stop_reason = stop or "max_turns"
     traj.wall_s = time.perf_counter() - started
     return traj
+
+
+def _record_agent_turn(traj: Trajectory, gen: TurnGeneration, builder: ConversationBuilder, started: float) -> Turn:
+    """Parse the generated turn and add it to `traj` (a new `Turn`, its ids with mask 1); returns the turn."""
+    traj.generation_s += gen.seconds
+    parsed = parse_turn(builder.think_opener + gen.text)
+    turn = Turn(
+        parsed=parsed,
+        agent_token_ids=list(gen.token_ids),
+        agent_logprobs=gen.logprobs,
+        generation_s=gen.seconds,
+        started_s=gen.started - started,
+    )
+    traj.turns.append(turn)
+    _append(traj, gen.token_ids, 1, gen.logprobs)
+    return turn
+
+
+async def _environment_turn(
+    traj: Trajectory,
+    turn: Turn,
+    prompt: str,
+    history: list[dict[str, str]],
+    env: EnvironmentClient,
+    builder: ConversationBuilder,
+    rules: TurnRules,
+) -> StopReason | None:
+    """Ask the environment `prompt` with this episode's `history` (extended with the exchange) and add its
+    reply to `traj` (ids with mask 0, cut to the room left); returns the stop reason when the reply filled it."""
+    asked = time.perf_counter()
+    reply = await env.reply(list(history), prompt)
+    seconds = time.perf_counter() - asked
+    traj.environment_s += seconds
+    turn.env_wait_s = seconds
+    traj.usage.add(reply)
+    history += [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": reply.text},
+    ]
+    env_ids, stop = rules.fit_reply(builder.env_turn_ids(reply.text, turn.agent_token_ids), len(traj.response_ids))
+    turn.env_reply = reply
+    turn.env_token_ids = env_ids
+    _append(traj, env_ids, 0, None)
+    return stop
 
 
 def _append(traj: Trajectory, ids: list[int], mask: int, logprobs: list[float] | None) -> None:

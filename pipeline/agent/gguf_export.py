@@ -159,7 +159,6 @@ def write_gguf(config: dict[str, Any], tensors: Any, template_gguf: str | Path, 
     Hugging Face names) checked against `template_gguf` and written atomically; `source` names the model in
     errors."""
     import gguf
-    import numpy as np
 
     template_gguf, out_path = Path(template_gguf), Path(out_path)
     if config.get("model_type") != "llama":
@@ -167,6 +166,19 @@ def write_gguf(config: dict[str, Any], tensors: Any, template_gguf: str | Path, 
             f"{source}: model_type {config.get('model_type')!r}; the GGUF export writes Llama models only "
             "(set evaluate.agent_engine: transformers for this agent)")
     reader = gguf.GGUFReader(str(template_gguf))
+    n_head, n_head_kv = _check_architecture(config, reader, template_gguf, source)
+    by_gguf, shapes = _match_tensors(tensors(), reader, template_gguf, source)
+    names = list(shapes)
+    if "output.weight" in by_gguf and "output.weight" not in shapes and not config.get("tie_word_embeddings"):
+        names.append("output.weight")  # an untied head the quantised template did not store
+    arrays = {name: _rotary_layout(name, by_gguf[name][1], n_head, n_head_kv) for name in names}
+    _write_atomically(reader, arrays, dtype, out_path)
+    return out_path
+
+
+def _check_architecture(config: dict[str, Any], reader: Any, template_gguf: Path, source: str) -> tuple[int, int]:
+    """Refuse a model whose architecture numbers differ from the template's; returns the template's attention
+    and KV head counts."""
     arch = reader.fields["general.architecture"].contents()
     if arch != "llama":
         raise GGUFExportError(f"{template_gguf}: architecture {arch!r}, expected llama")
@@ -187,8 +199,13 @@ def write_gguf(config: dict[str, Any], tensors: Any, template_gguf: str | Path, 
         if ours is not None and theirs is not None and abs(float(ours) - float(theirs)) > 1e-6 * abs(float(theirs)):
             raise GGUFExportError(f"{source}: config {key}={ours}, the template {template_gguf.name} has "
                                   f"{field}={theirs}: not the same architecture")
+    return n_head, n_head_kv
 
-    hf = tensors()
+
+def _match_tensors(hf: dict[str, Any], reader: Any, template_gguf: Path,
+                   source: str) -> tuple[dict[str, tuple[str, Any]], dict[str, tuple[int, ...]]]:
+    """The model's tensors by llama.cpp name (name -> (Hugging Face name, array)) and the template's shapes
+    (numpy order); refuses a missing, differently shaped or extra tensor."""
     by_gguf = {gguf_name(name): (name, array) for name, array in hf.items() if gguf_name(name)}
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}  # ggml -> numpy order
     for name, shape in shapes.items():
@@ -201,6 +218,22 @@ def write_gguf(config: dict[str, Any], tensors: Any, template_gguf: str | Path, 
     extra = sorted(set(by_gguf) - set(shapes) - {"output.weight"})
     if extra:
         raise GGUFExportError(f"{source}: tensors the template has no place for: {extra[:5]}")
+    return by_gguf, shapes
+
+
+def _rotary_layout(name: str, array: Any, n_head: int, n_head_kv: int) -> Any:
+    """`array` in llama.cpp's layout: Q and K projections permuted back to its rotary row order."""
+    if name.endswith("attn_q.weight"):
+        return permute_rotary(array, n_head)
+    if name.endswith("attn_k.weight"):
+        return permute_rotary(array, n_head_kv)
+    return array
+
+
+def _write_atomically(reader: Any, arrays: dict[str, Any], dtype: str, out_path: Path) -> None:
+    """Write the template's metadata and `arrays` (llama.cpp names, in file order) to a temporary file beside
+    `out_path`, renamed to it when complete."""
+    import gguf
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
@@ -212,23 +245,8 @@ def write_gguf(config: dict[str, Any], tensors: Any, template_gguf: str | Path, 
             sub = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub)
         writer.add_file_type(_FILE_TYPES[dtype])
-        names = list(shapes)
-        if "output.weight" in by_gguf and "output.weight" not in shapes and not config.get("tie_word_embeddings"):
-            names.append("output.weight")  # an untied head the quantised template did not store
-        for name in names:
-            array = by_gguf[name][1]
-            if name.endswith("attn_q.weight"):
-                array = permute_rotary(array, n_head)
-            elif name.endswith("attn_k.weight"):
-                array = permute_rotary(array, n_head_kv)
-            if array.ndim == 1 or dtype == "f32":
-                writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-            elif dtype == "f16":
-                writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float16))
-            else:
-                kind = gguf.GGMLQuantizationType.BF16 if dtype == "bf16" else gguf.GGMLQuantizationType.Q8_0
-                packed = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), kind)
-                writer.add_tensor(name, packed, raw_dtype=kind)  # the packed bytes' shape gives the row size
+        for name, array in arrays.items():
+            _add_tensor(writer, name, array, dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -238,7 +256,21 @@ def write_gguf(config: dict[str, Any], tensors: Any, template_gguf: str | Path, 
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    return out_path
+
+
+def _add_tensor(writer: Any, name: str, array: Any, dtype: str) -> None:
+    """One tensor in `dtype`: vectors (norms) always F32, matrices F32, F16, or packed BF16 / Q8_0."""
+    import gguf
+    import numpy as np
+
+    if array.ndim == 1 or dtype == "f32":
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    elif dtype == "f16":
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float16))
+    else:
+        kind = gguf.GGMLQuantizationType.BF16 if dtype == "bf16" else gguf.GGMLQuantizationType.Q8_0
+        packed = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), kind)
+        writer.add_tensor(name, packed, raw_dtype=kind)  # the packed bytes' shape gives the row size
 
 
 def cached_export(model_dir: str | Path, template_gguf: str | Path, cache_root: str | Path, dtype: str = "f16",

@@ -101,6 +101,44 @@ def _eos_ids(tokenizer: Any, model_eos: int | Sequence[int] | None) -> list[int]
     return ids
 
 
+@dataclass
+class _BatchRows:
+    """What one generation batch has sampled so far, per prompt (indexed as the prompts)."""
+
+    limits: list[int]
+    """Each prompt's token limit."""
+    tokens: list[list[int]]
+    """Ids sampled so far."""
+    logps: list[list[float]]
+    """Their log-probs, when asked for."""
+    reasons: list[FinishReason]
+    """Why each prompt's generation stopped ('length' until another reason ends it)."""
+    done: list[bool]
+    """Whether each prompt's generation has stopped (a limit of 0 stops it before the first token)."""
+
+    @classmethod
+    def start(cls, limits: list[int]) -> _BatchRows:
+        n = len(limits)
+        return cls(limits=limits, tokens=[[] for _ in range(n)], logps=[[] for _ in range(n)],
+                   reasons=["length"] * n, done=[limit <= 0 for limit in limits])
+
+    def add(self, i: int, token: int, logp: float | None) -> None:
+        """Prompt `i`'s next sampled token (and its log-prob when asked for)."""
+        self.tokens[i].append(token)
+        if logp is not None:
+            self.logps[i].append(logp)
+
+    def finish_if_ended(self, i: int, eos: set[int], stop: list[str], window: int, tokenizer: Any) -> None:
+        """Mark prompt `i` done when its last token is an end-of-sequence token, its decoded tail (`window`
+        tokens) holds a stop string, or it reached its limit."""
+        if self.tokens[i][-1] in eos:
+            self.done[i], self.reasons[i] = True, "eos"
+        elif stop and any(s in tokenizer.decode(self.tokens[i][-window:]) for s in stop):
+            self.done[i], self.reasons[i] = True, "stop"
+        elif len(self.tokens[i]) >= self.limits[i]:
+            self.done[i] = True
+
+
 class PolicyBackend:
     """The shared front of the policy backends: argument normalisation, then one call per backend."""
 
@@ -228,13 +266,27 @@ class TransformersPolicy(PolicyBackend):
         import torch
 
         n = len(prompts)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        reasons: list[FinishReason] = ["length"] * n
-        done = [limit <= 0 for limit in limits]
-        if all(done):
+        rows = _BatchRows.start(limits)
+        if all(rows.done):
             return [Generation([], [] if return_logprobs else None, "", "length") for _ in range(n)]
+        ids, mask = self._left_padded(prompts)
+        with torch.no_grad():
+            self._decode(ids, mask, rows, temperature, top_p, stop, return_logprobs)
+        return [
+            Generation(
+                token_ids=rows.tokens[i],
+                logprobs=rows.logps[i] if return_logprobs else None,
+                text=self.tokenizer.decode(rows.tokens[i], skip_special_tokens=True),
+                finish_reason=rows.reasons[i],
+            )
+            for i in range(n)
+        ]
 
+    def _left_padded(self, prompts: list[list[int]]) -> tuple[Any, Any]:
+        """The prompts as one left-padded id tensor and its attention mask, on the model's device."""
+        import torch
+
+        n = len(prompts)
         width = max(len(p) for p in prompts)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
@@ -242,61 +294,49 @@ class TransformersPolicy(PolicyBackend):
             if p:
                 ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
                 mask[row, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        return ids.to(self.device), mask.to(self.device)
+
+    def _decode(self, ids: Any, mask: Any, rows: _BatchRows, temperature: float, top_p: float, stop: list[str],
+                return_logprobs: bool) -> None:
+        """Prefill the prompts, then sample one token per live row per step into `rows` until every row is
+        done; finished rows leave the batch and the KV cache."""
+        import torch
+
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         window = max((len(s) for s in stop), default=0) + 8
         eos = set(self.eos_token_ids)
-        rows = list(range(n))  # batch row -> prompt index, shrinks as rows finish
+        live = list(range(len(rows.done)))  # batch row -> prompt index, shrinks as rows finish
 
-        with torch.no_grad():
-            # Only the last position's logits are needed: the full (n, width, vocab) tensor costs ~2 s and
-            # ~0.6 GB per 8 prompts of 384 tokens with a 49k vocabulary.
-            result = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                logits_to_keep=1)
+        # Only the last position's logits are needed: the full (n, width, vocab) tensor costs ~2 s and
+        # ~0.6 GB per 8 prompts of 384 tokens with a 49k vocabulary.
+        result = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            logits_to_keep=1)
+        cache = result.past_key_values
+        logits = result.logits[:, -1, :].float()
+        next_pos = positions[:, -1:] + 1
+        for _step in range(max(rows.limits)):
+            chosen, chosen_logp = self._sample(logits, temperature, top_p)
+            keep: list[int] = []
+            for b, i in enumerate(live):
+                if rows.done[i]:
+                    continue
+                rows.add(i, int(chosen[b]), float(chosen_logp[b]) if return_logprobs else None)
+                rows.finish_if_ended(i, eos, stop, window, self.tokenizer)
+                if not rows.done[i]:
+                    keep.append(b)
+            if not keep:
+                break
+            if len(keep) < len(live):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                chosen, mask, next_pos = chosen[index], mask[index], next_pos[index]
+                live = [live[b] for b in keep]
+            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+            result = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=next_pos,
+                                past_key_values=cache, use_cache=True)
             cache = result.past_key_values
             logits = result.logits[:, -1, :].float()
-            next_pos = positions[:, -1:] + 1
-            for _step in range(max(limits)):
-                chosen, chosen_logp = self._sample(logits, temperature, top_p)
-                keep: list[int] = []
-                for b, i in enumerate(rows):
-                    if done[i]:
-                        continue
-                    token = int(chosen[b])
-                    tokens[i].append(token)
-                    if return_logprobs:
-                        logps[i].append(float(chosen_logp[b]))
-                    if token in eos:
-                        done[i], reasons[i] = True, "eos"
-                    elif stop and any(s in self.tokenizer.decode(tokens[i][-window:]) for s in stop):
-                        done[i], reasons[i] = True, "stop"
-                    elif len(tokens[i]) >= limits[i]:
-                        done[i] = True
-                    if not done[i]:
-                        keep.append(b)
-                if not keep:
-                    break
-                if len(keep) < len(rows):
-                    index = torch.tensor(keep, device=self.device)
-                    cache.batch_select_indices(index)
-                    chosen, mask, next_pos = chosen[index], mask[index], next_pos[index]
-                    rows = [rows[b] for b in keep]
-                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-                result = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=next_pos,
-                                    past_key_values=cache, use_cache=True)
-                cache = result.past_key_values
-                logits = result.logits[:, -1, :].float()
-                next_pos = next_pos + 1
-
-        return [
-            Generation(
-                token_ids=tokens[i],
-                logprobs=logps[i] if return_logprobs else None,
-                text=self.tokenizer.decode(tokens[i], skip_special_tokens=True),
-                finish_reason=reasons[i],
-            )
-            for i in range(n)
-        ]
+            next_pos = next_pos + 1
 
     def _sample(self, logits: Any, temperature: float, top_p: float) -> tuple[Any, Any]:
         """Next token per row and its log-prob under the temperature-scaled distribution."""

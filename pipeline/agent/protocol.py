@@ -99,15 +99,38 @@ def parse_turn(text: str) -> ParsedTurn:
     if not isinstance(text, str):
         text = "" if text is None else str(text)
     counts, tags = _spans(text)
-    think, think_unclosed = _first_closed(text, tags, "think")
-    prompt, prompt_unclosed = _first_closed(text, tags, "interaction_prompt")
-    answer, answer_unclosed = _first_closed(text, tags, "answer")
+    parts = {name: _first_closed(text, tags, name) for name in ("think", "interaction_prompt", "answer")}
+    think, prompt, answer = (parts[name][0] for name in ("think", "interaction_prompt", "answer"))
+    issues = _structure_issues(text, counts, parts)
+    valid_intermediate, complete_final, has_shape = _shape_flags(text.strip(), counts)
+    if not has_shape:
+        outside = _TAG_RE.sub("", _strip_tagged(text, tags)).strip()
+        if outside:
+            issues.append("text outside tags")
 
+    return ParsedTurn(
+        text=text,
+        think=think,
+        interaction_prompt=prompt,
+        answer=answer,
+        valid_intermediate=valid_intermediate,
+        has_answer_tags=answer is not None,
+        answer_nonempty=bool(answer),
+        complete_final=complete_final,
+        issues=issues,
+    )
+
+
+def _structure_issues(text: str, counts: dict[str, list[int]],
+                      parts: dict[str, tuple[str | None, bool]]) -> list[str]:
+    """What is wrong with the turn's tags and parts: empty, unclosed, repeated or unopened tags, missing or
+    empty parts, both a prompt and an answer. `parts`: name -> (first closed content, left unclosed)."""
+    think, think_unclosed = parts["think"]
+    prompt, answer = parts["interaction_prompt"][0], parts["answer"][0]
     issues: list[str] = []
     if not text.strip():
         issues.append("empty turn")
-    for name, unclosed in (("think", think_unclosed), ("interaction_prompt", prompt_unclosed),
-                           ("answer", answer_unclosed)):
+    for name, (_, unclosed) in parts.items():
         if unclosed:
             issues.append(f"unclosed <{name}>")
     for tag, positions in counts.items():
@@ -126,6 +149,12 @@ def parse_turn(text: str) -> ParsedTurn:
         issues.append("empty answer")
     if prompt is not None and answer is not None:
         issues.append("both an interaction prompt and an answer")
+    return issues
+
+
+def _shape_flags(body: str, counts: dict[str, list[int]]) -> tuple[bool, bool, bool]:
+    """The format-reward flags of the stripped turn `body`: (valid intermediate turn, complete final turn,
+    whether it has either shape at all, tag counts aside)."""
 
     def once(*tag_strings: str) -> bool:
         return all(len(counts.get(t, [])) == 1 for t in tag_strings)
@@ -133,7 +162,6 @@ def parse_turn(text: str) -> ParsedTurn:
     def absent(*tag_strings: str) -> bool:
         return all(t not in counts for t in tag_strings)
 
-    body = text.strip()
     intermediate = re.fullmatch(
         r"<think>(.*?)</think>\s*<interaction_prompt>(.*?)</interaction_prompt>", body, re.DOTALL
     )
@@ -148,22 +176,7 @@ def parse_turn(text: str) -> ParsedTurn:
     complete_final = bool(
         final and once(THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE) and absent(PROMPT_OPEN, PROMPT_CLOSE)
     )
-    if intermediate is None and final is None:
-        outside = _TAG_RE.sub("", _strip_tagged(text, tags)).strip()
-        if outside:
-            issues.append("text outside tags")
-
-    return ParsedTurn(
-        text=text,
-        think=think,
-        interaction_prompt=prompt,
-        answer=answer,
-        valid_intermediate=valid_intermediate,
-        has_answer_tags=answer is not None,
-        answer_nonempty=bool(answer),
-        complete_final=complete_final,
-        issues=issues,
-    )
+    return valid_intermediate, complete_final, intermediate is not None or final is not None
 
 
 def _strip_tagged(text: str, tags: list[tuple[str, bool, int, int]]) -> str:
