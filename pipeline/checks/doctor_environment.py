@@ -34,6 +34,7 @@ from pipeline.stage_files import EVAL_SETS_DIR
 if TYPE_CHECKING:
     from pipeline.checks.doctor_state import Doctor
     from pipeline.config import EnvironmentConfig
+    from pipeline.environment.client import EnvironmentClient
     from pipeline.types import EnvironmentReply
 
 
@@ -163,37 +164,59 @@ def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     params = doc.params
     cfg = environment_with(params.environment, cache=False, base_url=doc.environment_url)
     client = EnvironmentClient(cfg, None, ledger_path=params.path(params.paths.cache_dir) / LEDGER_FILE)
-    instruction = params.evaluate.env_only_instruction
-
-    async def send_all() -> list[Any]:
-        """Every row's reply, or None for a row still unanswered at the deadline (its call cancelled)."""
-        tasks = [asyncio.ensure_future(client.reply([], f"{r['question']}\n\n{instruction}")) for r in rows]
-        try:
-            done, pending = await asyncio.wait(
-                tasks, timeout=doc.rows_deadline_s, return_when=FIRST_EXCEPTION
-            )
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            # task.result() re-raises EnvironmentUnhealthy (the client's failure window), caught below
-            return [task.result() if task in done else None for task in tasks]
-        finally:
-            await client.aclose()
+    prompts = [f"{r['question']}\n\n{params.evaluate.env_only_instruction}" for r in rows]
 
     started = time.perf_counter()
     try:
-        answered = asyncio.run(send_all())
+        answered = asyncio.run(_send_all(client, prompts, doc.rows_deadline_s))
     except EnvironmentUnhealthy as exc:
         return failed(f"{exc}", url=doc.environment_url)
     wall = time.perf_counter() - started
     replies = [r for r in answered if r is not None]
     late = len(answered) - len(replies)
-    latencies = sorted(r.latency_s for r in replies)
     errors = [r.error for r in replies if r.error] + [f"not answered within {doc.rows_deadline_s:g} s"] * late
+    figures = _row_figures(rows, source, replies, errors, late, wall)
+    measured = decode_speed(replies)
+    figures["decode_tokens_per_s"] = round(measured[0], 1) if measured else None
+    figures["declared_decode_tokens_per_s"] = params.environment.decode_tokens_per_s
+    detail = _rows_detail(figures, wall, late, measured, params.environment.decode_tokens_per_s)
+    if len(errors) > params.environment.max_failure_rate * len(rows):
+        return failed(
+            f"{detail}; more than environment.max_failure_rate={params.environment.max_failure_rate:g} "
+            f"failed (first: {errors[0]}): fix the environment at {doc.environment_url}",
+            **figures,
+        )
+    slow = speed_problem(params.environment, measured) if measured else None
+    if slow:
+        return failed(f"{detail}; {slow}", **figures)
+    return passed(detail, **figures)
+
+
+async def _send_all(client: EnvironmentClient, prompts: list[str],
+                    deadline_s: float) -> list[EnvironmentReply | None]:
+    """Every prompt's reply, or None for one still unanswered at the deadline (its call cancelled); the
+    client is closed afterwards."""
+    tasks = [asyncio.ensure_future(client.reply([], prompt)) for prompt in prompts]
+    try:
+        done, pending = await asyncio.wait(tasks, timeout=deadline_s, return_when=FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        # task.result() re-raises EnvironmentUnhealthy (the client's failure window), caught by the step
+        return [task.result() if task in done else None for task in tasks]
+    finally:
+        await client.aclose()
+
+
+def _row_figures(rows: list[dict[str, Any]], source: str, replies: list[EnvironmentReply], errors: list[str],
+                 late: int, wall: float) -> dict[str, Any]:
+    """The step's figures: rows by task type and dataset, latency percentiles, failures, the replies' flags,
+    tokens, wall time and cost."""
+    latencies = sorted(r.latency_s for r in replies)
     by_type: dict[str, int] = {}
     for row in rows:
         by_type[row["task_type"]] = by_type.get(row["task_type"], 0) + 1
-    figures = {
+    return {
         "rows": len(rows),
         "source": source,
         "rows_by_task_type": by_type,
@@ -211,29 +234,21 @@ def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
         "cost_usd": round(sum(r.cost_usd for r in replies), 6),
         "first_error": errors[0] if errors else None,
     }
-    measured = decode_speed(replies)
-    figures["decode_tokens_per_s"] = round(measured[0], 1) if measured else None
-    figures["declared_decode_tokens_per_s"] = params.environment.decode_tokens_per_s
-    detail = (
-        f"{len(rows)} rows from {source} ({by_type.get('math', 0)} math, "
+
+
+def _rows_detail(figures: dict[str, Any], wall: float, late: int, measured: tuple[float, int, float, int] | None,
+                 declared_speed: float) -> str:
+    """The step's one-line summary of `figures` and the measured decode speed."""
+    return (
+        f"{figures['rows']} rows from {figures['source']} ({figures['rows_by_task_type'].get('math', 0)} math, "
         f"{len(figures['datasets'])} datasets) "
         f"in {wall:.1f} s: p50 {_seconds(figures['p50_s'])}, p95 {_seconds(figures['p95_s'])}, "
-        f"{len(errors)} failed{f' ({late} unanswered at the deadline)' if late else ''}, "
+        f"{figures['failures']} failed{f' ({late} unanswered at the deadline)' if late else ''}, "
         f"{figures['empty_after_length']} empty after length, "
         f"{figures['truncated']} cut at max_tokens; decode "
         + (
-            f"{measured[0]:.1f} tokens/s (declared {params.environment.decode_tokens_per_s:g})"
+            f"{measured[0]:.1f} tokens/s (declared {declared_speed:g})"
             if measured
             else "speed not measured (no reply with tokens at its first try)"
         )
     )
-    if len(errors) > params.environment.max_failure_rate * len(rows):
-        return failed(
-            f"{detail}; more than environment.max_failure_rate={params.environment.max_failure_rate:g} "
-            f"failed (first: {errors[0]}): fix the environment at {doc.environment_url}",
-            **figures,
-        )
-    slow = speed_problem(params.environment, measured) if measured else None
-    if slow:
-        return failed(f"{detail}; {slow}", **figures)
-    return passed(detail, **figures)

@@ -22,6 +22,8 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.panel import Panel
@@ -31,6 +33,13 @@ from pipeline.agent.question import question_problem
 from pipeline.config import Params
 from pipeline.errors import UserError
 from pipeline.types import PromptItem, Trajectory
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from pipeline.agent.policy import Policy
+    from pipeline.agent.serving_policy import AgentEngine
+    from pipeline.config import AgentConfig, EnvironmentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +98,7 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
     `engine`: auto | llama.cpp | transformers (default `register.serve.agent_engine`)."""
     from contextlib import ExitStack
 
-    from pipeline.agent.llama_launcher import AgentServing
-    from pipeline.agent.rollout import RolloutSettings, rollout
-    from pipeline.agent.serving_policy import agent_policy
-    from pipeline.agent.template import render_user_message
-    from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+    from pipeline.environment.client import CACHE_FILE
     from pipeline.environment.servers import serve_environment
     from pipeline.environment.spec import ServerSpec, environment_with
 
@@ -107,49 +112,67 @@ def run_ask(params: Params, question: str, model_ref: str | None = None, *,
         console.print(f"[yellow]No trained agent yet: {params.paths.model_dir} holds no merged model, so the "
                       f"untrained base model {ref} answers (it may not follow the Prompt-R1 tags). Train one "
                       "with `dvc repro` (or `promptr1 train && promptr1 merge`), or pass --model.[/yellow]")
-    item = PromptItem(
+    item = _ask_item(question)
+    cache_dir = params.path(params.paths.cache_dir)
+    server = ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir)
+    with serve_environment(server) as url, ExitStack() as stack:
+        start = time.perf_counter()
+        with console.status(f"loading agent {ref}"):
+            agent_engine = stack.enter_context(_agent_engine(params, ref, engine, cache_dir))
+        load_s = time.perf_counter() - start
+
+        cfg = environment_with(params.environment, base_url=url)
+        cache = cache_dir / CACHE_FILE if cfg.cache else None
+        start = time.perf_counter()
+        with console.status("agent and environment at work"):
+            traj = asyncio.run(_ask_once(agent_engine.policy, cfg, cache, item, params.agent))
+        rollout_s = time.perf_counter() - start
+    result = AskResult(traj, ref, load_s, rollout_s, time.perf_counter() - wall, agent_engine.engine)
+    print_trajectory(console, question, result, env_model=cfg.served_name)
+    return result
+
+
+def _ask_item(question: str) -> PromptItem:
+    """The question as the one prompt item of the rollout, in `ASK_DATASET`'s instruction wording."""
+    from pipeline.agent.template import render_user_message
+
+    return PromptItem(
         uid="ask",
         messages=[{"role": "user", "content": render_user_message(question, ASK_DATASET)}],
         gold_answers=[],
         data_source=ASK_DATASET,
         question=question,
     )
-    cache_dir = params.path(params.paths.cache_dir)
-    server = ServerSpec(environment=params.environment, root=params.root, cache_dir=cache_dir)
-    with serve_environment(server) as url, ExitStack() as stack:
-        start = time.perf_counter()
-        with console.status(f"loading agent {ref}"):
-            serve = params.register.serve
-            serving = AgentServing.from_sections(
-                params.agent, params.environment, params.evaluate, root=params.root, cache_dir=cache_dir
-            )
-            agent_engine = stack.enter_context(
-                agent_policy(ref, serving, engine or serve.agent_engine, threads=serve.agent_threads))
-        policy = agent_engine.policy
-        load_s = time.perf_counter() - start
 
-        cfg = environment_with(params.environment, base_url=url)
-        cache = cache_dir / CACHE_FILE if cfg.cache else None
-        agent = params.agent
 
-        async def ask_once() -> Trajectory:
-            env = EnvironmentClient(cfg, cache)
-            try:
-                (traj,) = await rollout(
-                    policy, env, [item], RolloutSettings.from_agent(agent, greedy=True), group_size=1,
-                    return_logprobs=False, reward_fn=None,
-                )
-                return traj
-            finally:
-                await env.aclose()
+def _agent_engine(params: Params, ref: str, engine: str | None, cache_dir: Path) -> AbstractContextManager[AgentEngine]:
+    """The agent at `ref` on the engine `engine` picks (default `register.serve.agent_engine`); a llama.cpp
+    server, when one starts, stops when the block ends."""
+    from pipeline.agent.llama_launcher import AgentServing
+    from pipeline.agent.serving_policy import agent_policy
 
-        start = time.perf_counter()
-        with console.status("agent and environment at work"):
-            traj = asyncio.run(ask_once())
-        rollout_s = time.perf_counter() - start
-    result = AskResult(traj, ref, load_s, rollout_s, time.perf_counter() - wall, agent_engine.engine)
-    print_trajectory(console, question, result, env_model=cfg.served_name)
-    return result
+    serve = params.register.serve
+    serving = AgentServing.from_sections(
+        params.agent, params.environment, params.evaluate, root=params.root, cache_dir=cache_dir
+    )
+    return agent_policy(ref, serving, engine or serve.agent_engine, threads=serve.agent_threads)
+
+
+async def _ask_once(policy: Policy, cfg: EnvironmentConfig, cache: Path | None, item: PromptItem,
+                    agent: AgentConfig) -> Trajectory:
+    """One greedy rollout of `item` against the environment at `cfg` (its client closed afterwards)."""
+    from pipeline.agent.rollout import RolloutSettings, rollout
+    from pipeline.environment.client import EnvironmentClient
+
+    env = EnvironmentClient(cfg, cache)
+    try:
+        (traj,) = await rollout(
+            policy, env, [item], RolloutSettings.from_agent(agent, greedy=True), group_size=1,
+            return_logprobs=False, reward_fn=None,
+        )
+        return traj
+    finally:
+        await env.aclose()
 
 
 def print_trajectory(console: Console, question: str, result: AskResult, env_model: str = "") -> None:

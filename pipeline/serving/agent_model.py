@@ -53,7 +53,7 @@ import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow.pyfunc
 import pandas as pd
@@ -62,6 +62,10 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, TEMPORARILY_UN
 
 from pipeline.agent.question import question_problem
 from pipeline.errors import EnvironmentUnavailable, UserError
+
+if TYPE_CHECKING:
+    from pipeline.config import EnvironmentConfig
+    from pipeline.types import PromptItem, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -149,39 +153,12 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
     def predict(
         self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
     ) -> pd.DataFrame:
-        from pipeline.agent.rollout import RolloutSettings, run_rollout, trajectory_record
-        from pipeline.agent.template import render_user_message
+        from pipeline.agent.rollout import RolloutSettings, run_rollout
         from pipeline.environment.client import EnvironmentClient
-        from pipeline.environment.servers import check_environment_answers
-        from pipeline.types import PromptItem
 
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
-        if "question" not in frame.columns:
-            raise ValueError("input needs a 'question' column")
-        refused = [f"row {i}: {p}" for i, q in enumerate(frame["question"]) if (p := question_problem(q))]
-        if refused:  # before the environment is probed or called: nothing to answer
-            log.warning("request refused: %s", "; ".join(refused))
-            raise QuestionRefused("; ".join(refused))
-        datasets = (
-            frame["dataset"].fillna(self.default_dataset)
-            if "dataset" in frame.columns
-            else pd.Series([self.default_dataset] * len(frame))
-        )
-        items = [
-            PromptItem(
-                uid=str(i),
-                messages=[{"role": "user", "content": render_user_message(str(q), str(ds))}],
-                gold_answers=[],
-                data_source=str(ds),
-                question=str(q),
-            )
-            for i, (q, ds) in enumerate(zip(frame["question"], datasets, strict=True))
-        ]
-        try:  # seconds, not ~170 s of retries and an empty answer
-            check_environment_answers(self.env_cfg)
-        except EnvironmentUnavailable as exc:
-            log.warning("request refused: %s", exc)
-            raise EnvironmentDown(str(exc)) from exc
+        items = _prompt_items(frame, self.default_dataset)
+        _check_environment(self.env_cfg)
         env = EnvironmentClient(self.env_cfg, cache_path=None)
         try:
             trajs = run_rollout(
@@ -195,23 +172,71 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
             )
         finally:
             asyncio.run(env.aclose())
-        return pd.DataFrame(
-            [
-                {
-                    "answer": t.answer,
-                    "turns": t.num_turns,
-                    "stop_reason": t.stop_reason,
-                    "env_calls": t.usage.calls,
-                    "env_prompt_tokens": t.usage.prompt_tokens,
-                    "env_completion_tokens": t.usage.completion_tokens,
-                    "env_errors": t.usage.errors,
-                    "trajectory": json.dumps(trajectory_record(t), ensure_ascii=False, default=str),
-                    "agent_engine": self.engine,
-                }
-                for t in trajs
-            ],
-            columns=OUTPUT_COLUMNS,
+        return _answer_frame(trajs, self.engine)
+
+
+def _prompt_items(frame: pd.DataFrame, default_dataset: str) -> list[PromptItem]:
+    """One prompt item per row (question, dataset or `default_dataset`); refuses a frame without a question
+    column or with a question `question_problem` rejects, before the environment is probed or called."""
+    from pipeline.agent.template import render_user_message
+    from pipeline.types import PromptItem
+
+    if "question" not in frame.columns:
+        raise ValueError("input needs a 'question' column")
+    refused = [f"row {i}: {p}" for i, q in enumerate(frame["question"]) if (p := question_problem(q))]
+    if refused:  # nothing to answer
+        log.warning("request refused: %s", "; ".join(refused))
+        raise QuestionRefused("; ".join(refused))
+    datasets = (
+        frame["dataset"].fillna(default_dataset)
+        if "dataset" in frame.columns
+        else pd.Series([default_dataset] * len(frame))
+    )
+    return [
+        PromptItem(
+            uid=str(i),
+            messages=[{"role": "user", "content": render_user_message(str(q), str(ds))}],
+            gold_answers=[],
+            data_source=str(ds),
+            question=str(q),
         )
+        for i, (q, ds) in enumerate(zip(frame["question"], datasets, strict=True))
+    ]
+
+
+def _check_environment(env_cfg: EnvironmentConfig) -> None:
+    """Refuse the request in seconds when the environment does not answer (not ~170 s of retries and an
+    empty answer)."""
+    from pipeline.environment.servers import check_environment_answers
+
+    try:
+        check_environment_answers(env_cfg)
+    except EnvironmentUnavailable as exc:
+        log.warning("request refused: %s", exc)
+        raise EnvironmentDown(str(exc)) from exc
+
+
+def _answer_frame(trajs: list[Trajectory], engine: str) -> pd.DataFrame:
+    """The output frame (`OUTPUT_COLUMNS`): one row per trajectory, its answer, usage and turn record."""
+    from pipeline.agent.rollout import trajectory_record
+
+    return pd.DataFrame(
+        [
+            {
+                "answer": t.answer,
+                "turns": t.num_turns,
+                "stop_reason": t.stop_reason,
+                "env_calls": t.usage.calls,
+                "env_prompt_tokens": t.usage.prompt_tokens,
+                "env_completion_tokens": t.usage.completion_tokens,
+                "env_errors": t.usage.errors,
+                "trajectory": json.dumps(trajectory_record(t), ensure_ascii=False, default=str),
+                "agent_engine": engine,
+            }
+            for t in trajs
+        ],
+        columns=OUTPUT_COLUMNS,
+    )
 
 
 def _log_cache(cache: Path, chosen: bool) -> None:

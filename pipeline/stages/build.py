@@ -149,6 +149,44 @@ def _train_rows(plan: BuildPlan) -> tuple[list[dict[str, Any]], dict[str, int]]:
     return shuffled, per_dataset
 
 
+def _write_eval_set(plan: BuildPlan, ds: str) -> dict[str, Any] | None:
+    """Write `eval/<ds>.parquet` from the authors' rows; returns its summary (rows, source, how many prompts
+    our renderer reproduces), or None when the file is missing and `ds` may be skipped."""
+    spec = get_spec(ds)
+    try:
+        eval_rows = load_authors_eval(plan.sources, spec)
+    except DataError:
+        if ds not in plan.allow_skip:
+            raise
+        return None
+    out = [
+        rl_row(
+            dataset=ds,
+            content=r.prompt_content,
+            task_type=spec.task_type,
+            answers=r.answers,
+            row_id=r.id,
+            split="test",
+            question=r.question,
+            index=r.index,
+        )
+        for r in eval_rows
+    ]
+    reproduced = sum(
+        render_user_message(r.question, ds, dataset_instruction=r.has_instruction) == r.prompt_content
+        for r in eval_rows
+    )
+    target = plan.rl_dir / EVAL_SETS_DIR / f"{ds}.parquet"
+    write_parquet_atomic(pa.Table.from_pylist(out, schema=RL_SCHEMA), target)
+    return {
+        "rows": len(out),
+        "source": plan.shown(authors_eval_path(plan.sources, spec)),
+        "authors_tag": spec.eval_tag,
+        "template_reproduced": reproduced,
+        "rows_with_dataset_instruction": sum(r.has_instruction for r in eval_rows),
+    }
+
+
 def run_build(params: Params) -> dict[str, Any]:
     """Write data/rl/train.parquet and data/rl/eval/<dataset>.parquet; summary in reports/build/."""
     plan = BuildPlan.for_build(params)
@@ -167,40 +205,11 @@ def run_build(params: Params) -> dict[str, Any]:
         summary["skipped"].append(ds)
 
     for ds in plan.eval_datasets:
-        spec = get_spec(ds)
-        try:
-            eval_rows = load_authors_eval(plan.sources, spec)
-        except DataError:
-            if ds not in plan.allow_skip:
-                raise
+        written = _write_eval_set(plan, ds)
+        if written is None:
             summary["skipped"].append(f"eval:{ds}")
-            continue
-        out = [
-            rl_row(
-                dataset=ds,
-                content=r.prompt_content,
-                task_type=spec.task_type,
-                answers=r.answers,
-                row_id=r.id,
-                split="test",
-                question=r.question,
-                index=r.index,
-            )
-            for r in eval_rows
-        ]
-        reproduced = sum(
-            render_user_message(r.question, ds, dataset_instruction=r.has_instruction) == r.prompt_content
-            for r in eval_rows
-        )
-        target = rl_dir / EVAL_SETS_DIR / f"{ds}.parquet"
-        write_parquet_atomic(pa.Table.from_pylist(out, schema=RL_SCHEMA), target)
-        summary["eval"][ds] = {
-            "rows": len(out),
-            "source": plan.shown(authors_eval_path(plan.sources, spec)),
-            "authors_tag": spec.eval_tag,
-            "template_reproduced": reproduced,
-            "rows_with_dataset_instruction": sum(r.has_instruction for r in eval_rows),
-        }
+        else:
+            summary["eval"][ds] = written
     summary["eval_rows_total"] = sum(e["rows"] for e in summary["eval"].values())
     write_json_atomic(summary, plan.reports_dir / BUILD_REPORTS_DIR / SUMMARY_FILE)
     log.debug(

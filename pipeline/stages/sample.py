@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,20 +192,46 @@ def run_sample(params: Params, dataset: str) -> SampleReport:
     except DataError as exc:
         if dataset not in plan.allow_skip:
             raise
-        report.skipped, report.skip_reason = True, str(exc)
-        report.shortfall = plan.sample_size
-        report.warnings.append(f"skipped (listed in data.allow_skip): {exc}")
-        log.warning("%s: skipped: %s", dataset, exc)
-        _write(plan, report, None)
+        _write_skipped(plan, report, exc)
         return report
     report.source, report.rows_source = raw.origin, raw.rows_read
 
+    clean, drops = _clean_rows(raw.records, spec, plan.max_question_tokens, report)
+    kept = _remove_leaked(clean, evaluation_keys(plan.sources, plan.allow_skip, report), report)
+    _require_usable(plan.min_usable_fraction, report)
+    chosen = _draw_sample(kept, plan, report, generated=spec.generated is not None)
+    _write(plan, report, chosen)
+    log.debug(
+        "%s: %d source rows, %d dropped %s, %d leaked, %d written",
+        dataset,
+        report.rows_source,
+        sum(drops.values()),
+        dict(drops),
+        report.leaked_removed,
+        report.rows_written,
+    )
+    return report
+
+
+def _write_skipped(plan: SamplePlan, report: SampleReport, exc: DataError) -> None:
+    """An unreachable source `data.allow_skip` lists: an empty sample and a report saying why."""
+    report.skipped, report.skip_reason = True, str(exc)
+    report.shortfall = plan.sample_size
+    report.warnings.append(f"skipped (listed in data.allow_skip): {exc}")
+    log.warning("%s: skipped: %s", report.dataset, exc)
+    _write(plan, report, None)
+
+
+def _clean_rows(records: Iterable[RawRecord], spec: DatasetSpec, max_tokens: int,
+                report: SampleReport) -> tuple[list[dict[str, Any]], Counter[str]]:
+    """The normalised rows, first of each id and of each question (its `question_key` kept as `_key`), and
+    the drops by reason (also counted in `report`)."""
     clean: list[dict[str, Any]] = []
     drops: Counter[str] = Counter()
     seen_ids: set[str] = set()
     seen_questions: set[str] = set()
-    for rec in raw.records:
-        row, reason = normalise_record(rec, spec, plan.max_question_tokens)
+    for rec in records:
+        row, reason = normalise_record(rec, spec, max_tokens)
         if row is None:
             drops[reason] += 1
             continue
@@ -222,8 +248,13 @@ def run_sample(params: Params, dataset: str) -> SampleReport:
         clean.append(row)
     report.dropped_by_reason.update(drops)
     report.rows_clean = len(clean)
+    return clean, drops
 
-    eval_keys = evaluation_keys(plan.sources, plan.allow_skip, report)
+
+def _remove_leaked(clean: list[dict[str, Any]], eval_keys: dict[str, str],
+                   report: SampleReport) -> list[dict[str, Any]]:
+    """The rows whose question is in no evaluation file (`_key` removed); the leaked ones counted in `report`
+    per evaluation file."""
     kept: list[dict[str, Any]] = []
     leaked: Counter[str] = Counter()
     for row in clean:
@@ -235,8 +266,12 @@ def run_sample(params: Params, dataset: str) -> SampleReport:
     report.leaked_removed = sum(leaked.values())
     report.leaked_by_eval_file = dict(sorted(leaked.items()))
     report.rows_available = len(kept)
-    _require_usable(plan.min_usable_fraction, report)
+    return kept
 
+
+def _draw_sample(kept: list[dict[str, Any]], plan: SamplePlan, report: SampleReport, *,
+                 generated: bool) -> list[dict[str, Any]]:
+    """`data.sample_size` of the usable rows (all of them when fewer, a warning recorded), in source order."""
     k = min(plan.sample_size, len(kept))
     report.rows_written = k
     report.shortfall = plan.sample_size - k
@@ -246,16 +281,5 @@ def run_sample(params: Params, dataset: str) -> SampleReport:
             f"wrote all of them ({report.shortfall} short of sample_size {plan.sample_size})"
         )
         # a generated world holds a fixed number of questions: sampling all of them is its design, not a loss
-        (log.info if spec.generated is not None else log.warning)("%s: %s", dataset, report.warnings[-1])
-    chosen = [kept[i] for i in draw_indices(len(kept), k, plan.seed, dataset)]
-    _write(plan, report, chosen)
-    log.debug(
-        "%s: %d source rows, %d dropped %s, %d leaked, %d written",
-        dataset,
-        report.rows_source,
-        sum(drops.values()),
-        dict(drops),
-        report.leaked_removed,
-        k,
-    )
-    return report
+        (log.info if generated else log.warning)("%s: %s", report.dataset, report.warnings[-1])
+    return [kept[i] for i in draw_indices(len(kept), k, plan.seed, report.dataset)]
