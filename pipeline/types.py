@@ -15,6 +15,10 @@ StopReason = Literal["answer", "max_turns", "token_budget", "prompt_too_long", "
 (a turn with neither a closed <answer> nor a non-empty closed <interaction_prompt>: EOS or the per-turn
 token limit came first; added by the agent helper)."""
 
+TRAINED = "prompt_r1"
+"""The trained agent with its environment (Prompt-R1): its system name in the evaluation's answers, metrics.json,
+the reports, the headline figures and the promotion rule's averages."""
+
 
 @dataclass
 class ParsedTurn:

@@ -24,10 +24,10 @@ from pipeline.evaluation.report import (
     write_reports,
 )
 from pipeline.evaluation.scores import aggregate, answer_outcomes, score_system, usage_by_system
-from pipeline.evaluation.systems import TRAINED, Answer, run_system
+from pipeline.evaluation.systems import Answer, run_system
 from pipeline.metrics import SemanticSimilarity
 from pipeline.stages import evaluate as E
-from pipeline.types import EvalRow
+from pipeline.types import TRAINED, EvalRow
 
 
 def _params(project: Path, overrides: dict):

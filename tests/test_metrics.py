@@ -95,8 +95,7 @@ def test_paper_average_convention_reproduces_headline_numbers(params):
     """method.md's per-dataset numbers, fed through evaluation.scores.aggregate (one row per dataset scoring
     that number), give the paper's ID/OOD averages: each metric is averaged over the datasets it is assigned to."""
     from pipeline.evaluation.scores import aggregate
-    from pipeline.evaluation.systems import TRAINED
-    from pipeline.types import EvalRow
+    from pipeline.types import TRAINED, EvalRow
 
     em = {"2wikimultihopqa": 48.44, "hotpotqa": 44.53, "gsm8k": 97.66, "dapo_math": 26.56, "musique": 18.75,
           "popqa": 28.13, "triviaqa": 70.31, "mathqa": 52.34, "squad_v2": 19.53}

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from pipeline.errors import UserError
-from pipeline.evaluation.systems import TRAINED, Answer
+from pipeline.evaluation.systems import Answer
+from pipeline.types import TRAINED
 
 if TYPE_CHECKING:
     from pipeline.config import EnvironmentConfig

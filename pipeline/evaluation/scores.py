@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline import metrics as M
-from pipeline.evaluation.systems import TRAINED, Answer
-from pipeline.types import EvalRow, UsageStats
+from pipeline.evaluation.systems import Answer
+from pipeline.types import TRAINED, EvalRow, UsageStats
 
 if TYPE_CHECKING:
     from pipeline.config import EvaluateConfig

@@ -43,12 +43,11 @@ from pipeline.agent.protocol import ANSWER_CLOSE, THINK_OPENER, ConversationBuil
 from pipeline.agent.rollout import RolloutSettings, rollout, trajectory_record
 from pipeline.config import evaluated_agent
 from pipeline.progress import progress
-from pipeline.types import EvalRow, PromptItem, Trajectory, UsageStats
+from pipeline.types import TRAINED, EvalRow, PromptItem, Trajectory, UsageStats
 
 if TYPE_CHECKING:
     from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig
 
-TRAINED = "prompt_r1"
 BASELINES = ("env_only", "agent_only", "base_agent", "gepa")
 """Every baseline `evaluate.baselines` may name, in the order reports list them (after `prompt_r1`)."""
 SYSTEM_LABELS = {

@@ -20,10 +20,11 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from pipeline.types import TRAINED
+
 if TYPE_CHECKING:
     from pipeline.evaluation.plan import EvaluatePlan
 
-TRAINED = "prompt_r1"
 VERDICT_METRIC = "f1"
 METRIC_LABELS = {"em": "EM", "sm": "SM", "f1": "F1", "ssim": "SSim"}
 METRIC_DEFINITIONS = (

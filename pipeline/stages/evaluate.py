@@ -71,7 +71,6 @@ from pipeline.evaluation.report import (
 from pipeline.evaluation.scores import aggregate, answer_outcomes, score_system, usage_by_system
 from pipeline.evaluation.systems import (
     BASELINES,
-    TRAINED,
     Answer,
     run_agent_only,
     run_agent_with_environment,
@@ -79,7 +78,7 @@ from pipeline.evaluation.systems import (
 )
 from pipeline.evaluation.traces import log_traces
 from pipeline.tracking.traces import flush_traces
-from pipeline.types import EvalRow
+from pipeline.types import TRAINED, EvalRow
 
 if TYPE_CHECKING:
     from pipeline.config import Params

@@ -42,13 +42,13 @@ from pipeline.stage_files import (
     SUMMARY_FILE,
     VALIDATE_REPORTS_DIR,
 )
+from pipeline.types import TRAINED
 
 UNREACHABLE = "unreachable"
 """The Hub revision a fingerprint records for a source it could not reach (pipeline.stages.sources)."""
 REWARD_COLUMN = "critic/score/mean"
 """The per-step mean reward in reports/train/steps.csv (the `Training reward` plot of dvc.yaml)."""
 PRIMARY_METRIC = "f1"
-PROMPT_R1 = "prompt_r1"
 
 
 class _NoFigure(Exception):
@@ -212,9 +212,9 @@ def _evaluate(files: _Files, _item: str | None) -> str:
         s = averages[system][split][PRIMARY_METRIC]
         return f"{s['mean']:.2f} [{s['low']:.2f}, {s['high']:.2f}]"
 
-    line = (f"{PROMPT_R1} F1 ID {score(PROMPT_R1, 'id')}, OOD {score(PROMPT_R1, 'ood')} "
+    line = (f"{TRAINED} F1 ID {score(TRAINED, 'id')}, OOD {score(TRAINED, 'ood')} "
             f"({m['rows_per_dataset']} rows per set)")
-    others = [s for s in averages if s != PROMPT_R1]
+    others = [s for s in averages if s != TRAINED]
     if not others:
         return line
     best = max(others, key=lambda s: averages[s]["id"][PRIMARY_METRIC]["mean"])

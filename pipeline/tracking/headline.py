@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.stage_files import FIGURES_FILE, HEADLINE_FILE
+from pipeline.types import TRAINED
 
 HEADLINE_KEYS = ("f1_id", "f1_gain_id", "f1_ood", "f1_gain_ood", "env_tokens")
 """headline.json's keys, in order: what `dvc metrics show` prints in one row of at most 120 columns."""
@@ -44,7 +45,6 @@ MAX_FIGURES_VALUES = 30
 HEADLINE_METRICS = ("em", "f1", "ssim")
 """The paper's three headline metrics (method.md), reported per system and split on the parent run."""
 SPLITS = ("id", "ood")
-TRAINED = "prompt_r1"
 CI_BASELINE = "env_only"
 """The baseline whose difference to prompt_r1 headline.json gives with its CI (the paper's 'w/o agent')."""
 REWARD_COLUMNS = ("reward/mean", "critic/score/mean")

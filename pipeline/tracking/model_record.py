@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pipeline.types import TRAINED
+
 log = logging.getLogger(__name__)
 
-TRAINED = "prompt_r1"
 MAX_PARAM_CHARS = 6000
 """MLflow's limit on a param value."""
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import UserError
-from pipeline.evaluation.systems import TRAINED
 from pipeline.metrics import HEADLINE_METRICS
+from pipeline.types import TRAINED
 
 if TYPE_CHECKING:
     from pipeline.config import RegisterConfig
