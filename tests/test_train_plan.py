@@ -45,7 +45,7 @@ def test_training_and_evaluation_decide_auto_alike(params, tmp_path):
     resolves to nothing, the trainer (on CPU, full fine-tune, before loading) and evaluation agree."""
     import torch
 
-    from pipeline.evaluation.agent_server import agent_engine
+    from pipeline.agent.evaluation_policy import agent_engine
     from pipeline.train.local.rollout_engine import rollout_engine
 
     if torch.cuda.is_available():

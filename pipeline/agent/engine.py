@@ -1,7 +1,7 @@
 """Who samples the agent: llama.cpp's server or the policy in this process. The `auto` rule, written once.
 
 Two params choose it, `train.rollout_engine` (the local GRPO trainer's rollouts, pipeline.train.local.rollout_engine)
-and `evaluate.agent_engine` (evaluation, pipeline.evaluation.agent_server); each is `llama.cpp`,
+and `evaluate.agent_engine` (evaluation, pipeline.agent.evaluation_policy); each is `llama.cpp`,
 `transformers` or `auto`. `auto` means llama.cpp exactly when llama.cpp can serve the agent and nothing
 prefers the in-process model:
 

@@ -7,7 +7,7 @@ A GGUF file of the agent (pipeline.agent.gguf_export) is served by llama.cpp's b
 enough for a whole conversation, so a conversation's next turn finds its earlier turns in the slot's cache.
 
 Two users:
-- evaluation (pipeline.evaluation.agent_server): the merged agent, greedy;
+- evaluation (pipeline.agent.evaluation_policy): the merged agent, greedy;
 - the local GRPO trainer (pipeline.train.local.rollout_engine): the policy of the current step, exported from memory,
   sampled at `agent.temperature`. llama.cpp's server truncates the distribution by default (top-k 40,
   min-p 0.05); `served_policy` turns those off so that the sampled distribution is the policy's, as the
@@ -15,7 +15,7 @@ Two users:
 
 What serving needs from the params is an `AgentServing`, built once by the caller's plan or entry (the
 evaluate plan, the train plan, `promptr1 ask`, the pyfunc from its logged config): the functions here and
-in pipeline.agent.serving_policy / pipeline.evaluation.agent_server take it, never the whole params.
+in pipeline.agent.serving_policy / pipeline.agent.evaluation_policy take it, never the whole params.
 """
 
 from __future__ import annotations

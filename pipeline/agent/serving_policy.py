@@ -92,7 +92,7 @@ def agent_policy(
     `parallel`: llama.cpp server slots (questions answered at once); `threads`: its threads (None: the
     environment server's `environment.server.n_threads`). The server, when one is started, stops when the
     block ends."""
-    from pipeline.evaluation.agent_server import agent_gguf
+    from pipeline.agent.evaluation_policy import agent_gguf
 
     engine = choose_engine(serving, requested)
     gguf: Path | None = None

@@ -123,7 +123,7 @@ class EvaluateConfig(_Section):
         "null: the model's dtype.")
     agent_engine: Literal["auto", "llama.cpp", "transformers"] = Field(
         "auto", description="What runs the agents (trained and untrained) during evaluation: llama.cpp's "
-        "server on a GGUF export of the merged agent (pipeline/evaluation/agent_server.py; keeps each "
+        "server on a GGUF export of the merged agent (pipeline/agent/evaluation_policy.py; keeps each "
         "conversation's KV cache between turns; Llama agents with a GGUF base model) or the model in this "
         "process (transformers: any agent, GPU nodes). auto: llama.cpp when agent.model is a GGUF file.")
     agent_gguf_dtype: Literal["f16", "f32", "bf16", "q8_0"] = Field(

@@ -18,6 +18,7 @@
   runs the agents, the environments) and hands to the parts above instead of the whole params.
 
 Imports point one way inside the package: `report` → `costs`, `paper`, `traces`, `verdict` → `scores` →
-`systems`; `paper` → `verdict`; `plan` → `agent_server`, `costs`, `matrix`, `systems` (the parts name
-`EvaluatePlan` only in annotations).
+`systems`; `paper` → `verdict`; `plan` → `costs`, `matrix`, `systems` (the parts name `EvaluatePlan`
+only in annotations). Who runs the agents (llama.cpp's server or transformers) is the agent's part:
+`pipeline.agent.evaluation_policy`.
 """

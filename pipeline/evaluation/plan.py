@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.agent.evaluation_policy import agent_engine, rollout_batch_size
 from pipeline.agent.llama_launcher import AgentServing
 from pipeline.config import AgentConfig, EnvironmentConfig, EvaluateConfig, Params
 from pipeline.environment.spec import ServerSpec
-from pipeline.evaluation.agent_server import agent_engine, rollout_batch_size
 from pipeline.evaluation.matrix import variant_environment
 from pipeline.evaluation.systems import evaluation_environment
 from pipeline.stage_files import EVAL_REPORTS_DIR, EVAL_SETS_DIR, GEPA_PROMPT_FILE, STEPS_CSV

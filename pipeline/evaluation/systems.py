@@ -21,7 +21,7 @@ Design decisions:
   boundaries (a batch is what the agent generates together: every live trajectory of a turn in one policy
   batch), with one event loop and one progress report per system (the rollout counts each finished
   trajectory on it). The agents run one batch at a time, its size the stage's choice
-  (pipeline.evaluation.agent_server.rollout_batch_size): one question per slot of llama.cpp's agent server,
+  (pipeline.agent.evaluation_policy.rollout_batch_size): one question per slot of llama.cpp's agent server,
   or `evaluate.batch_size` with the agent in this process. Measured there (2-core CPU, SmolLM2, fp32,
   prompts of ~400 tokens): a decode step costs 0.15 s for 4 rows, 0.31 s for 8, 0.99 s for 16 and 2.8 s
   for 48 (memory-bound), hence 8. The environment-only systems send one row per batch with

@@ -21,7 +21,7 @@ Design decisions:
   environment, the reply, tokens, latency, cost; the answer and its scores on the root), and the
   predictions table names each row's trace. Traces are made once the answers are scored, then written in
   the background while the report is drawn.
-- **Who runs the agents** (`evaluate.agent_engine`, pipeline.evaluation.agent_server): llama.cpp's server
+- **Who runs the agents** (`evaluate.agent_engine`, pipeline.agent.evaluation_policy): llama.cpp's server
   on a GGUF export of the merged agent (default; each conversation keeps its KV cache between turns) or the
   model in this process (transformers). One agent at a time: the trained agent answers with the
   environment and alone, then its server (or model) is released before the untrained `agent.model` comes.
@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from pipeline import metrics as M
+from pipeline.agent.evaluation_policy import evaluation_policy, release_memory
 from pipeline.errors import DataError, UserError
-from pipeline.evaluation.agent_server import evaluation_policy, release_memory
 from pipeline.evaluation.costs import inference_costs, one_off_costs, read_gepa_prompt
 from pipeline.evaluation.matrix import (
     build_matrix,
