@@ -218,7 +218,7 @@ def test_a_failing_registry_is_an_error_not_no_champion(monkeypatch):
     from fault_server import Behaviour, FaultServer
 
     from pipeline.errors import UserError
-    from pipeline.stages.register import current_champion
+    from pipeline.tracking.lineage import current_champion
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with FaultServer(Behaviour("status", status=500)) as server:
@@ -231,7 +231,7 @@ def test_a_failing_registry_is_an_error_not_no_champion(monkeypatch):
 def test_missing_alias_and_missing_model_mean_no_champion(tmp_path):
     import mlflow
 
-    from pipeline.stages.register import current_champion
+    from pipeline.tracking.lineage import current_champion
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}")
     assert current_champion(client, "nope", "champion") is None

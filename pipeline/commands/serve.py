@@ -62,7 +62,7 @@ def champion_version(params: Params) -> Any:
     import mlflow
 
     from pipeline.config.specs import tracking_spec
-    from pipeline.stages.register import current_champion
+    from pipeline.tracking.lineage import current_champion
     from pipeline.tracking.runs import tracking_uri
 
     uri = tracking_uri(tracking_spec(params))

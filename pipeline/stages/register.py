@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.data.schema import write_json_atomic
 from pipeline.errors import UserError
 from pipeline.stage_files import EVAL_REPORTS_DIR, EVAL_SETS_DIR, METRICS_FILE, PROMOTION_FILE
+from pipeline.tracking.lineage import current_champion
 from pipeline.tracking.model_record import describe_logged_model, model_params
 from pipeline.tracking.promotion import (
     EvalAverages,
@@ -207,24 +208,6 @@ def log_models(plan: RegisterPlan, tmp_dir: Path) -> Any:
         pip_requirements=reqs,
         registered_model_name=plan.register.model_name,
     )
-
-
-def current_champion(client: Any, name: str, alias: str) -> Any | None:
-    """The model version the alias points at; None only when the alias (or the model) does not exist.
-
-    Any other MLflow error raises UserError: an unreadable champion is never taken for "no champion".
-    """
-    import mlflow.exceptions
-
-    try:
-        return client.get_model_version_by_alias(name, alias)
-    except mlflow.exceptions.MlflowException as exc:
-        message = str(exc)
-        if (exc.error_code == "INVALID_PARAMETER_VALUE" and f"alias {alias} not found" in message) or (
-                exc.error_code == "RESOURCE_DOES_NOT_EXIST" and "Registered Model" in message):
-            return None
-        raise UserError(f"cannot read the current {name}@{alias} from the MLflow registry ({exc.error_code}: "
-                        f"{message.splitlines()[0][:200]}); the alias was not moved") from None
 
 
 def judge_against_champion(client: Any, candidate: EvalAverages, cfg: RegisterConfig) -> tuple[Any, EvalAverages | None,

@@ -1,7 +1,8 @@
 """What a registered model version carries besides its numbers, how long unwanted versions stay, and what the
 registry says about the champion when a run registered nothing.
 
-Used by the `register` stage (pipeline/stages/register.py) and the flow's report (flows/run_report.py). Design decisions:
+Used by the `register` stage (pipeline/stages/register.py), `promptr1 serve` and the flow's report
+(flows/run_report.py). Design decisions:
 
 - **Lineage as tags, read from the records the pipeline already keeps, never re-derived.** Each version gets
   `lineage.train_run_id` (the newest `stage=train` child of the pipeline run named in reports/mlflow_run.json:
@@ -21,7 +22,9 @@ Used by the `register` stage (pipeline/stages/register.py) and the flow's report
   ever promoted (`promotion.decision=promoted`: the champions' history, for rollback), a version without a
   decision (registered by hand, or left by a killed register, which `settle_orphans` handles). `null` keeps
   everything.
-- **The champion as the registry has it** (`champion_status`): when a flow run registered nothing, its
+- **The champion as the registry has it.** `current_champion` is the one read of the alias: only MLflow's
+  "alias not found" / "model not found" mean no champion, any other error raises (the register stage and
+  `promptr1 serve` both read it so). `champion_status`: when a flow run registered nothing, its
   report says so and names the current champion, the register run that promoted it and when (the version's
   `promotion.date` tag, or that run's start for versions registered before the tag existed), instead of
   repeating the last promotion.json as if this run had decided it.
@@ -33,6 +36,8 @@ import logging
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import UserError
 
 if TYPE_CHECKING:
     from pipeline.config import RegisterConfig
@@ -193,6 +198,25 @@ def prune_never_champion(client: Any, name: str, keep: int | None) -> list[str]:
 
 def _date(ms: int | None) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC") if ms else "an unknown date"
+
+
+def current_champion(client: Any, name: str, alias: str) -> Any | None:
+    """The model version the alias points at; None only when the alias (or the model) does not exist.
+
+    Any other MLflow error raises UserError: an unreadable champion is never taken for "no champion" (the
+    register stage fails closed on it; `promptr1 serve` says so before starting a server).
+    """
+    import mlflow.exceptions
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except mlflow.exceptions.MlflowException as exc:
+        message = str(exc)
+        if (exc.error_code == "INVALID_PARAMETER_VALUE" and f"alias {alias} not found" in message) or (
+                exc.error_code == "RESOURCE_DOES_NOT_EXIST" and "Registered Model" in message):
+            return None
+        raise UserError(f"cannot read the current {name}@{alias} from the MLflow registry ({exc.error_code}: "
+                        f"{message.splitlines()[0][:200]}); the alias was not moved") from None
 
 
 def champion_status(cfg: RegisterConfig, tracking: TrackingSpec) -> dict[str, Any]:
