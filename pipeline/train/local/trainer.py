@@ -7,8 +7,9 @@ A step reads top to bottom:
    samples in this process or through llama.cpp's server (`train.rollout_engine`,
    `pipeline.train.local.rollout_engine`);
 3. GRPO update (`pipeline.train.local.grpo`: verl's advantage, clipped loss, low-var KL, token-mean), over
-   PPO mini-batches of `mini_batch_size` questions, in micro-batches of `micro_batch_size` trajectories; a
-   mini-batch without a non-zero advantage takes no optimizer step (`actor/skipped_no_signal`);
+   PPO mini-batches of `mini_batch_size` questions (`pipeline.train.local.minibatches`), in micro-batches of
+   `micro_batch_size` trajectories; a mini-batch without a non-zero advantage takes no optimizer step
+   (`actor/skipped_no_signal`);
 4. its metrics under verl's names (`pipeline.train.local.step_metrics`), with the share of groups whose G
    trajectories all scored the same (`pipeline.train.health_gate`); the caller judges, logs and checkpoints them.
 
@@ -45,7 +46,6 @@ Design decisions:
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -66,6 +66,15 @@ from pipeline.train.local.batch import (
     shared_prompt_log_probs,
 )
 from pipeline.train.local.grpo import GRPOObjective, grpo_advantages, grpo_loss
+from pipeline.train.local.minibatches import (
+    MicroKey,
+    PreUpdateLogProbs,
+    UpdateTotals,
+    add_weighted,
+    micro_advantages,
+    mini_batch_indices,
+    sampling_gaps,
+)
 from pipeline.train.local.models import PolicyModels
 from pipeline.train.local.questions import QuestionSampler, prompt_item_from_row
 from pipeline.train.local.rollout_engine import rollout_engine
@@ -221,115 +230,90 @@ class LocalTrainer:
         an AdamW step would still move every weight by its first moment (~0.9x the last real update, in that
         update's direction) and feed the KL term's gradient into both moments.
         """
-        g = self.cfg.group_size
-        pad_id = self.models.tokenizer.pad_token_id
-        n_items = len(trajectories) // g
-        per_mini = self.cfg.mini_batch_size
-        mini_batches = [list(range(q * g, min(q + per_mini, n_items) * g)) for q in range(0, n_items, per_mini)]
+        mini_batches = mini_batch_indices(len(trajectories), self.cfg.group_size, self.cfg.mini_batch_size)
         signal = [bool(advantages[mb].ne(0).any()) for mb in mini_batches]
         plan = [self.micro_batches(trajectories, mb) if has else [] for mb, has in zip(mini_batches, signal,
                                                                                         strict=True)]
-        batches: dict[tuple[int, int], RolloutBatch] = {}
-        ref_lp: dict[tuple[int, int], torch.Tensor] = {}
-        old_lp: dict[tuple[int, int], torch.Tensor] = {}
+        pre = self.pre_update_log_probs(trajectories, plan)
+        self.models.model.train()
+        totals = UpdateTotals()
+        t_policy = time.perf_counter()
+        for epoch in range(self.cfg.ppo_epochs):
+            for m, micros in enumerate(plan):
+                if not signal[m]:
+                    totals.skipped += 1
+                    continue
+                self.mini_batch_step(pre, [((m, k), idx) for k, idx in enumerate(micros)], advantages, epoch,
+                                     totals)
+        policy_s = time.perf_counter() - t_policy
+        metrics = totals.metrics(self.cfg, float(self.optimizer.param_groups[0]["lr"]), pre.timings)
+        self.models.model.eval()
+        return UpdateResult(metrics=metrics, tokens=totals.tokens, policy_s=policy_s)
+
+    def pre_update_log_probs(self, trajectories: list[Trajectory], plan: list[list[list[int]]]) -> PreUpdateLogProbs:
+        """Collate every micro-batch of `plan` and read, before any optimizer step, the reference's log-probs
+        (unless the policy is the reference) and old_log_prob where the update's own forward comes too late:
+        every mini-batch after the first, and the first too with several PPO epochs."""
+        pad_id = self.models.tokenizer.pad_token_id
         need_old = {m for m in range(len(plan)) if m > 0 or self.cfg.ppo_epochs > 1}
         # Reference log-probs = the pre-update ones when no update has happened since the reference was taken
-        # (decided once: the first optimizer step below changes the policy, not the reference).
-        ref_is_old = self.cfg.use_kl_loss and self.reference_is_policy
-        timings = {"timing_s/ref": 0.0, "timing_s/old_log_prob": 0.0}
-        diffs: list[float] = []
-        entropy = EntropySum()  # the policy's, over the agent tokens its first epoch's update read
-
+        # (decided once: the update's first optimizer step changes the policy, not the reference).
+        pre = PreUpdateLogProbs(reference_is_old=self.cfg.use_kl_loss and self.reference_is_policy)
         self.models.model.eval()
         for m, micros in enumerate(plan):
             for k, idx in enumerate(micros):
                 batch = collate([trajectories[i] for i in idx], pad_id).to(self.device)
-                batches[(m, k)] = batch
+                pre.batches[(m, k)] = batch
                 with torch.no_grad():
-                    if self.cfg.use_kl_loss and not ref_is_old:
+                    if self.cfg.use_kl_loss and not pre.reference_is_old:
                         t0 = time.perf_counter()
                         with self.models.reference_context(), self.autocast():
-                            ref_lp[(m, k)] = self.log_probs(self.models.reference_model, batch)
-                        timings["timing_s/ref"] += time.perf_counter() - t0
+                            pre.reference[(m, k)] = self.log_probs(self.models.reference_model, batch)
+                        pre.timings["timing_s/ref"] += time.perf_counter() - t0
                     if m in need_old:
                         t0 = time.perf_counter()
                         with self.autocast():
-                            old_lp[(m, k)] = self.log_probs(self.models.model, batch)
-                        timings["timing_s/old_log_prob"] += time.perf_counter() - t0
+                            pre.old[(m, k)] = self.log_probs(self.models.model, batch)
+                        pre.timings["timing_s/old_log_prob"] += time.perf_counter() - t0
+        return pre
 
-        self.models.model.train()
-        agg: dict[str, list[float]] = {}
-        tokens = 0
-        skipped = 0
-        t_policy = time.perf_counter()
-        for _epoch in range(self.cfg.ppo_epochs):
-            for m, micros in enumerate(plan):
-                if not signal[m]:
-                    skipped += 1
-                    continue
-                mb_tokens = sum(batches[(m, k)].response_mask.sum() for k in range(len(micros)))
-                mb_tokens = int(mb_tokens)
-                mb_size = sum(len(idx) for idx in micros)
-                if mb_tokens == 0:
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
-                sums: dict[str, float] = {}
-                for k, idx in enumerate(micros):
-                    batch = batches[(m, k)]
-                    with self.autocast():
-                        log_prob = self.log_probs(self.models.model, batch, entropy if _epoch == 0 else None)
-                    old = old_lp[(m, k)] if (m, k) in old_lp else log_prob.detach()
-                    if ref_is_old and (m, k) not in ref_lp:
-                        # No update since the reference was taken: the pre-update log-probs (old_lp, or this
-                        # first mini-batch's own forward) are the reference's: same weights, same batch.
-                        ref_lp[(m, k)] = old.detach()
-                    adv = torch.zeros_like(log_prob)
-                    width = min(adv.shape[1], advantages.shape[1])
-                    adv[:, :width] = advantages[idx, :width].to(adv)
-                    loss, parts = grpo_loss(log_prob, old, adv, batch.response_mask, self.objective,
-                                            ref_log_prob=ref_lp.get((m, k)), batch_num_tokens=mb_tokens,
-                                            global_batch_size=mb_size)
-                    loss.backward()
-                    tokens += batch.num_tokens
-                    share = float(batch.response_mask.sum()) / mb_tokens
-                    for key, value in parts.items():
-                        # losses are already this micro-batch's share; ratios/fractions are weighted here
-                        sums[key] = sums.get(key, 0.0) + (value if key in ("actor/pg_loss", "actor/kl_loss")
-                                                          else value * share)
-                    if _epoch == 0 and batch.sampling_log_probs is not None:
-                        gap = (old - batch.sampling_log_probs).abs()[batch.response_mask.bool()]
-                        gap = gap[torch.isfinite(gap)]  # NaN: a token the rollout's server gave no log-prob
-                        if gap.numel():
-                            diffs.extend(gap.tolist())
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.models.trainable_parameters(), self.cfg.grad_clip)
-                if not torch.isfinite(grad_norm):
-                    log.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm)
-                    self.optimizer.zero_grad(set_to_none=True)
-                else:
-                    self.optimizer.step()
-                    self.reference_is_policy = False
-                sums["actor/grad_norm"] = float(grad_norm)
-                for key, value in sums.items():
-                    agg.setdefault(key, []).append(value)
-        policy_s = time.perf_counter() - t_policy
-        metrics = {k: statistics.fmean(v) for k, v in agg.items()}
-        metrics.setdefault("actor/pg_loss", 0.0)
-        # No mini-batch ran: the KL to the reference was not measured (NaN: left out of MLflow and the health
-        # gate's means, where a 0 would pull the window down).
-        metrics.setdefault("actor/kl_loss", float("nan") if self.cfg.use_kl_loss and skipped else 0.0)
-        metrics.setdefault("actor/grad_norm", 0.0)
-        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        # NaN when no mini-batch ran (as the KL): left out of MLflow, blank in steps.csv.
-        metrics["actor/entropy"] = entropy.mean
-        metrics["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
-        metrics["actor/num_optimizer_steps"] = float(len(agg.get("actor/grad_norm", [])))
-        metrics["actor/skipped_no_signal"] = float(skipped)
-        if diffs:
-            metrics["training/rollout_logprob_diff_mean"] = statistics.fmean(diffs)
-            metrics["training/rollout_logprob_diff_max"] = max(diffs)
-        metrics.update(timings)
-        self.models.model.eval()
-        return UpdateResult(metrics=metrics, tokens=tokens, policy_s=policy_s)
+    def mini_batch_step(self, pre: PreUpdateLogProbs, micros: list[tuple[MicroKey, list[int]]],
+                        advantages: torch.Tensor, epoch: int, totals: UpdateTotals) -> None:
+        """One optimizer step on a mini-batch: the gradients of its micro-batches (`micros`: each one's key and
+        trajectory rows) accumulated, each loss normalised by the mini-batch's agent tokens; none without any."""
+        mb_tokens = int(sum(pre.batches[key].response_mask.sum() for key, _ in micros))
+        mb_size = sum(len(idx) for _, idx in micros)
+        if mb_tokens == 0:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for key, idx in micros:
+            batch = pre.batches[key]
+            with self.autocast():
+                log_prob = self.log_probs(self.models.model, batch, totals.entropy if epoch == 0 else None)
+            old = pre.old_log_prob(key, log_prob)
+            loss, parts = grpo_loss(log_prob, old, micro_advantages(advantages, idx, log_prob), batch.response_mask,
+                                    self.objective, ref_log_prob=pre.reference.get(key), batch_num_tokens=mb_tokens,
+                                    global_batch_size=mb_size)
+            loss.backward()
+            totals.tokens += batch.num_tokens
+            add_weighted(sums, parts, float(batch.response_mask.sum()) / mb_tokens)
+            if epoch == 0:
+                totals.diffs.extend(sampling_gaps(old, batch))
+        sums["actor/grad_norm"] = self.optimizer_step()
+        totals.add_mini_batch(sums)
+
+    def optimizer_step(self) -> float:
+        """Clip the gradient to `train.grad_clip` and step; a non-finite norm drops the gradient instead.
+        Returns the norm before clipping."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.models.trainable_parameters(), self.cfg.grad_clip)
+        if not torch.isfinite(grad_norm):
+            log.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.reference_is_policy = False
+        return float(grad_norm)
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self, env, step: int) -> dict[str, float]:
