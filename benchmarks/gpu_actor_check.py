@@ -529,7 +529,7 @@ def merge(actor_dir: Path, target: Path) -> str:
     process (`runpy`, the module's own `__main__`): a second interpreter would import verl again."""
     import runpy
 
-    from pipeline.stages.merge import verl_merge_command
+    from pipeline.train.merge import verl_merge_command
 
     command = verl_merge_command(actor_dir, target)
     module, argv = command[2], command[3:]

@@ -178,3 +178,12 @@ def load_tokenizer(ref: str | ResolvedModel, root: Path | None = None) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(directory, clean_up_tokenization_spaces=False, **kwargs)
     tokenizer.clean_up_tokenization_spaces = False
     return tokenizer
+
+
+def load_causal_lm(ref: str | ResolvedModel, root: Path, dtype: Any) -> Any:
+    """The causal LM at `ref` (any reference `resolve_model` takes) in torch dtype `dtype`: the weights the local
+    trainer starts from and the base a LoRA adapter is merged onto."""
+    from transformers import AutoModelForCausalLM
+
+    directory, kwargs = pretrained_source(as_resolved(ref, root), "model")
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)

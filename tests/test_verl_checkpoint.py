@@ -31,8 +31,9 @@ from verl_cpu import fsdp_checkpoint_worker
 
 from pipeline.checks.layout import assert_runnable
 from pipeline.config import load_params
-from pipeline.stages.merge import MergeVerificationError, probe_input, probe_logits, run_merge
+from pipeline.stages.merge import run_merge
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.merge import MergeVerificationError, probe_input, probe_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -168,7 +168,7 @@ def fsdp_checkpoint_worker(rank: int, world_size: int, model_dir: str, root: str
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
     from verl.utils.fsdp_utils import apply_fsdp2
 
-    from pipeline.stages.merge import probe_input, probe_logits
+    from pipeline.train.merge import probe_input, probe_logits
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))

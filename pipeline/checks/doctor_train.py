@@ -21,8 +21,9 @@ trajectories (GPU nodes only).
   (`watchdog_suggestion`: verl's `timing_s/gen` of the step, scaled from the doctor's batch to the profile's
   as the environment's worst case scales, doubled), as `-S train.verl.watchdog.rollout_s=<s>` to pass to the
   run: the doctor writes no params file, which would change the train stage's params and rerun it.
-- `merge`: `pipeline.stages.merge.run_merge` of that checkpoint into `reports/doctor/model` (verl's merger,
-  then the load-and-generate check); the checkpoint folder is removed afterwards.
+- `merge`: `pipeline.train.merge.merge_checkpoint` (what the merge stage runs) of that checkpoint into
+  `reports/doctor/model` (verl's merger, then the load-and-generate check); the checkpoint folder is removed
+  afterwards.
 - `trajectories`: two trajectories of the dump, each split into its agent turns (mask 1) and the
   environment's replies (mask 0). verl's dump holds decoded text, not the token mask, so the split is at
   the protocol's `<interaction_response>` blocks with the template text around them (the role words and
@@ -247,12 +248,13 @@ def watchdog_suggestion(params: Params, conversations: int, verl_log: Path) -> d
 
 
 def step_merge(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
-    from pipeline.stages.merge import run_merge
+    from pipeline.train.merge import merge_checkpoint
+    from pipeline.train.plan import MergePlan
 
     if doc.status("verl step") != "pass":
         return skipped("no verl checkpoint (the verl step did not run)")
     p = one_step_params(doc.params, checkpoint_folder(doc))
-    report = run_merge(p)
+    report = merge_checkpoint(MergePlan.from_params(p))
     shutil.rmtree(checkpoint_folder(doc))  # the one-step checkpoint has served its purpose
     return passed(
         f"{report.checkpoint} merged into {p.paths.model_dir}: generated {report.generated_tokens} tokens "

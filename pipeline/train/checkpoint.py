@@ -56,6 +56,9 @@ LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _VERL_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The torch dtype of each `agent.dtype` name: what the local trainer loads the agent in, and what a merged
+model is reloaded and checked in."""
 
 
 @dataclass

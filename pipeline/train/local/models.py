@@ -22,13 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.errors import UserError
+from pipeline.modelref import load_causal_lm
+from pipeline.train.checkpoint import DTYPES
 
 if TYPE_CHECKING:
     from pipeline.config import AgentConfig, LoraConfig, TrainConfig
     from pipeline.modelref import ResolvedModel
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -39,15 +38,6 @@ def load_tokenizer(ref: str | ResolvedModel, root: Path):
     from pipeline.modelref import load_tokenizer as _load
 
     return _load(ref, root)
-
-
-def load_causal_lm(ref: str | ResolvedModel, root: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    from pipeline.modelref import as_resolved, pretrained_source
-
-    directory, kwargs = pretrained_source(as_resolved(ref, root), "model")
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
 
 
 def apply_lora(model, lora: LoraConfig):
