@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,16 +86,13 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
     """
     from pipeline.environment.client import EnvironmentClient
     from pipeline.environment.servers import serve_environment
-    from pipeline.progress import progress
 
     cfg = plan.train
     _refuse_warmup_with_lora(cfg)
-    root = plan.checkpoint_dir
     discard_stale_checkpoints(plan)
-    folder = ckpt.latest_checkpoint(root)
+    folder = ckpt.latest_checkpoint(plan.checkpoint_dir)
     state = ckpt.TrainerState.read(folder) if folder else None
     start = state.step if state else 0
-    warmed = bool(state and state.warmup_done)
     # A run resumed from a GRPO step never warms up (it either did, or ran without warm-up).
     need_warmup = cfg.warmup.steps > 0 and state is None
     steps_log = StepsLog(plan.steps_csv, keep_upto=start)
@@ -103,6 +101,59 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
         log.info("training already complete: checkpoint at step %d >= train.steps %d", start, cfg.steps)
         return dict(state.metrics) if state else {}
 
+    training = _TrainingRun(plan, _load_trainer(plan, folder, state), steps_log, trajectory_log,
+                            warmed=bool(state and state.warmup_done))
+    last: dict[str, float] = dict(state.metrics) if state else {}
+    gate = health_gate.HealthGate(cfg.health, health_gate.LOCAL_METRICS, cfg.steps,
+                             [(int(r["step"]), r) for r in steps_log.rows])  # a resume judges the same windows
+    end = cfg.steps if max_steps is None else min(cfg.steps, start + max_steps)
+    with serve_environment(plan.server):
+        if need_warmup:
+            trainer = training.trainer
+            warm_metrics = _run_warmup(plan, trainer.models, trainer.frame, trainer.device, plan.checkpoint_dir)
+            training.warmed = True
+            training.save(0, warm_metrics)
+            if cfg.steps == 0:
+                return warm_metrics
+        env = EnvironmentClient.in_cache_dir(plan.environment, plan.cache_dir)
+        if end > start:
+            log.info("GRPO rollouts sampled by %s", "llama.cpp's server (the policy exported to GGUF each step)"
+                     if training.trainer.engine == "llama.cpp" else "the policy in this process (transformers)")
+            set_run_tag("train.rollout_engine_used", training.trainer.engine)
+        try:
+            return _grpo_steps(training, env, gate, start, end, last)
+        finally:
+            _close_env(env)
+
+
+@dataclass
+class _TrainingRun:
+    """One call of `train_local`: the plan, the trainer, and the logs its steps are written to."""
+
+    plan: TrainPlan
+    trainer: LocalTrainer
+    steps_log: StepsLog
+    trajectory_log: TrajectoryLog
+    warmed: bool
+    """The format warm-up is done: the checkpoints saved from now on say so (`warmup_done`)."""
+
+    def save(self, step: int, metrics: dict[str, float]) -> None:
+        plan, cfg, sampler = self.plan, self.plan.train, self.trainer.sampler
+        st = ckpt.TrainerState(step=step, epoch=sampler.epoch, position=sampler.position, seed=plan.seed,
+                               base_model=plan.agent.model, lora=cfg.lora.enabled, steps_target=cfg.steps,
+                               metrics=metrics, config=training_config(plan), warmup_done=self.warmed)
+        _save_if_it_fits(plan, self.trainer.models, self.trainer.optimizer, st)
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        """The step to steps.csv and its trajectories to trajectories.jsonl."""
+        self.steps_log.append(step, metrics)
+        self.trajectory_log.append(step, self.trainer.last_trajectories)
+
+
+def _load_trainer(plan: TrainPlan, folder: Path | None, state: ckpt.TrainerState | None) -> LocalTrainer:
+    """The trainer over the training set: the policy, its optimizer, the RNG state and the data position restored
+    from the checkpoint `folder` (`state`: its trainer state), or fresh when there is none."""
+    cfg = plan.train
     torch.manual_seed(plan.seed)
     np.random.seed(plan.seed)
     device = pick_device()
@@ -118,68 +169,53 @@ def train_local(plan: TrainPlan, run: Any = None, *, max_steps: int | None = Non
     log.info("warm-up and updates in %s (train.autocast: %s)", trainer.autocast_dtype or "float32",
              cfg.autocast)
     set_run_tag("train.autocast_used", trainer.autocast_dtype or "float32")
-    if warmed and models.reference is not None:
-        _load_warmed_reference(models, root, plan.agent.model, plan.root)
-    if folder is not None:
+    if state is not None and state.warmup_done and models.reference is not None:
+        _load_warmed_reference(models, plan.checkpoint_dir, plan.agent.model, plan.root)
+    if folder is not None and state is not None:
         ckpt.restore_optimizer_and_rng(trainer.optimizer, folder)
-        log.info("resumed at step %d (epoch %d, position %d)", start, sampler.epoch, sampler.position)
+        log.info("resumed at step %d (epoch %d, position %d)", state.step, sampler.epoch, sampler.position)
+    return trainer
 
-    def save(step: int, metrics: dict[str, float]) -> None:
-        st = ckpt.TrainerState(step=step, epoch=sampler.epoch, position=sampler.position, seed=plan.seed,
-                               base_model=plan.agent.model, lora=cfg.lora.enabled, steps_target=cfg.steps,
-                               metrics=metrics, config=training_config(plan), warmup_done=warmed)
-        _save_if_it_fits(plan, models, trainer.optimizer, st)
 
-    last: dict[str, float] = dict(state.metrics) if state else {}
-    gate = health_gate.HealthGate(cfg.health, health_gate.LOCAL_METRICS, cfg.steps,
-                             [(int(r["step"]), r) for r in steps_log.rows])  # a resume judges the same windows
-    end = cfg.steps if max_steps is None else min(cfg.steps, start + max_steps)
-    with serve_environment(plan.server):
-        if need_warmup:
-            warm_metrics = _run_warmup(plan, models, frame, device, root)
-            warmed = True
-            save(0, warm_metrics)
-            if cfg.steps == 0:
-                return warm_metrics
-        env = EnvironmentClient.in_cache_dir(plan.environment, plan.cache_dir)
-        if end > start:
-            log.info("GRPO rollouts sampled by %s", "llama.cpp's server (the policy exported to GGUF each step)"
-                     if trainer.engine == "llama.cpp" else "the policy in this process (transformers)")
-            set_run_tag("train.rollout_engine_used", trainer.engine)
-        bar = progress(range(start + 1, end + 1), desc="GRPO", unit="step", total=end - start)
-        try:
-            for step in bar:
-                position = (sampler.epoch, sampler.position)
-                try:
-                    metrics = trainer.step(env, step)
-                except (BudgetExceeded, EnvironmentUnhealthy):
-                    # Keep every finished step: checkpoint the last one (its questions drawn, not this one's);
-                    # the failing step itself is never saved, so a resume redoes it against a healthy server.
-                    sampler.restore(*position)
-                    if step - 1 > start and (step - 1) % cfg.save_every != 0:
-                        save(step - 1, last)
-                    raise
-                breach = gate.observe(step, metrics)
-                if breach is not None:
-                    # Judged before the save: the breaching step's weights never become a checkpoint.
-                    steps_log.append(step, metrics)
-                    trajectory_log.append(step, trainer.last_trajectories)
-                    log_mlflow_metrics(metrics, step)
-                    raise health_gate.stop_training(breach, _kept(root))
-                t0 = time.perf_counter()
-                if step % cfg.save_every == 0 or step == cfg.steps or step == end:
-                    save(step, metrics)
-                metrics["timing_s/save"] = time.perf_counter() - t0
-                steps_log.append(step, metrics)
-                trajectory_log.append(step, trainer.last_trajectories)
-                log_step_traces(step, trainer.last_trajectories[: plan.trace_train_samples])
+def _grpo_steps(training: _TrainingRun, env: Any, gate: health_gate.HealthGate, start: int, end: int,
+                last: dict[str, float]) -> dict[str, float]:
+    """GRPO steps `start`+1 … `end`, each judged by the health gate, then checkpointed and logged; returns the
+    last finished step's metrics (`last` when none finishes)."""
+    from pipeline.progress import progress
+
+    plan, trainer, sampler = training.plan, training.trainer, training.trainer.sampler
+    cfg = plan.train
+    bar = progress(range(start + 1, end + 1), desc="GRPO", unit="step", total=end - start)
+    try:
+        for step in bar:
+            position = (sampler.epoch, sampler.position)
+            try:
+                metrics = trainer.step(env, step)
+            except (BudgetExceeded, EnvironmentUnhealthy):
+                # Keep every finished step: checkpoint the last one (its questions drawn, not this one's);
+                # the failing step itself is never saved, so a resume redoes it against a healthy server.
+                sampler.restore(*position)
+                if step - 1 > start and (step - 1) % cfg.save_every != 0:
+                    training.save(step - 1, last)
+                raise
+            breach = gate.observe(step, metrics)
+            if breach is not None:
+                # Judged before the save: the breaching step's weights never become a checkpoint.
+                training.log_step(step, metrics)
                 log_mlflow_metrics(metrics, step)
-                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
-                                step_s=f"{metrics['timing_s/step']:.1f}")
-                last = metrics
-        finally:
-            bar.close()
-            _close_env(env)
+                raise health_gate.stop_training(breach, _kept(plan.checkpoint_dir))
+            t0 = time.perf_counter()
+            if step % cfg.save_every == 0 or step == cfg.steps or step == end:
+                training.save(step, metrics)
+            metrics["timing_s/save"] = time.perf_counter() - t0
+            training.log_step(step, metrics)
+            log_step_traces(step, trainer.last_trajectories[: plan.trace_train_samples])
+            log_mlflow_metrics(metrics, step)
+            bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
+                            step_s=f"{metrics['timing_s/step']:.1f}")
+            last = metrics
+    finally:
+        bar.close()
     return last
 
 
