@@ -270,8 +270,9 @@ def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int 
     from pipeline.environment.simulated.hops_world import world
     from pipeline.progress import progress
     from pipeline.reward import reward_for_trajectory
+    from pipeline.train.local.demonstrations import question_of
     from pipeline.train.local.questions import prompt_item_from_row
-    from pipeline.train.local.warmup import PRECHECK_QUESTIONS, PRECHECK_SAMPLES, question_of, warmup_precheck
+    from pipeline.train.local.warmup import PRECHECK_QUESTIONS, PRECHECK_SAMPLES, warmup_precheck
 
     frame = pd.read_parquet(params.path(params.paths.rl_dir) / "train.parquet")
     items = [prompt_item_from_row(row, i) for i, row in enumerate(frame.to_dict("records"))]

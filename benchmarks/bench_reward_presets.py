@@ -10,7 +10,7 @@ Input, one of:
   `pipeline.stages.evaluate` writes them), `prompt_r1_turns` (verl's extra field) or `trajectory` (a JSON string
   of such objects); gold answers under `gold_answers` / `golds` (a list or a JSON string) or
   `reward_model.ground_truth`.
-- nothing: `--demos N` warm-up demonstrations (`pipeline.train.local.warmup.demo_texts`, seeded), of which a
+- nothing: `--demos N` warm-up demonstrations (`pipeline.train.local.demonstrations.demo_texts`, seeded), of which a
   share `--defect-rate` get one seeded format defect in one turn (a leading space, trailing text, an empty
   answer or interaction prompt, a repeated `<think>`, text before `<answer>`), the kinds where the presets
   disagree.
@@ -84,7 +84,7 @@ def from_jsonl(path: Path) -> list[tuple[list[str], list[str]]]:
 
 
 def from_demos(count: int, defect_rate: float, seed: int, interaction_turns: int) -> list[tuple[list[str], list[str]]]:
-    from pipeline.train.local.warmup import demo_texts
+    from pipeline.train.local.demonstrations import demo_texts
 
     rng = random.Random(seed)
     out = []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeline.train.local.warmup import stated_in
+from pipeline.train.local.demonstrations import stated_in
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -12,7 +12,7 @@ import pytest
 from pipeline.config import load_params
 from pipeline.errors import UserError
 from pipeline.stages.register import PRODUCTION_ALIAS, check_production_alias, run_register
-from pipeline.train.local.warmup import WITHHELD_REPLY, build_demonstrations
+from pipeline.train.local.demonstrations import WITHHELD_REPLY, build_demonstrations
 from pipeline.train.plan import TrainPlan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

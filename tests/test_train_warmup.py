@@ -1,5 +1,6 @@
-"""Format warm-up (pipeline.train.local.warmup): demonstrations in the exact protocol, the supervised loss, and
-its place in the local trainer (once, checkpointed, the KL reference).
+"""Format warm-up (pipeline.train.local.warmup): demonstrations in the exact protocol
+(pipeline.train.local.demonstrations), the supervised loss, and its place in the local trainer (once,
+checkpointed, the KL reference).
 
 Fast tests: tiny random Llama (conftest `tiny_llama_dir`) and the fault-injecting test server as a real
 HTTP environment (`echo: …` replies). The real SmolLM2 + llama.cpp measurement is benchmarks/bench_train.py.
@@ -29,9 +30,9 @@ def warm_params(tmp_path: Path, model_dir: Path, env_url: str, **warmup):
 
 def build(params, count: int):
     from pipeline.environment.client import EnvironmentClient
+    from pipeline.train.local.demonstrations import build_demonstrations
     from pipeline.train.local.models import load_tokenizer
     from pipeline.train.local.questions import prompt_item_from_row
-    from pipeline.train.local.warmup import build_demonstrations
 
     frame = pd.read_parquet(params.path(params.paths.rl_dir) / "train.parquet")
     tokenizer = load_tokenizer(params.agent.model, params.root)
@@ -100,7 +101,7 @@ def test_demonstrations_vary_their_wording_and_respect_budgets(tmp_path, tiny_ll
 def test_verbatim_request_sends_the_question_alone_and_keeps_the_other_wordings():
     import random
 
-    from pipeline.train.local.warmup import FIRST_PROMPT, demo_texts
+    from pipeline.train.local.demonstrations import FIRST_PROMPT, demo_texts
 
     question = "Who wrote Dune?"
     framed = [demo_texts(question, "Frank Herbert", 2, random.Random(s)) for s in range(12)]
@@ -210,20 +211,20 @@ def _words(text: str) -> int:
     (["", "   \n "], ["x"], ""),                                            # nothing to answer with
 ])
 def test_reply_answer_takes_a_stated_gold_else_the_last_replys_answer(replies, golds, expected):
-    from pipeline.train.local.warmup import reply_answer
+    from pipeline.train.local.demonstrations import reply_answer
 
     assert reply_answer(replies, golds, _words, max_tokens=4) == expected
 
 
 def test_a_stated_gold_longer_than_the_budget_falls_back_to_the_reply():
-    from pipeline.train.local.warmup import reply_answer
+    from pipeline.train.local.demonstrations import reply_answer
 
     assert reply_answer(["It was William Shakespeare, the playwright"], ["William Shakespeare"], _words,
                         max_tokens=1) == "It"
 
 
 def test_answer_source_auto_follows_the_replies():
-    from pipeline.train.local.warmup import answer_source
+    from pipeline.train.local.demonstrations import answer_source
 
     params = load_params(REPO_ROOT / "params.yaml")
     assert params.train.warmup.answer == "auto" and answer_source(params.train.warmup) == "reply"
@@ -292,9 +293,9 @@ def test_reask_demonstrations_ask_twice_with_live_replies_on_two_hop_questions(t
     from pipeline.environment.simulated.hops_world import world
     from pipeline.metrics import normalize_answer
     from pipeline.stages.build import rl_row
+    from pipeline.train.local.demonstrations import build_demonstrations, needed_followup
     from pipeline.train.local.models import load_tokenizer
     from pipeline.train.local.questions import prompt_item_from_row
-    from pipeline.train.local.warmup import build_demonstrations, needed_followup
 
     records, _ = hops_rows()
     frame = pd.DataFrame([rl_row(dataset="hops", content=f"Question: {r['question']}", task_type="multi_hop_qa",
