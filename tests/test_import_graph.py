@@ -12,6 +12,8 @@ Within the library layer two more rules: the training backends (pipeline/train/l
 import nothing of each other, and the shared part of pipeline/train/ imports neither, so either backend
 reads, moves and tests on its own; and a few libraries do not reach sideways into a sibling (SIDEWAYS: the
 agent and tracking import nothing from evaluation/, the environment nothing from pipeline.weights).
+Within the stage layer, chains stay short: the node checks and the other commands import no stage module
+(NO_STAGE); what a check or a command shares with a stage lives in a library both import.
 """
 
 from __future__ import annotations
@@ -130,10 +132,27 @@ SIDEWAYS = (
 )
 
 
+# Stage-layer modules that must not import a stage: (importer's package, the package it must not import).
+NO_STAGE = (
+    ("pipeline.checks", "pipeline.stages"),
+    ("pipeline.commands", "pipeline.stages"),
+)
+
+
+def forbidden(graph: dict[str, set[str]], rules: tuple[tuple[str, str], ...]) -> list[str]:
+    """`a -> b` for every import from an importer's package into the package `rules` pairs it with."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  for low, banned in rules if _under(a, low) and _under(b, banned))
+
+
 def sideways(graph: dict[str, set[str]]) -> list[str]:
     """`a -> b` for every import SIDEWAYS forbids."""
-    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
-                  for low, banned in SIDEWAYS if _under(a, low) and _under(b, banned))
+    return forbidden(graph, SIDEWAYS)
+
+
+def stage_chains(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every import NO_STAGE forbids."""
+    return forbidden(graph, NO_STAGE)
 
 
 def test_the_training_backends_import_neither_each_other_nor_from_the_shared_part_upward() -> None:
@@ -147,10 +166,18 @@ def test_agent_tracking_and_environment_import_no_sibling_they_must_not() -> Non
     assert not found, "sideways imports between libraries:\n" + "\n".join(found)
 
 
+def test_checks_and_commands_import_no_stage() -> None:
+    found = stage_chains(import_graph(ROOT))
+    assert not found, "checks or commands importing a stage (move the shared piece into a library):\n" + \
+        "\n".join(found)
+
+
 def test_each_crossing_rule_can_fail(tmp_path: Path) -> None:
     """The rules themselves, on a synthetic tree: local -> verl, verl -> local and shared -> a backend cross;
     a backend -> shared, a backend -> its own modules and a stage -> both do not. agent -> evaluation,
-    tracking -> evaluation and environment -> weights are sideways; evaluation -> agent is not."""
+    tracking -> evaluation and environment -> weights are sideways; evaluation -> agent is not. A check importing a
+    stage (inside a function) and a command importing one are stage chains; a check importing a library and a
+    stage importing another stage are not."""
     files = {
         "pipeline/__init__.py": "",
         "pipeline/weights.py": "",
@@ -172,6 +199,11 @@ def test_each_crossing_rule_can_fail(tmp_path: Path) -> None:
         "pipeline/environment/servers.py": "from pipeline import weights\n",
         "pipeline/evaluation/__init__.py": "",
         "pipeline/evaluation/systems.py": "from pipeline.agent import policy\n",
+        "pipeline/stages/merge.py": "from pipeline.stages import train\n",
+        "pipeline/checks/__init__.py": "",
+        "pipeline/checks/doctor.py": "from pipeline.train import plan\n\ndef f():\n    from pipeline.stages import merge\n",
+        "pipeline/commands/__init__.py": "",
+        "pipeline/commands/serve.py": "import pipeline.stages.train\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -183,3 +215,5 @@ def test_each_crossing_rule_can_fail(tmp_path: Path) -> None:
     assert sideways(graph) == ["pipeline.agent.policy -> pipeline.evaluation.systems",
                                "pipeline.environment.servers -> pipeline.weights",
                                "pipeline.tracking.promotion -> pipeline.evaluation.systems"]
+    assert stage_chains(graph) == ["pipeline.checks.doctor -> pipeline.stages.merge",
+                                   "pipeline.commands.serve -> pipeline.stages.train"]
