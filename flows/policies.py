@@ -44,7 +44,7 @@ RESUME_CHECK_MARK = "training resume check"
 STEPS_RECORD_MARK = "training steps record"
 """Start of the line when steps.csv lacks steps the training went through (pipeline/train/verl/steps.py)."""
 STALL_MARK = "training stalled"
-"""Start of the line when the progress watchdog stopped verl (pipeline/train/verl/progress.py): retried."""
+"""Start of the line when the progress watchdog stopped verl (pipeline/train/verl/watchdog.py): retried."""
 
 NOT_RETRIED = {
     HEALTH_GATE_MARK: "a resumed run would train from the same last healthy checkpoint into the same breach",

@@ -33,7 +33,7 @@ class TrainingUnhealthy(UserError):
 
 
 class TrainingStalled(UserError):
-    """The progress watchdog (pipeline/train/verl/progress.py) saw no new verl step line within the step's bound:
+    """The progress watchdog (pipeline/train/verl/watchdog.py) saw no new verl step line within the step's bound:
     verl's process group was stopped; the last checkpoint stays, so a retry resumes from it."""
 
 

@@ -355,7 +355,7 @@ def test_verl_total_is_counted_as_verl_counts_it(tmp_path):
 
     from pipeline.errors import DataError
     from pipeline.train.verl.config import compose_plan
-    from pipeline.train.verl.progress import schedule_from_config, verl_schedule
+    from pipeline.train.verl.schedule import schedule_from_config, verl_schedule
 
     def planned_total_steps(plan):  # the total the launch gives the gate and the resume check
         return verl_schedule(plan).total_steps

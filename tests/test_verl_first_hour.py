@@ -35,17 +35,9 @@ import pytest
 from pipeline.config import WatchdogConfig, deep_merge, load_params, parse_override
 from pipeline.errors import DataError, TrainingIncomplete, TrainingStalled
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl.progress import (
-    RESUME_CHECK_MARK,
-    STALL_MARK,
-    ProgressWatchdog,
-    ResumeCheck,
-    StepBounds,
-    VerlProgress,
-    VerlSchedule,
-    resumed_step,
-    schedule_from_config,
-)
+from pipeline.train.verl.progress import RESUME_CHECK_MARK, ResumeCheck, VerlProgress, resumed_step
+from pipeline.train.verl.schedule import VerlSchedule, schedule_from_config
+from pipeline.train.verl.watchdog import STALL_MARK, ProgressWatchdog, StepBounds
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_check_wheels, the wheel set's manifest logic

@@ -29,16 +29,9 @@ from pipeline.config import WatchdogConfig, load_params
 from pipeline.config.specs import tracking_spec
 from pipeline.errors import TrainingIncomplete, TrainingStalled
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl.progress import (
-    RESUME_CHECK_MARK,
-    STALL_MARK,
-    ProgressWatchdog,
-    ResumeCheck,
-    StepBounds,
-    VerlProgress,
-    VerlSchedule,
-    resumed_step,
-)
+from pipeline.train.verl.progress import RESUME_CHECK_MARK, ResumeCheck, VerlProgress, resumed_step
+from pipeline.train.verl.schedule import VerlSchedule
+from pipeline.train.verl.watchdog import STALL_MARK, ProgressWatchdog, StepBounds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOGS = Path(__file__).parent / "fixtures" / "verl_logs"
@@ -235,7 +228,7 @@ def test_step_bounds_of_the_smoke_profile_by_hand(smoke_plan):
     60 s x (1 + 1/4) = 75 s: (ceil(16 x 3 / 16) + 3) x 75 = 450 s of rollout; the profile saves at step 3 and
     never validates; `trainer.total_training_steps=3` although 18 rows // 4 = 4 steps per epoch. The start-up
     is bounded alone, until verl's fit-start line; a resumed launch's first step also loads the checkpoint."""
-    from pipeline.train.verl.progress import verl_schedule
+    from pipeline.train.verl.schedule import verl_schedule
 
     schedule = verl_schedule(smoke_plan)
     assert (schedule.total_steps, schedule.steps_per_epoch) == (3, 4)
@@ -255,7 +248,7 @@ def test_step_bounds_of_the_smoke_profile_by_hand(smoke_plan):
 
 def test_a_training_set_verl_cannot_train_on_is_named(smoke_plan):
     from pipeline.errors import DataError
-    from pipeline.train.verl.progress import verl_schedule
+    from pipeline.train.verl.schedule import verl_schedule
 
     pd.DataFrame({"x": range(3)}).to_parquet(smoke_plan.train_file)  # fewer rows than one batch of 4
     with pytest.raises(DataError, match=r"train.parquet gives verl no training step \(3 rows"):

@@ -229,9 +229,9 @@ def step_verl(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
 def watchdog_suggestion(params: Params, conversations: int, verl_log: Path) -> dict[str, Any] | None:
     """The `train.verl.watchdog.rollout_s` the doctor's step suggests for the profile's steps: verl's
     `timing_s/gen` on the step's line in `verl_log` (`conversations` trajectories), scaled to the profile's
-    batch (`pipeline.train.verl.progress.suggested_rollout_s`); None when the log holds no such line."""
+    batch (`pipeline.train.verl.watchdog.suggested_rollout_s`); None when the log holds no such line."""
     from pipeline.train.verl.health_gate import TRAINING_KEY, parse_step_line
-    from pipeline.train.verl.progress import suggested_rollout_s
+    from pipeline.train.verl.watchdog import suggested_rollout_s
 
     measured = None
     if verl_log.is_file():

@@ -32,7 +32,7 @@ class LoraConfig(_Section):
 
 
 class WatchdogConfig(_Section):
-    """The progress watchdog of the verl backend (pipeline/train/verl/progress.py): verl's process group is stopped
+    """The progress watchdog of the verl backend (pipeline/train/verl/watchdog.py): verl's process group is stopped
     when no new step line comes within the step's bound, the environment's worst case for one step's rollout
     (derived from `environment.timeout_s`, `environment.concurrency` and `agent.max_turns`) plus these allowances."""
 

@@ -16,7 +16,7 @@ environment's replies, untrusted text.
 
 Rerunning is safe: both backends resume from their last checkpoint. Whether training is complete is decided
 once, at the entry, by `training_progress` below: the newest checkpoint against the total
-(`train.steps` on the local backend; on verl the total verl computes, `pipeline.train.verl.progress.verl_schedule`). When
+(`train.steps` on the local backend; on verl the total verl computes, `pipeline.train.verl.schedule.verl_schedule`). When
 it is complete (and `reports/train/steps.csv` and `reports/mlflow_run.json` are present) the stage does
 nothing, so a forced `dvc repro` neither opens an empty MLflow run nor relaunches verl past its last step; if
 the run file is missing it opens one and logs the recorded curve into it, so the stage's outputs are always
@@ -80,10 +80,11 @@ def training_progress(plan: TrainPlan) -> TrainingProgress:
     """Where training stands before a run, on the figures register reads back (pipeline/train/completion.py).
 
     local: the newest checkpoint of the current training config against `train.steps`; verl: the checkpoint verl
-    would resume from against the total verl computes (`pipeline.train.verl.progress.verl_schedule`).
+    would resume from against the total verl computes (`pipeline.train.verl.schedule.verl_schedule`).
     """
     if plan.train.backend == "verl":
-        from pipeline.train.verl.progress import resumed_step, verl_schedule
+        from pipeline.train.verl.progress import resumed_step
+        from pipeline.train.verl.schedule import verl_schedule
 
         schedule = verl_schedule(plan)
         step = resumed_step(plan.checkpoint_dir)

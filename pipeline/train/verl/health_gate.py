@@ -16,7 +16,7 @@ The gate's grace and window scale with the run's total steps (pipeline/config/he
 total: `len(train_dataloader) * trainer.total_epochs` (batches of `data.train_batch_size`, the last partial one
 dropped), or `trainer.total_training_steps` when set (verl/trainer/ppo/ray_trainer.py `_create_dataloader`).
 The watch starts from that total computed on the composed config and the training set's row count
-(pipeline/train/verl/progress.py `verl_schedule`, the total the resume check holds verl to too) and takes verl's own figure from its line
+(pipeline/train/verl/schedule.py `verl_schedule`, the total the resume check holds verl to too) and takes verl's own figure from its line
 `Total training steps: N` once printed (it can be lower: `data.filter_overlong_prompts` drops rows first).
 
 `VerlHealthWatch` is fed every line: a step is judged once both its step line and its dump line have been
