@@ -13,7 +13,7 @@ from pathlib import Path
 from demo_project import free_port
 
 from pipeline.environment.guard import guarded
-from pipeline.environment.servers import is_healthy
+from pipeline.environment.probes import is_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_SERVER = Path(__file__).resolve().parent / "fault_server.py"

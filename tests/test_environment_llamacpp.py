@@ -18,10 +18,9 @@ from demo_project import free_port, pid_alive
 from helpers import environment_client, server_spec
 
 from pipeline.commands.env import STATE_FILE, cli_start, cli_stop
+from pipeline.environment.probes import is_healthy, served_models
 from pipeline.environment.servers import (
-    is_healthy,
     serve_environment,
-    served_models,
     started_server,
 )
 

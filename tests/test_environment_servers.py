@@ -22,8 +22,8 @@ from helpers import server_spec
 from pipeline.commands.env import STATE_FILE, cli_start, cli_status, cli_stop
 from pipeline.config import load_params
 from pipeline.environment import servers
+from pipeline.environment.probes import is_healthy
 from pipeline.environment.servers import (
-    is_healthy,
     serve_environment,
     server_command,
     started_server,

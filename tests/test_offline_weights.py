@@ -1,6 +1,6 @@
 """The processes that load weights (verl's launch and Ray workers, the vLLM server) run offline on local paths.
 
-Once `promptr1 weights` has put a model in the Hugging Face cache, `pipeline.weights.cached_location` finds its
+Once `promptr1 weights` has put a model in the Hugging Face cache, `pipeline.local_weights.cached_location` finds its
 snapshot folder offline, and verl and vLLM are started on that folder with `HF_HUB_OFFLINE=1` and
 `TRANSFORMERS_OFFLINE=1`, instead of the Hub id. The Hub is unreachable here, so the cache is a real Hugging Face
 cache folder laid out by hand in tmp_path (models--org--name/refs/main -> snapshots/<commit>/...), which is what
@@ -57,7 +57,7 @@ def paper(tmp_path: Path, **sections):
 
 
 def test_a_hub_id_resolves_to_its_snapshot_folder_offline(hub, tmp_path):
-    from pipeline.weights import cached_location
+    from pipeline.local_weights import cached_location
 
     with pytest.raises(UserError, match=r"agent\.model='Qwen/Qwen3-4B' is missing .*run `promptr1 weights`"):
         cached_location("agent.model", "Qwen/Qwen3-4B", tmp_path)

@@ -14,7 +14,8 @@ import pytest
 from pipeline.commands.weights import required_weights, run_weights
 from pipeline.config import load_params
 from pipeline.errors import UserError
-from pipeline.weights import ensure_weights, required_models, verify_local
+from pipeline.local_weights import verify_local
+from pipeline.weights import ensure_weights, required_models
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,7 +120,7 @@ def test_gpt_oss_download_skips_the_original_checkpoint():
     """The patterns as `snapshot_download` applies them (huggingface_hub's own `filter_repo_objects`)."""
     from huggingface_hub.utils import filter_repo_objects
 
-    from pipeline.weights import HUB_IGNORE, HUB_PATTERNS
+    from pipeline.local_weights import HUB_IGNORE, HUB_PATTERNS
 
     fetched = set(filter_repo_objects(GPT_OSS_20B_FILES, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORE))
     assert fetched == {

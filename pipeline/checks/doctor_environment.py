@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 def step_environment(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     from pipeline.checks.layout import started_here
     from pipeline.environment.client import resolve_api_key
-    from pipeline.environment.servers import serve_environment, served_models, started_server
+    from pipeline.environment.probes import served_models
+    from pipeline.environment.servers import serve_environment, started_server
     from pipeline.environment.spec import ServerSpec
     from pipeline.errors import EnvironmentUnavailable
 

@@ -17,13 +17,11 @@ import typer
 
 from pipeline.config import Params
 from pipeline.environment.client import resolve_api_key
+from pipeline.environment.probes import check_serves_configured_model, is_healthy, served_models
 from pipeline.environment.servers import (
     ServerProcess,
     cache_dir,
-    check_serves_configured_model,
-    is_healthy,
     process_alive,
-    served_models,
     start_server,
     stop_server,
 )

@@ -16,7 +16,7 @@ then runs MLflow's own server for it (`mlflow models serve --env-manager local`,
 - **The environment is not started here.** The model carries the environment URL it was registered with
   (`environment.json`); `promptr1 env start` (or any endpoint serving the model) must answer there. If it does
   not at start-up, a warning says so; each request then fails fast with the URL and what to start
-  (pipeline/environment/servers.py), instead of retrying for minutes.
+  (pipeline/environment/probes.py), instead of retrying for minutes.
 - **llama.cpp generates, as in evaluation** (pipeline/agent/serving_policy.py): the served model config's
   `agent_engine`, `agent_parallel`, `agent_threads` and `cache_dir` are set from this project's `register.serve` and
   `paths.cache_dir` (MLflow's `SERVING_MODEL_CONFIG`), so the pyfunc exports the agent to GGUF once (cached
@@ -128,7 +128,7 @@ def _warn_if_environment_down(version: Any, uri: str) -> None:
     import mlflow
 
     from pipeline.config import EnvironmentConfig
-    from pipeline.environment.servers import check_environment_answers
+    from pipeline.environment.probes import check_environment_answers
 
     try:
         from pipeline.tracking.lineage import logged_model_id

@@ -11,7 +11,8 @@ import logging
 
 from pipeline.config import Params
 from pipeline.errors import UserError
-from pipeline.weights import ModelStatus, RequiredWeights, ensure_weights
+from pipeline.local_weights import ModelStatus
+from pipeline.weights import RequiredWeights, ensure_weights
 
 log = logging.getLogger(__name__)
 

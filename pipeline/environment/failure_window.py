@@ -3,7 +3,7 @@
 `EnvironmentClient` records every sent call (failed after all retries, or not) and raises
 `EnvironmentUnhealthy` once the window is full and fails above `environment.max_failure_rate`, so training
 and evaluation stop instead of learning from, or scoring, error notes. The one-probe check before any call,
-for the callers that start no server themselves, is `servers.check_environment_answers`, beside the other
+for the callers that start no server themselves, is `probes.check_environment_answers`, beside the other
 probes of a server.
 """
 

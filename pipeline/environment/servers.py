@@ -17,6 +17,8 @@ Launchers are a registry (`SERVER_LAUNCHERS`, `register_launcher`): one function
 Design decisions:
 - **Reuse before start.** If something already answers `GET <url>/models` with 200, it is used as is and
   never stopped by us (a server started by `promptr1 env start`, by a test session, or by an operator).
+  The probes themselves (`served_models`, `is_healthy`, the served-model check) are
+  pipeline/environment/probes.py's.
 - **We stop only what we started**, by process group: the server runs in its own session
   (`start_new_session=True`) so SIGTERM → (grace) → SIGKILL reaches the server and any workers it forked
   (vLLM spawns several). `serve_environment` stops it on normal exit, on exceptions and on
@@ -42,20 +44,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
-
 from pipeline.environment.client import resolve_api_key
 from pipeline.environment.guard import guarded
 from pipeline.environment.harmony import encodings_dir, harmony_server_env, needs_harmony, verify_encodings
+from pipeline.environment.probes import check_serves_configured_model, is_healthy, served_models
 from pipeline.environment.simulated.knowledge_server import knowledge_command
 from pipeline.environment.spec import ServerSpec
 from pipeline.errors import EnvironmentUnavailable
 from pipeline.hardware import server_threads
+from pipeline.local_weights import OFFLINE_ENV, model_status
 from pipeline.modelref import ModelRefError, as_resolved
 from pipeline.paths import display_path
 from pipeline.placement import cuda_visible_devices, gpus_of_environment
 from pipeline.runtime import stop_process_group
-from pipeline.weights import OFFLINE_ENV, model_status
 
 if TYPE_CHECKING:
     from pipeline.config import EnvironmentConfig
@@ -170,61 +171,6 @@ def _model_location(spec: ServerSpec) -> str:
     return resolved.location
 
 
-# -- health ---------------------------------------------------------------------------------------------
-
-
-def served_models(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> list[str] | None:
-    """Model ids listed by `GET <url>/models`, or None when nothing healthy answers there."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(f"{url.rstrip('/')}/models", headers=headers, timeout=timeout_s)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
-    try:
-        return [str(m.get("id")) for m in response.json().get("data", [])]
-    except (ValueError, AttributeError):
-        return []
-
-
-def is_healthy(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> bool:
-    return served_models(url, api_key, timeout_s) is not None
-
-
-def check_serves_configured_model(cfg: EnvironmentConfig, models: list[str]) -> None:
-    """Refuse to reuse a server that answers at the URL but serves another model than params name.
-
-    Training against the wrong environment would run for hours on the wrong signal; the check is what
-    "reuse" means. A server that lists no models at all (some proxies) is accepted.
-    """
-    if models and cfg.served_name not in models:
-        raise EnvironmentUnavailable(
-            f"the server answering at {cfg.url} serves {models}, not environment.served_name={cfg.served_name!r}: "
-            "stop it, point environment.port/base_url elsewhere, or set environment.served_name to what it serves"
-        )
-
-
-def check_environment_answers(cfg: EnvironmentConfig, timeout_s: float = 5.0) -> None:
-    """Raise EnvironmentUnavailable, naming the URL and what to start, unless the endpoint answers
-    `GET <url>/models` (and lists the configured model, when it lists any).
-
-    For callers that start no server (the pyfunc agent, `promptr1 serve`): without this one check, a missing
-    environment costs every call its full retry schedule (~170 s per question) and the agent then "answers"
-    from error notes, an empty answer with no error. One probe of a few seconds says it at once.
-    """
-    key = resolve_api_key(cfg) if cfg.backend == "api" else None
-    models = served_models(cfg.url, key, timeout_s)
-    if models is None:
-        raise EnvironmentUnavailable(
-            f"the agent's environment does not answer at {cfg.url} (GET {cfg.url.rstrip('/')}/models failed "
-            f"within {timeout_s:g} s): start it first (`promptr1 env start`, or llama.cpp/vLLM serving "
-            f"{cfg.served_name!r} there), or point the model at a running one with "
-            "model_config={'environment': {'base_url': 'http://host:port/v1'}}"
-        )
-    check_serves_configured_model(cfg, models)
-
-
 # -- start / stop ---------------------------------------------------------------------------------------
 
 
@@ -267,7 +213,7 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
 
     vLLM is given only the devices the layout assigns it, so it cannot land on verl's GPUs. Its weights
     must already be in the Hugging Face cache (`promptr1 weights`); it is started on their local path with
-    `HF_HUB_OFFLINE=1` and `TRANSFORMERS_OFFLINE=1` (`pipeline.weights.OFFLINE_ENV`) instead of downloading
+    `HF_HUB_OFFLINE=1` and `TRANSFORMERS_OFFLINE=1` (`pipeline.local_weights.OFFLINE_ENV`) instead of downloading
     ~13 GB inside its startup timeout while the GPUs wait. A GPT-OSS model also needs harmony's encoding file,
     which those variables do not cover: `TIKTOKEN_ENCODINGS_BASE` points harmony at the copy `promptr1 weights`
     fetched (pipeline/environment/harmony.py), so it never downloads; and `harmony_server_env` keeps our

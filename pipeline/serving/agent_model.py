@@ -17,7 +17,7 @@ Design decisions:
   environment JSON, so one registered agent can be pointed at another endpoint (plug-and-play, method.md).
   The pyfunc starts no server: the endpoint must be up (`promptr1 env start`, vLLM, or a paid API whose key
   is in the named variable). `predict` probes it once first and raises `EnvironmentDown` naming the
-  URL and what to start (pipeline/environment/servers.py), instead of retrying each call for minutes. It is
+  URL and what to start (pipeline/environment/probes.py), instead of retrying each call for minutes. It is
   both the project's `EnvironmentUnavailable` and an `MlflowException` with error code
   `TEMPORARILY_UNAVAILABLE`, which MLflow's scoring server answers with HTTP 503 and the line as the JSON
   `message` (any other exception becomes MLflow's generic 400 blaming the input).
@@ -207,7 +207,7 @@ def _prompt_items(frame: pd.DataFrame, default_dataset: str) -> list[PromptItem]
 def _check_environment(env_cfg: EnvironmentConfig) -> None:
     """Refuse the request in seconds when the environment does not answer (not ~170 s of retries and an
     empty answer)."""
-    from pipeline.environment.servers import check_environment_answers
+    from pipeline.environment.probes import check_environment_answers
 
     try:
         check_environment_answers(env_cfg)

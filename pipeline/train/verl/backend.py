@@ -87,6 +87,7 @@ from urllib.parse import urlsplit
 
 from pipeline.environment.guard import guarded
 from pipeline.errors import DataError, TrainingIncomplete, UserError
+from pipeline.local_weights import OFFLINE_ENV, cached_location
 from pipeline.placement import private_ray_devices
 from pipeline.runtime import stop_process_group
 from pipeline.stage_files import EVAL_SETS_DIR
@@ -94,7 +95,6 @@ from pipeline.train import health_gate
 from pipeline.train.verl.health_gate import BreachSeen, VerlHealthWatch
 from pipeline.train.verl.progress import VerlProgress
 from pipeline.train.verl.steps import Launch, export_steps_csv, record_launch
-from pipeline.weights import OFFLINE_ENV, cached_location
 
 if TYPE_CHECKING:
     from pipeline.config import TrainConfig
