@@ -8,7 +8,7 @@ from one seed (`WORLD_SEED`) with `random.Random`, so the world, its facts and i
 every machine and in every process (the data source and the environment server each build it).
 
 The world (`World.generate`):
-- **Countries** (`COUNTRIES`), each with 4 **cities** (`CITIES`) and a capital among them.
+- **Countries** (`hops_names.COUNTRIES`), each with 4 **cities** (`CITIES`) and a capital among them.
 - **People** in three generations, each named by a first name and a surname drawn from short lists: 12
   couples (generation 0), 36 children (3 per couple), 12 couples of those, 36 grandchildren. A surname is
   drawn for each person, not inherited: 14 surnames over 96 people are shared by unrelated people, so a
@@ -37,114 +37,21 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
+from pipeline.environment.simulated.hops_names import (
+    BOOK_WORDS,
+    BOOKS,
+    CITIES,
+    COUNTRIES,
+    FEMALE_NAMES,
+    FILM_WORDS,
+    FILMS,
+    MALE_NAMES,
+    SURNAMES,
+)
+
 WORLD_SEED = 0
 """The one seed of the world (the data source's version: changing it changes every question)."""
 WORLD_VERSION = f"hops-world-v1-seed{WORLD_SEED}"
-
-MALE_NAMES = (
-    "Berin",
-    "Dorin",
-    "Falk",
-    "Hollis",
-    "Jory",
-    "Lorn",
-    "Nils",
-    "Perrin",
-    "Sten",
-    "Ulric",
-    "Wendel",
-    "Yorick",
-    "Aurek",
-    "Corvin",
-    "Emric",
-    "Garrick",
-    "Ivo",
-    "Kaspar",
-    "Mattis",
-    "Osric",
-    "Radek",
-    "Tobiah",
-    "Valen",
-    "Anselm",
-)
-FEMALE_NAMES = (
-    "Alda",
-    "Cassia",
-    "Elna",
-    "Gerta",
-    "Ilse",
-    "Kessa",
-    "Mira",
-    "Odile",
-    "Rhosyn",
-    "Tamsin",
-    "Vesna",
-    "Xanthe",
-    "Brisa",
-    "Delphine",
-    "Fenna",
-    "Hedda",
-    "Jessamy",
-    "Linnea",
-    "Maelis",
-    "Nerys",
-    "Perpetua",
-    "Solveig",
-    "Thora",
-    "Wilhelmina",
-)
-SURNAMES = (
-    "Ashgrove",
-    "Brackwell",
-    "Corran",
-    "Dunmere",
-    "Elsworth",
-    "Fallowby",
-    "Greaves",
-    "Hartsell",
-    "Ivelle",
-    "Jarrick",
-    "Kettleby",
-    "Lorimer",
-    "Marchbank",
-    "Nettleford",
-)
-COUNTRIES = ("Valdoria", "Kestrenland", "Norvane", "Aurentia", "Solvaria", "Tyrrhen")
-CITIES = (
-    "Velmora",
-    "Tarnwick",
-    "Oskeln",
-    "Brevanne",
-    "Caldris",
-    "Dunmarrow",
-    "Esketh",
-    "Fjarholm",
-    "Gallowen",
-    "Hestria",
-    "Ithmere",
-    "Jorvale",
-    "Kelsmoor",
-    "Lunavar",
-    "Morwen",
-    "Nethris",
-    "Orrinford",
-    "Pellucia",
-    "Quorlan",
-    "Rusker",
-    "Sablemouth",
-    "Tovrin",
-    "Ulveston",
-    "Wyndhallow",
-)
-FILM_WORDS = (
-    ("Silver", "Hollow", "Crimson", "Quiet", "Broken", "Golden", "Distant", "Frozen", "Velvet", "Burning"),
-    ("Harbor", "Lantern", "Orchard", "Meridian", "Tide", "Compass", "Garden", "Mirror", "Bridge", "Signal"),
-)
-BOOK_WORDS = (
-    ("Paper", "Iron", "Winter", "Amber", "Salt", "Glass", "Copper", "Midnight", "Wild", "Last"),
-    ("Kingdom", "Letters", "Shore", "Hours", "Crown", "River", "Voyage", "Season", "Archive", "Promise"),
-)
-FILMS, BOOKS = 36, 36
 
 RELATIONS = ("director", "author", "place of birth", "father", "mother", "country", "capital")
 """Relation names, as the environment's replies and the informed request ("{relation} of {bridge}") say them."""
