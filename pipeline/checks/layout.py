@@ -42,13 +42,9 @@ Design decisions:
      `DataProto.chunk` (`verl/protocol.py`: "only support equal chunk"), unpadded at training time. Validation
      batches are padded to that divisor first (`ray_trainer.py::_validate`, `pad_dataproto_to_divisor`), so
      they need no rule.
-- **What the stage reads back from verl is kept as it reads it** (`_read_back_problems`): verl's console
-  logger, whose step lines the watchdog, the resume check and the health gate read (`trainer.logger` without
-  `console` prints none: verl/utils/tracking.py adds the console logger only for it), and its MLflow logger,
-  which steps.csv is exported from; resuming as the resume check assumes (`trainer.resume_mode=auto`, no
-  `resume_from_path`, the checkpoint kept after its load, the marker written after each save, which
-  `actor.checkpoint.async_save` skips: ray_trainer.py `_save_checkpoint`); and the Ray verl joins, which
-  `train.verl.ray_address` decides (verl_overrides.ray_overrides), not `ray_kwargs.ray_init.address`.
+- **What the stage reads back from verl is kept as it reads it** (its console and MLflow loggers, resuming
+  as the resume check assumes, the Ray it joins): pipeline/checks/verl_read_back.py, whose problems are
+  wrapped here like the environment's reply-budget ones.
 - **GPU memory is judged by fractions**, as vLLM and verl's rollout take it: on a GPU that both the
   environment server and verl's rollout use, `gpu_memory_utilization` + `rollout_gpu_memory_utilization`
   must not exceed 1 (vLLM refuses to start, or the second one runs out of memory). What the fractions leave
@@ -65,9 +61,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
+from pipeline.checks.verl_read_back import read_back_problems
 from pipeline.config import ConfigError, EnvironmentConfig, Params, VerlConfig
 from pipeline.environment.budget import reply_budget_problems
 from pipeline.errors import UserError
@@ -82,7 +78,6 @@ from pipeline.placement import (  # re-exported: the layout's vocabulary
 from pipeline.train.plan import TrainPlan
 from pipeline.train.verl import memory
 from pipeline.train.verl.config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_plan
-from pipeline.train.verl.overrides import RAY_INIT_ADDRESS
 
 __all__ = ["LayoutError", "LayoutProblem", "actor_estimate", "assert_environment_runnable", "assert_runnable",
            "cuda_visible_devices", "describe", "environment_layout_problems", "gpus_of_environment",
@@ -181,7 +176,7 @@ def layout_problems(params: Params) -> list[LayoutProblem]:
         except ComposeError as exc:
             return [*problems, LayoutProblem((EXTRA_OVERRIDES,), str(exc))]
         problems += _verl_problems(place, run)
-        problems += _read_back_problems(run)
+        problems += [LayoutProblem(keys, message) for keys, message in read_back_problems(run)]
         problems += _batch_problems(run)
         problems += _sharing_problems(place, run)
         problems += _memory_problems(place, run)
@@ -253,49 +248,6 @@ def _verl_problems(place: Placement, run: VerlRun) -> list[LayoutProblem]:
             (*run.ours(GPUS[1]), "environment.base_url" if env.base_url else "environment.host"),
             f"agent-loop workers on {nnodes} nodes ({run.show(GPUS[1])}) cannot reach the environment at "
             f"{env.url}: give an address the other nodes reach"))
-    return problems
-
-
-READ_BACK_VALUES: dict[str, tuple[Any, str]] = {
-    "trainer.resume_mode": (
-        "auto", ("the resume check holds a launch to the checkpoint verl's `auto` mode resumes from (verl's "
-                 "marker) and reads its fit-start line, which `disable` does not print")),
-    "trainer.resume_from_path": (
-        None, "verl would resume from that folder, not from the marker the resume check and the watchdog read"),
-    "trainer.del_local_ckpt_after_load": (
-        False, ("verl would delete the checkpoint it resumed from, the one a stopped restart is pointed back at "
-                "and `promptr1 merge` reads")),
-    "actor_rollout_ref.actor.checkpoint.async_save": (
-        False, ("verl then skips latest_checkpointed_iteration.txt after a save (ray_trainer.py _save_checkpoint), "
-                "the marker the next launch resumes from and the resume check reads (verl issue 7952)")),
-}
-"""verl keys whose value the stage's resume check assumes, and why another value is refused."""
-REQUIRED_LOGGERS = {
-    "console": "the step lines the watchdog, the resume check and the health gate read (without it the watchdog "
-               "stops a healthy run: verl/utils/tracking.py adds the console logger only for 'console')",
-    "mlflow": "the per-step metrics reports/train/steps.csv is exported from",
-}
-"""verl loggers the stage reads from, and what it reads."""
-
-
-def _read_back_problems(run: VerlRun) -> list[LayoutProblem]:
-    """Overrides that would silence or change what the stage reads back from verl (module docstring)."""
-    problems = []
-    logger = run.value("trainer.logger")
-    loggers = [logger] if isinstance(logger, str) else list(logger or [])
-    for name, why in REQUIRED_LOGGERS.items():
-        if name not in loggers:
-            problems.append(LayoutProblem(run.ours("trainer.logger") or (EXTRA_OVERRIDES,),
-                                          f"trainer.logger={loggers} leaves out '{name}': {why}"))
-    for key, (expected, why) in READ_BACK_VALUES.items():
-        value = run.value(key)
-        if value != expected:
-            problems.append(LayoutProblem(run.ours(key) or (EXTRA_OVERRIDES,),
-                                          f"{key}={value!r} is refused (the stage needs {expected!r}): {why}"))
-    if RAY_INIT_ADDRESS in run.overridden:
-        problems.append(LayoutProblem((EXTRA_OVERRIDES, "train.verl.ray_address"),
-                                      f"{RAY_INIT_ADDRESS} is set by train.verl.ray_address ('' for a private Ray, "
-                                      "started with address 'local'), whose value the stage's Ray probe uses"))
     return problems
 
 
