@@ -33,7 +33,7 @@ def dvc_env(home: Path) -> dict[str, str]:
 def plots_project(root: Path) -> Path:
     """`root` as a DVC project whose plot outputs are the recorded run's; returns `root`."""
     from pipeline.evaluation.costs import quality_cost_rows
-    from pipeline.evaluation.report import PLOT_METRIC, plot_rows
+    from pipeline.evaluation.plots import PLOT_METRIC, plot_rows
     from pipeline.stages.gepa import history_frame
 
     root.mkdir(parents=True, exist_ok=True)

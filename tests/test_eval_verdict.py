@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.evaluation.paper import paper_comparison
 from pipeline.evaluation.plan import EvaluatePlan
-from pipeline.evaluation.report import summary_markdown
+from pipeline.evaluation.summary import summary_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "benchmarks" / "results" / "pipeline_avx512_final_eval_metrics.json"
@@ -172,7 +172,7 @@ def test_one_colour_per_system_in_the_vega_template_and_every_png(recorded, tmp_
     import numpy as np
 
     from pipeline.evaluation.costs import quality_cost_rows
-    from pipeline.evaluation.report import PLOT_METRIC, write_plots, write_quality_cost_plot
+    from pipeline.evaluation.plots import PLOT_METRIC, write_plots, write_quality_cost_plot
     from pipeline.evaluation.systems import SYSTEM_COLOURS
 
     template = json.loads((ROOT / ".dvc" / "plots" / "grouped_bars.json").read_text())

@@ -15,15 +15,10 @@ from pipeline.errors import UserError
 from pipeline.evaluation.costs import grpo_one_off, inference_costs, one_off_costs
 from pipeline.evaluation.paper import load_paper_results, paper_comparison, paper_markdown
 from pipeline.evaluation.plan import EvaluatePlan
-from pipeline.evaluation.report import (
-    flat_metrics,
-    plot_rows,
-    predictions_frame,
-    summary_markdown,
-    write_plots,
-    write_reports,
-)
+from pipeline.evaluation.plots import plot_rows, write_plots
+from pipeline.evaluation.report import flat_metrics, predictions_frame, write_reports
 from pipeline.evaluation.scores import aggregate, answer_outcomes, score_system, usage_by_system
+from pipeline.evaluation.summary import summary_markdown
 from pipeline.evaluation.systems import Answer, run_system
 from pipeline.metrics import SemanticSimilarity
 from pipeline.stages import evaluate as E

@@ -63,12 +63,12 @@ from pipeline.evaluation.paper import paper_comparison
 from pipeline.evaluation.plan import EvaluatePlan
 from pipeline.evaluation.report import (
     describe_evaluation,
-    format_ci,
     log_mlflow,
     predictions_frame,
     write_reports,
 )
 from pipeline.evaluation.scores import aggregate, answer_outcomes, score_system, usage_by_system
+from pipeline.evaluation.summary import format_ci
 from pipeline.evaluation.systems import (
     BASELINES,
     Answer,
