@@ -82,7 +82,7 @@ class WarmupConfig(_Section):
     A small agent (the CPU profile's 135M model) never writes the protocol's tags on its own, so every
     trajectory scores -k, every GRPO advantage is 0 and RL has no signal; the warm-up fixes that.
     Off (`steps: 0`) in the paper profile, whose Qwen3-4B follows the format from its instructions.
-    See `pipeline.train.local.warmup`.
+    See `pipeline.train.local.warmup` (the steps) and `pipeline.train.local.demonstrations` (the demonstrations).
     """
 
     steps: int = Field(12, ge=0, description="Supervised optimizer steps before GRPO; 0 = no warm-up (paper).")
