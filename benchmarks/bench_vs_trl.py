@@ -96,7 +96,8 @@ def hf_copy(scratch: Path) -> Path:
     its reference model is re-read from the same path."""
     import torch
 
-    from pipeline.train.local.models import load_causal_lm, load_tokenizer
+    from pipeline.modelref import load_causal_lm
+    from pipeline.train.local.models import load_tokenizer
 
     folder = scratch / "smollm2_hf"
     load_causal_lm(MODEL_REF, ROOT, torch.float32).save_pretrained(str(folder))

@@ -2,7 +2,7 @@
 environment server, and the retry condition that never retries a run the training health gate or the resume
 check stopped (a stalled run is retried: it resumes from its last checkpoint).
 
-In its own module so the flow stays readable; `flows.retrain` re-exports these names.
+In its own module so the flow stays readable.
 """
 
 from __future__ import annotations

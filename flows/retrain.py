@@ -88,11 +88,13 @@ from flows.environment_tasks import (
 )
 from flows.policies import DEFAULT_POLICY, STAGE_POLICIES, StagePolicy, retry_unless_unhealthy
 from flows.run_lock import run_lock
-from flows.run_report import MlflowRunInfo, RunReport, flow_run_line, promotion_line, run_mlflow_line
+from flows.run_report import RunReport, flow_run_line, run_mlflow_line
 from pipeline.checks.layout import assert_runnable
 from pipeline.config import PARAMS_FILE, Params, find_root, load_params
 from pipeline.errors import UserError
 from pipeline.runtime import configure_logging, quiet_telemetry, terminate_as_interrupt
+from pipeline.stages.figures import promotion_line
+from pipeline.tracking.links import MlflowRunInfo
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,7 @@ Read from the files the stages write (contracts): `reports/eval/summary.md` (eva
 `reports/promotion.json` (register), `reports/mlflow_run.json` (train, via pipeline.tracking.runs), and each
 stage's key figure (pipeline.stages.figures). A missing file is reported as missing, never invented. The
 MLflow link is a real UI link only for an http(s) tracking server; for the default SQLite store the summary
-gives the `mlflow ui` command that opens it (pipeline.tracking.links, re-exported here under the names this
-module always had).
+gives the `mlflow ui` command that opens it (pipeline.tracking.links).
 
 The summary says what *this* run did, never what an earlier one left in those files: the promotion decision
 comes from promotion.json only when this run reproduced `register`; otherwise it reads "no new version;
@@ -36,13 +35,11 @@ from pipeline.tracking.links import (
     MlflowRunInfo,
     mlflow_line,
     mlflow_run_info,
-    strip_credentials,
     where_to_open,
 )
 from pipeline.tracking.runs import DESCRIBED_STAGES
 
-__all__ = ["MlflowRunInfo", "RunReport", "flow_run_line", "mlflow_line", "mlflow_run_info", "promotion_line",
-           "read_eval_summary", "read_promotion", "run_mlflow_line", "stage_markdown", "strip_credentials",
+__all__ = ["RunReport", "flow_run_line", "read_eval_summary", "read_promotion", "run_mlflow_line", "stage_markdown",
            "to_markdown", "up_to_date"]
 
 EVAL_SUMMARY = Path(EVAL_REPORTS_DIR) / EVAL_SUMMARY_FILE

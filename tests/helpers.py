@@ -18,7 +18,7 @@ from pipeline.agent.policy import Generation
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
 from pipeline.environment.client import EnvironmentClient
 from pipeline.environment.spec import ServerSpec
-from pipeline.stages.register import EvalAverages
+from pipeline.tracking.promotion import EvalAverages
 from pipeline.types import PromptItem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -299,7 +299,7 @@ def verl_agent_loop(config, server_manager, tokenizer):
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from pipeline.train.verl.backend import AGENT_LOOP_CONFIG
+    from pipeline.train.verl.overrides import AGENT_LOOP_CONFIG
 
     return hydra.utils.instantiate(
         config=OmegaConf.load(AGENT_LOOP_CONFIG)[0],

@@ -47,9 +47,8 @@ def params(tmp_path, tiny_llama_dir, env_server):
 
 def test_the_local_training_loop_generates_turns_of_agent_max_turn_tokens(params):
     from pipeline.environment.client import EnvironmentClient
-    from pipeline.train.local.backend import load_training_set
     from pipeline.train.local.models import load_policy_models
-    from pipeline.train.local.questions import QuestionSampler
+    from pipeline.train.local.questions import QuestionSampler, load_training_set
     from pipeline.train.local.trainer import LocalTrainer
 
     plan = TrainPlan.from_params(params)
@@ -92,7 +91,7 @@ def test_verl_loop_reads_the_serialised_agent_config(params, tiny_llama_dir):
     from transformers import AutoTokenizer
     from verl_cpu import compose_verl
 
-    from pipeline.train.verl.backend import build_overrides
+    from pipeline.train.verl.overrides import build_overrides
     from pipeline.train.verl.worker_client import LoopSettings
 
     overrides = build_overrides(TrainPlan.from_params(params))

@@ -306,7 +306,7 @@ def test_the_verl_step_runs_one_mini_batch_saved_to_a_temporary_folder(repo_root
 
     from pipeline.checks.doctor_train import one_step_params
     from pipeline.config import load_params
-    from pipeline.train.verl.backend import build_overrides
+    from pipeline.train.verl.overrides import build_overrides
 
     params = load_params(repo_root / "params.yaml", {"profile": "smoke-1gpu"})
     one = one_step_params(params, tmp_path / "doctor-ckpt")
@@ -348,7 +348,7 @@ def test_the_doctors_batch_is_the_smallest_the_layout_check_accepts(repo_root, t
 
 
 def test_the_checkpoint_folder_is_beside_the_checkpoints_and_removed_when_the_doctor_ends(project):
-    from pipeline.checks.doctor import Doctor
+    from pipeline.checks.doctor_state import Doctor
     from pipeline.checks.doctor_train import checkpoint_folder
     from pipeline.config import load_params
 

@@ -330,7 +330,7 @@ def test_what_stage_code_reads_at_run_time_is_in_the_static_reads(
     from pipeline.stages.sample import run_sample
     from pipeline.stages.sources import run_sources
     from pipeline.train.plan import TrainPlan
-    from pipeline.train.verl.backend import build_overrides
+    from pipeline.train.verl.overrides import build_overrides
 
     folders = {k: str(tmp_path / k) for k in ("sampled_dir", "rl_dir", "reports_dir", "cache_dir")}
     data = load_params(

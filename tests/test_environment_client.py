@@ -13,7 +13,8 @@ import pytest
 from fault_server import Behaviour, FaultServer
 
 from pipeline.config import EnvironmentConfig
-from pipeline.environment.client import CACHE_FILE, EnvironmentClient, ResponseCache
+from pipeline.environment.cache import ResponseCache
+from pipeline.environment.client import CACHE_FILE, EnvironmentClient
 from pipeline.errors import BudgetExceeded, EnvironmentUnavailable
 
 SYSTEM = "You are a helpful assistant. Read the provided content and help."
@@ -255,7 +256,7 @@ def test_identical_concurrent_requests_are_coalesced(server, tmp_path):
 
 def test_cache_is_shared_safely_by_concurrent_tasks(tmp_path):
     cache = ResponseCache(tmp_path / CACHE_FILE)
-    from pipeline.environment.client import CachedResponse
+    from pipeline.environment.cache import CachedResponse
 
     async def writer(i: int):
         await asyncio.sleep(0)

@@ -20,11 +20,14 @@ import yaml
 
 from flows import dvc_steps
 from flows.deploy import build_deployment, cli_flow_serve
-from flows.retrain import ENVIRONMENT_BACKENDS, FLOW_NAME, STAGE_POLICIES, retrain, run_overrides
+from flows.policies import STAGE_POLICIES
+from flows.retrain import ENVIRONMENT_BACKENDS, FLOW_NAME, retrain, run_overrides
 from flows.run_lock import RunLockBusy, lock_path, workspace_lock
-from flows.run_report import MlflowRunInfo, RunReport, promotion_line, strip_credentials, to_markdown
+from flows.run_report import RunReport, to_markdown
 from pipeline.config import load_params
 from pipeline.errors import UserError
+from pipeline.stages.figures import promotion_line
+from pipeline.tracking.links import MlflowRunInfo, strip_credentials
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,8 @@ import yaml
 from demo_project import DEMO_STAGES, StaticEnvironment, make_demo_project, pid_alive
 
 from flows.artifacts import ARTIFACT_KEY
-from flows.retrain import StagePolicy, cli_flow_run, run_pipeline_flow
+from flows.policies import StagePolicy
+from flows.retrain import cli_flow_run, run_pipeline_flow
 from pipeline.config import load_params
 from pipeline.config.specs import stage_folders
 from pipeline.stages.figures import key_figure

@@ -17,7 +17,8 @@ from fault_server import FaultServer
 
 from pipeline import metrics as M
 from pipeline.config.specs import tracking_spec
-from pipeline.stages.gepa import COMPONENT, EnvironmentInstructionAdapter, TaskExample, load_slices, run_gepa
+from pipeline.evaluation.gepa_adapter import COMPONENT, EnvironmentInstructionAdapter, TaskExample
+from pipeline.stages.gepa import load_slices, run_gepa
 
 SHORT = "Reply with the bare answer only: a few words, no sentence."
 HEDGE = "I believe the answer to this could well be {gold}, although I am honestly not completely sure."

@@ -9,16 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checks.layout import (
-    LayoutError,
-    assert_runnable,
-    cuda_visible_devices,
-    gpus_of_environment,
-    gpus_of_training,
-    is_loopback,
-    layout_problems,
-)
+from pipeline.checks.layout import LayoutError, assert_runnable, layout_problems
 from pipeline.config import deep_merge, load_params, parse_override
+from pipeline.placement import cuda_visible_devices, gpus_of_environment, gpus_of_training, is_loopback
 from pipeline.train.plan import TrainPlan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -235,7 +228,7 @@ def _verl_accepts(batch: int, n: int, mini: int, micro: int, gpus: int, nnodes: 
 @pytest.mark.parametrize("profile", ["paper", "paper-1node", "smoke-1gpu"])
 def test_gpu_profiles_compose_into_a_config_verl_validates(profile):
     """What `train` hands verl for each GPU profile passes verl's own validation, with the profile's sizes."""
-    from pipeline.train.verl.backend import build_overrides
+    from pipeline.train.verl.overrides import build_overrides
 
     params = merged(f"profile={profile}")
     cfg = _compose_verl(build_overrides(TrainPlan.from_params(params)))

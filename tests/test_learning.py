@@ -151,11 +151,10 @@ def direction(model_dir, url, folder, lora: bool, seed: int = 1) -> dict[str, fl
     import numpy as np
 
     from pipeline.train.local import trainer as trainer_module
-    from pipeline.train.local.backend import load_training_set
     from pipeline.train.local.batch import collate, response_log_probs
     from pipeline.train.local.grpo import grpo_advantages as intact_advantages
     from pipeline.train.local.models import load_policy_models
-    from pipeline.train.local.questions import QuestionSampler
+    from pipeline.train.local.questions import QuestionSampler, load_training_set
 
     _train_parquet(folder / "data/rl/train.parquet")
     params = _params(folder, model_dir, url, lora={"enabled": lora, "r": 8, "alpha": 16,

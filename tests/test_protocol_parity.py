@@ -41,7 +41,7 @@ from pipeline.reward import reward_for_trajectory
 from pipeline.stages.build import RL_SCHEMA, rl_row
 from pipeline.train.local.questions import prompt_item_from_row
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl.backend import build_overrides
+from pipeline.train.verl.overrides import build_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GROUP_SIZE = 2

@@ -152,7 +152,7 @@ def test_the_doctor_finds_the_joined_ray_and_refuses_it_before_the_environment_s
     """The doctor's `resources` step on a node with 8 GPUs (a stand-in nvidia-smi: this machine has none)
     and paper-1node joining that Ray: it fails naming the environment's devices, with the disk figures of
     its one checkpoint, and its temporary checkpoint folder is gone when the doctor ends."""
-    from pipeline.checks.doctor import Doctor
+    from pipeline.checks.doctor_state import Doctor
     from pipeline.checks.doctor_train import step_resources
 
     smi = tmp_path / "bin" / "nvidia-smi"

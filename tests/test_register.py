@@ -10,7 +10,7 @@ from helpers import averages, register_params, save_smollm2_agent, write_eval_me
 
 from pipeline.config import RegisterConfig
 from pipeline.config.specs import tracking_spec
-from pipeline.stages.register import EvalAverages, decide_promotion
+from pipeline.tracking.promotion import EvalAverages, decide_promotion
 
 CFG = RegisterConfig(metric="f1", margin=0.5, ood_tolerance=1.0, ci_rule="confident")
 

@@ -162,7 +162,8 @@ def test_retention_deletes_the_oldest_never_champion_versions_and_their_files(pr
 def test_report_of_a_run_that_registered_nothing_names_the_champion_not_an_old_decision(project):
     import mlflow
 
-    from flows.run_report import RunReport, promotion_line, stage_markdown, to_markdown
+    from flows.run_report import RunReport, stage_markdown, to_markdown
+    from pipeline.stages.figures import promotion_line
     from pipeline.stages.register import run_register
     from pipeline.tracking.links import stage_mlflow_run
     from pipeline.tracking.runs import parent_run_id

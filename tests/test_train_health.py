@@ -430,7 +430,7 @@ def test_verl_checkpoints_of_the_breaching_step_are_set_aside(tmp_path):
 
 
 def test_verl_overrides_dump_rollouts_only_with_the_gate(tmp_path):
-    from pipeline.train.verl.backend import build_overrides
+    from pipeline.train.verl.overrides import build_overrides
 
     shutil.copy(REPO_ROOT / "params.yaml", tmp_path / "params.yaml")
     (tmp_path / "models").mkdir()
@@ -483,7 +483,7 @@ def test_the_flow_does_not_retry_a_stage_the_health_gate_stopped():
     from prefect.states import Failed
 
     from flows.dvc_steps import StageFailed
-    from flows.retrain import retry_unless_unhealthy
+    from flows.policies import retry_unless_unhealthy
 
     breach = StageFailed("train", 1, "error: training health gate: kl 2.1 breaches 1 at step 14 (...)")
     crash = StageFailed("train", 1, "RuntimeError: CUDA error: an illegal memory access was encountered")

@@ -51,9 +51,8 @@ def _params(tmp_path: Path, agent: Path, env_server: str, **train):
 
 
 def _trainer(params):
-    from pipeline.train.local.backend import load_training_set
     from pipeline.train.local.models import load_policy_models
-    from pipeline.train.local.questions import QuestionSampler
+    from pipeline.train.local.questions import QuestionSampler, load_training_set
     from pipeline.train.local.trainer import LocalTrainer
 
     plan = TrainPlan.from_params(params)

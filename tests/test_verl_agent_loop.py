@@ -19,7 +19,7 @@ from verl_cpu import compose_verl
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder
 from pipeline.config import load_params
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl.backend import build_overrides
+from pipeline.train.verl.overrides import build_overrides
 from pipeline.train.verl.reward import compute_score
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

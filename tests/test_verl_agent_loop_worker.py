@@ -34,7 +34,7 @@ from pipeline.agent.protocol import ConversationBuilder
 from pipeline.config import load_params
 from pipeline.stages.build import RL_SCHEMA, rl_row
 from pipeline.train.plan import TrainPlan
-from pipeline.train.verl.backend import build_overrides
+from pipeline.train.verl.overrides import build_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GROUP_SIZE = 2

@@ -22,7 +22,13 @@ from pipeline.config.specs import tracking_spec
 from pipeline.errors import DataError, UserError
 from pipeline.train.plan import TrainPlan
 from pipeline.train.verl import backend as verl_backend
-from pipeline.train.verl.backend import AGENT_LOOP_CONFIG, REWARD_FUNCTION_FILE, build_overrides, hydra_value
+from pipeline.train.verl.overrides import (
+    AGENT_LOOP_CONFIG,
+    REWARD_FUNCTION_FILE,
+    build_overrides,
+    hydra_value,
+)
+from pipeline.train.verl.steps import Launch, export_steps_csv
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,8 +229,8 @@ def test_export_steps_csv_from_a_real_mlflow_run(tmp_path, monkeypatch):
     with mlflow.start_run(experiment_id=experiment) as run:
         for step, score in [(1, -0.5), (2, 0.25)]:
             mlflow.log_metrics({"critic/score/mean": score, "actor/kl_loss": 0.01 * step}, step=step)
-    launches = [verl_backend.Launch(run_id=run.info.run_id, resumed_from=0)]
-    rows = verl_backend.export_steps_csv(launches, tmp_path / "steps.csv", last_step=2, seen=[1, 2])
+    launches = [Launch(run_id=run.info.run_id, resumed_from=0)]
+    rows = export_steps_csv(launches, tmp_path / "steps.csv", last_step=2, seen=[1, 2])
     assert rows == 2
     lines = (tmp_path / "steps.csv").read_text().splitlines()
     # verl's critic/score/mean is GRPO's reward: steps.csv and the run also name it reward/mean

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pipeline.config import Params
 from pipeline.config.specs import source_paths
-from pipeline.data.schema import display_path
 from pipeline.data.sources import SourcePaths
+from pipeline.paths import display_path
 from pipeline.stage_files import SAMPLE_REPORTS_DIR, SUMMARY_FILE, VALIDATE_REPORTS_DIR
 
 

@@ -31,8 +31,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.paths import display_path  # noqa: F401  (re-exported: the data stages import it here)
-
 COLUMNS = ["id", "question", "answers", "context", "task_type", "source_split", "dataset"]
 
 SAMPLED_SCHEMA = pa.schema(

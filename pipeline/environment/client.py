@@ -387,4 +387,4 @@ def _forget(in_flight: dict[str, asyncio.Future[EnvironmentReply]], key: str,
         del in_flight[key]
 
 
-__all__ = ["CACHE_FILE", "LEDGER_FILE", "EnvironmentClient", "FailureWindow", "ResponseCache", "resolve_api_key"]
+__all__ = ["CACHE_FILE", "EnvironmentClient", "resolve_api_key"]

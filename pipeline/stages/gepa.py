@@ -299,7 +299,8 @@ def run_gepa(params: Params) -> dict[str, Any]:
 def search_instruction(plan: GepaPlan, slices: Slices) -> dict[str, Any]:
     """Serve the task environment (when the plan says so), run the search against it and the reflection
     model (one cost ledger for both), and return the report with its wall time."""
-    from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
+    from pipeline.environment.client import EnvironmentClient
+    from pipeline.environment.ledger import LEDGER_FILE
     from pipeline.environment.servers import serve_environment
 
     task_env, cache = plan.task.environment, plan.cache

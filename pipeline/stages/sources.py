@@ -46,8 +46,8 @@ from typing import Any
 
 from pipeline.config import Params
 from pipeline.config.specs import source_paths
-from pipeline.data.schema import display_path
 from pipeline.data.sources import AUTHORS_EVAL_URL, REGISTRY, DatasetSpec, SourcePaths
+from pipeline.paths import display_path
 from pipeline.stage_files import SOURCES_DIR, SOURCES_EVAL_FILE
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,6 @@
 """Where a person finds the pipeline's MLflow runs: the parent run and each stage's child run.
 
-The flow's summary and each stage task's Prefect artifact point here (flows/run_report.py re-exports the names
-it always had). Design decisions:
+The flow's summary and each stage task's Prefect artifact point here (flows/run_report.py). Design decisions:
 
 - **Found from the files the stages write**, like every report: the parent run is the one named in
   `reports/mlflow_run.json` (pipeline.tracking.runs), a stage's run is the newest child of that parent tagged

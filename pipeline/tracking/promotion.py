@@ -1,6 +1,6 @@
 """The promotion rule of the `register` stage: when a new model version becomes the champion.
 
-In its own module so the stage (pipeline/stages/register.py) stays readable; `pipeline.stages.register` re-exports it.
+In its own module so the stage (pipeline/stages/register.py) stays readable.
 
 Promotion rule (all numbers in points, the evaluation's headline metrics mode; `m` = `register.metric`):
 - `m` must be one of the candidate's ID averages; this is checked before anything is logged or

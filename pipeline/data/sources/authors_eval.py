@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.agent.template import split_user_message
-from pipeline.data.schema import display_path
+from pipeline.config.specs import SourcePaths
 from pipeline.data.sources.generated import generated_files
-from pipeline.data.sources.reading import SourcePaths, read_mirror_file
+from pipeline.data.sources.reading import read_mirror_file
 from pipeline.data.sources.registry import DatasetSpec
 from pipeline.errors import DataError
+from pipeline.paths import display_path
 from pipeline.types import EvalRow
 
 EVAL_COLUMNS = ("prompt", "reward_model")

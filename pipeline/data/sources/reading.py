@@ -33,10 +33,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config.specs import SourcePaths
-from pipeline.data.schema import display_path
 from pipeline.data.sources.generated import generated_files
 from pipeline.data.sources.registry import MIRROR_COLUMNS, BadRow, Converter, DatasetSpec, RawRecord
 from pipeline.errors import DataError
+from pipeline.paths import display_path
 
 COLUMN_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "id": ((str, int), "text or an integer"),

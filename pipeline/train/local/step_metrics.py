@@ -5,7 +5,7 @@ Design decisions:
   verl curves compare directly; reward parts, stop reasons and environment usage are added under `reward/`,
   `rollout/` and `env/`. The reward also goes by its own name, `reward/mean` (`/max`, `/min`, `/std`): GRPO
   has no critic, and a person looking for the reward finds it there (verl's runs get it from
-  `verl_backend.export_steps_csv`).
+  `pipeline.train.verl.steps.export_steps_csv`).
 - **steps.csv is rewritten atomically** (temp file + replace) after every step, one row per finished step.
   On resume, rows after the resumed checkpoint are dropped: those steps run again, and no step appears twice.
 - **MLflow only inside an active run** and only finite numbers (NaN/inf would fail the logging call).

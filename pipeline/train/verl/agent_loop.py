@@ -56,10 +56,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 from pipeline.agent.episode import GenerateTurn, TurnGeneration, run_episode
 from pipeline.agent.protocol import STOP_STRINGS, ConversationBuilder, TurnRules
 from pipeline.train.verl.reward import TURNS_FIELD, as_answer_list
-from pipeline.train.verl.worker_client import PARAMS_ENV_VAR, LoopSettings, environment_client
+from pipeline.train.verl.worker_client import LoopSettings, environment_client
 from pipeline.types import PromptItem, Trajectory
-
-__all__ = ["PARAMS_ENV_VAR", "LoopSettings", "PromptR1AgentLoop", "environment_client", "gold_answers_of"]
 
 
 class PromptR1AgentLoop(AgentLoopBase):

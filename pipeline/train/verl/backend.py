@@ -64,7 +64,7 @@ the same path to the data and checkpoint folders (a shared filesystem), and the 
 `ray_address: auto` joins the cluster started on this machine (`ray status` must list all nodes; the stage
 start probes which devices it owns, pipeline/train/verl/resources.py); `ray_address: ""` lets verl start a private
 single-node Ray instance instead, pinned to `train.verl.gpus` (`smoke-1gpu`, `paper-1node`), with
-`ray.init(address="local")` (`verl_overrides.ray_overrides`), so a cluster a `ray start` left here is not joined. With more than one node use
+`ray.init(address="local")` (`pipeline.train.verl.overrides.ray_overrides`), so a cluster a `ray start` left here is not joined. With more than one node use
 an MLflow tracking server (`MLFLOW_TRACKING_URI=http://…`) rather than the default SQLite file, since
 verl's logger may run on any node. Checkpoints land in `paths.checkpoint_dir/global_step_N/actor/`
 (`trainer.resume_mode=auto` resumes from the latest one); `promptr1 merge` converts them with verl's
@@ -93,6 +93,13 @@ from pipeline.runtime import stop_process_group
 from pipeline.stage_files import EVAL_SETS_DIR
 from pipeline.train import health_gate
 from pipeline.train.verl.health_gate import BreachSeen, VerlHealthWatch
+from pipeline.train.verl.overrides import (
+    build_overrides,
+    eval_files,
+    hydra_override,
+    rollout_dump_dir,
+    train_file,
+)
 from pipeline.train.verl.progress import VerlProgress
 from pipeline.train.verl.steps import Launch, export_steps_csv, record_launch
 
@@ -100,29 +107,6 @@ if TYPE_CHECKING:
     from pipeline.config import TrainConfig
     from pipeline.train.completion import TrainingProgress
     from pipeline.train.plan import TrainPlan
-from pipeline.train.verl.overrides import (
-    AGENT_LOOP_CONFIG,
-    AGENT_NAME,
-    OVERRIDE_TABLE,
-    REWARD_FUNCTION_FILE,
-    REWARD_FUNCTION_NAME,
-    _kv,
-    agent_loop_overrides,
-    build_overrides,
-    eval_files,
-    hydra_value,
-    model_location,
-    param_value,
-    reward_kwargs_overrides,
-    rollout_dump_dir,
-    train_file,
-)
-
-__all__ = [  # the override mapping (verl_overrides) and the steps export (verl_steps), re-exported for callers
-    "AGENT_LOOP_CONFIG", "AGENT_NAME", "OVERRIDE_TABLE", "REWARD_FUNCTION_FILE", "REWARD_FUNCTION_NAME",
-    "agent_loop_overrides", "build_overrides", "eval_files", "export_steps_csv", "hydra_value", "model_location",
-    "param_value", "reward_kwargs_overrides", "rollout_dump_dir", "run_verl", "train_file", "verl_launch",
-]
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +124,9 @@ every Ray worker (`offline_runtime_env_overrides`)."""
 
 def _mlflow_runtime_env_overrides(tracking_uri: str, run_id: str) -> list[str]:
     return [
-        _kv(f"{RUNTIME_ENV_PREFIX}.MLFLOW_TRACKING_URI", tracking_uri),
-        _kv(f"{RUNTIME_ENV_PREFIX}.MLFLOW_RUN_ID", run_id),
-        _kv(f"{RUNTIME_ENV_PREFIX}.MLFLOW_DISABLE_TELEMETRY", "true"),
+        hydra_override(f"{RUNTIME_ENV_PREFIX}.MLFLOW_TRACKING_URI", tracking_uri),
+        hydra_override(f"{RUNTIME_ENV_PREFIX}.MLFLOW_RUN_ID", run_id),
+        hydra_override(f"{RUNTIME_ENV_PREFIX}.MLFLOW_DISABLE_TELEMETRY", "true"),
     ]
 
 
@@ -153,7 +137,7 @@ def offline_runtime_env_overrides(env: dict[str, str]) -> list[str]:
     driver run with `HF_HUB_OFFLINE=1` and its `HF_HOME` would otherwise have workers that look for the
     weights elsewhere, or try the Hub from an offline node and hang until their timeouts.
     """
-    return [_kv(f"{RUNTIME_ENV_PREFIX}.{name}", env[name]) for name in OFFLINE_VARIABLES if env.get(name)]
+    return [hydra_override(f"{RUNTIME_ENV_PREFIX}.{name}", env[name]) for name in OFFLINE_VARIABLES if env.get(name)]
 
 
 # ------------------------------------------------------------------------------------------- launch
@@ -278,7 +262,7 @@ def _launch(plan: TrainPlan, uri: str, run: Any, val_files: list[Path], environm
 
 def _point_at_ray(train: TrainConfig, env: dict[str, str]) -> None:
     """The launch's environment for its Ray: `RAY_ADDRESS` for a joined cluster; for the private Ray verl
-    starts here (address `local`, verl_overrides.ray_overrides) only the training GPUs the layout assigns."""
+    starts here (address `local`, pipeline.train.verl.overrides.ray_overrides) only the training GPUs the layout assigns."""
     if train.verl.ray_address:
         env["RAY_ADDRESS"] = train.verl.ray_address
         return

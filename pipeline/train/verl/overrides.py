@@ -1,9 +1,9 @@
 """Our params as verl 0.9.1 Hydra overrides of its `ppo_trainer.yaml`: the mapping, nothing that runs verl.
 
-Split from `verl_backend` (which launches verl) so that the layout check (`pipeline.checks.layout` through
+Split from `pipeline.train.verl.backend` (which launches verl) so that the layout check (`pipeline.checks.layout` through
 `pipeline.train.verl.config`) composes exactly the overrides the launch uses without importing the launcher,
 its health watch or the environment servers: the stages that run the check then do not depend on them in
-dvc.yaml. `verl_backend` re-exports every public name here.
+dvc.yaml.
 
 - `pipeline/train/verl/overrides.yaml` maps verl keys to our params (`"$a.b"`) or fixed values;
 - values computed here: file paths, the model location, reward kwargs, LoRA, the `prompt_r1` block that
@@ -69,7 +69,8 @@ def hydra_value(value: Any) -> str:
     raise TypeError(f"cannot render {value!r} ({type(value).__name__}) as a Hydra override")
 
 
-def _kv(key: str, value: Any) -> str:
+def hydra_override(key: str, value: Any) -> str:
+    """`key=value`, the value rendered by `hydra_value`."""
     return f"{key}={hydra_value(value)}"
 
 
@@ -125,8 +126,8 @@ def build_overrides(plan: TrainPlan, *, val_files: list[Path] | None = None,
     if plan.train.health.enabled:  # each step's trajectories, for the health gate's group figures
         computed["trainer.rollout_data_dir"] = str(rollout_dump_dir(plan))
     overrides = [
-        *(_kv(key, param_value(plan, value)) for key, value in _override_table().items()),
-        *(_kv(key, value) for key, value in computed.items()),
+        *(hydra_override(key, param_value(plan, value)) for key, value in _override_table().items()),
+        *(hydra_override(key, value) for key, value in computed.items()),
         *reward_kwargs_overrides(plan.reward),
         *_lora_overrides(plan.train.lora),
         *agent_loop_overrides(plan, computed["actor_rollout_ref.model.path"], environment_url),
@@ -140,7 +141,7 @@ def ray_overrides(verl: VerlConfig) -> list[str]:
     private Ray (`train.verl.ray_address: ""`) the address `local`, so a cluster a `ray start` left on this
     machine, or its stale address file, is never joined; a joined cluster is found through `RAY_ADDRESS`,
     which the launch sets to `train.verl.ray_address`."""
-    return [] if verl.ray_address else [_kv(f"+{RAY_INIT_ADDRESS}", PRIVATE_RAY_ADDRESS)]
+    return [] if verl.ray_address else [hydra_override(f"+{RAY_INIT_ADDRESS}", PRIVATE_RAY_ADDRESS)]
 
 
 def _override_table() -> dict[str, Any]:
@@ -162,11 +163,11 @@ def param_value(plan: TrainPlan, value: Any) -> Any:
 def reward_kwargs_overrides(r: RewardConfig) -> list[str]:
     """`+reward.custom_reward_function.reward_kwargs.*`: the preset and every non-null coefficient."""
     prefix = "+reward.custom_reward_function.reward_kwargs"
-    out = [_kv(f"{prefix}.preset", r.preset)]
+    out = [hydra_override(f"{prefix}.preset", r.preset)]
     for name in ("alpha", "beta", "gamma", "delta", "eps"):
         value = getattr(r, name)
         if value is not None:
-            out.append(_kv(f"{prefix}.{name}", float(value)))
+            out.append(hydra_override(f"{prefix}.{name}", float(value)))
     return out
 
 
@@ -186,10 +187,10 @@ def agent_loop_overrides(plan: TrainPlan, agent_model: str, environment_url: str
     env = plan.environment
     if environment_url:
         env = environment_with(env, base_url=environment_url)
-    out = [_kv(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
+    out = [hydra_override(f"+prompt_r1.environment.{name}", getattr(env, name)) for name in _ENVIRONMENT_FIELDS_FOR_WORKERS]
     agent = plan.agent.model_dump(mode="json") | {"model": agent_model}
-    out += [_kv(f"+prompt_r1.agent.{name}", value) for name, value in agent.items()]
-    out.append(_kv("+prompt_r1.cache_dir", str(plan.cache_dir.resolve())))
+    out += [hydra_override(f"+prompt_r1.agent.{name}", value) for name, value in agent.items()]
+    out.append(hydra_override("+prompt_r1.cache_dir", str(plan.cache_dir.resolve())))
     return out
 
 
@@ -197,7 +198,7 @@ def _lora_overrides(lora: LoraConfig) -> list[str]:
     if not lora.enabled:
         return []
     return [
-        _kv("actor_rollout_ref.model.lora_rank", lora.r),
-        _kv("actor_rollout_ref.model.lora_alpha", lora.alpha),
-        _kv("actor_rollout_ref.model.target_modules", list(lora.target_modules)),
+        hydra_override("actor_rollout_ref.model.lora_rank", lora.r),
+        hydra_override("actor_rollout_ref.model.lora_alpha", lora.alpha),
+        hydra_override("actor_rollout_ref.model.target_modules", list(lora.target_modules)),
     ]

@@ -2,8 +2,8 @@
 
 verl 0.9.1's reward loop calls `compute_score(data_source, solution_str, ground_truth, extra_info, **kw)`
 with `kw` = `reward.custom_reward_function.reward_kwargs` (our preset and coefficients, written by
-`verl_backend.build_overrides`). It returns a dict: `score` is the reward, every other key is logged by
-verl as reward extra info (`format`, `answer`, `gated`, each indicator, the number of agent turns).
+`pipeline.train.verl.overrides.build_overrides`). It returns a dict: `score` is the reward, every other key is
+logged by verl as reward extra info (`format`, `answer`, `gated`, each indicator, the number of agent turns).
 
 Where the turns come from:
 - `extra_info["prompt_r1_turns"]`, the exact texts of the agent's turns that our agent loop put in its

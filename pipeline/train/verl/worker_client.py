@@ -3,10 +3,10 @@
 Split from `pipeline.train.verl.agent_loop` so that it imports no verl (nor torch): the client a worker builds can be
 tested, and reasoned about, on its own. Design decisions:
 
-- **Settings from the trainer config.** verl carries the `prompt_r1` block that `verl_backend.build_overrides`
-  writes (environment endpoint, the serialised `AgentConfig`, cache path) to every agent-loop worker, on any
-  node. The agent block is read back whole (`AgentConfig.from_dump`): a missing key is an error naming it,
-  never a default of this module's. The
+- **Settings from the trainer config.** verl carries the `prompt_r1` block that
+  `pipeline.train.verl.overrides.build_overrides` writes (environment endpoint, the serialised `AgentConfig`,
+  cache path) to every agent-loop worker, on any node. The agent block is read back whole
+  (`AgentConfig.from_dump`): a missing key is an error naming it, never a default of this module's. The
   reward is not the loop's business: verl's reward loop computes it. Without that block (verl run by hand)
   the params file named by `PROMPTR1_PARAMS`, else the nearest params.yaml, is read.
 - **One client per worker process**, kept at module level (a loop object lives for one trajectory), keyed
@@ -36,7 +36,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import AgentConfig, EnvironmentConfig
-from pipeline.environment.client import CACHE_FILE, LEDGER_FILE, EnvironmentClient
+from pipeline.environment.client import CACHE_FILE, EnvironmentClient
+from pipeline.environment.ledger import LEDGER_FILE
 from pipeline.environment.spec import environment_with
 
 log = logging.getLogger(__name__)
