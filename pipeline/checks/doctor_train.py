@@ -249,7 +249,7 @@ def watchdog_suggestion(params: Params, conversations: int, verl_log: Path) -> d
 
 def step_merge(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
     from pipeline.train.merge import merge_checkpoint
-    from pipeline.train.plan import MergePlan
+    from pipeline.train.merge_plan import MergePlan
 
     if doc.status("verl step") != "pass":
         return skipped("no verl checkpoint (the verl step did not run)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeline.train.merge import merge_checkpoint
-from pipeline.train.plan import MergePlan
+from pipeline.train.merge_plan import MergePlan
 
 if TYPE_CHECKING:
     from pipeline.config import Params

@@ -1,7 +1,7 @@
 """Training checkpoints → one verified Hugging Face model in `paths.model_dir`: the merge itself.
 
 `merge_checkpoint(plan)` is what the `merge` stage runs (pipeline/stages/merge.py resolves the `MergePlan`,
-pipeline.train.plan, from params) and what `promptr1 doctor` merges its one-step verl checkpoint with.
+pipeline.train.merge_plan, from params) and what `promptr1 doctor` merges its one-step verl checkpoint with.
 
 Three sources, one output:
 - backend `verl`: verl's own merger on the newest `global_step_N/actor` (FSDP shards), run as
@@ -48,7 +48,7 @@ from pipeline.stage_files import MERGE_REPORT_FILE, TRAIN_FILE
 from pipeline.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
-    from pipeline.train.plan import MergePlan
+    from pipeline.train.merge_plan import MergePlan
 
 log = logging.getLogger(__name__)
 

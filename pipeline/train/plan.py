@@ -1,4 +1,4 @@
-"""The train and merge stages' plans: what their params decide, resolved once at the stage's entry and handed down.
+"""The train stage's plan: what its params decide, resolved once at the stage's entry and handed down.
 
 open-r1's `grpo.py` parses its config once into typed arguments handed to `main`; `TrainPlan.from_params`
 is that step here. Every layer below the stage entry (`pipeline.stages.train.run_train`) reads the plan,
@@ -15,9 +15,6 @@ or one of its config sections, instead of the whole `Params`, and none re-derive
 - `tracking`: where the stage's MLflow runs go (`pipeline.tracking.runs.TrackingSpec`);
 - `agent_serving`: the served agent's launcher (`pipeline.agent.llama_launcher.served_policy`) for the llama.cpp
   rollout engine.
-
-`MergePlan` (at the end) is the merge stage's: the checkpoint and model folders, and the sections and files its
-model card names.
 """
 
 from __future__ import annotations
@@ -121,32 +118,3 @@ class TrainPlan:
     def eval_files(self) -> list[Path]:
         """The evaluation sets the build stage writes, in params' order (ID then OOD)."""
         return [self.rl_dir / EVAL_SETS_DIR / f"{name}.parquet" for name in self.eval_datasets]
-
-
-@dataclass(frozen=True)
-class MergePlan:
-    """What the merge stage reads from params, resolved once (`from_params`) and handed to
-    `pipeline.train.merge.merge_checkpoint`."""
-
-    root: Path
-    agent: AgentConfig
-    train: TrainConfig
-    reward: RewardConfig
-    environment: EnvironmentConfig
-    """For the model card: the environment's model and backend."""
-    train_datasets: tuple[str, ...]
-    checkpoint_dir: Path
-    model_dir: Path
-    rl_dir: str
-    """`paths.rl_dir` as written in params (the model card names the training file relative to the project)."""
-    train_file: Path
-    steps_csv: Path
-
-    @classmethod
-    def from_params(cls, params: Params) -> MergePlan:
-        return cls(root=params.root, agent=params.agent, train=params.train, reward=params.reward,
-                   environment=params.environment, train_datasets=tuple(params.data.train_datasets),
-                   checkpoint_dir=params.path(params.paths.checkpoint_dir),
-                   model_dir=params.path(params.paths.model_dir), rl_dir=str(params.paths.rl_dir),
-                   train_file=params.path(params.paths.rl_dir) / TRAIN_FILE,
-                   steps_csv=params.path(params.paths.reports_dir) / STEPS_CSV)
