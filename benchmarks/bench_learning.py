@@ -282,7 +282,7 @@ def precheck(model_dir: Path, tokenizer, env, params, out: Path, questions: int 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     policy = TransformersPolicy(model, tokenizer, seed=params.seed)
     with progress(total=len(items) * PRECHECK_SAMPLES, desc="warm-up pre-check", unit="sample") as bar:
-        trajs = asyncio.run(rollout(policy, env, items, RolloutSettings.from_agent(params.agent),
+        trajs = asyncio.run(rollout(policy, env, items, RolloutSettings.sampled(params.agent),
                                     group_size=PRECHECK_SAMPLES, return_logprobs=False, reward_fn=None,
                                     progress=bar))
     parts = [reward_for_trajectory(t, params.reward) for t in trajs]

@@ -66,7 +66,7 @@ def prompt_r1_rollout_func(params: Any, env: Any, stats: dict[str, Any] | None =
     from pipeline.agent.policy import TransformersPolicy
     from pipeline.agent.rollout import RolloutSettings, run_rollout
 
-    settings = RolloutSettings.from_agent(params.agent)
+    settings = RolloutSettings.sampled(params.agent)
 
     def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list]:
         model = trainer.model

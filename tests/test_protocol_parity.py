@@ -173,7 +173,7 @@ def make_params(markers: list[str], max_response_tokens: int, rl_dir: Path, mode
 def local_side(params, agent: ScriptedAgent):
     frame = pq.read_table(params.path(params.paths.rl_dir) / "train.parquet").to_pylist()
     items = [prompt_item_from_row(row, i) for i, row in enumerate(frame)]
-    settings = replace(RolloutSettings.from_agent(params.agent), temperature=1.0, top_p=1.0)
+    settings = replace(RolloutSettings.sampled(params.agent), temperature=1.0, top_p=1.0)
 
     async def go():
         env = EnvironmentClient(params.environment)

@@ -146,7 +146,7 @@ def local_rollout(params, protocol_model_dir, env_server):
     items = [prompt_item_from_row(row, i) for i, row in enumerate(frame)]
     policy = TransformersPolicy.from_ref(str(protocol_model_dir), device="cpu")
     return run_rollout(
-        policy, EnvironmentClient(params.environment), items, RolloutSettings.from_agent(params.agent, greedy=True),
+        policy, EnvironmentClient(params.environment), items, RolloutSettings.greedy(params.agent),
         group_size=GROUP_SIZE, return_logprobs=True, reward_fn=partial(reward_for_trajectory, cfg=params.reward),
     )
 

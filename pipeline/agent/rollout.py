@@ -16,9 +16,9 @@ Design decisions:
   when `max_prompt_tokens` is given and the prompt alone exceeds it, the trajectory is not rolled out
   (verl's loop truncates instead, verl's own rule).
 - **The agent's settings are one `RolloutSettings`**: `AgentConfig`'s turn limits and sampling, built by
-  `RolloutSettings.from_agent` (greedy, temperature 0 and top_p 1, for evaluation, `promptr1 ask` and the
-  served model; the config's sampling for training). A frozen value rather than the section itself: greedy
-  callers sample differently from the section, and the rollout needs neither its model nor its dtype.
+  `RolloutSettings.sampled` (the config's sampling: training) or `RolloutSettings.greedy` (temperature 0 and
+  top_p 1: evaluation, `promptr1 ask`, the served model). A frozen value rather than the section itself:
+  greedy callers sample differently from the section, and the rollout needs neither its model nor its dtype.
 - **One batch per turn** (`_TurnBatches`): an episode's request waits until every live episode has asked
   for its next turn (or ended); then one `Policy.generate` runs over all of them in trajectory order. Every
   episode starts together and waits for the batch, so the episodes stay in lockstep: the batch of turn t
@@ -155,17 +155,15 @@ class RolloutSettings:
     """A prompt longer than this is not rolled out (`prompt_too_long`); None: no limit."""
 
     @classmethod
-    def from_agent(cls, agent: AgentConfig, *, greedy: bool = False) -> RolloutSettings:
-        """`agent`'s settings; `greedy` samples at temperature 0 with top_p 1 (evaluation, ask, serving)."""
-        return cls(
-            max_turns=agent.max_turns,
-            max_turn_tokens=agent.max_turn_tokens,
-            max_response_tokens=agent.max_response_tokens,
-            env_reply_max_chars=agent.env_reply_max_chars,
-            temperature=0.0 if greedy else agent.temperature,
-            top_p=1.0 if greedy else agent.top_p,
-            max_prompt_tokens=agent.max_prompt_tokens,
-        )
+    def sampled(cls, agent: AgentConfig) -> RolloutSettings:
+        """`agent`'s turn limits and sampling (training)."""
+        return cls(**_turn_limits(agent), temperature=agent.temperature, top_p=agent.top_p)
+
+    @classmethod
+    def greedy(cls, agent: AgentConfig) -> RolloutSettings:
+        """`agent`'s turn limits, decoded greedily: temperature 0, top_p 1 (evaluation, ask, the served model).
+        It reads no sampling key, so a change of `agent.temperature` does not rerun what only decodes greedily."""
+        return cls(**_turn_limits(agent), temperature=0.0, top_p=1.0)
 
     @property
     def turn_rules(self) -> TurnRules:
@@ -175,6 +173,12 @@ class RolloutSettings:
             max_turn_tokens=self.max_turn_tokens,
             max_response_tokens=self.max_response_tokens,
         )
+
+
+def _turn_limits(agent: AgentConfig) -> dict[str, int | None]:
+    return {"max_turns": agent.max_turns, "max_turn_tokens": agent.max_turn_tokens,
+            "max_response_tokens": agent.max_response_tokens, "env_reply_max_chars": agent.env_reply_max_chars,
+            "max_prompt_tokens": agent.max_prompt_tokens}
 
 
 async def rollout(

@@ -40,12 +40,12 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------------------------- 6. environment
 def step_environment(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
-    from pipeline.checks.layout import started_here
     from pipeline.environment.client import resolve_api_key
     from pipeline.environment.probes import served_models
     from pipeline.environment.servers import serve_environment, started_server
     from pipeline.environment.spec import ServerSpec
     from pipeline.errors import EnvironmentUnavailable
+    from pipeline.placement import started_here
 
     params, env = doc.params, doc.params.environment
     if env.backend == "vllm" and started_here(env) and not doc.gpus:
@@ -150,7 +150,8 @@ def speed_problem(env: EnvironmentConfig, measured: tuple[float, int, float, int
 
 
 def step_rows(doc: Doctor) -> tuple[Status, str, dict[str, Any]]:
-    from pipeline.environment.client import LEDGER_FILE, EnvironmentClient
+    from pipeline.environment.client import EnvironmentClient
+    from pipeline.environment.ledger import LEDGER_FILE
     from pipeline.environment.spec import environment_with
     from pipeline.errors import EnvironmentUnhealthy
 

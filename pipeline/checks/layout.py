@@ -14,13 +14,13 @@ Design decisions:
   means what the tools do unasked — Ray takes the first `n_gpus_per_node` devices and vLLM the first
   `tensor_parallel_size` — so two empty lists overlap, as they do on a real node. An environment at a
   `base_url` other than its own host/port runs elsewhere and shares no GPU with training (the helpers live
-  in `pipeline.placement`, re-exported here).
+  in `pipeline.placement`).
 - **The composed config is judged, not the params**: with backend verl, `pipeline.train.verl.config`
   composes what `train` hands verl (params, `pipeline/train/verl/overrides.yaml`, `train.verl.extra_overrides`)
   with verl's own `ppo_trainer.yaml`, and the rules below read verl's keys from it; each problem names verl's
   key and ours (`train.verl.extra_overrides` when that list set the key).
 - **verl's own arithmetic, copied with its source cited**, for FSDP without dynamic batch size or
-  sequence parallelism (what `pipeline.train.verl.backend.build_overrides` sets; with
+  sequence parallelism (what `pipeline.train.verl.overrides.build_overrides` sets; with
   `use_dynamic_bsz` the micro-batch rules are skipped). `n` = `rollout.n` (`train.group_size`),
   world = `trainer.n_gpus_per_node × trainer.nnodes` (the actor, reference and rollout are colocated):
   1. `verl/utils/config.py::validate_config`: `train_batch_size × n` divisible by world ("minimal
@@ -68,8 +68,7 @@ from pipeline.config import ConfigError, EnvironmentConfig, Params, VerlConfig
 from pipeline.environment.budget import reply_budget_problems
 from pipeline.errors import UserError
 from pipeline.modelref import ModelRefError
-from pipeline.placement import (  # re-exported: the layout's vocabulary
-    cuda_visible_devices,
+from pipeline.placement import (
     gpus_of_environment,
     gpus_of_training,
     is_loopback,
@@ -80,8 +79,7 @@ from pipeline.train.verl import memory
 from pipeline.train.verl.config import EXTRA_OVERRIDES, ComposeError, VerlRun, compose_plan
 
 __all__ = ["LayoutError", "LayoutProblem", "actor_estimate", "assert_environment_runnable", "assert_runnable",
-           "cuda_visible_devices", "describe", "environment_layout_problems", "gpus_of_environment",
-           "gpus_of_training", "is_loopback", "layout_problems", "smallest_batch", "started_here"]
+           "describe", "environment_layout_problems", "layout_problems", "smallest_batch"]
 
 GPUS = ("trainer.n_gpus_per_node", "trainer.nnodes")
 BATCH, N, MINI = "data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_mini_batch_size"

@@ -167,7 +167,7 @@ async def _ask_once(policy: Policy, cfg: EnvironmentConfig, cache: Path | None, 
     env = EnvironmentClient(cfg, cache)
     try:
         (traj,) = await rollout(
-            policy, env, [item], RolloutSettings.from_agent(agent, greedy=True), group_size=1,
+            policy, env, [item], RolloutSettings.greedy(agent), group_size=1,
             return_logprobs=False, reward_fn=None,
         )
         return traj

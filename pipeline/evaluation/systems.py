@@ -158,7 +158,7 @@ def run_agent_with_environment(policy: Any, env: Any, rows_by_ds: dict[str, list
 
     async def answer_batch(chunk: Sequence[EvalRow], bar: Any) -> list[Answer]:
         trajs = await rollout(
-            policy, env, _prompt_items(chunk), RolloutSettings.from_agent(agent, greedy=True), group_size=1,
+            policy, env, _prompt_items(chunk), RolloutSettings.greedy(agent), group_size=1,
             return_logprobs=False, reward_fn=None, progress=bar,
         )
         return [_answer_from(t) for t in trajs]

@@ -165,7 +165,7 @@ class PromptR1Agent(mlflow.pyfunc.PythonModel):
                 self.policy,
                 env,
                 items,
-                RolloutSettings.from_agent(self.agent_cfg, greedy=True),
+                RolloutSettings.greedy(self.agent_cfg),
                 group_size=1,
                 return_logprobs=False,
                 reward_fn=None,

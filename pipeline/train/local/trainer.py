@@ -180,7 +180,7 @@ class LocalTrainer:
         self.models.model.eval()
         with torch.no_grad(), self.rollout_policy(step, len(items) * self.cfg.group_size) as policy:
             trajectories = run_rollout(
-                policy, env, items, RolloutSettings.from_agent(a), group_size=self.cfg.group_size,
+                policy, env, items, RolloutSettings.sampled(a), group_size=self.cfg.group_size,
                 return_logprobs=True, reward_fn=partial(reward_for_trajectory, cfg=self.plan.reward),
                 progress=False,
             )

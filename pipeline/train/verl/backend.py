@@ -36,9 +36,9 @@ Decisions:
   judges each step from verl's step line and its rollout dump (`trainer.rollout_data_dir`); a breach stops
   verl's process group, sets the breaching step's checkpoints aside and fails the stage with one line.
 - **Offline, on a local path**: before verl starts, the agent's weights are checked in this machine's
-  Hugging Face cache (`pipeline.weights.cached_location`; missing: a UserError naming `promptr1 weights`).
+  Hugging Face cache (`pipeline.local_weights.cached_location`; missing: a UserError naming `promptr1 weights`).
   verl then gets the snapshot folder as `actor_rollout_ref.model.path` instead of the Hub id, and the launch
-  runs with `HF_HUB_OFFLINE=1` and `TRANSFORMERS_OFFLINE=1` (`pipeline.weights.OFFLINE_ENV`). Those, with the
+  runs with `HF_HUB_OFFLINE=1` and `TRANSFORMERS_OFFLINE=1` (`pipeline.local_weights.OFFLINE_ENV`). Those, with the
   driver's `HF_HOME`, tiktoken folders and the like (`OFFLINE_VARIABLES`, those set), go into the Ray job's
   `runtime_env` too, since Ray workers inherit the raylet's environment, not the driver's. On several nodes
   the snapshot folder must exist at the same path on each (the shared filesystem, or `promptr1 weights` with

@@ -106,7 +106,7 @@ def build_overrides(plan: TrainPlan, *, val_files: list[Path] | None = None,
     """verl Hydra overrides for `ppo_trainer.yaml` from the train plan, then `train.verl.extra_overrides`.
 
     `val_files` defaults to every evaluation set named by params (`run_verl` passes the existing ones);
-    `agent_path`, the agent's verified local copy (`pipeline.weights.cached_location`), replaces its reference
+    `agent_path`, the agent's verified local copy (`pipeline.local_weights.cached_location`), replaces its reference
     as verl's model path, so workers that run offline never look a Hub id up.
     """
     val = [str(p) for p in (val_files if val_files is not None else eval_files(plan))]
