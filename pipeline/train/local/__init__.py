@@ -1,0 +1,2 @@
+"""The local training backend: GRPO in this process with transformers (CPU or one GPU); imports nothing of
+pipeline/train/verl/."""
