@@ -1,1 +1,2 @@
-"""GRPO training: local backend (CPU / one GPU) and verl backend (GPU nodes, Ray), checkpoints."""
+"""GRPO training. This package holds what both backends share (the plan, checkpoints, completion, the health gate,
+the MLflow record, merging); the backends are local/ (this process) and verl/ (GPU nodes, Ray)."""
