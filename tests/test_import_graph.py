@@ -25,6 +25,13 @@ from import_graph import cycles, import_graph
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _write_tree(root: Path, files: dict[str, str]) -> None:
+    """A synthetic checkout: each relative path of `files` written with its text."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 def _shown(found: list[list[str]]) -> str:
     return "\n".join(" -> ".join(cycle) for cycle in found)
 
@@ -69,9 +76,7 @@ def test_a_library_importing_a_stage_climbs(tmp_path: Path) -> None:
         "pipeline/train/__init__.py": "",
         "pipeline/train/local/backend.py": "def g():\n    from pipeline.stages.train import f\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    _write_tree(tmp_path, files)
     assert climbing(import_graph(tmp_path)) == ["pipeline.stages.train -> pipeline.cli",
                                                 "pipeline.train.local.backend -> pipeline.stages.train"]
 
@@ -205,9 +210,7 @@ def test_each_crossing_rule_can_fail(tmp_path: Path) -> None:
         "pipeline/commands/__init__.py": "",
         "pipeline/commands/serve.py": "import pipeline.stages.train\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    _write_tree(tmp_path, files)
     graph = import_graph(tmp_path)
     assert backend_crossings(graph) == ["pipeline.train.local.grpo -> pipeline.train.verl.backend",
                                         "pipeline.train.plan -> pipeline.train.local.trainer",

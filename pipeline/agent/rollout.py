@@ -217,24 +217,9 @@ async def rollout(
     return trajectories
 
 
-def run_rollout(
-    policy: Policy,
-    env: EnvironmentClient,
-    items: list[PromptItem],
-    agent: RolloutSettings,
-    *,
-    group_size: int,
-    return_logprobs: bool,
-    reward_fn: Callable[[Trajectory], RewardBreakdown] | None,
-    progress: bool | Any = False,
-) -> list[Trajectory]:
+def run_rollout(*args: Any, **kwargs: Any) -> list[Trajectory]:
     """Synchronous `rollout` (one `asyncio.run`); same arguments."""
-    return asyncio.run(
-        rollout(
-            policy, env, items, agent,
-            group_size=group_size, return_logprobs=return_logprobs, reward_fn=reward_fn, progress=progress,
-        )
-    )
+    return asyncio.run(rollout(*args, **kwargs))
 
 
 def _new_trajectories(
